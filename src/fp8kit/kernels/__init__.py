@@ -1,0 +1,18 @@
+"""Quantize kernels: an eager reference and fused fast versions that are held bit-exact to it.
+
+* ``reference``: plain PyTorch, exact rounding written out (``formats.cast_reference``).
+* ``fused``: the same math through torch's native FP8 conversion, compiled with ``torch.compile``
+  (C++/OpenMP on CPU, Triton on CUDA) so that amax, scale and cast read the input twice and write
+  the FP8 output once. Falls back to eager when compilation is unavailable.
+"""
+
+from .fused import quantize_blocks_eager, quantize_blocks_fused, set_compile_enabled
+from .reference import BlockSpec, quantize_blocks_reference
+
+__all__ = [
+    "BlockSpec",
+    "quantize_blocks_eager",
+    "quantize_blocks_fused",
+    "quantize_blocks_reference",
+    "set_compile_enabled",
+]

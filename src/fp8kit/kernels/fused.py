@@ -1,0 +1,79 @@
+"""Fused amax + scale + cast, compiled with ``torch.compile``.
+
+The kernel is written once in PyTorch and compiled for the device at hand: C++/OpenMP vector loops
+on CPU, Triton on CUDA. Tile shapes that divide the tensor need no padding; the per-tensor case is a
+max-reduction pass followed by one multiply-clamp-convert pass.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from ..formats import Format
+from .reference import BlockSpec, scale_from_amax, tile_view
+
+_COMPILE = {"enabled": True}
+
+
+def set_compile_enabled(enabled: bool) -> None:
+    """Turn the compiled kernels on or off process-wide (off: the same math runs eagerly)."""
+    _COMPILE["enabled"] = bool(enabled)
+
+
+def _cast(y: torch.Tensor, fmt: Format) -> torch.Tensor:
+    if fmt.kind == "int":
+        return torch.round(y).clamp(-fmt.max, fmt.max).to(torch.int8)
+    return y.clamp(-fmt.max, fmt.max).to(fmt.dtype)
+
+
+def quantize_blocks_eager(
+    x: torch.Tensor, spec: BlockSpec, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Saturating round-to-nearest-even tile quantizer (eager). Same contract as the reference."""
+    rows, cols = x.shape
+    br, bc = spec.block
+    tiles = x.reshape(rows // br, br, cols // bc, bc) if rows % br == 0 and cols % bc == 0 else tile_view(x, spec.block)
+    amax = tiles.abs().amax(dim=(1, 3)).float()
+    if scale is None:
+        scale = scale_from_amax(amax, spec)
+    y = _cast(tiles.float() * scale[:, None, :, None], spec.fmt)
+    return y.reshape(tiles.shape[0] * br, tiles.shape[2] * bc)[:rows, :cols], scale, amax
+
+
+def _per_tensor(
+    x: torch.Tensor, spec: BlockSpec, scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    amax = torch.amax(torch.abs(x)).float().reshape(1, 1)
+    if scale is None:
+        scale = scale_from_amax(amax, spec)
+    return _cast(x.float() * scale.reshape(()), spec.fmt), scale, amax
+
+
+@functools.cache
+def _compiled(kind: str):
+    # One model has many operand shapes (x, x.T, dy, dy.T, W per layer): let dynamo mark sizes
+    # dynamic after the first recompile, and allow more cached variants than its default of 8.
+    cfg = torch._dynamo.config
+    for attr in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, attr):
+            setattr(cfg, attr, max(getattr(cfg, attr), 64))
+    fn = _per_tensor if kind == "tensor" else quantize_blocks_eager
+    return torch.compile(fn, dynamic=None)
+
+
+def quantize_blocks_fused(
+    x: torch.Tensor, spec: BlockSpec, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Compiled tile quantizer; bit-exact to ``quantize_blocks_reference`` with saturation and RNE."""
+    kind = "tensor" if tuple(spec.block) == tuple(x.shape) else "tiles"
+    if not _COMPILE["enabled"] or torch.compiler.is_compiling():
+        return (_per_tensor if kind == "tensor" else quantize_blocks_eager)(x, spec, scale)
+    try:
+        return _compiled(kind)(x, spec, scale)
+    except Exception as err:  # no C++ compiler, unsupported platform...
+        warnings.warn(f"fp8kit: compiled quantize kernel unavailable ({err}); using eager kernels", stacklevel=2)
+        set_compile_enabled(False)
+        return quantize_blocks_eager(x, spec, scale)

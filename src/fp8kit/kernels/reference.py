@@ -1,0 +1,76 @@
+"""Eager reference quantizer over 2-D tiles: the oracle for the fused kernels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..formats import Format, cast_reference
+from ..scaling import compute_scale, mx_scale
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """Everything a tile quantizer needs besides the data.
+
+    ``block`` is the tile shape ``(br, bc)``; ``mx_rounding`` is set for MX (power-of-two E8M0 scales).
+    """
+
+    fmt: Format
+    block: tuple[int, int]
+    margin: float = 0.0
+    power_of_two: bool = False
+    mx_rounding: str | None = None
+
+
+def tile_view(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """View a 2-D tensor as ``(nbr, br, nbc, bc)`` tiles, zero-padding ragged edges."""
+    rows, cols = x.shape
+    br, bc = block
+    pr, pc = (-rows) % br, (-cols) % bc
+    if pr or pc:
+        x = F.pad(x, (0, pc, 0, pr))
+    return x.reshape((rows + pr) // br, br, (cols + pc) // bc, bc)
+
+
+def tile_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Absolute maximum of each tile, float32, shape ``(nbr, nbc)`` (NaN if a tile holds NaN)."""
+    return tile_view(x, block).abs().amax(dim=(1, 3)).float()
+
+
+def scale_from_amax(amax: torch.Tensor, spec: BlockSpec) -> torch.Tensor:
+    if spec.mx_rounding is not None:
+        return mx_scale(amax, spec.fmt, spec.mx_rounding)
+    return compute_scale(amax, spec.fmt, spec.margin, spec.power_of_two)
+
+
+def expand_tiles(s: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
+    """Broadcast a per-tile tensor ``(nbr, nbc)`` back to the element grid ``shape``."""
+    br, bc = block
+    full = s.repeat_interleave(br, dim=0).repeat_interleave(bc, dim=1)
+    return full[: shape[0], : shape[1]]
+
+
+def quantize_blocks_reference(
+    x: torch.Tensor,
+    spec: BlockSpec,
+    scale: torch.Tensor | None = None,
+    *,
+    saturate: bool = True,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D tensor tile by tile.
+
+    Returns ``(data, scale, amax)``: ``data`` in ``spec.fmt.dtype`` with ``x``'s shape and ``scale`` (float32
+    multipliers, one per tile, shape ``(nbr, nbc)``) and the per-tile amax (float32). A given ``scale``
+    (static scaling) is used as is.
+    """
+    amax = tile_amax(x, spec.block)
+    if scale is None:
+        scale = scale_from_amax(amax, spec)
+    scaled = x.float() * expand_tiles(scale, spec.block, tuple(x.shape))
+    rounded = cast_reference(scaled, spec.fmt, saturate=saturate, rounding=rounding, generator=generator)
+    return rounded.to(spec.fmt.dtype), scale, amax

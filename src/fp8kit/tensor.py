@@ -1,0 +1,172 @@
+"""The quantized tensor type and ``quantize``: narrow data plus float32 inverse scales."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .formats import E4M3, Format, check_float_input, e8m0_decode, e8m0_encode, get_format
+from .kernels import BlockSpec, quantize_blocks_eager, quantize_blocks_fused, quantize_blocks_reference
+from .kernels.reference import expand_tiles
+from .scaling import Granularity, parse_granularity
+
+__all__ = ["QuantizedTensor", "quantize"]
+
+
+@dataclass
+class QuantizedTensor:
+    """Quantized values of a tensor and the scales to recover it.
+
+    Attributes:
+        data: values in ``fmt.dtype`` (float8_e4m3fn / float8_e5m2 / int8), the original shape.
+        scales: per-tile dequantization multipliers, shape ``(nbr, nbc)`` over the 2-D view
+            ``(prod(shape[:-1]), shape[-1])``: float32, or uint8 E8M0 codes for MX.
+        fmt: element format.
+        granularity: how tiles were chosen.
+        block: the tile shape ``(br, bc)`` used.
+        orig_dtype: dtype of the tensor that was quantized (default for ``dequantize``).
+        amax: per-tile absolute maximum of the input (float32, shape of ``scales``), when known.
+    """
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    fmt: Format
+    granularity: Granularity
+    block: tuple[int, int]
+    orig_dtype: torch.dtype
+    amax: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def scale_inv(self) -> torch.Tensor:
+        """Per-tile dequantization multipliers as float32 (``x ~= data * scale_inv``)."""
+        if self.scales.dtype == torch.uint8:
+            return e8m0_decode(self.scales)
+        return self.scales
+
+    @property
+    def nbytes(self) -> int:
+        """Memory footprint in bytes: data plus scales as stored."""
+        return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """High-precision tensor ``data * scale_inv`` (float32 math, returned in ``dtype``)."""
+        data2d = self.data.reshape(1, -1) if self.data.dim() < 2 else self.data.reshape(-1, self.data.shape[-1])
+        rows, cols = data2d.shape
+        br, bc = self.block
+        if rows % br == 0 and cols % bc == 0:
+            tiles = data2d.float().reshape(rows // br, br, cols // bc, bc)
+            out = (tiles * self.scale_inv[:, None, :, None]).reshape(rows, cols)
+        else:
+            out = data2d.float() * expand_tiles(self.scale_inv, self.block, (rows, cols))
+        return out.reshape(self.data.shape).to(dtype or self.orig_dtype)
+
+    def t(self) -> QuantizedTensor:
+        """Transpose of a 2-D quantized tensor (no requantization; tiles transpose with it)."""
+        if self.data.dim() != 2:
+            raise ValueError(f"t() needs a 2-D quantized tensor, got shape {tuple(self.data.shape)}")
+        return QuantizedTensor(
+            self.data.t(),
+            self.scales.t(),
+            self.fmt,
+            self.granularity.transposed(),
+            self.block[::-1],
+            self.orig_dtype,
+            None if self.amax is None else self.amax.t(),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"QuantizedTensor(shape={tuple(self.shape)}, fmt={self.fmt}, granularity={self.granularity}, "
+            f"scales={tuple(self.scales.shape)}, nbytes={self.nbytes})"
+        )
+
+
+def _as_2d(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 0:
+        return x.reshape(1, 1)
+    if x.dim() == 1:
+        return x.reshape(1, -1)
+    return x.reshape(-1, x.shape[-1])
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: Format | str = E4M3,
+    granularity: Granularity | str | tuple[int, int] = "tensor",
+    *,
+    margin: float = 0,
+    power_of_two: bool = False,
+    mx_rounding: str = "rceil",
+    scale: torch.Tensor | float | None = None,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+    nonfinite: str = "raise",
+    backend: str = "eager",
+) -> QuantizedTensor:
+    """Quantize ``x`` with scales shared per tensor, row, column, tile or MX block.
+
+    Args:
+        x: float32/bfloat16/float16/float64 tensor; more than 2-D is viewed as ``(-1, shape[-1])``.
+        fmt: ``E4M3``, ``E5M2`` or ``INT8``.
+        granularity: ``"tensor"``, ``"row"``, ``"column"``, ``(1, 128)``, ``(128, 128)``, any
+            ``(br, bc)``, or ``"mx"`` (1x32 blocks, E8M0 power-of-two scales). Ragged edge tiles are
+            allowed (their amax covers only the real elements).
+        margin / power_of_two: see ``compute_scale`` (ignored for MX, whose scales are powers of two).
+        mx_rounding: MX scale rule, ``"rceil"`` (never clips) or ``"floor"`` (OCP).
+        scale: static scale multiplier(s), scalar or one per tile, instead of computing from amax.
+        rounding: ``"nearest"`` (even) or ``"stochastic"``.
+        nonfinite: ``"raise"`` (default) raises ``ValueError`` if a tile holds NaN/inf; ``"propagate"``
+            quantizes anyway: that tile gets scale 1.0, NaN stays NaN and +-inf saturates to +-max.
+        backend: ``"eager"``, ``"compiled"`` (torch.compile fused kernel) or ``"reference"``.
+    """
+    check_float_input(x)
+    fmt = get_format(fmt)
+    if fmt.kind not in ("float", "int"):
+        raise ValueError(f"quantize() takes an element format (e4m3, e5m2, int8), not {fmt.name}")
+    gran = parse_granularity(granularity)
+    if nonfinite not in ("raise", "propagate"):
+        raise ValueError(f"nonfinite must be 'raise' or 'propagate', got {nonfinite!r}")
+    if x.numel() == 0:
+        raise ValueError("cannot quantize an empty tensor")
+    if gran.kind in ("block", "column") and x.dim() < 2 and gran.block_shape(1, 1)[0] != 1:
+        raise ValueError(
+            f"granularity {gran} tiles rows and columns, but the tensor has shape {tuple(x.shape)}; "
+            "give a 2-D tensor or use 'tensor', 'row', 'mx' or (1, n) blocks"
+        )
+    x2 = _as_2d(x)
+    rows, cols = x2.shape
+    block = gran.block_shape(rows, cols)
+    if gran.is_mx and fmt.kind != "float":
+        raise ValueError("MX granularity needs an FP8 element format (e4m3 or e5m2)")
+    spec = BlockSpec(fmt, block, margin, power_of_two, mx_rounding if gran.is_mx else None)
+    static = None
+    if scale is not None:
+        static = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+        nb = (-(-rows // block[0]), -(-cols // block[1]))
+        if static.numel() == 1:
+            static = static.reshape(1, 1).expand(*nb).contiguous()
+        if tuple(static.shape) != nb:
+            raise ValueError(f"static scale has shape {tuple(static.shape)}; granularity {gran} needs {nb} or a scalar")
+        if not bool(torch.isfinite(static).all() & (static > 0).all()):
+            raise ValueError("static scale must be finite and positive")
+    if rounding != "nearest" or backend == "reference":
+        data, sc, amax = quantize_blocks_reference(x2, spec, static, rounding=rounding, generator=generator)
+    elif backend == "compiled":
+        data, sc, amax = quantize_blocks_fused(x2, spec, static)
+    elif backend == "eager":
+        data, sc, amax = quantize_blocks_eager(x2, spec, static)
+    else:
+        raise ValueError(f"unknown backend {backend!r}; accepted: 'eager', 'compiled', 'reference'")
+    if nonfinite == "raise" and not bool(torch.isfinite(amax).all()):
+        raise ValueError(
+            "tensor to quantize holds NaN or inf; fix the producer of the values, or pass "
+            "nonfinite='propagate' to quantize anyway (NaN stays NaN, inf saturates)"
+        )
+    scale_inv = (1.0 / sc).float()
+    scales = e8m0_encode(scale_inv) if gran.is_mx else scale_inv
+    return QuantizedTensor(data.reshape(x.shape), scales, fmt, gran, block, x.dtype, amax)

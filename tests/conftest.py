@@ -1,0 +1,15 @@
+import pytest
+import torch
+
+
+def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB of ``approx`` against ``ref``."""
+    ref = ref.double()
+    err = (ref - approx.double()).pow(2).sum()
+    return float(10 * torch.log10(ref.pow(2).sum() / err.clamp_min(1e-300)))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
