@@ -13,3 +13,14 @@ def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _eager_module_kernels(request):
+    """Modules use the eager kernels in tests (bit-identical to the compiled ones, see test_kernels.py),
+    which keeps the suite free of per-shape compilation time."""
+    from fp8kit.nn import set_quantize_backend
+
+    set_quantize_backend("eager")
+    yield
+    set_quantize_backend("compiled")

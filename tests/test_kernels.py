@@ -6,8 +6,15 @@ import torch
 from fp8kit import E4M3, E5M2, INT8, quantize
 from fp8kit.kernels import fused
 
-CASES = [("tensor", E4M3), ("row", E4M3), ((1, 128), E4M3), ((128, 128), E4M3), ("mx", E4M3),
-         ("tensor", E5M2), ("column", INT8)]
+CASES = [
+    ("tensor", E4M3),
+    ("row", E4M3),
+    ((1, 128), E4M3),
+    ((128, 128), E4M3),
+    ("mx", E4M3),
+    ("tensor", E5M2),
+    ("column", INT8),
+]
 
 
 def assert_same(a, b):

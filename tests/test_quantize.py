@@ -106,8 +106,11 @@ def _tile_by_tile(x, fmt, block, mx=None):
 
 
 @pytest.mark.parametrize("shape", [(200, 300), (130, 100), (5, 33), (1, 129)])
-@pytest.mark.parametrize("gran,block,mx", [((1, 128), (1, 128), None), ((128, 128), (128, 128), None),
-                                            ("mx", (1, 32), "rceil"), ((16, 64), (16, 64), None)], ids=str)
+@pytest.mark.parametrize(
+    "gran,block,mx",
+    [((1, 128), (1, 128), None), ((128, 128), (128, 128), None), ("mx", (1, 32), "rceil"), ((16, 64), (16, 64), None)],
+    ids=str,
+)
 @pytest.mark.parametrize("backend", ["eager", "reference"])
 def test_ragged_tiles_match_tile_loop(shape, gran, block, mx, backend):
     x = torch.randn(shape) * 3

@@ -59,8 +59,15 @@ def test_mx_scale_rules():
 
 @pytest.mark.parametrize(
     "spec,kind,block",
-    [("tensor", "tensor", None), ("row", "row", None), ("column", "column", None), ((1, 128), "block", (1, 128)),
-     ((128, 128), "block", (128, 128)), ("mx", "mx", (1, 32)), ([1, 64], "block", (1, 64))],
+    [
+        ("tensor", "tensor", None),
+        ("row", "row", None),
+        ("column", "column", None),
+        ((1, 128), "block", (1, 128)),
+        ((128, 128), "block", (128, 128)),
+        ("mx", "mx", (1, 32)),
+        ([1, 64], "block", (1, 64)),
+    ],
 )
 def test_granularity_spellings(spec, kind, block):
     g = parse_granularity(spec)

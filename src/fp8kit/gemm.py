@@ -33,9 +33,12 @@ def scales_factor_out(q: QuantizedTensor) -> bool:
 
 
 def _row_scales(q: QuantizedTensor) -> torch.Tensor:
-    """Per-row dequant multipliers as ``(rows, 1)`` or ``(1, 1)`` float32."""
+    """Per-row dequant multipliers as ``(rows, 1)`` or ``(1, 1)`` float32 (tiles of several rows expand)."""
     s = q.scale_inv
-    return s.reshape(-1, 1) if s.numel() > 1 else s.reshape(1, 1)
+    if s.numel() == 1:
+        return s.reshape(1, 1)
+    rows = q.data.shape[0]
+    return s.reshape(-1, 1).repeat_interleave(q.block[0], dim=0)[:rows]
 
 
 def _try_scaled_mm(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor | None:

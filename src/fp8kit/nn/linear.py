@@ -71,6 +71,8 @@ class Linear(nn.Linear):
         self._weight_cache: tuple[Any, ...] | None = None
         self._warned_nonfinite: set[str] = set()
         dev = self.weight.device
+        for key in ("fp8_amax_history", "fp8_scale", "fp8_seen"):
+            self._buffers.pop(key, None)
         if isinstance(self.recipe, DelayedScaling):
             n = self.recipe.amax_history_len
             self.register_buffer("fp8_amax_history", torch.zeros(3, n, device=dev))
