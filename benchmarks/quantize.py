@@ -39,8 +39,12 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,4,16,64", help="millions of elements")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
-    print(f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, device {args.device}")
-    print(f"{'elements':>9} {'granularity':>12} {'reference':>10} {'fused':>8} {'clone':>8} {'fused/ref':>10} {'fused/clone':>12}")
+    print(
+        f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, device {args.device}"
+    )
+    print(
+        f"{'elements':>9} {'granularity':>12} {'reference':>10} {'fused':>8} {'clone':>8} {'fused/ref':>10} {'fused/clone':>12}"
+    )
     for m in (int(s) for s in args.sizes.split(",")):
         n = m * 2**20
         x = torch.randn(n // 4096, 4096, device=args.device)

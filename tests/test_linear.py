@@ -11,7 +11,7 @@ from conftest import sqnr_db
 import fp8kit
 from fp8kit import E5M2
 from fp8kit import nn as fnn
-from fp8kit.tensor import QuantizedTensor
+from fp8kit.nn import saved_activation_bytes
 
 RECIPES = [
     fp8kit.DelayedScaling(),
@@ -104,7 +104,7 @@ def test_nd_input_and_dtypes():
 
 def fp8_node(y):
     node = y.grad_fn
-    while not hasattr(node, "saved"):
+    while not hasattr(node, "num_saved_activations"):
         node = node.next_functions[0][0]
     return node
 
@@ -113,10 +113,16 @@ def fp8_node(y):
 def test_activations_saved_in_fp8(recipe):
     layer = fnn.Linear(256, 128, recipe=recipe)
     x = torch.randn(64, 256, requires_grad=True)
-    saved = fp8_node(layer(x)).saved[0]
-    assert isinstance(saved, QuantizedTensor) and saved.data.element_size() == 1
+    node = fp8_node(layer(x))
+    data = node.saved_tensors[0]
+    assert node.num_saved_activations == 2 and data.element_size() == 1 and data.numel() == x.numel()
     hp = fnn.Linear(256, 128, recipe=recipe, save_fp8_activations=False)
-    assert fp8_node(hp(x)).saved[0].dtype == torch.float32
+    node = fp8_node(hp(x))
+    assert node.num_saved_activations == 1 and node.saved_tensors[0].dtype == torch.float32
+    # whole-model accounting: FP8 input is a quarter of the FP32 input (plus scales)
+    fp8_bytes = saved_activation_bytes(layer(x), exclude=list(layer.parameters()))
+    hp_bytes = saved_activation_bytes(hp(x), exclude=list(hp.parameters()))
+    assert hp_bytes == x.numel() * 4 and x.numel() <= fp8_bytes < x.numel() * 1.1
 
 
 def test_weight_quantized_once_per_optimizer_step(monkeypatch):

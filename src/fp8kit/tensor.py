@@ -107,6 +107,7 @@ def quantize(
     generator: torch.Generator | None = None,
     nonfinite: str = "raise",
     backend: str = "eager",
+    check_scale: bool = True,
 ) -> QuantizedTensor:
     """Quantize ``x`` with scales shared per tensor, row, column, tile or MX block.
 
@@ -123,6 +124,8 @@ def quantize(
         nonfinite: ``"raise"`` (default) raises ``ValueError`` if a tile holds NaN/inf; ``"propagate"``
             quantizes anyway: that tile gets scale 1.0, NaN stays NaN and +-inf saturates to +-max.
         backend: ``"eager"``, ``"compiled"`` (torch.compile fused kernel) or ``"reference"``.
+        check_scale: validate a static ``scale`` (finite, positive); callers that maintain the scale
+            themselves turn it off to avoid a device sync.
     """
     check_float_input(x)
     fmt = get_format(fmt)
@@ -152,7 +155,7 @@ def quantize(
             static = static.reshape(1, 1).expand(*nb).contiguous()
         if tuple(static.shape) != nb:
             raise ValueError(f"static scale has shape {tuple(static.shape)}; granularity {gran} needs {nb} or a scalar")
-        if not bool(torch.isfinite(static).all() & (static > 0).all()):
+        if check_scale and not bool(torch.isfinite(static).all() & (static > 0).all()):
             raise ValueError("static scale must be finite and positive")
     if rounding != "nearest" or backend == "reference":
         data, sc, amax = quantize_blocks_reference(x2, spec, static, rounding=rounding, generator=generator)

@@ -39,8 +39,10 @@ def quantize_blocks_eager(
     amax = tiles.abs().amax(dim=(1, 3)).float()
     if scale is None:
         scale = scale_from_amax(amax, spec)
-    y = _cast(tiles.float() * scale[:, None, :, None], spec.fmt)
-    return y.reshape(tiles.shape[0] * br, tiles.shape[2] * bc)[:rows, :cols], scale, amax
+    y = _cast(tiles.float() * scale[:, None, :, None], spec.fmt).reshape(tiles.shape[0] * br, tiles.shape[2] * bc)
+    if y.shape != (rows, cols):
+        y = y[:rows, :cols].contiguous()  # drop the padding of ragged tiles from memory too
+    return y, scale, amax
 
 
 def _per_tensor(
@@ -54,14 +56,14 @@ def _per_tensor(
 
 @functools.cache
 def _compiled(kind: str):
-    # One model has many operand shapes (x, x.T, dy, dy.T, W per layer): let dynamo mark sizes
-    # dynamic after the first recompile, and allow more cached variants than its default of 8.
+    # One model has many operand shapes (x, x.T, dy, dy.T, W per layer): compile for symbolic sizes,
+    # and allow more cached variants (specs, static vs computed scale) than dynamo's default of 8.
     cfg = torch._dynamo.config
     for attr in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, attr):
             setattr(cfg, attr, max(getattr(cfg, attr), 64))
     fn = _per_tensor if kind == "tensor" else quantize_blocks_eager
-    return torch.compile(fn, dynamic=None)
+    return torch.compile(fn, dynamic=True)
 
 
 def quantize_blocks_fused(
@@ -72,7 +74,7 @@ def quantize_blocks_fused(
     if not _COMPILE["enabled"] or torch.compiler.is_compiling():
         return (_per_tensor if kind == "tensor" else quantize_blocks_eager)(x, spec, scale)
     try:
-        return _compiled(kind)(x, spec, scale)
+        return _compiled(kind)(x.detach(), spec, None if scale is None else scale.detach())
     except Exception as err:  # no C++ compiler, unsupported platform...
         warnings.warn(f"fp8kit: compiled quantize kernel unavailable ({err}); using eager kernels", stacklevel=2)
         set_compile_enabled(False)

@@ -4,6 +4,7 @@ from .autocast import autocast, fp8_enabled
 from .convert import ConversionReport, convert, default_module_filter
 from .layernorm import LayerNormLinear, LayerNormMLP
 from .linear import Linear, set_quantize_backend, strip_fp8_state
+from .memory import saved_activation_bytes
 
 __all__ = [
     "ConversionReport",
@@ -15,5 +16,6 @@ __all__ = [
     "default_module_filter",
     "fp8_enabled",
     "set_quantize_backend",
+    "saved_activation_bytes",
     "strip_fp8_state",
 ]

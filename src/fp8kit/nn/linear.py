@@ -73,6 +73,7 @@ class Linear(nn.Linear):
         dev = self.weight.device
         for key in ("fp8_amax_history", "fp8_scale", "fp8_seen"):
             self._buffers.pop(key, None)
+        self._calibrated = [False, False, False]
         if isinstance(self.recipe, DelayedScaling):
             n = self.recipe.amax_history_len
             self.register_buffer("fp8_amax_history", torch.zeros(3, n, device=dev))
@@ -115,23 +116,41 @@ class Linear(nn.Linear):
         self, x: torch.Tensor, role: str, fmt, recipe: DelayedScaling, backend: str
     ) -> QuantizedTensor:
         i = ROLES.index(role)
-        calibrated = bool(self.fp8_seen[i] > 0)
+        # A Python-side flag (not a tensor read) says whether this operand was ever seen, so that the
+        # hot path has no device sync and compiles without graph breaks.
+        calibrated = self._calibrated[i]
         scale = self.fp8_scale[i] if calibrated else None
-        q = quantize(x, fmt, "tensor", scale=scale, margin=recipe.margin, nonfinite="propagate", backend=backend)
-        if self._check_amax(q, role):
-            with torch.no_grad():
-                hist = self.fp8_amax_history[i]
-                hist.copy_(torch.roll(hist, 1))
-                hist[0] = q.amax.reshape(())
-                self.fp8_seen[i] += 1
-                window = hist[: min(int(self.fp8_seen[i]), hist.numel())]
-                amax = window.max() if recipe.amax_compute_algo == "max" else hist[0]
-                self.fp8_scale[i] = compute_scale(amax, fmt, recipe.margin, previous=self.fp8_scale[i])
+        q = quantize(
+            x,
+            fmt,
+            "tensor",
+            scale=scale,
+            margin=recipe.margin,
+            nonfinite="propagate",
+            backend=backend,
+            check_scale=False,
+        )
+        self._check_amax(q, role)
+        with torch.no_grad():
+            amax = q.amax.reshape(())
+            ok = torch.isfinite(amax)
+            hist = self.fp8_amax_history[i]
+            rolled = torch.roll(hist, 1)
+            rolled[0] = torch.where(ok, amax, 0.0)
+            hist.copy_(torch.where(ok, rolled, hist))  # a non-finite amax is not recorded
+            self.fp8_seen[i] += ok.to(torch.int64)
+            # unfilled history entries are 0 and never win the max
+            ref = hist.max() if recipe.amax_compute_algo == "max" else hist[0]
+            new_scale = compute_scale(ref, fmt, recipe.margin, previous=self.fp8_scale[i])
+            self.fp8_scale[i] = torch.where(ok, new_scale, self.fp8_scale[i])
+        self._calibrated[i] = True
         return q
 
-    def _check_amax(self, q: QuantizedTensor, role: str) -> bool:
-        ok = q.amax is None or bool(torch.isfinite(q.amax).all())
-        if not ok and role not in self._warned_nonfinite:
+    def _check_amax(self, q: QuantizedTensor, role: str) -> None:
+        """Warn (once per operand) when a quantized operand held NaN/inf; eager mode only."""
+        if q.amax is None or torch.compiler.is_compiling() or role in self._warned_nonfinite:
+            return
+        if not bool(torch.isfinite(q.amax).all()):
             self._warned_nonfinite.add(role)
             warnings.warn(
                 f"fp8kit: non-finite amax (NaN/inf) in layer '{self.fp8_name}', operand '{role}'; "
@@ -139,7 +158,6 @@ class Linear(nn.Linear):
                 RuntimeWarning,
                 stacklevel=3,
             )
-        return ok
 
     def fp8_weights(self, recipe: Recipe) -> tuple[QuantizedTensor, QuantizedTensor]:
         """``(W quantized along K, W.T quantized along N)``; cached until the weight changes."""
@@ -163,7 +181,7 @@ class Linear(nn.Linear):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{self.fp8_name}: input has {x.shape[-1]} features, layer expects {self.in_features}")
         x2 = x.reshape(-1, self.in_features)
-        out = _FP8LinearFn.apply(x2, self.weight, self.bias, self, self.active_recipe())
+        out = _fp8_linear(x2, self.weight, self.bias, self, self.active_recipe())
         return out.reshape(*x.shape[:-1], self.out_features)
 
     # ---- checkpoints ---------------------------------------------------------------------------
@@ -197,6 +215,8 @@ class Linear(nn.Linear):
         fresh = {prefix + k for k in FP8_STATE_KEYS}
         missing_keys[:] = [k for k in missing_keys if k not in fresh]
         self._weight_cache = None
+        if isinstance(self.recipe, DelayedScaling):
+            self._calibrated = [bool(v > 0) for v in self.fp8_seen.tolist()]
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.kind}"
@@ -207,6 +227,31 @@ def strip_fp8_state(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return {k: v for k, v in state_dict.items() if k.rsplit(".", 1)[-1] not in FP8_STATE_KEYS}
 
 
+@torch.compiler.disable
+def _fp8_linear(x, weight, bias, module: Linear, recipe: Recipe) -> torch.Tensor:
+    """Runs outside ``torch.compile`` graphs of the model: the FP8 layer keeps mutable state (weight
+    cache, amax history) that graphs cannot hold, and its quantize kernels are compiled on their own.
+    The model's other ops (norms, activations, attention) are still compiled around it."""
+    return _FP8LinearFn.apply(x, weight, bias, module, recipe)
+
+
+def _pack(obj: QuantizedTensor | torch.Tensor | None) -> tuple[list[torch.Tensor], tuple | None]:
+    """Split what backward needs into tensors (for ``save_for_backward``) and metadata."""
+    if obj is None:
+        return [], None
+    if isinstance(obj, QuantizedTensor):
+        return [obj.data, obj.scales], (obj.fmt, obj.granularity, obj.block, obj.orig_dtype)
+    return [obj], None
+
+
+def _unpack(tensors: tuple[torch.Tensor, ...], meta: tuple | None) -> QuantizedTensor | torch.Tensor | None:
+    if not tensors:
+        return None
+    if meta is None:
+        return tensors[0]
+    return QuantizedTensor(tensors[0], tensors[1], *meta)
+
+
 class _FP8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, module: Linear, recipe: Recipe):  # type: ignore[override]
@@ -215,16 +260,18 @@ class _FP8LinearFn(torch.autograd.Function):
         out = fp8_gemm(xq, wq, out_dtype=x.dtype)
         if bias is not None:
             out = out + bias.to(out.dtype)
+        saved_x: QuantizedTensor | torch.Tensor | None = None
         if ctx.needs_input_grad[1]:
             if not module.save_fp8_activations:
-                saved_x: Any = x
+                saved_x = x
             elif recipe.per_tensor:
                 saved_x = xq  # one scale: the transpose needs no requantization
             else:
                 saved_x = module.quantize_operand(x.t().contiguous(), "input", recipe)  # along M for dW
-        else:
-            saved_x = None
-        ctx.saved = (saved_x, wq_t)
+        x_tensors, ctx.x_meta = _pack(saved_x)
+        w_tensors, ctx.w_meta = _pack(wq_t)
+        ctx.save_for_backward(*x_tensors, *w_tensors)
+        ctx.num_saved_activations = len(x_tensors)  # the rest is the FP8 weight cache (memory accounting)
         ctx.module, ctx.recipe = module, recipe
         ctx.has_bias = bias is not None
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
@@ -234,8 +281,10 @@ class _FP8LinearFn(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         module: Linear = ctx.module
         recipe: Recipe = ctx.recipe
-        saved_x, wq_t = ctx.saved
-        ctx.saved = None
+        saved = ctx.saved_tensors
+        n = ctx.num_saved_activations
+        saved_x = _unpack(saved[:n], ctx.x_meta)
+        wq_t = _unpack(saved[n:], ctx.w_meta)
         g = grad_out.contiguous()
         dx = dw = db = None
         gq = module.quantize_operand(g, "grad", recipe)
