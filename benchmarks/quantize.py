@@ -49,10 +49,12 @@ def main() -> None:
         n = m * 2**20
         x = torch.randn(n // 4096, 4096, device=args.device)
         gb = x.numel() * 4 / 1e9
-        t_clone = timeit(lambda: x.clone(), device=args.device)
+        t_clone = timeit(lambda x=x: x.clone(), device=args.device)
         for gran in GRANULARITIES:
-            t_ref = timeit(lambda: quantize(x, E4M3, gran, backend="reference"), min_time=0.0, device=args.device)
-            t_fast = timeit(lambda: quantize(x, E4M3, gran, backend="compiled"), device=args.device)
+            t_ref = timeit(
+                lambda x=x, g=gran: quantize(x, E4M3, g, backend="reference"), min_time=0.0, device=args.device
+            )
+            t_fast = timeit(lambda x=x, g=gran: quantize(x, E4M3, g, backend="compiled"), device=args.device)
             print(
                 f"{m:>8}M {str(gran):>12} {gb / t_ref:>9.2f}  {gb / t_fast:>7.2f}  {gb / t_clone:>7.2f} "
                 f"{t_ref / t_fast:>9.1f}x {t_clone / t_fast:>11.2f}x",

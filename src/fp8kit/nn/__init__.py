@@ -1,12 +1,14 @@
 """FP8 modules and model conversion."""
 
 from .autocast import autocast, fp8_enabled
+from .bf16 import BF16Linear, to_bf16_gemms
 from .convert import ConversionReport, convert, default_module_filter
 from .layernorm import LayerNormLinear, LayerNormMLP
 from .linear import Linear, set_quantize_backend, strip_fp8_state
 from .memory import saved_activation_bytes
 
 __all__ = [
+    "BF16Linear",
     "ConversionReport",
     "LayerNormLinear",
     "LayerNormMLP",
@@ -18,4 +20,5 @@ __all__ = [
     "set_quantize_backend",
     "saved_activation_bytes",
     "strip_fp8_state",
+    "to_bf16_gemms",
 ]

@@ -1,0 +1,6 @@
+"""``fp8kit train``: FP8 vs BF16 language-model training side by side."""
+
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .loop import TrainConfig, run_comparison
+
+__all__ = ["CheckpointError", "TrainConfig", "load_checkpoint", "run_comparison", "save_checkpoint"]

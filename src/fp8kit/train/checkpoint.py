@@ -1,0 +1,170 @@
+"""Crash-safe checkpoints: safetensors only (no pickle), written to a temporary folder and renamed.
+
+Layout of a run's checkpoint folder::
+
+    ckpt/<run>/latest            text: name of the newest complete checkpoint
+    ckpt/<run>/step-000200/      model.safetensors (weights + FP8 scaling state as plain tensors),
+                                 optimizer.safetensors (tensors; param groups as JSON metadata)
+
+A checkpoint becomes visible only by ``os.replace`` of a complete folder, then of ``latest``; a process
+killed at any point leaves the previous checkpoint intact and loadable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+FORMAT = "fp8kit-checkpoint-v1"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, corrupted, or from another run or recipe."""
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file_synced(path: Path, write) -> None:
+    write(str(path))
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _optimizer_tensors(opt_state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, Any] = {}
+    for pid, state in opt_state["state"].items():
+        for key, val in state.items():
+            if isinstance(val, torch.Tensor):
+                tensors[f"state.{pid}.{key}"] = val.detach().contiguous().cpu()
+            else:
+                scalars[f"{pid}.{key}"] = val
+    meta = {"param_groups": json.dumps(opt_state["param_groups"]), "scalars": json.dumps(scalars)}
+    return tensors, meta
+
+
+def _optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    for name, val in tensors.items():
+        _, pid, key = name.split(".", 2)
+        state.setdefault(int(pid), {})[key] = val
+    for name, val in json.loads(meta["scalars"]).items():
+        pid, key = name.split(".", 1)
+        state.setdefault(int(pid), {})[key] = val
+    return {"state": state, "param_groups": json.loads(meta["param_groups"])}
+
+
+def save_checkpoint(
+    folder: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step: int, info: dict[str, Any]
+) -> Path:
+    """Write ``model`` (+ optimizer) at ``step`` atomically into ``folder``; returns the checkpoint path."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"step-{step:06d}"
+    tmp = folder / f".tmp-{name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    meta = {"format": FORMAT, "step": str(step), "info": json.dumps(info, sort_keys=True)}
+    weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    _write_file_synced(tmp / "model.safetensors", lambda p: save_file(weights, p, metadata=meta))
+    if optimizer is not None:
+        tensors, ometa = _optimizer_tensors(optimizer.state_dict())
+        _write_file_synced(tmp / "optimizer.safetensors", lambda p: save_file(tensors, p, metadata={**meta, **ometa}))
+    _fsync_dir(tmp)
+    final = folder / name
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    latest_tmp = folder / f".latest-{os.getpid()}"
+    latest_tmp.write_text(name)
+    with open(latest_tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(latest_tmp, folder / "latest")
+    _fsync_dir(folder)
+    for old in folder.glob("step-*"):  # keep only the newest complete checkpoint
+        if old.name != name:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(folder: str | Path) -> Path | None:
+    folder = Path(folder)
+    pointer = folder / "latest"
+    if not pointer.is_file():
+        return None
+    path = folder / pointer.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def read_info(path: str | Path) -> dict[str, Any]:
+    """The ``info`` of a checkpoint folder, validating its format (``CheckpointError`` if not fp8kit's)."""
+    from safetensors import safe_open
+
+    model_file = Path(path) / "model.safetensors"
+    if not model_file.is_file():
+        raise CheckpointError(f"no fp8kit checkpoint at {path} (model.safetensors missing)")
+    try:
+        with safe_open(str(model_file), framework="pt") as f:
+            meta = f.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(f"corrupted checkpoint {model_file}: {err}") from err
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{model_file} is not an fp8kit checkpoint (format {meta.get('format')!r})")
+    return json.loads(meta.get("info", "{}"))
+
+
+def load_checkpoint(
+    path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, expect: dict | None = None
+) -> tuple[int, dict[str, Any]]:
+    """Load a checkpoint folder into ``model`` (and ``optimizer``); returns ``(step, info)``.
+
+    ``expect`` lists info entries that must match (e.g. the run name and recipe); any mismatch, a
+    missing or corrupted file raises ``CheckpointError`` naming the problem.
+    """
+    path = Path(path)
+    info = read_info(path)
+    model_file = path / "model.safetensors"
+    try:
+        weights = load_file(str(model_file))
+        from safetensors import safe_open
+
+        with safe_open(str(model_file), framework="pt") as f:
+            step = int((f.metadata() or {})["step"])
+    except (SafetensorError, OSError, ValueError, KeyError) as err:
+        raise CheckpointError(f"corrupted checkpoint {model_file}: {err}") from err
+    for key, want in (expect or {}).items():
+        if info.get(key) != want:
+            raise CheckpointError(f"checkpoint {path} is for {key}={info.get(key)!r}, not {want!r}")
+    try:
+        model.load_state_dict(weights)
+    except (RuntimeError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {path} does not fit this model: {str(err).splitlines()[0]}") from err
+    if optimizer is not None:
+        opt_file = path / "optimizer.safetensors"
+        try:
+            tensors = load_file(str(opt_file))
+            from safetensors import safe_open
+
+            with safe_open(str(opt_file), framework="pt") as f:
+                ometa = f.metadata() or {}
+            optimizer.load_state_dict(_optimizer_state(tensors, ometa))
+        except (SafetensorError, OSError, ValueError, KeyError) as err:
+            raise CheckpointError(f"corrupted optimizer state in {path}: {err}") from err
+    return step, info

@@ -1,0 +1,288 @@
+"""Train the demo decoder in BF16 and in FP8 recipes side by side: same weights, batches and seed."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..data import Corpus, load_corpus
+from ..models import build_llama
+from ..nn import convert, saved_activation_bytes, to_bf16_gemms
+from ..recipes import RECIPE_NAMES, recipe_from_name
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+
+__all__ = ["TrainConfig", "run_comparison", "parse_recipes"]
+
+
+@dataclass
+class TrainConfig:
+    """Settings of ``fp8kit train`` (defaults: the newcomer's run, a few minutes on a 2-core CPU)."""
+
+    recipes: list[str] = field(default_factory=lambda: ["delayed"])
+    steps: int = 200
+    batch_size: int = 16
+    seq_len: int = 128
+    lr: float = 3e-3
+    grad_accum: int = 1
+    seed: int = 0
+    model_size: str = "small"
+    compile: bool = False
+    out: str = "runs/fp8kit-train"
+    resume: bool = False
+    text: str | None = None
+    eval_interval: int = 100
+    eval_batches: int = 16
+    ckpt_interval: int = 100
+    warmup: int = 20
+    weight_decay: float = 0.1
+    progress: bool = True
+
+
+def parse_recipes(spec: str) -> list[str]:
+    """``"all"`` or comma-separated recipe names -> validated list (bf16 is always the baseline)."""
+    names = list(RECIPE_NAMES) if spec.strip().lower() == "all" else [s.strip() for s in spec.split(",") if s.strip()]
+    if not names:
+        raise ValueError(f"no recipe given; accepted: {', '.join(RECIPE_NAMES)} or all")
+    return [recipe_from_name(n).kind for n in names]
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to 10% of ``cfg.lr``; ``step`` counts from 1."""
+    if step <= cfg.warmup:
+        return cfg.lr * step / max(cfg.warmup, 1)
+    t = (step - cfg.warmup) / max(cfg.steps - cfg.warmup, 1)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+
+def make_model(base_state: dict[str, torch.Tensor], cfg: TrainConfig, run: str) -> torch.nn.Module:
+    model = build_llama(cfg.model_size, max_seq_len=max(cfg.seq_len, 64), seed=cfg.seed)
+    model.load_state_dict(base_state)
+    if run != "bf16":
+        convert(model, recipe_from_name(run.removeprefix("fp8-")))
+    to_bf16_gemms(model)  # the layers that stay high precision (all of them for bf16) use BF16 GEMMs
+    return model
+
+
+def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=x).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    was = model.training
+    model.eval()
+    total = sum(loss_of(model, x, y).item() for x, y in batches) / len(batches)
+    model.train(was)
+    return total
+
+
+def memory_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> int:
+    """CUDA: peak allocated. CPU: parameters + gradients + optimizer state + saved activations of one
+    micro-batch (measured by walking the autograd graph at the end of the forward pass)."""
+    if x.is_cuda:
+        return int(torch.cuda.max_memory_allocated())
+    params = list(model.parameters())
+    total = sum(p.numel() * p.element_size() * 2 for p in params)
+    for state in opt.state.values():
+        total += sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+    logits = model(input_ids=x).logits
+    total += saved_activation_bytes(logits, exclude=params)
+    return total
+
+
+class MetricsLog:
+    """Append-only JSONL of per-step metrics; on resume, entries past the checkpoint are dropped."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def keep_until(self, run: str, step: int) -> None:
+        if not self.path.exists():
+            return
+        keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and self._keep(ln, run, step)]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(ln + "\n" for ln in keep))
+        os.replace(tmp, self.path)
+
+    @staticmethod
+    def _keep(line: str, run: str, step: int) -> bool:
+        rec = json.loads(line)
+        return rec.get("run") != run or rec.get("step", 0) <= step
+
+    def write(self, rec: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        return [json.loads(ln) for ln in self.path.read_text().splitlines() if ln.strip()]
+
+
+def train_run(run: str, cfg: TrainConfig, corpus: Corpus, base_state, out: Path, log: MetricsLog) -> dict[str, Any]:
+    """Train one run to ``cfg.steps`` (resuming from its checkpoint if asked); returns its results."""
+    torch.manual_seed(cfg.seed)
+    model = make_model(base_state, cfg, run)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+    ckpt_dir = out / "ckpt" / run
+    info = {"run": run, "model_size": cfg.model_size, "seed": cfg.seed}
+    start = 0
+    if cfg.resume:
+        path = latest_checkpoint(ckpt_dir)
+        if path is not None:
+            start, _ = load_checkpoint(path, model, opt, expect=info)
+    log.keep_until(run, start)
+    step_fn = torch.compile(model) if cfg.compile else model
+    val = corpus.val_batches(cfg.eval_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
+    bar = None
+    if cfg.progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=start, desc=f"{run:>12}", unit="step", dynamic_ncols=True)
+    train_time, step = 0.0, start
+    try:
+        for step in range(start + 1, cfg.steps + 1):
+            t0 = time.perf_counter()
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            total = 0.0
+            for micro in range(cfg.grad_accum):
+                x, y = corpus.batch("train", (step - 1) * cfg.grad_accum + micro, cfg.batch_size, cfg.seq_len, cfg.seed)
+                loss = loss_of(step_fn, x, y) / cfg.grad_accum
+                loss.backward()
+                total += loss.item()
+            if not math.isfinite(total):
+                raise FloatingPointError(f"{run}: loss became {total} at step {step}; lower --lr")
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            dt = time.perf_counter() - t0
+            train_time += dt
+            rec = {
+                "run": run,
+                "step": step,
+                "loss": total,
+                "lr": lr_at(step, cfg),
+                "tokens_per_s": tokens_per_step / dt,
+            }
+            if step % cfg.eval_interval == 0 or step == cfg.steps:
+                rec["val_loss"] = evaluate(model, val)
+            log.write(rec)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{total:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+            if step % cfg.ckpt_interval == 0 or step == cfg.steps:
+                save_checkpoint(ckpt_dir, model, opt, step, info)
+    except KeyboardInterrupt:
+        done = step - 1
+        if done > start:
+            save_checkpoint(ckpt_dir, model, opt, done, info)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    records = [r for r in log.read() if r["run"] == run]
+    last = records[-min(10, len(records)) :] if records else []
+    val_loss = evaluate(model, val)
+    x, _ = corpus.batch("train", 0, cfg.batch_size, cfg.seq_len, cfg.seed)
+    return {
+        "train_loss": sum(r["loss"] for r in last) / max(len(last), 1),
+        "val_loss": val_loss,
+        "val_ppl": math.exp(val_loss),
+        "tokens_per_s": (sum(r["tokens_per_s"] for r in records) / len(records)) if records else 0.0,
+        "peak_mem_bytes": memory_bytes(model, opt, x),
+        "steps": cfg.steps,
+        "train_time_s": train_time,
+    }
+
+
+def run_comparison(cfg: TrainConfig) -> dict[str, Any]:
+    """Run bf16 and each FP8 recipe; write metrics, plot, summaries and checkpoints under ``cfg.out``."""
+    from .report import write_reports
+
+    names = ["bf16"] + [f"fp8-{r}" for r in parse_recipes(",".join(cfg.recipes))]
+    for key in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches", "eval_interval", "ckpt_interval"):
+        if getattr(cfg, key) < 1:
+            raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(cfg, key)}")
+    if not cfg.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {cfg.lr}")
+    corpus = load_corpus(cfg.text)
+    corpus.check_fits(cfg.seq_len)
+    out = Path(cfg.out)
+    if cfg.resume:
+        _check_resumable(out, names, cfg)
+    _prepare_out(out)
+    base = build_llama(cfg.model_size, max_seq_len=max(cfg.seq_len, 64), seed=cfg.seed)
+    base_state = copy.deepcopy(base.state_dict())
+    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    log = MetricsLog(out / "metrics.jsonl")
+    if not cfg.resume and log.path.exists():
+        log.path.unlink()
+    results: dict[str, Any] = {}
+    for run in names:
+        results[run] = train_run(run, cfg, corpus, base_state, out, log)
+    for run, res in results.items():
+        if run != "bf16":
+            res["rel_gap"] = (res["val_loss"] - results["bf16"]["val_loss"]) / results["bf16"]["val_loss"]
+    summary = {
+        "runs": results,
+        "corpus": corpus.name,
+        "model": cfg.model_size,
+        "params": sum(p.numel() for p in base.parameters()),
+        "unigram_entropy": unigram_entropy(corpus.train),
+        "config": asdict(cfg),
+    }
+    write_reports(out, summary, log.read())
+    return summary
+
+
+def _check_resumable(out: Path, names: list[str], cfg: TrainConfig) -> None:
+    """Validate every checkpoint of a run folder before anything is written (clear errors, no damage)."""
+    from .checkpoint import read_info
+
+    if not (out / "config.json").is_file():
+        raise CheckpointError(f"--resume: {out} holds no fp8kit training run (config.json missing)")
+    for run in names:
+        path = latest_checkpoint(out / "ckpt" / run)
+        if path is None:
+            continue
+        info = read_info(path)
+        want = {"run": run, "model_size": cfg.model_size, "seed": cfg.seed}
+        for key, val in want.items():
+            if info.get(key) != val:
+                raise CheckpointError(f"--resume: checkpoint {path} is for {key}={info.get(key)!r}, not {val!r}")
+
+
+def unigram_entropy(ids: torch.Tensor) -> float:
+    """Entropy (nats per token) of the training split's token frequencies: the no-context baseline."""
+    counts = torch.bincount(ids).double()
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * p.log()).sum())
+
+
+def _prepare_out(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise PermissionError(f"--out {out} is not writable: {err.strerror or err}") from err

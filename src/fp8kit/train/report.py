@@ -1,0 +1,83 @@
+"""The run folder's reports: ``summary.json``, ``summary.md`` and ``loss.png``."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def summary_markdown(summary: dict[str, Any]) -> str:
+    runs = summary["runs"]
+    lines = [
+        f"# fp8kit train: {summary['model']} Llama ({summary['params'] / 1e6:.2f}M parameters) on {summary['corpus']}",
+        "",
+        f"Unigram entropy of the corpus: {summary['unigram_entropy']:.3f} nats/token (a model that learns nothing).",
+        "",
+        "| run | train loss | val loss | val ppl | gap to bf16 | tokens/s | peak mem (MiB) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in runs.items():
+        gap = f"{100 * r['rel_gap']:+.2f}%" if "rel_gap" in r else "—"
+        lines.append(
+            f"| {name} | {r['train_loss']:.4f} | {r['val_loss']:.4f} | {r['val_ppl']:.3f} | {gap} | "
+            f"{r['tokens_per_s']:,.0f} | {r['peak_mem_bytes'] / 2**20:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot_losses(path: Path, records: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_run: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        by_run.setdefault(r["run"], []).append(r)
+
+    def smooth(vals: list[float], k: int = 10) -> list[float]:
+        out, acc = [], []
+        for v in vals:
+            acc.append(v)
+            acc = acc[-k:]
+            out.append(sum(acc) / len(acc))
+        return out
+
+    fig, (ax, gap) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    base = by_run.get("bf16", [])
+    base_s = dict(zip([r["step"] for r in base], smooth([r["loss"] for r in base]), strict=True))
+    for run, recs in by_run.items():
+        steps = [r["step"] for r in recs]
+        s = smooth([r["loss"] for r in recs])
+        ax.plot(steps, s, label=run, lw=2.2 if run == "bf16" else 1.3, color="black" if run == "bf16" else None)
+        if run != "bf16" and base_s:
+            pairs = [(st, 100 * (v - base_s[st]) / base_s[st]) for st, v in zip(steps, s, strict=True) if st in base_s]
+            if pairs:
+                gap.plot(*zip(*pairs, strict=True), label=run)
+    ax.set_ylabel("training loss (nats/token, 10-step mean)")
+    ax.set_title("FP8 recipes vs BF16: same weights, batches and seed")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    gap.axhline(0, color="black", lw=1)
+    gap.set_ylabel("gap to bf16 (%)")
+    gap.set_xlabel("step")
+    gap.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def write_reports(out: Path, summary: dict[str, Any], records: list[dict[str, Any]]) -> None:
+    _atomic_write(out / "summary.json", json.dumps(summary, indent=2))
+    _atomic_write(out / "summary.md", summary_markdown(summary))
+    plot_losses(out / "loss.png", records)
