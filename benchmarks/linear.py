@@ -19,15 +19,10 @@ import torch
 
 import fp8kit
 from fp8kit.nn import saved_activation_bytes
+from fp8kit.recipes import all_recipes
 
 warnings.filterwarnings("ignore")
-RECIPES = [
-    fp8kit.DelayedScaling(),
-    fp8kit.CurrentScaling(),
-    fp8kit.RowwiseScaling(),
-    fp8kit.BlockScaling(),
-    fp8kit.MXFP8Scaling(),
-]
+RECIPES = all_recipes()
 
 
 def mlp(d: int) -> torch.nn.Module:

@@ -9,6 +9,7 @@ from safetensors.torch import load, save
 
 import fp8kit
 from fp8kit import nn as fnn
+from fp8kit.recipes import all_recipes
 
 
 def tiny_llama(seed: int = 0):
@@ -149,13 +150,7 @@ def test_torch_compile_on_converted_model():
     torch.testing.assert_close(model[0].weight.grad, ref[0].weight.grad, rtol=1e-4, atol=1e-5)
 
 
-RECIPES = [
-    fp8kit.DelayedScaling(),
-    fp8kit.CurrentScaling(),
-    fp8kit.RowwiseScaling(),
-    fp8kit.BlockScaling(),
-    fp8kit.MXFP8Scaling(),
-]
+RECIPES = all_recipes()
 
 
 def test_short_training_tracks_high_precision():

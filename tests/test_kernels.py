@@ -53,3 +53,15 @@ def test_cuda_matches_cpu_reference(gran):
     got = quantize(x.cuda(), E4M3, gran, backend="compiled")
     assert torch.equal(got.data.cpu().view(torch.uint8), ref.data.view(torch.uint8))
     assert torch.equal(got.scales.cpu(), ref.scales)
+
+
+@pytest.mark.parametrize("gran", ["row", (1, 128), "mx", (128, 128)], ids=str)
+@pytest.mark.parametrize("backend", ["eager", "compiled"])
+def test_quantize_with_transpose_matches_two_quantizes(gran, backend):
+    from fp8kit.tensor import quantize_with_transpose
+
+    x = torch.randn(200, 96) * torch.exp2(torch.randint(-5, 5, (200, 1)).float())
+    q, q_t = quantize_with_transpose(x, E4M3, gran, backend=backend)
+    assert_same(q, quantize(x, E4M3, gran, backend="reference"))
+    assert_same(q_t, quantize(x.t().contiguous(), E4M3, gran, backend="reference"))
+    assert q_t.shape == (96, 200)

@@ -12,14 +12,9 @@ import fp8kit
 from fp8kit import E5M2
 from fp8kit import nn as fnn
 from fp8kit.nn import saved_activation_bytes
+from fp8kit.recipes import all_recipes
 
-RECIPES = [
-    fp8kit.DelayedScaling(),
-    fp8kit.CurrentScaling(),
-    fp8kit.RowwiseScaling(),
-    fp8kit.BlockScaling(),
-    fp8kit.MXFP8Scaling(),
-]
+RECIPES = all_recipes()
 IDS = [r.kind for r in RECIPES]
 
 
@@ -235,3 +230,16 @@ def test_bad_recipe_errors():
     with pytest.raises(TypeError, match="recipe"):
         fnn.Linear(4, 4, recipe="delayed")
     assert fp8kit.DelayedScaling() == fp8kit.DelayedScaling() and fp8kit.recipe_from_name("mx") == fp8kit.MXFP8Scaling()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_cuda_linear_sqnr(recipe):
+    """On a GPU: _scaled_mm (per-tensor, row-wise) or the exact dequantize path (block, MX)."""
+    ref = torch.nn.Linear(256, 384).cuda().bfloat16()
+    layer = fnn.Linear.from_linear(copy.deepcopy(ref), recipe)
+    x, g = make_input("gauss").cuda().bfloat16(), torch.randn(128, 384, device="cuda", dtype=torch.bfloat16)
+    ya, yb, dxa, dxb = run_pair(ref, layer, x, g)
+    assert sqnr_db(ya, yb) >= 25.0
+    assert sqnr_db(dxa, dxb) >= 20.0
+    assert sqnr_db(ref.weight.grad, layer.weight.grad) >= 19.0

@@ -74,6 +74,12 @@ def test_cli_end_to_end(tmp_path, capsys):
         assert ckpt is not None and (ckpt / "model.safetensors").is_file()
     assert "fp8-block" in (out / "summary.md").read_text()
     assert "| bf16 |" in capsys.readouterr().out
+    # fp8kit eval reads the checkpoint back and reproduces the run's final held-out loss
+    assert main(["eval", "--checkpoint", str(out / "ckpt" / "fp8-delayed"), "--batches", "16"]) == 0
+    printed = capsys.readouterr().out
+    assert f"loss {summary['runs']['fp8-delayed']['val_loss']:.4f}" in printed and "step 8" in printed
+    assert main(["eval", "--checkpoint", str(tmp_path / "none")]) != 0
+    assert "no fp8kit checkpoint" in capsys.readouterr().err
 
 
 def test_resume_is_bit_exact(tmp_path, monkeypatch):

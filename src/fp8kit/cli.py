@@ -65,6 +65,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .train.loop import evaluate_checkpoint
+
+    if args.model not in ("demo",):
+        raise ValueError(f"--model {args.model!r} is not available yet; accepted: demo (the fp8kit train model)")
+    res = evaluate_checkpoint(args.checkpoint, text=args.text, batches=args.batches)
+    print(
+        f"{res['run']} (step {res['step']}) on the held-out split of {res['corpus']}: "
+        f"loss {res['val_loss']:.4f} nats/token, perplexity {res['val_ppl']:.3f}"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fp8kit", description="Train, debug and deploy PyTorch models in FP8.")
     parser.add_argument("--version", action="version", version=f"fp8kit {__version__}")
@@ -89,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--ckpt-interval", type=int, default=100)
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("eval", help="held-out perplexity of a checkpoint written by fp8kit train")
+    e.add_argument("--model", default="demo", help="demo: the fp8kit train Llama")
+    e.add_argument("--checkpoint", required=True, help="a run's ckpt/<run> folder (or one step-* folder)")
+    e.add_argument("--text", default=None, help="evaluate on this text's held-out split instead of the corpus")
+    e.add_argument("--batches", type=int, default=32)
+    e.set_defaults(func=cmd_eval)
     return parser
 
 

@@ -21,6 +21,7 @@ __all__ = [
     "MXFP8Scaling",
     "Recipe",
     "RowwiseScaling",
+    "all_recipes",
     "recipe_from_name",
     "RECIPE_NAMES",
 ]
@@ -172,6 +173,11 @@ _KINDS: dict[str | None, type[Recipe]] = {
     c.kind: c for c in (DelayedScaling, CurrentScaling, RowwiseScaling, BlockScaling, MXFP8Scaling)
 }
 RECIPE_NAMES = ("delayed", "current", "rowwise", "block", "mxfp8")
+
+
+def all_recipes() -> list[Recipe]:
+    """One recipe of each kind with default settings, in ``RECIPE_NAMES`` order."""
+    return [recipe_from_name(n) for n in RECIPE_NAMES]
 
 
 def recipe_from_name(name: str) -> Recipe:

@@ -7,11 +7,18 @@ from dataclasses import dataclass
 import torch
 
 from .formats import E4M3, Format, check_float_input, e8m0_decode, e8m0_encode, get_format
-from .kernels import BlockSpec, quantize_blocks_eager, quantize_blocks_fused, quantize_blocks_reference
+from .kernels import (
+    BlockSpec,
+    quantize_blocks_eager,
+    quantize_blocks_fused,
+    quantize_blocks_reference,
+    quantize_pair_eager,
+    quantize_pair_fused,
+)
 from .kernels.reference import expand_tiles
 from .scaling import Granularity, parse_granularity
 
-__all__ = ["QuantizedTensor", "quantize"]
+__all__ = ["QuantizedTensor", "quantize", "quantize_with_transpose"]
 
 
 @dataclass
@@ -165,6 +172,10 @@ def quantize(
         data, sc, amax = quantize_blocks_eager(x2, spec, static)
     else:
         raise ValueError(f"unknown backend {backend!r}; accepted: 'eager', 'compiled', 'reference'")
+    return _finish(data, sc, amax, x.shape, fmt, gran, block, x.dtype, nonfinite)
+
+
+def _finish(data, sc, amax, shape, fmt, gran, block, dtype, nonfinite) -> QuantizedTensor:
     if nonfinite == "raise" and not bool(torch.isfinite(amax).all()):
         raise ValueError(
             "tensor to quantize holds NaN or inf; fix the producer of the values, or pass "
@@ -172,4 +183,44 @@ def quantize(
         )
     scale_inv = (1.0 / sc).float()
     scales = e8m0_encode(scale_inv) if gran.is_mx else scale_inv
-    return QuantizedTensor(data.reshape(x.shape), scales, fmt, gran, block, x.dtype, amax)
+    return QuantizedTensor(data.reshape(shape), scales, fmt, gran, block, dtype, amax)
+
+
+def quantize_with_transpose(
+    x: torch.Tensor,
+    fmt: Format | str = E4M3,
+    granularity: Granularity | str | tuple[int, int] = "row",
+    *,
+    margin: float = 0,
+    power_of_two: bool = False,
+    mx_rounding: str = "rceil",
+    nonfinite: str = "raise",
+    backend: str = "eager",
+) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """``(quantize(x), quantize(x.T))`` for a 2-D ``x``, both with ``granularity`` along their rows.
+
+    The second is the copy that a weight-gradient GEMM needs (``x`` reduced over its first dim). With
+    ``backend="compiled"`` both come from one compiled kernel that reads ``x`` once, without first
+    materialising ``x.T`` in high precision. Results equal two ``quantize`` calls bit for bit.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"quantize_with_transpose needs a 2-D tensor, got shape {tuple(x.shape)}")
+    if backend not in ("compiled", "eager"):
+        kw = {"margin": margin, "power_of_two": power_of_two, "mx_rounding": mx_rounding, "nonfinite": nonfinite}
+        return (
+            quantize(x, fmt, granularity, backend=backend, **kw),
+            quantize(x.t().contiguous(), fmt, granularity, backend=backend, **kw),
+        )
+    check_float_input(x)
+    fmt = get_format(fmt)
+    gran = parse_granularity(granularity)
+    rows, cols = x.shape
+    mx = mx_rounding if gran.is_mx else None
+    spec = BlockSpec(fmt, gran.block_shape(rows, cols), margin, power_of_two, mx)
+    spec_t = BlockSpec(fmt, gran.block_shape(cols, rows), margin, power_of_two, mx)
+    pair = quantize_pair_fused if backend == "compiled" else quantize_pair_eager
+    (d1, s1, a1), (d2, s2, a2) = pair(x, spec, spec_t)
+    return (
+        _finish(d1, s1, a1, x.shape, fmt, gran, spec.block, x.dtype, nonfinite),
+        _finish(d2, s2, a2, (cols, rows), fmt, gran, spec_t.block, x.dtype, nonfinite),
+    )

@@ -6,7 +6,13 @@
   the FP8 output once. Falls back to eager when compilation is unavailable.
 """
 
-from .fused import quantize_blocks_eager, quantize_blocks_fused, set_compile_enabled
+from .fused import (
+    quantize_blocks_eager,
+    quantize_blocks_fused,
+    quantize_pair_eager,
+    quantize_pair_fused,
+    set_compile_enabled,
+)
 from .reference import BlockSpec, quantize_blocks_reference
 
 __all__ = [
@@ -14,5 +20,7 @@ __all__ = [
     "quantize_blocks_eager",
     "quantize_blocks_fused",
     "quantize_blocks_reference",
+    "quantize_pair_eager",
+    "quantize_pair_fused",
     "set_compile_enabled",
 ]

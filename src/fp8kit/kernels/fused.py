@@ -54,6 +54,13 @@ def _per_tensor(
     return _cast(x.float() * scale.reshape(()), spec.fmt), scale, amax
 
 
+def quantize_pair_eager(
+    x: torch.Tensor, spec: BlockSpec, spec_t: BlockSpec
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Quantize ``x`` along its rows and ``x.T`` along its rows (the copy a weight-gradient GEMM needs)."""
+    return quantize_blocks_eager(x, spec), quantize_blocks_eager(x.t(), spec_t)
+
+
 @functools.cache
 def _compiled(kind: str):
     # One model has many operand shapes (x, x.T, dy, dy.T, W per layer): compile for symbolic sizes,
@@ -62,7 +69,7 @@ def _compiled(kind: str):
     for attr in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, attr):
             setattr(cfg, attr, max(getattr(cfg, attr), 64))
-    fn = _per_tensor if kind == "tensor" else quantize_blocks_eager
+    fn = {"tensor": _per_tensor, "tiles": quantize_blocks_eager, "pair": quantize_pair_eager}[kind]
     return torch.compile(fn, dynamic=True)
 
 
@@ -79,3 +86,15 @@ def quantize_blocks_fused(
         warnings.warn(f"fp8kit: compiled quantize kernel unavailable ({err}); using eager kernels", stacklevel=2)
         set_compile_enabled(False)
         return quantize_blocks_eager(x, spec, scale)
+
+
+def quantize_pair_fused(x: torch.Tensor, spec: BlockSpec, spec_t: BlockSpec):
+    """Compiled ``quantize_pair_eager``: both orientations from one graph that reads ``x``."""
+    if not _COMPILE["enabled"] or torch.compiler.is_compiling():
+        return quantize_pair_eager(x, spec, spec_t)
+    try:
+        return _compiled("pair")(x.detach(), spec, spec_t)
+    except Exception as err:  # no C++ compiler, unsupported platform...
+        warnings.warn(f"fp8kit: compiled quantize kernel unavailable ({err}); using eager kernels", stacklevel=2)
+        set_compile_enabled(False)
+        return quantize_pair_eager(x, spec, spec_t)

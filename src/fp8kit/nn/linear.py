@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ..gemm import fp8_gemm
 from ..recipes import DelayedScaling, Recipe
 from ..scaling import compute_scale
-from ..tensor import QuantizedTensor, quantize
+from ..tensor import QuantizedTensor, quantize, quantize_with_transpose
 from .autocast import fp8_enabled, recipe_override
 
 __all__ = ["Linear", "strip_fp8_state", "FP8_STATE_KEYS"]
@@ -101,16 +101,21 @@ class Linear(nn.Linear):
         backend = _BACKEND["name"]
         if isinstance(recipe, DelayedScaling) and recipe is self.recipe:
             return self._quantize_delayed(x, role, fmt, recipe, backend)
-        kwargs: dict[str, Any] = {}
-        if recipe.kind == "current":
-            kwargs = {"margin": recipe.margin, "power_of_two": recipe.power_of_two}  # type: ignore[attr-defined]
-        elif recipe.kind == "block":
-            kwargs = {"power_of_two": recipe.power_of_two}  # type: ignore[attr-defined]
-        elif recipe.kind == "mxfp8":
-            kwargs = {"mx_rounding": recipe.rounding}  # type: ignore[attr-defined]
-        q = quantize(x, fmt, recipe.granularity_for(role), nonfinite="propagate", backend=backend, **kwargs)
+        q = quantize(x, fmt, recipe.granularity_for(role), nonfinite="propagate", backend=backend, **_knobs(recipe))
         self._check_amax(q, role)
         return q
+
+    def quantize_operand_pair(
+        self, x: torch.Tensor, role: str, recipe: Recipe
+    ) -> tuple[QuantizedTensor, QuantizedTensor]:
+        """``x`` along its last dim and ``x.T`` along its last dim, from one fused kernel (tile recipes)."""
+        fmt = recipe.format_for(role)
+        gran = recipe.granularity_for(role)
+        q, q_t = quantize_with_transpose(
+            x, fmt, gran, nonfinite="propagate", backend=_BACKEND["name"], **_knobs(recipe)
+        )
+        self._check_amax(q, role)
+        return q, q_t
 
     def _quantize_delayed(
         self, x: torch.Tensor, role: str, fmt, recipe: DelayedScaling, backend: str
@@ -224,6 +229,17 @@ class Linear(nn.Linear):
         return f"{super().extra_repr()}, recipe={self.recipe.kind}"
 
 
+def _knobs(recipe: Recipe) -> dict[str, Any]:
+    """The recipe's settings as ``quantize`` keyword arguments."""
+    if recipe.kind == "current":
+        return {"margin": recipe.margin, "power_of_two": recipe.power_of_two}  # type: ignore[attr-defined]
+    if recipe.kind == "block":
+        return {"power_of_two": recipe.power_of_two}  # type: ignore[attr-defined]
+    if recipe.kind == "mxfp8":
+        return {"mx_rounding": recipe.rounding}  # type: ignore[attr-defined]
+    return {}
+
+
 def strip_fp8_state(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A copy of ``state_dict`` without FP8 scaling state, loadable into the unconverted model."""
     return {k: v for k, v in state_dict.items() if k.rsplit(".", 1)[-1] not in FP8_STATE_KEYS}
@@ -257,7 +273,11 @@ def _unpack(tensors: tuple[torch.Tensor, ...], meta: tuple | None) -> QuantizedT
 class _FP8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, module: Linear, recipe: Recipe):  # type: ignore[override]
-        xq = module.quantize_operand(x, "input", recipe)
+        fused_pair = ctx.needs_input_grad[1] and module.save_fp8_activations and not recipe.per_tensor
+        if fused_pair:  # tile recipes: both orientations of x from one pass
+            xq, xq_t = module.quantize_operand_pair(x, "input", recipe)
+        else:
+            xq = module.quantize_operand(x, "input", recipe)
         wq, wq_t = module.fp8_weights(recipe)
         out = fp8_gemm(xq, wq, out_dtype=x.dtype)
         if bias is not None:
@@ -269,7 +289,7 @@ class _FP8LinearFn(torch.autograd.Function):
             elif recipe.per_tensor:
                 saved_x = xq  # one scale: the transpose needs no requantization
             else:
-                saved_x = module.quantize_operand(x.t().contiguous(), "input", recipe)  # along M for dW
+                saved_x = xq_t  # along M, for dW
         x_tensors, ctx.x_meta = _pack(saved_x)
         w_tensors, ctx.w_meta = _pack(wq_t)
         ctx.save_for_backward(*x_tensors, *w_tensors)

@@ -20,7 +20,7 @@ from ..nn import convert, saved_activation_bytes, to_bf16_gemms
 from ..recipes import RECIPE_NAMES, recipe_from_name
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 
-__all__ = ["TrainConfig", "run_comparison", "parse_recipes"]
+__all__ = ["TrainConfig", "evaluate_checkpoint", "parse_recipes", "run_comparison"]
 
 
 @dataclass
@@ -142,7 +142,13 @@ def train_run(run: str, cfg: TrainConfig, corpus: Corpus, base_state, out: Path,
         eps=1e-8,
     )
     ckpt_dir = out / "ckpt" / run
-    info = {"run": run, "model_size": cfg.model_size, "seed": cfg.seed}
+    info = {
+        "run": run,
+        "model_size": cfg.model_size,
+        "seed": cfg.seed,
+        "seq_len": cfg.seq_len,
+        "batch_size": cfg.batch_size,
+    }
     start = 0
     if cfg.resume:
         path = latest_checkpoint(ckpt_dir)
@@ -269,6 +275,36 @@ def _check_resumable(out: Path, names: list[str], cfg: TrainConfig) -> None:
         for key, val in want.items():
             if info.get(key) != val:
                 raise CheckpointError(f"--resume: checkpoint {path} is for {key}={info.get(key)!r}, not {val!r}")
+
+
+def evaluate_checkpoint(checkpoint: str | Path, text: str | None = None, batches: int = 32) -> dict[str, Any]:
+    """Held-out loss and perplexity of a ``fp8kit train`` checkpoint (a run folder or ``ckpt/<run>``)."""
+    from .checkpoint import read_info
+
+    path = Path(checkpoint)
+    found = latest_checkpoint(path)
+    if found is None and (path / "model.safetensors").is_file():
+        found = path
+    if found is None:
+        raise CheckpointError(f"no fp8kit checkpoint in {path} (give a run's ckpt/<run> folder)")
+    info = read_info(found)
+    missing = [k for k in ("run", "model_size", "seed", "seq_len", "batch_size") if k not in info]
+    if missing:
+        raise CheckpointError(f"checkpoint {found} lacks {', '.join(missing)}: not written by fp8kit train")
+    cfg = TrainConfig(
+        model_size=info["model_size"],
+        seed=info["seed"],
+        seq_len=info["seq_len"],
+        batch_size=info["batch_size"],
+        text=text,
+    )
+    corpus = load_corpus(text)
+    corpus.check_fits(cfg.seq_len)
+    base = build_llama(cfg.model_size, max_seq_len=max(cfg.seq_len, 64), seed=cfg.seed).state_dict()
+    model = make_model(base, cfg, info["run"])
+    step, _ = load_checkpoint(found, model)
+    loss = evaluate(model, corpus.val_batches(batches, cfg.batch_size, cfg.seq_len, cfg.seed))
+    return {"run": info["run"], "step": step, "val_loss": loss, "val_ppl": math.exp(loss), "corpus": corpus.name}
 
 
 def unigram_entropy(ids: torch.Tensor) -> float:
