@@ -64,6 +64,8 @@ def test_module_filter_and_dim_rules():
     assert model2.fp8_conversion_report.skipped["2"] == "excluded by module_filter"
     with pytest.raises(TypeError, match="nn.Module"):
         fp8kit.convert("model")
+    with pytest.raises(ValueError, match="from_linear"):
+        fp8kit.convert(torch.nn.Linear(32, 32))
 
 
 def train_steps(model, batches, opt):

@@ -73,28 +73,27 @@ def _compiled(kind: str):
     return torch.compile(fn, dynamic=True)
 
 
+def _run(kind: str, eager, *args):
+    """Run the compiled kernel ``kind``; use ``eager`` when compiling is off, nested or unavailable."""
+    if not _COMPILE["enabled"] or torch.compiler.is_compiling():
+        return eager(*args)
+    try:
+        return _compiled(kind)(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
+    except Exception as err:  # no C++ compiler, unsupported platform...
+        warnings.warn(f"fp8kit: compiled quantize kernel unavailable ({err}); using eager kernels", stacklevel=3)
+        set_compile_enabled(False)
+        return eager(*args)
+
+
 def quantize_blocks_fused(
     x: torch.Tensor, spec: BlockSpec, scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compiled tile quantizer; bit-exact to ``quantize_blocks_reference`` with saturation and RNE."""
-    kind = "tensor" if tuple(spec.block) == tuple(x.shape) else "tiles"
-    if not _COMPILE["enabled"] or torch.compiler.is_compiling():
-        return (_per_tensor if kind == "tensor" else quantize_blocks_eager)(x, spec, scale)
-    try:
-        return _compiled(kind)(x.detach(), spec, None if scale is None else scale.detach())
-    except Exception as err:  # no C++ compiler, unsupported platform...
-        warnings.warn(f"fp8kit: compiled quantize kernel unavailable ({err}); using eager kernels", stacklevel=2)
-        set_compile_enabled(False)
-        return quantize_blocks_eager(x, spec, scale)
+    if tuple(spec.block) == tuple(x.shape):
+        return _run("tensor", _per_tensor, x, spec, scale)
+    return _run("tiles", quantize_blocks_eager, x, spec, scale)
 
 
 def quantize_pair_fused(x: torch.Tensor, spec: BlockSpec, spec_t: BlockSpec):
     """Compiled ``quantize_pair_eager``: both orientations from one graph that reads ``x``."""
-    if not _COMPILE["enabled"] or torch.compiler.is_compiling():
-        return quantize_pair_eager(x, spec, spec_t)
-    try:
-        return _compiled("pair")(x.detach(), spec, spec_t)
-    except Exception as err:  # no C++ compiler, unsupported platform...
-        warnings.warn(f"fp8kit: compiled quantize kernel unavailable ({err}); using eager kernels", stacklevel=2)
-        set_compile_enabled(False)
-        return quantize_pair_eager(x, spec, spec_t)
+    return _run("pair", quantize_pair_eager, x, spec, spec_t)

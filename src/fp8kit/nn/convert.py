@@ -78,6 +78,11 @@ def convert(
     recipe = recipe if recipe is not None else DelayedScaling()
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be an fp8kit recipe, got {recipe!r}")
+    if type(model) is nn.Linear:
+        raise ValueError(
+            "convert() replaces layers inside a model, not the model itself: wrap the Linear in "
+            "nn.Sequential, or use fp8kit.nn.Linear.from_linear(layer, recipe)"
+        )
     report = ConversionReport()
     default = default_module_filter(model)
     targets: list[tuple[str, nn.Linear]] = []
@@ -98,8 +103,6 @@ def convert(
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, new)
         report.converted.append(name)
-    if not targets and model is not None and isinstance(model, nn.Linear) and type(model) is nn.Linear:
-        raise ValueError("convert() cannot replace the top-level module itself; wrap it in nn.Sequential")
     object.__setattr__(model, "fp8_conversion_report", report)
     (print if verbose else log.info)(str(report))
     return model
