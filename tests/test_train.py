@@ -58,7 +58,9 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert set(summary["runs"]) == {"bf16", "fp8-delayed", "fp8-block"}
     records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     for run, res in summary["runs"].items():
-        recs = [r for r in records if r["run"] == run]
+        recs = [r for r in records if r["run"] == run and r["step"] > 0]
+        (before,) = [r for r in records if r["run"] == run and r["step"] == 0]  # held-out loss before training
+        assert res["val_loss_before"] == pytest.approx(before["val_loss"]) and before["val_loss"] > res["val_loss"]
         assert [r["step"] for r in recs] == list(range(1, 9))
         losses = [r["loss"] for r in recs]
         assert all(math.isfinite(v) for v in losses)
@@ -105,7 +107,7 @@ def test_resume_is_bit_exact(tmp_path, monkeypatch):
     part_losses = [json.loads(ln) for ln in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
 
     def key(recs):
-        return [(r["run"], r["step"], r["loss"], r.get("val_loss")) for r in recs]
+        return [(r["run"], r["step"], r.get("loss"), r.get("val_loss")) for r in recs]
 
     assert key(part_losses) == key(full_losses)  # same losses, bit for bit, FP8 scaling state included
     assert resumed["runs"]["fp8-delayed"]["val_loss"] == full["runs"]["fp8-delayed"]["val_loss"]

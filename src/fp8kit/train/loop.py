@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..data import Corpus, load_corpus
+from ..data import ByteTokenizer, Corpus, load_corpus
 from ..models import build_llama
 from ..nn import convert, saved_activation_bytes, to_bf16_gemms
 from ..recipes import RECIPE_NAMES, recipe_from_name
@@ -35,6 +35,7 @@ class TrainConfig:
     grad_accum: int = 1
     seed: int = 0
     model_size: str = "small"
+    model: str = "demo"
     compile: bool = False
     out: str = "runs/fp8kit-train"
     resume: bool = False
@@ -63,9 +64,36 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
 
 
-def make_model(base_state: dict[str, torch.Tensor], cfg: TrainConfig, run: str) -> torch.nn.Module:
-    model = build_llama(cfg.model_size, max_seq_len=max(cfg.seq_len, 64), seed=cfg.seed)
-    model.load_state_dict(base_state)
+# Fine-tuning a pretrained model wants a small learning rate and a short, affordable run on a CPU.
+FINETUNE_DEFAULTS = {
+    "steps": 20,
+    "batch_size": 4,
+    "seq_len": 128,
+    "lr": 5e-5,
+    "warmup": 3,
+    "weight_decay": 0.0,
+    "eval_batches": 8,
+}
+DEMO_DEFAULTS = {"steps": 200, "batch_size": 16, "seq_len": 128, "lr": 3e-3}
+
+
+def defaults_for(model: str) -> dict[str, Any]:
+    """Default settings of ``fp8kit train --model MODEL`` (the demo model, or fine-tuning a pretrained one)."""
+    return dict(DEMO_DEFAULTS) if model == "demo" else dict(FINETUNE_DEFAULTS)
+
+
+def build_base(cfg: TrainConfig) -> tuple[torch.nn.Module, Any]:
+    """The initial model every run starts from and its tokenizer (byte-level for the demo model)."""
+    if cfg.model == "demo":
+        return build_llama(cfg.model_size, max_seq_len=max(cfg.seq_len, 64), seed=cfg.seed), ByteTokenizer()
+    from ..models.pretrained import load_pretrained_lm
+
+    return load_pretrained_lm(cfg.model)
+
+
+def make_model(base: torch.nn.Module, cfg: TrainConfig, run: str) -> torch.nn.Module:
+    """A copy of ``base`` with the run's GEMMs: BF16 for ``bf16``, FP8 ``convert`` for ``fp8-<recipe>``."""
+    model = copy.deepcopy(base)
     if run != "bf16":
         convert(model, recipe_from_name(run.removeprefix("fp8-")))
     to_bf16_gemms(model)  # the layers that stay high precision (all of them for bf16) use BF16 GEMMs
@@ -129,10 +157,12 @@ class MetricsLog:
         return [json.loads(ln) for ln in self.path.read_text().splitlines() if ln.strip()]
 
 
-def train_run(run: str, cfg: TrainConfig, corpus: Corpus, base_state, out: Path, log: MetricsLog) -> dict[str, Any]:
+def train_run(
+    run: str, cfg: TrainConfig, corpus: Corpus, base: torch.nn.Module, out: Path, log: MetricsLog
+) -> dict[str, Any]:
     """Train one run to ``cfg.steps`` (resuming from its checkpoint if asked); returns its results."""
     torch.manual_seed(cfg.seed)
-    model = make_model(base_state, cfg, run)
+    model = make_model(base, cfg, run)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -145,6 +175,7 @@ def train_run(run: str, cfg: TrainConfig, corpus: Corpus, base_state, out: Path,
     info = {
         "run": run,
         "model_size": cfg.model_size,
+        "model": cfg.model,
         "seed": cfg.seed,
         "seq_len": cfg.seq_len,
         "batch_size": cfg.batch_size,
@@ -157,6 +188,8 @@ def train_run(run: str, cfg: TrainConfig, corpus: Corpus, base_state, out: Path,
     log.keep_until(run, start)
     step_fn = torch.compile(model) if cfg.compile else model
     val = corpus.val_batches(cfg.eval_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
+    if start == 0:  # step 0: the held-out loss before training (the pretrained model's, when fine-tuning)
+        log.write({"run": run, "step": 0, "val_loss": evaluate(model, val)})
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
     bar = None
     if cfg.progress:
@@ -205,14 +238,20 @@ def train_run(run: str, cfg: TrainConfig, corpus: Corpus, base_state, out: Path,
     finally:
         if bar is not None:
             bar.close()
-    records = [r for r in log.read() if r["run"] == run]
+    before = [r["val_loss"] for r in log.read() if r["run"] == run and r["step"] == 0]
+    records = [r for r in log.read() if r["run"] == run and "loss" in r]
     last = records[-min(10, len(records)) :] if records else []
-    val_loss = evaluate(model, val)
+    # the last step's evaluation already measured the final model (unless it was interrupted and resumed)
+    val_loss = last[-1]["val_loss"] if last and last[-1]["step"] == cfg.steps and "val_loss" in last[-1] else None
+    if val_loss is None:
+        val_loss = evaluate(model, val)
     x, _ = corpus.batch("train", 0, cfg.batch_size, cfg.seq_len, cfg.seed)
     return {
         "train_loss": sum(r["loss"] for r in last) / max(len(last), 1),
         "val_loss": val_loss,
         "val_ppl": math.exp(val_loss),
+        "val_loss_before": before[-1] if before else float("nan"),
+        "val_ppl_before": math.exp(before[-1]) if before else float("nan"),
         "tokens_per_s": (sum(r["tokens_per_s"] for r in records) / len(records)) if records else 0.0,
         "peak_mem_bytes": memory_bytes(model, opt, x),
         "steps": cfg.steps,
@@ -230,28 +269,27 @@ def run_comparison(cfg: TrainConfig) -> dict[str, Any]:
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(cfg, key)}")
     if not cfg.lr > 0:
         raise ValueError(f"--lr must be > 0, got {cfg.lr}")
-    corpus = load_corpus(cfg.text)
+    base, tokenizer = build_base(cfg)
+    corpus = load_corpus(cfg.text, tokenizer)
     corpus.check_fits(cfg.seq_len)
     out = Path(cfg.out)
     if cfg.resume:
         _check_resumable(out, names, cfg)
     _prepare_out(out)
-    base = build_llama(cfg.model_size, max_seq_len=max(cfg.seq_len, 64), seed=cfg.seed)
-    base_state = copy.deepcopy(base.state_dict())
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     log = MetricsLog(out / "metrics.jsonl")
     if not cfg.resume and log.path.exists():
         log.path.unlink()
     results: dict[str, Any] = {}
     for run in names:
-        results[run] = train_run(run, cfg, corpus, base_state, out, log)
+        results[run] = train_run(run, cfg, corpus, base, out, log)
     for run, res in results.items():
         if run != "bf16":
             res["rel_gap"] = (res["val_loss"] - results["bf16"]["val_loss"]) / results["bf16"]["val_loss"]
     summary = {
         "runs": results,
         "corpus": corpus.name,
-        "model": cfg.model_size,
+        "model": cfg.model_size if cfg.model == "demo" else cfg.model,
         "params": sum(p.numel() for p in base.parameters()),
         "unigram_entropy": unigram_entropy(corpus.train),
         "config": asdict(cfg),
@@ -271,9 +309,9 @@ def _check_resumable(out: Path, names: list[str], cfg: TrainConfig) -> None:
         if path is None:
             continue
         info = read_info(path)
-        want = {"run": run, "model_size": cfg.model_size, "seed": cfg.seed}
+        want = {"run": run, "model_size": cfg.model_size, "model": cfg.model, "seed": cfg.seed}
         for key, val in want.items():
-            if info.get(key) != val:
+            if info.get(key, "demo" if key == "model" else None) != val:
                 raise CheckpointError(f"--resume: checkpoint {path} is for {key}={info.get(key)!r}, not {val!r}")
 
 
@@ -293,18 +331,31 @@ def evaluate_checkpoint(checkpoint: str | Path, text: str | None = None, batches
         raise CheckpointError(f"checkpoint {found} lacks {', '.join(missing)}: not written by fp8kit train")
     cfg = TrainConfig(
         model_size=info["model_size"],
+        model=info.get("model", "demo"),
         seed=info["seed"],
         seq_len=info["seq_len"],
         batch_size=info["batch_size"],
         text=text,
     )
-    corpus = load_corpus(text)
+    base, tokenizer = build_base(cfg)
+    corpus = load_corpus(text, tokenizer)
     corpus.check_fits(cfg.seq_len)
-    base = build_llama(cfg.model_size, max_seq_len=max(cfg.seq_len, 64), seed=cfg.seed).state_dict()
     model = make_model(base, cfg, info["run"])
     step, _ = load_checkpoint(found, model)
     loss = evaluate(model, corpus.val_batches(batches, cfg.batch_size, cfg.seq_len, cfg.seed))
     return {"run": info["run"], "step": step, "val_loss": loss, "val_ppl": math.exp(loss), "corpus": corpus.name}
+
+
+def evaluate_pretrained(
+    model_name: str, text: str | None = None, batches: int = 16, batch_size: int = 4, seq_len: int = 128, seed: int = 0
+) -> dict[str, Any]:
+    """Held-out loss and perplexity of a pretrained model as shipped (FP32 weights, no FP8)."""
+    cfg = TrainConfig(model=model_name, seed=seed, seq_len=seq_len, batch_size=batch_size, text=text)
+    model, tokenizer = build_base(cfg)
+    corpus = load_corpus(text, tokenizer)
+    corpus.check_fits(seq_len)
+    loss = evaluate(model, corpus.val_batches(batches, batch_size, seq_len, seed))
+    return {"run": model_name, "step": 0, "val_loss": loss, "val_ppl": math.exp(loss), "corpus": corpus.name}
 
 
 def unigram_entropy(ids: torch.Tensor) -> float:

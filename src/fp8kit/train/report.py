@@ -21,13 +21,15 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         "",
         f"Unigram entropy of the corpus: {summary['unigram_entropy']:.3f} nats/token (a model that learns nothing).",
         "",
-        "| run | train loss | val loss | val ppl | gap to bf16 | tokens/s | peak mem (MiB) |",
+        "| run | train loss | val loss | val ppl (step 0 → end) | gap to bf16 | tokens/s | peak mem (MiB) |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, r in runs.items():
         gap = f"{100 * r['rel_gap']:+.2f}%" if "rel_gap" in r else "—"
+        before = r.get("val_ppl_before", float("nan"))
+        ppl = f"{before:.3f} → {r['val_ppl']:.3f}" if before == before else f"{r['val_ppl']:.3f}"
         lines.append(
-            f"| {name} | {r['train_loss']:.4f} | {r['val_loss']:.4f} | {r['val_ppl']:.3f} | {gap} | "
+            f"| {name} | {r['train_loss']:.4f} | {r['val_loss']:.4f} | {ppl} | {gap} | "
             f"{r['tokens_per_s']:,.0f} | {r['peak_mem_bytes'] / 2**20:.1f} |"
         )
     return "\n".join(lines) + "\n"
@@ -41,6 +43,8 @@ def plot_losses(path: Path, records: list[dict[str, Any]]) -> None:
 
     by_run: dict[str, list[dict[str, Any]]] = {}
     for r in records:
+        if "loss" not in r:  # the step-0 held-out evaluation
+            continue
         by_run.setdefault(r["run"], []).append(r)
 
     def smooth(vals: list[float], k: int = 10) -> list[float]:

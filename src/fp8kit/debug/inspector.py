@@ -1,0 +1,182 @@
+"""The numerics inspector: per-layer, per-operand FP8 statistics over training, as JSONL and TensorBoard.
+
+```python
+with fp8kit.debug.inspect(model, log_dir="runs/inspect", every=10, what_if=["current", "block"]) as insp:
+    for batch in data:
+        loss = model(batch).loss; loss.backward(); opt.step(); opt.zero_grad()
+        insp.step()          # one training step done
+```
+
+For every ``fp8kit.nn.Linear`` and each GEMM operand (``input``, ``weight``, ``grad``: the output
+gradient) on the steps where ``step % every == 0``, it records the figures of
+``fp8kit.debug.stats.operand_stats`` under the layer's own recipe (``recipe: "actual"``), and under each
+``what_if`` recipe on the same tensors (training is unchanged). Hooks exist only inside the ``with``
+block: outside it the model runs exactly as without the inspector (no overhead).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..nn.linear import Linear as FP8Linear
+from ..recipes import DelayedScaling, Recipe, recipe_from_name
+from .stats import ROLES, operand_stats
+
+__all__ = ["Inspector", "inspect"]
+
+
+class Inspector:
+    """Collects operand statistics of a converted model's FP8 layers (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        log_dir: str | Path | None = None,
+        every: int = 1,
+        what_if: Iterable[Recipe | str] = (),
+        tensorboard: bool = True,
+        layers: Iterable[str] | None = None,
+    ) -> None:
+        self.model = model
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.every = every
+        self.what_if = [recipe_from_name(r) if isinstance(r, str) else r for r in what_if]
+        self.layers = {
+            n: m for n, m in model.named_modules() if isinstance(m, FP8Linear) and (layers is None or n in set(layers))
+        }
+        if not self.layers:
+            raise ValueError(
+                "the model has no FP8 layers to inspect: convert it first (fp8kit.convert(model, recipe))"
+                + (" or fix the layer names given" if layers is not None else "")
+            )
+        self.current_step = 0
+        self.records: list[dict[str, Any]] = []
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self._jsonl = None
+        self._tb = None
+        self._want_tb = tensorboard
+        self._hooks: list[Any] = []
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    def __enter__(self) -> Inspector:
+        if self.log_dir is not None:
+            try:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+                self._jsonl = open(self.log_dir / "fp8_stats.jsonl", "a")  # noqa: SIM115
+            except OSError as err:
+                raise PermissionError(
+                    f"cannot write the inspector log to {self.log_dir}: {err.strerror or err}"
+                ) from err
+            if self._want_tb:
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+
+                    self._tb = SummaryWriter(str(self.log_dir / "tensorboard"))
+                except ImportError:  # tensorboard not installed: JSONL only
+                    self._tb = None
+        for name, m in self.layers.items():
+            self._hooks.append(m.register_forward_pre_hook(self._on_forward(name)))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def step(self) -> None:
+        """Mark the end of a training step (statistics are taken on steps divisible by ``every``)."""
+        self.current_step += 1
+        if self._tb is not None:
+            self._tb.flush()
+
+    @property
+    def active(self) -> bool:
+        return self.current_step % self.every == 0
+
+    # ---- collection --------------------------------------------------------------------------------
+    def _delayed_scale(self, m: FP8Linear, role: str) -> torch.Tensor | None:
+        i = ROLES.index(role)
+        if isinstance(m.recipe, DelayedScaling) and m._calibrated[i]:
+            return m.fp8_scale[i].detach().clone()
+        return None
+
+    def _record(self, name: str, m: FP8Linear, role: str, x: torch.Tensor, scale: torch.Tensor | None) -> None:
+        step = self.current_step
+        recipes = [("actual", m.active_recipe())] + [(r.kind, r) for r in self.what_if]
+        for label, recipe in recipes:
+            stats = operand_stats(x, role, recipe, scale if label == "actual" else None)
+            rec = {"step": step, "layer": name, "operand": role, "recipe": label, "recipe_kind": recipe.kind, **stats}
+            self.records.append(rec)
+            if self._jsonl is not None:
+                self._jsonl.write(json.dumps(rec) + "\n")
+            if self._tb is not None:
+                for key in ("amax", "scale", "underflow_pct", "saturation_pct", "sqnr_db", "staleness"):
+                    if key in stats and stats[key] == stats[key] and abs(stats[key]) != float("inf"):
+                        self._tb.add_scalar(f"{name}/{role}/{label}/{key}", stats[key], step)
+
+    def _on_forward(self, name: str):
+        def hook(m: FP8Linear, args: tuple[Any, ...]) -> None:
+            if not self.active:
+                return
+            x = args[0]
+            self._record(name, m, "input", x, self._delayed_scale(m, "input"))
+            self._record(name, m, "weight", m.weight, self._delayed_scale(m, "weight"))
+            if x.requires_grad or m.weight.requires_grad:
+                scale = self._delayed_scale(m, "grad")  # what the backward of this step will use
+
+                def on_out(mod, a, out):
+                    if isinstance(out, torch.Tensor) and out.requires_grad:
+                        out.register_hook(lambda g: self._record(name, mod, "grad", g, scale))
+                    handle.remove()
+
+                handle = m.register_forward_hook(on_out)
+
+        return hook
+
+    def table(self, step: int | None = None, recipe: str = "actual") -> list[dict[str, Any]]:
+        """The records of one step (default: the last one recorded) for ``recipe``."""
+        if not self.records:
+            return []
+        step = self.records[-1]["step"] if step is None else step
+        return [r for r in self.records if r["step"] == step and r["recipe"] == recipe]
+
+
+def inspect(model: nn.Module, **kwargs: Any) -> Inspector:
+    """``Inspector(model, **kwargs)``; use it as a context manager."""
+    return Inspector(model, **kwargs)
+
+
+def read_stats(path: str | Path) -> list[dict[str, Any]]:
+    """Records of an inspector's ``fp8_stats.jsonl`` (clear error if missing or empty)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "fp8_stats.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no inspector log at {path}")
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{i} is not a JSON line ({err.msg})") from err
+    if not rows:
+        raise ValueError(f"{path} is empty: the inspector recorded no step (is `every` larger than the run?)")
+    return rows

