@@ -163,3 +163,37 @@ def test_corrupted_or_foreign_directories(base, batches, tmp_path):
 def test_save_needs_a_quantized_model(base, tmp_path):
     with pytest.raises(ExportError, match="fp8kit.ptq.quantize"):
         save_pretrained(copy.deepcopy(base), tmp_path / "x")
+
+
+def test_loads_another_tools_layout(base, batches, tmp_path):
+    """llm-compressor style variations: bfloat16 weights and scales, 0-d per-tensor scales, regex
+    targets/ignore, weights split over two safetensors shards."""
+    from safetensors.torch import load_file, save_file
+
+    q = quantized(base, batches, "fp8")
+    out = save_pretrained(q, tmp_path / "ours")
+    tensors = load_file(str(out / "model.safetensors"))
+    other = tmp_path / "other"
+    other.mkdir()
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["torch_dtype"] = "bfloat16"
+    cfg["quantization_config"]["config_groups"]["group_0"]["targets"] = ["re:.*_proj$"]
+    cfg["quantization_config"]["ignore"] = ["re:.*lm_head"]
+    (other / "config.json").write_text(json.dumps(cfg))
+    converted = {}
+    for k, v in tensors.items():
+        if k.endswith(("weight_scale", "input_scale")) and v.numel() == 1:
+            v = v.reshape(())
+        if v.is_floating_point() and v.dtype != torch.float8_e4m3fn:
+            v = v.to(torch.bfloat16)
+        converted[k] = v
+    keys = sorted(converted)
+    save_file({k: converted[k] for k in keys[: len(keys) // 2]}, str(other / "model-00001-of-00002.safetensors"))
+    save_file({k: converted[k] for k in keys[len(keys) // 2 :]}, str(other / "model-00002-of-00002.safetensors"))
+    loaded = load_pretrained(other)
+    assert len(loaded.ptq_report.quantized) == 14
+    x = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        ours, theirs = q(x).logits, loaded(x).logits
+    # only the bfloat16 rounding of the scales and the unquantized weights differs
+    assert float((ours - theirs).pow(2).mean() / ours.pow(2).mean()) < 1e-3

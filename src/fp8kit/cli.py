@@ -91,7 +91,12 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         raise ValueError("--scheme takes one scheme: fp8, fp8-dynamic, int8-smoothquant, int8-weight-only (+kv)")
     (scheme,) = parse_schemes(args.scheme)
     model, tokenizer, corpus = quantize_pretrained(
-        args.model, scheme, text=args.text, calib_batches=args.calib_batches, calibration=args.calibration
+        args.model,
+        scheme,
+        text=args.text,
+        calib_batches=args.calib_batches,
+        calibration=args.calibration,
+        alpha=args.alpha,
     )
     out = save_pretrained(model, args.out, tokenizer)
     print(model.ptq_report)
@@ -110,6 +115,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         eval_batches=args.eval_batches,
         calib_batches=args.calib_batches,
         calibration=args.calibration,
+        alpha=args.alpha,
     )
     print()
     print(compare_markdown(result))
@@ -217,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--scheme", required=True, help="fp8|fp8-dynamic|int8-smoothquant|int8-weight-only; fp8+kv: FP8 KV")
     q.add_argument("--out", required=True, help="directory for the Hugging Face / vLLM checkpoint")
     q.add_argument("--text", default=None, help="calibrate on this UTF-8 text instead of the shipped corpus")
-    q.add_argument("--calibration", default="max", help="max|percentile|mse (static activation scales)")
+    q.add_argument("--calibration", default="mse", help="max|percentile|mse (static activation scales)")
+    q.add_argument("--alpha", type=float, default=0.8, help="SmoothQuant migration strength (0.8 suits Llama models)")
     q.add_argument("--calib-batches", type=int, default=8, help="calibration batches of 4 x 128 tokens")
     q.set_defaults(func=cmd_quantize)
 
@@ -226,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--schemes", default="all", help="all, or a comma list of schemes (fp8+kv for the FP8 KV cache)")
     c.add_argument("--out", default="runs/fp8kit-compare", help="folder for compare.json/md/png")
     c.add_argument("--text", default=None, help="use this UTF-8 text instead of the shipped corpus")
-    c.add_argument("--calibration", default="max", help="max|percentile|mse")
+    c.add_argument("--calibration", default="mse", help="max|percentile|mse (static activation scales)")
+    c.add_argument("--alpha", type=float, default=0.8, help="SmoothQuant migration strength")
     c.add_argument("--calib-batches", type=int, default=8)
     c.add_argument("--eval-batches", type=int, default=8, help="held-out batches of 4 x 128 tokens")
     c.set_defaults(func=cmd_compare)

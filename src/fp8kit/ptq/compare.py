@@ -108,10 +108,11 @@ def quantize_pretrained(
     scheme: str,
     text: str | None = None,
     calib_batches: int = 8,
-    calibration: str = "max",
+    calibration: str = "mse",
     batch_size: int = 4,
     seq_len: int = 128,
     seed: int = 0,
+    alpha: float = 0.8,
 ) -> tuple[nn.Module, Any, Corpus]:
     """Load ``model_name`` (``smollm2`` or a local directory) and quantize it with ``scheme``
     (``+kv`` suffix: FP8 KV cache), calibrating on the corpus's training split."""
@@ -123,7 +124,7 @@ def quantize_pretrained(
     corpus.check_fits(seq_len)
     loop = calibration_loop(corpus, calib_batches, batch_size, seq_len, seed)
     base = scheme.removesuffix("+kv")
-    quantize(model, base, loop, calibration=calibration, kv_cache=scheme.endswith("+kv"))
+    quantize(model, base, loop, calibration=calibration, kv_cache=scheme.endswith("+kv"), alpha=alpha)
     return model, tokenizer, corpus
 
 
@@ -134,11 +135,12 @@ def compare_schemes(
     text: str | None = None,
     eval_batches: int = 8,
     calib_batches: int = 8,
-    calibration: str = "max",
+    calibration: str = "mse",
     batch_size: int = 4,
     seq_len: int = 128,
     seed: int = 0,
     progress: bool = True,
+    alpha: float = 0.8,
 ) -> dict[str, Any]:
     """Perplexity, weight memory and per-token times of BF16 and each scheme; writes
     ``compare.json``, ``compare.md`` and ``compare.png`` under ``out``."""
@@ -159,7 +161,14 @@ def compare_schemes(
         if name == "bf16":
             to_bf16_gemms(model)
         else:
-            quantize(model, name.removesuffix("+kv"), loop, calibration=calibration, kv_cache=name.endswith("+kv"))
+            quantize(
+                model,
+                name.removesuffix("+kv"),
+                loop,
+                calibration=calibration,
+                kv_cache=name.endswith("+kv"),
+                alpha=alpha,
+            )
         qtime = time.perf_counter() - t0
         ppl = perplexity(model, corpus, eval_batches, batch_size, seq_len, seed)
         prefill, decode = time_per_token(model, prompt, new_tokens=16)
@@ -195,6 +204,7 @@ def compare_schemes(
             "method": calibration,
             "batches": calib_batches,
             "tokens": calib_batches * batch_size * seq_len,
+            "smoothquant_alpha": alpha,
         },
         "machine": f"{os.cpu_count()} CPU threads, torch {torch.__version__}",
         "rows": rows,
@@ -207,7 +217,8 @@ def compare_markdown(result: dict[str, Any]) -> str:
     lines = [
         f"# fp8kit compare: {result['model']} on {result['corpus']} ({result['eval_tokens']:,} held-out tokens)",
         "",
-        f"Calibration: {result['calibration']['method']} over {result['calibration']['tokens']:,} training tokens. "
+        f"Calibration: {result['calibration']['method']} over {result['calibration']['tokens']:,} training tokens "
+        f"(SmoothQuant alpha {result['calibration']['smoothquant_alpha']}). "
         f"Machine: {result['machine']}. Times are CPU emulation of the 8-bit GEMMs, not hardware FP8/INT8.",
         "",
         "| scheme | perplexity | vs bf16 | weights (MiB) | vs bf16 | Linear weights vs bf16 | KV cache @4k tokens (MiB) "
