@@ -174,6 +174,10 @@ def test_fp8_kv_cache_is_idempotent_under_decoding():
     assert not torch.equal(full, no_kv)  # the KV rounding is applied
     assert sqnr_db(no_kv, full) > 20
     assert ptq.kv_cache_bytes(q, 100, 1) * 2 == ptq.kv_cache_bytes(q, 100, 2)
+    # k/v scales follow the calibration method: MSE search clips at or below the max
+    mse = ptq.quantize(copy.deepcopy(model), "fp8", calib(batches), kv_cache=True, calibration="mse")
+    k_max, k_mse = float(attn.k_scale), float(mse.model.layers[0].self_attn.k_scale)
+    assert 0 < k_mse <= k_max
 
 
 def test_trained_fp8_model_exports_with_its_scales():

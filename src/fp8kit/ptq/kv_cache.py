@@ -1,5 +1,7 @@
 """FP8 KV cache for ``transformers`` attention (Llama-style): per-tensor static E4M3 k/v scales.
 
+The k/v scales are calibrated like activation scales (``max``, ``percentile`` or ``mse`` clipping).
+
 fp8kit registers an attention function with ``transformers.AttentionInterface`` that rounds the keys
 (after RoPE, as vLLM caches them) and the values to E4M3 with each layer's calibrated ``k_scale`` /
 ``v_scale`` (dequant multipliers, ``amax / 448``) before the model's own attention kernel runs.
@@ -17,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from ..formats import E4M3
+from .calibrate import InputObserver, choose_amax
 from .linear import quantize_codes, scale_for
 
 __all__ = ["ATTN_NAME", "attention_modules", "enable_fp8_kv", "kv_cache_bytes"]
@@ -46,8 +49,8 @@ def _fp8_kv_attention(module: nn.Module, query, key, value, attention_mask, **kw
     inner = ALL_ATTENTION_FUNCTIONS.get(inner_name, sdpa_attention_forward) if inner_name != "eager" else None
     if state is not None:
         if state["mode"] == "observe":
-            state["k_amax"] = max(state["k_amax"], float(key.detach().abs().max()))
-            state["v_amax"] = max(state["v_amax"], float(value.detach().abs().max()))
+            state["k"].observe(key)
+            state["v"].observe(value)
         else:
             key = _fake_fp8(key, module.k_scale)
             value = _fake_fp8(value, module.v_scale)
@@ -81,20 +84,25 @@ def enable_fp8_kv(model: nn.Module, mode: str = "observe") -> dict[str, nn.Modul
         config_m = m.config
         config_m._attn_implementation = ATTN_NAME
         if mode == "observe":
-            m._fp8kit_kv = {"mode": "observe", "k_amax": 0.0, "v_amax": 0.0}
+            m._fp8kit_kv = {
+                "mode": "observe",
+                "k": InputObserver(f"{m.layer_idx}.k"),
+                "v": InputObserver(f"{m.layer_idx}.v"),
+            }
         else:
             m._fp8kit_kv = {"mode": "quantize"}
     return blocks
 
 
-def finish_calibration(blocks: dict[str, nn.Module]) -> None:
-    """Turn the observed k/v amax into ``k_scale``/``v_scale`` buffers and switch to quantizing."""
+def finish_calibration(blocks: dict[str, nn.Module], method: str = "max", percentile: float = 99.99) -> None:
+    """Turn the observed keys/values into ``k_scale``/``v_scale`` buffers (clipping chosen by the
+    calibration ``method``, as for activations) and switch to quantizing."""
     for name, m in blocks.items():
         st = m._fp8kit_kv
         for which in ("k", "v"):
-            amax = st[f"{which}_amax"]
-            if not amax > 0:
-                raise ValueError(f"fp8-kv: attention {name!r} saw no (or all-zero) {which} during calibration")
+            obs = st[which]
+            obs.name = f"{name} ({which})"
+            amax = choose_amax(obs, E4M3, method, percentile)
             m.register_buffer(f"{which}_scale", scale_for(torch.tensor([amax]), E4M3))
         m._fp8kit_kv = {"mode": "quantize"}
 

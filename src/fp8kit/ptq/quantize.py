@@ -147,7 +147,7 @@ def quantize(
             if blocks is not None:  # one more pass records the post-RoPE k/v amax
                 with torch.no_grad():
                     forward_loop(model)
-                finish_calibration(blocks)
+                finish_calibration(blocks, calibration, percentile)
             if scheme.static_activations:
                 for name in targets:
                     amax[name] = choose_amax(observers[name], scheme.act_format, calibration, percentile)
