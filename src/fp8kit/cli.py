@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from . import __version__
 from .formats import FORMATS
@@ -124,6 +125,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    from .data import load_corpus
     from .debug import doctor
     from .recipes import recipe_from_name
     from .train.loop import TrainConfig, build_base
@@ -131,18 +133,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     recipe = recipe_from_name(args.recipe)
     cfg = TrainConfig(model=args.model, model_size=args.model_size, seq_len=args.seq_len, seed=args.seed)
     model, tokenizer = build_base(cfg)
-    from .data import load_corpus
-
     corpus = load_corpus(args.text, tokenizer)
     corpus.check_fits(args.seq_len)
     batches = []
     for i in range(args.steps):
         x, _ = corpus.batch("train", i, args.batch_size, args.seq_len, args.seed)
         batches.append({"input_ids": x, "labels": x})
-    out = args.out
-    from pathlib import Path
-
-    Path(out).mkdir(parents=True, exist_ok=True)  # fail early (clear error) if the folder is not writable
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)  # fail early (clear error) if the folder is not writable
     report = doctor(model, batches, recipe=recipe, steps=args.steps, lr=args.lr, apply=args.apply, seed=args.seed)
     path = report.save(out)
     print(

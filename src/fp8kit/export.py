@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from .ptq.linear import QuantLinear
 from .ptq.schemes import SCHEMES, Scheme
+from .state_dict import tied_aliases
 
 __all__ = ["ExportError", "load_pretrained", "save_pretrained"]
 
@@ -101,18 +102,6 @@ def unpack_int8(packed: torch.Tensor, cols: int) -> torch.Tensor:
     return (u.to(torch.int16) - 128).to(torch.int8)
 
 
-def _tied_aliases(state: dict[str, torch.Tensor]) -> set[str]:
-    seen: dict[tuple, str] = {}
-    aliases = set()
-    for key, val in state.items():
-        ident = (val.untyped_storage().data_ptr(), val.storage_offset(), tuple(val.shape))
-        if ident in seen:
-            aliases.add(key)
-        else:
-            seen[ident] = key
-    return aliases
-
-
 def save_pretrained(model: nn.Module, out_dir: str | Path, tokenizer: Any = None) -> Path:
     """Write a ``fp8kit.ptq``-quantized model as a compressed-tensors directory (atomically)."""
     from safetensors.torch import save_file
@@ -127,7 +116,7 @@ def save_pretrained(model: nn.Module, out_dir: str | Path, tokenizer: Any = None
         raise ExportError("save_pretrained needs a Hugging Face model (with .config) to write config.json")
     tensors: dict[str, torch.Tensor] = {}
     state = model.state_dict()
-    aliases = _tied_aliases(state)
+    aliases = tied_aliases(state)
     prefixes = tuple(f"{n}." for n in qlayers)
     for key, val in state.items():
         if key in aliases or key.startswith(prefixes):
@@ -283,7 +272,7 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.
         {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}, strict=False
     )
     model.tie_weights()
-    tied = _tied_aliases(model.state_dict())
+    tied = tied_aliases(model.state_dict())
     qbuffers = {f"{n}.{b}" for n in names for b in ("weight", "weight_scale", "input_scale", "bias")}
     missing = [k for k in missing if k not in tied and k not in qbuffers and "rotary_emb" not in k]
     if missing or unexpected:

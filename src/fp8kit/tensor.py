@@ -101,6 +101,24 @@ def _as_2d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+def _validate(
+    x: torch.Tensor, fmt: Format | str, granularity: Granularity | str | tuple[int, int], nonfinite: str
+) -> tuple[Format, Granularity]:
+    """The checks every quantize entry point makes; returns the parsed format and granularity."""
+    check_float_input(x)
+    fmt = get_format(fmt)
+    if fmt.kind not in ("float", "int"):
+        raise ValueError(f"quantize() takes an element format (e4m3, e5m2, int8), not {fmt.name}")
+    gran = parse_granularity(granularity)
+    if nonfinite not in ("raise", "propagate"):
+        raise ValueError(f"nonfinite must be 'raise' or 'propagate', got {nonfinite!r}")
+    if x.numel() == 0:
+        raise ValueError("cannot quantize an empty tensor")
+    if gran.is_mx and fmt.kind != "float":
+        raise ValueError("MX granularity needs an FP8 element format (e4m3 or e5m2)")
+    return fmt, gran
+
+
 def quantize(
     x: torch.Tensor,
     fmt: Format | str = E4M3,
@@ -134,15 +152,7 @@ def quantize(
         check_scale: validate a static ``scale`` (finite, positive); callers that maintain the scale
             themselves turn it off to avoid a device sync.
     """
-    check_float_input(x)
-    fmt = get_format(fmt)
-    if fmt.kind not in ("float", "int"):
-        raise ValueError(f"quantize() takes an element format (e4m3, e5m2, int8), not {fmt.name}")
-    gran = parse_granularity(granularity)
-    if nonfinite not in ("raise", "propagate"):
-        raise ValueError(f"nonfinite must be 'raise' or 'propagate', got {nonfinite!r}")
-    if x.numel() == 0:
-        raise ValueError("cannot quantize an empty tensor")
+    fmt, gran = _validate(x, fmt, granularity, nonfinite)
     if gran.kind in ("block", "column") and x.dim() < 2 and gran.block_shape(1, 1)[0] != 1:
         raise ValueError(
             f"granularity {gran} tiles rows and columns, but the tensor has shape {tuple(x.shape)}; "
@@ -151,8 +161,6 @@ def quantize(
     x2 = _as_2d(x)
     rows, cols = x2.shape
     block = gran.block_shape(rows, cols)
-    if gran.is_mx and fmt.kind != "float":
-        raise ValueError("MX granularity needs an FP8 element format (e4m3 or e5m2)")
     spec = BlockSpec(fmt, block, margin, power_of_two, mx_rounding if gran.is_mx else None)
     static = None
     if scale is not None:
@@ -211,9 +219,7 @@ def quantize_with_transpose(
             quantize(x, fmt, granularity, backend=backend, **kw),
             quantize(x.t().contiguous(), fmt, granularity, backend=backend, **kw),
         )
-    check_float_input(x)
-    fmt = get_format(fmt)
-    gran = parse_granularity(granularity)
+    fmt, gran = _validate(x, fmt, granularity, nonfinite)
     rows, cols = x.shape
     mx = mx_rounding if gran.is_mx else None
     spec = BlockSpec(fmt, gran.block_shape(rows, cols), margin, power_of_two, mx)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import json
 import math
 import statistics
 from collections.abc import Callable, Iterable
@@ -250,6 +249,14 @@ def _find_culprits(stats: list[dict[str, Any]], order: list[str], drop_db: float
     return found
 
 
+def _final_gap(losses: dict[str, list[float]]) -> float:
+    """FP8 over BF16 loss, relative, on the mean of the last fifth of the steps."""
+    lf, lr = losses["fp8"], losses["bf16"]
+    tail = max(1, len(lr) // 5)
+    mean_f, mean_r = sum(lf[-tail:]) / tail, sum(lr[-tail:]) / tail
+    return (mean_f - mean_r) / abs(mean_r) if mean_r else math.inf
+
+
 def _classify(run: dict[str, Any], gap_tol: float, divergence_tol: float, spike_z: float) -> tuple[str, str, dict]:
     lf, lr = run["losses"]["fp8"], run["losses"]["bf16"]
     n = len(lr)
@@ -257,14 +264,11 @@ def _classify(run: dict[str, Any], gap_tol: float, divergence_tol: float, spike_
     for key, series in (("fp8", lf), ("bf16", lr)):
         det = SpikeDetector(window=20, threshold=spike_z, min_history=min(5, max(3, n // 4)))
         spikes[key] = [s.step - 1 for s in (det.update(v) for v in series) if s is not None]
-    tail = max(1, n // 5)
-    mean_f = sum(lf[-tail:]) / tail
-    mean_r = sum(lr[-tail:]) / tail
-    gap = (mean_f - mean_r) / abs(mean_r) if mean_r else math.inf
+    gap = _final_gap(run["losses"])
     bad_ref = next((i for i, v in enumerate(lr) if not math.isfinite(v)), None)
     if bad_ref is not None:
         return "divergence", f"BF16 too becomes non-finite at step {bad_ref}: not FP8's fault", spikes
-    if run["stopped"] is not None or not math.isfinite(mean_f) or gap > divergence_tol:
+    if run["stopped"] is not None or not math.isfinite(gap) or gap > divergence_tol:
         step = (
             run["stopped"]
             if run["stopped"] is not None
@@ -439,23 +443,13 @@ def doctor(
             rerun = _train_pair(model, data, new_recipe, loss_fn, lr, new_filter, prepare_fp8, seed)
             kind2, summary2, _ = _classify(rerun, gap_tol, divergence_tol, spike_z)
             culprits2 = _find_culprits(rerun["stats"], rerun["order"], drop_db, floor_db)
-
-            def final_gap(r: dict[str, Any]) -> float:
-                lf, lr_ = r["losses"]["fp8"], r["losses"]["bf16"]
-                tail = max(1, len(lr_) // 5)
-                return (sum(lf[-tail:]) / tail - sum(lr_[-tail:]) / tail) / abs(sum(lr_[-tail:]) / tail)
-
             report.applied = {
                 "fix": top.action,
-                "gap_before": final_gap(run),
-                "gap_after": final_gap(rerun),
+                "gap_before": _final_gap(run["losses"]),
+                "gap_after": _final_gap(rerun["losses"]),
                 "kind_after": kind2,
                 "summary_after": summary2,
                 "culprits_after": [asdict(c) for c in culprits2[:5]],
                 "losses_after": rerun["losses"],
             }
     return report
-
-
-def save_json(report: DoctorReport, path: Path) -> None:
-    path.write_text(json.dumps(report.to_dict(), indent=2, default=float))

@@ -48,8 +48,9 @@ class Inspector:
             raise ValueError(f"every must be >= 1, got {every}")
         self.every = every
         self.what_if = [recipe_from_name(r) if isinstance(r, str) else r for r in what_if]
+        wanted = None if layers is None else set(layers)
         self.layers = {
-            n: m for n, m in model.named_modules() if isinstance(m, FP8Linear) and (layers is None or n in set(layers))
+            n: m for n, m in model.named_modules() if isinstance(m, FP8Linear) and (wanted is None or n in wanted)
         }
         if not self.layers:
             raise ValueError(

@@ -14,23 +14,18 @@ Figures (all from the high-precision tensor ``x`` and its quantize-dequantize ``
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
 from ..formats import Format
+from ..kernels.reference import expand_tiles
+from ..nn.linear import _knobs
 from ..recipes import DelayedScaling, Recipe
 from ..tensor import QuantizedTensor, quantize
 
 __all__ = ["ROLES", "operand_stats", "quantize_for_stats"]
 
 ROLES = ("input", "weight", "grad")
-
-
-def _knobs(recipe: Recipe) -> dict[str, Any]:
-    from ..nn.linear import _knobs as knobs
-
-    return knobs(recipe)
 
 
 def quantize_for_stats(
@@ -67,7 +62,7 @@ def operand_stats(
     n_nonzero = int(nonzero.sum())
     underflow = int((nonzero & (x_hat == 0)).sum())
     scale_inv = q.scale_inv.float()  # per tile, dequant multiplier
-    tiles = _expand(scale_inv, q.block, x2.shape)
+    tiles = expand_tiles(scale_inv, q.block, tuple(x2.shape))
     saturated = int((mag / tiles > fmt.max).sum())
     err = float(((xf - x_hat) ** 2).sum())
     sig = float((xf**2).sum())
@@ -88,12 +83,3 @@ def operand_stats(
         set_for = fmt.max / float(delayed_scale) / 2**recipe.margin
         out["staleness"] = amax / set_for if set_for > 0 else math.inf
     return out
-
-
-def _expand(per_tile: torch.Tensor, block: tuple[int, int], shape: torch.Size) -> torch.Tensor:
-    br, bc = block
-    rows, cols = shape
-    t = per_tile.reshape(per_tile.shape[0] if per_tile.dim() == 2 else 1, -1)
-    t = t.repeat_interleave(br, 0)[:rows] if t.shape[0] > 1 else t.expand(rows, t.shape[1])
-    t = t.repeat_interleave(bc, 1)[:, :cols] if t.shape[1] > 1 else t.expand(rows, cols)
-    return t

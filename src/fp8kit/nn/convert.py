@@ -40,12 +40,18 @@ def _output_head(model: nn.Module) -> nn.Module | None:
     return None
 
 
+def is_output_head(model: nn.Module) -> Callable[[str, nn.Module], bool]:
+    """Predicate ``(name, module) -> bool``: the model's output embeddings, or a layer named ``lm_head``."""
+    head = _output_head(model)
+    return lambda name, module: module is head or name == "lm_head" or name.endswith(".lm_head")
+
+
 def default_module_filter(model: nn.Module) -> Callable[[str, nn.Module], str | None]:
     """Reason to skip a layer, or ``None`` to convert it: the output head and FP8-unfriendly shapes."""
-    head = _output_head(model)
+    head = is_output_head(model)
 
     def why_skip(name: str, module: nn.Module) -> str | None:
-        if module is head or name == "lm_head" or name.endswith(".lm_head"):
+        if head(name, module):
             return "output head (kept in high precision, as Transformer Engine and torchao do)"
         assert isinstance(module, nn.Linear)
         if module.in_features % HARDWARE_MULTIPLE or module.out_features % HARDWARE_MULTIPLE:

@@ -40,25 +40,27 @@ def _fake_fp8(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (quantize_codes(t, scale, E4M3).float() * scale).to(t.dtype)
 
 
-def _fp8_kv_attention(module: nn.Module, query, key, value, attention_mask, **kwargs: Any):
+def _inner_attention(name: str):
+    """The attention kernel the model used before fp8kit's (resolved once, not per call)."""
+    if name == "eager":
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        return eager_attention_forward
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    state = getattr(module, "_fp8kit_kv", None)
-    inner_name = getattr(module.config, "_fp8kit_inner_attn", "sdpa")
-    inner = ALL_ATTENTION_FUNCTIONS.get(inner_name, sdpa_attention_forward) if inner_name != "eager" else None
-    if state is not None:
-        if state["mode"] == "observe":
-            state["k"].observe(key)
-            state["v"].observe(value)
-        else:
-            key = _fake_fp8(key, module.k_scale)
-            value = _fake_fp8(value, module.v_scale)
-    if inner is None:
-        from transformers.models.llama.modeling_llama import eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS.get(name, sdpa_attention_forward)
 
-        return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    return inner(module, query, key, value, attention_mask, **kwargs)
+
+def _fp8_kv_attention(module: nn.Module, query, key, value, attention_mask, **kwargs: Any):
+    state = module._fp8kit_kv
+    if state["mode"] == "observe":
+        state["k"].observe(key)
+        state["v"].observe(value)
+    else:
+        key = _fake_fp8(key, module.k_scale)
+        value = _fake_fp8(value, module.v_scale)
+    return state["inner"](module, query, key, value, attention_mask, **kwargs)
 
 
 def _register() -> None:
@@ -70,7 +72,7 @@ def _register() -> None:
 
 
 def enable_fp8_kv(model: nn.Module, mode: str = "observe") -> dict[str, nn.Module]:
-    """Route attention through fp8kit's FP8 KV rounding. ``mode="observe"`` records k/v amax
+    """Route attention through fp8kit's FP8 KV rounding. ``mode="observe"`` samples keys/values
     (calibration); ``"quantize"`` rounds with the modules' ``k_scale``/``v_scale`` buffers."""
     blocks = attention_modules(model)
     if not blocks:
@@ -78,19 +80,14 @@ def enable_fp8_kv(model: nn.Module, mode: str = "observe") -> dict[str, nn.Modul
     _register()
     config = next(iter(blocks.values())).config
     current = getattr(config, "_attn_implementation", None) or "sdpa"
-    if current != ATTN_NAME:
+    if current != ATTN_NAME:  # remember the model's own kernel (a second call keeps the first one)
         config._fp8kit_inner_attn = current
+    inner = _inner_attention(getattr(config, "_fp8kit_inner_attn", "sdpa"))
     for m in blocks.values():
-        config_m = m.config
-        config_m._attn_implementation = ATTN_NAME
+        m.config._attn_implementation = ATTN_NAME
+        m._fp8kit_kv = {"mode": mode, "inner": inner}
         if mode == "observe":
-            m._fp8kit_kv = {
-                "mode": "observe",
-                "k": InputObserver(f"{m.layer_idx}.k"),
-                "v": InputObserver(f"{m.layer_idx}.v"),
-            }
-        else:
-            m._fp8kit_kv = {"mode": "quantize"}
+            m._fp8kit_kv.update(k=InputObserver(f"{m.layer_idx}.k"), v=InputObserver(f"{m.layer_idx}.v"))
     return blocks
 
 
@@ -104,7 +101,7 @@ def finish_calibration(blocks: dict[str, nn.Module], method: str = "max", percen
             obs.name = f"{name} ({which})"
             amax = choose_amax(obs, E4M3, method, percentile)
             m.register_buffer(f"{which}_scale", scale_for(torch.tensor([amax]), E4M3))
-        m._fp8kit_kv = {"mode": "quantize"}
+        m._fp8kit_kv = {"mode": "quantize", "inner": st["inner"]}
 
 
 def kv_cache_bytes(model: nn.Module, tokens: int, bytes_per_element: int) -> int:

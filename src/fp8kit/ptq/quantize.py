@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from ..nn.convert import _output_head
+from ..nn.convert import is_output_head
 from ..nn.linear import Linear as FP8Linear
 from ..recipes import DelayedScaling
 from .calibrate import CALIBRATION_METHODS, choose_amax, observe_inputs
@@ -44,10 +44,10 @@ class PTQReport:
 
 
 def _default_skip(model: nn.Module) -> Callable[[str, nn.Module], str | None]:
-    head = _output_head(model)
+    head = is_output_head(model)
 
     def why(name: str, module: nn.Module) -> str | None:
-        if module is head or name == "lm_head" or name.endswith(".lm_head"):
+        if head(name, module):
             return "output head (kept in high precision, as ModelOpt and llm-compressor do)"
         return None
 

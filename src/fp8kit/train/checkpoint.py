@@ -22,6 +22,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..state_dict import tied_aliases
+
 FORMAT = "fp8kit-checkpoint-v1"
 
 
@@ -70,24 +72,6 @@ def _optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> 
     return {"state": state, "param_groups": json.loads(meta["param_groups"])}
 
 
-def _untie(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Drop entries that alias an earlier one (tied embeddings; safetensors refuses shared memory).
-
-    Returns the tensors to write and ``{dropped_key: kept_key}`` to restore the aliases on load.
-    """
-    seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], str] = {}
-    weights: dict[str, torch.Tensor] = {}
-    tied: dict[str, str] = {}
-    for key, val in state.items():
-        ident = (val.untyped_storage().data_ptr(), val.storage_offset(), tuple(val.shape), tuple(val.stride()))
-        if val.numel() > 0 and ident in seen:
-            tied[key] = seen[ident]
-            continue
-        seen[ident] = key
-        weights[key] = val.detach().contiguous().cpu()
-    return weights, tied
-
-
 def save_checkpoint(
     folder: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step: int, info: dict[str, Any]
 ) -> Path:
@@ -99,7 +83,9 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    weights, tied = _untie(model.state_dict())
+    state = model.state_dict()
+    tied = tied_aliases(state)
+    weights = {k: v.detach().contiguous().cpu() for k, v in state.items() if k not in tied}
     meta = {"format": FORMAT, "step": str(step), "info": json.dumps(info, sort_keys=True), "tied": json.dumps(tied)}
     _write_file_synced(tmp / "model.safetensors", lambda p: save_file(weights, p, metadata=meta))
     if optimizer is not None:
