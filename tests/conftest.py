@@ -9,6 +9,21 @@ def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
     return float(10 * torch.log10(ref.pow(2).sum() / err.clamp_min(1e-300)))
 
 
+def tiny_llama_config(**overrides):
+    """A 2-layer ``LlamaConfig`` (hidden 64, 4 heads, 2 KV heads, vocabulary 256) with ``overrides``."""
+    from transformers import LlamaConfig
+
+    base = {
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+    return LlamaConfig(**{**base, **overrides})
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -10,22 +10,14 @@ from safetensors.torch import load, save
 import fp8kit
 from fp8kit import nn as fnn
 from fp8kit.recipes import all_recipes
+from tests.conftest import tiny_llama_config
 
 
 def tiny_llama(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(cfg)
+    return LlamaForCausalLM(tiny_llama_config(vocab_size=96, max_position_embeddings=64))
 
 
 def mlp(seed: int = 0):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fp8kit.cli import main
+from tests.conftest import tiny_llama_config
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -29,11 +30,10 @@ def local_model(tmp_path_factory):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator([TEXT], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
-    cfg = transformers.LlamaConfig(
+    cfg = tiny_llama_config(
         vocab_size=len(fast),
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
         tie_word_embeddings=True,

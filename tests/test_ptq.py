@@ -13,23 +13,14 @@ from fp8kit.formats import E4M3, INT8
 from fp8kit.ptq.calibrate import InputObserver, choose_amax
 from fp8kit.ptq.schemes import Scheme
 from fp8kit.ptq.smoothquant import apply_smoothing, find_mappings
-from tests.conftest import sqnr_db
+from tests.conftest import sqnr_db, tiny_llama_config
 
 transformers = pytest.importorskip("transformers")
 
 
 def tiny_llama(seed: int = 0, tie: bool = True) -> nn.Module:
-    cfg = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tie,
-    )
     torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return transformers.LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=tie)).eval()
 
 
 def calib(model_batches: list[torch.Tensor]):
