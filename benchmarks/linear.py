@@ -31,9 +31,12 @@ def mlp(d: int) -> torch.nn.Module:
 
 
 def step_time(model, x, g, reps: int, slow_after: float) -> float:
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+
     def step():
         y = model(x)
         y.backward(g)
+        sync()  # CUDA runs asynchronously: a step ends when its kernels have
 
     t = time.perf_counter()
     step()  # warm-up: compilation, first-step scaling
@@ -66,9 +69,8 @@ def main() -> None:
     )
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    print(
-        f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {dev}"
-    )
+    where = torch.cuda.get_device_name() if dev == "cuda" else f"{torch.get_num_threads()} threads"
+    print(f"# {platform.processor() or platform.machine()}, {where}, torch {torch.__version__}, {dev}")
     for shape in args.shapes.split(","):
         d, tokens = (int(v) for v in shape.split("x"))
         base = mlp(d).to(dev)
@@ -80,7 +82,7 @@ def main() -> None:
             x, g = x32.to(dtype), g32.to(dtype)
             t = step_time(model, x, g, args.reps, args.slow_after)
             rows.append((name, t, saved_bytes(model, x)))
-            print(f"  measured {name}: {t:.3f} s", flush=True)
+            print(f"  measured {name}: {t * 1e3:.2f} ms", flush=True)
 
         run("nn.Linear fp32", copy.deepcopy(base), torch.float32)
         if d <= args.bf16_max_d or dev == "cuda":
@@ -94,8 +96,8 @@ def main() -> None:
                     convert_to_float8_training(copy.deepcopy(base).bfloat16()),
                     torch.bfloat16,
                 )
-            except ImportError:
-                print("  torchao not installed: pip install -e '.[bench]'")
+            except Exception as err:  # not installed, or built for another torch
+                print(f"  torchao unavailable ({type(err).__name__}: {err}); pip install -e '.[bench]'")
         for recipe in RECIPES:
             run(f"fp8kit {recipe.kind} (bf16)", fp8kit.convert(copy.deepcopy(base).bfloat16(), recipe), torch.bfloat16)
             if not args.no_compile:
@@ -109,12 +111,12 @@ def main() -> None:
             + ("" if ref else " (bf16 skipped: too slow here; memory ratio vs half of fp32)")
         )
         print(
-            f"| {'module':<36} | {'step (s)':>9} | {'vs bf16':>8} | {'vs fp32':>8} | {'saved act. MiB':>14} | {'vs bf16':>7} |"
+            f"| {'module':<36} | {'step (ms)':>9} | {'vs bf16':>8} | {'vs fp32':>8} | {'saved act. MiB':>14} | {'vs bf16':>7} |"
         )
         print(f"|{'-' * 38}|{'-' * 11}|{'-' * 10}|{'-' * 10}|{'-' * 16}|{'-' * 9}|")
         for name, t, mem in rows:
             print(
-                f"| {name:<36} | {t:>9.3f} | {t / bf16:>7.2f}x | {t / fp32:>7.2f}x | {mem / 2**20:>14.1f} | {mem / bf16_mem:>6.2f}x |"
+                f"| {name:<36} | {t * 1e3:>9.2f} | {t / bf16:>7.2f}x | {t / fp32:>7.2f}x | {mem / 2**20:>14.1f} | {mem / bf16_mem:>6.2f}x |"
             )
         print(flush=True)
 

@@ -65,3 +65,34 @@ def test_quantize_with_transpose_matches_two_quantizes(gran, backend):
     assert_same(q, quantize(x, E4M3, gran, backend="reference"))
     assert_same(q_t, quantize(x.t().contiguous(), E4M3, gran, backend="reference"))
     assert q_t.shape == (96, 200)
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
+def test_compiled_bit_cast_matches_reference_on_every_bfloat16_and_random_bits(fmt):
+    """The integer-bit cast inductor vectorizes on CPU (``fused.cast_bits``), compiled as fp8kit
+    compiles it, against the reference rounding: all 65,536 bfloat16 patterns (every tie of both
+    formats, subnormals, +-0, NaNs of both signs, +-inf, overflow) and random float32 bit patterns."""
+    from fp8kit.formats import cast_reference
+
+    compiled = torch.compile(lambda y: fused.cast_bits(y, fmt, view=False), dynamic=False)
+    patterns = torch.arange(-(2**15), 2**15, dtype=torch.int16).view(torch.bfloat16).float()
+    rand_bits = torch.randint(
+        -(2**31), 2**31 - 1, (1 << 18,), dtype=torch.int32, generator=torch.Generator().manual_seed(0)
+    )
+    for y in (patterns, rand_bits.view(torch.float32)):
+        want = cast_reference(y, fmt, saturate=True).to(fmt.dtype).view(torch.uint8)
+        assert torch.equal(compiled(y), want)
+        assert torch.equal(fused.cast_bits(y, fmt, view=False), want)  # the same ops run eagerly
+
+
+def test_eager_kernel_traced_inside_a_user_compiled_graph_keeps_the_float8_dtype():
+    """Traced by someone else's ``torch.compile`` the eager kernel casts with ``cast_bits`` and
+    returns float8 (not the uint8 codes fp8kit's own compiled kernels hand back)."""
+    from fp8kit.kernels import BlockSpec
+
+    x = torch.randn(64, 256) * 3
+    spec = BlockSpec(E4M3, (1, 128))
+    data, scale, amax = torch.compile(lambda t: fused.quantize_blocks_eager(t, spec), dynamic=False)(x)
+    ref = quantize(x, E4M3, (1, 128), backend="reference")
+    assert data.dtype == torch.float8_e4m3fn
+    assert torch.equal(data.view(torch.uint8), ref.data.view(torch.uint8))

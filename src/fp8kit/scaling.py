@@ -57,7 +57,11 @@ def compute_scale(
     """
     fmt = get_format(fmt)
     amax = torch.as_tensor(amax, dtype=torch.float32).float()
-    scale = (fmt.max / amax) / (2.0**margin)
+    # Divide in float64 and round once to float32: the correctly rounded float32 quotient (53 >= 2*24+2
+    # bits make the double rounding innocuous), on every backend. Triton's float32 division is
+    # approximate, so a compiled CUDA kernel would otherwise be an ulp off eager scales.
+    wide = torch.float32 if amax.device.type == "mps" else torch.float64  # MPS has no float64
+    scale = (fmt.max / amax.to(wide) / 2.0**margin).float()
     scale = torch.clamp(scale, MIN_SCALE, MAX_SCALE)
     if power_of_two:
         scale = torch.exp2(torch.floor(torch.log2(scale)))

@@ -1,9 +1,10 @@
 """Quantize kernels: an eager reference and fused fast versions that are held bit-exact to it.
 
 * ``reference``: plain PyTorch, exact rounding written out (``formats.cast_reference``).
-* ``fused``: the same math through torch's native FP8 conversion, compiled with ``torch.compile``
-  (C++/OpenMP on CPU, Triton on CUDA) so that amax, scale and cast read the input twice and write
-  the FP8 output once. Falls back to eager when compilation is unavailable.
+* ``fused``: the same math compiled with ``torch.compile`` (C++/OpenMP on CPU, Triton on CUDA) so
+  that amax, scale and cast read the input twice and write the FP8 output once. On CPU the cast is
+  integer arithmetic on the float32 bits (``cast_bits``), which inductor vectorizes; on CUDA it is
+  torch's native conversion. Falls back to eager when compilation is unavailable.
 """
 
 from .fused import (
