@@ -9,7 +9,6 @@ and the compiled graphs return uint8 codes that are viewed as float8 outside the
 from __future__ import annotations
 
 import functools
-import struct
 import warnings
 
 import torch
@@ -37,12 +36,8 @@ def _cast(y: torch.Tensor, fmt: Format, codes: bool = False) -> torch.Tensor:
     return out.view(torch.uint8) if codes else out
 
 
-def _float32_bits(v: float) -> int:
-    return struct.unpack("<i", struct.pack("<f", v))[0]
-
-
 # float32 bit patterns of each FP8 format's max and min normal (read as constants when compiling).
-_LIMIT_BITS = {f.name: (_float32_bits(f.max), _float32_bits(f.min_normal)) for f in (E4M3, E5M2)}
+_LIMIT_BITS = {f.name: tuple(torch.tensor([f.max, f.min_normal]).view(torch.int32).tolist()) for f in (E4M3, E5M2)}
 
 
 def cast_bits(y: torch.Tensor, fmt: Format, view: bool = True) -> torch.Tensor:
