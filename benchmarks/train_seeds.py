@@ -6,7 +6,7 @@ any change of the numerics makes two otherwise identical runs drift apart); and 
 Prints the relative gap of each run's final validation loss to the BF16 run of its seed, then the mean
 and standard deviation over seeds.
 
-    python benchmarks/train_seeds.py [--recipes block,delayed] [--seeds 0,1,2] [--steps 200]
+    python benchmarks/train_seeds.py [--recipes block,delayed] [--seeds 0,1,2] [--steps 200] [--lr 2e-3]
 """
 
 from __future__ import annotations
@@ -43,17 +43,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--recipes", default="block,delayed")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=TrainConfig.steps)
+    ap.add_argument("--lr", type=float, default=TrainConfig.lr, help="peak learning rate (fp8kit train's default)")
     args = ap.parse_args()
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     seeds = [int(s) for s in args.seeds.split(",")]
     print(f"# {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    print(f"# demo Llama 'small', {args.steps} steps, defaults of `fp8kit train`; gap = val loss / bf16's - 1")
+    print(
+        f"# demo Llama 'small', {args.steps} steps, lr {args.lr:g}, else `fp8kit train`'s defaults; gap = val loss / bf16's - 1"
+    )
     names = ["bf16 (1 weight +1 ulp)"] + [f"fp8-{r}" for r in recipes]
     gaps: dict[str, list[float]] = {n: [] for n in names}
     print(f"{'seed':>4} {'bf16 val loss':>14} " + " ".join(f"{n:>24}" for n in names), flush=True)
     for seed in seeds:
-        cfg = TrainConfig(steps=args.steps, seed=seed, progress=False)
+        cfg = TrainConfig(steps=args.steps, lr=args.lr, seed=seed, progress=False)
         base, tokenizer = build_base(cfg)
         corpus = load_corpus(None, tokenizer)
         with tempfile.TemporaryDirectory() as tmp:

@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, default=None, help="optimizer steps (default 200; 20 when fine-tuning)")
     t.add_argument("--batch-size", type=int, default=None, help="sequences per micro-batch (default 16; 4 fine-tuning)")
     t.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 128)")
-    t.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-3; 5e-5 fine-tuning)")
+    t.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3; 5e-5 fine-tuning)")
     t.add_argument("--grad-accum", type=int, default=1)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--model-size", default="small", help="size of the demo model: tiny|small|base")

@@ -31,7 +31,7 @@ class TrainConfig:
     steps: int = 200
     batch_size: int = 16
     seq_len: int = 128
-    lr: float = 3e-3
+    lr: float = 2e-3
     grad_accum: int = 1
     seed: int = 0
     model_size: str = "small"
@@ -74,7 +74,7 @@ FINETUNE_DEFAULTS = {
     "weight_decay": 0.0,
     "eval_batches": 8,
 }
-DEMO_DEFAULTS = {"steps": 200, "batch_size": 16, "seq_len": 128, "lr": 3e-3}
+DEMO_DEFAULTS = {"steps": 200, "batch_size": 16, "seq_len": 128, "lr": 2e-3}
 
 
 def defaults_for(model: str) -> dict[str, Any]:
