@@ -74,7 +74,8 @@ FINETUNE_DEFAULTS = {
     "weight_decay": 0.0,
     "eval_batches": 8,
 }
-DEMO_DEFAULTS = {"steps": 200, "batch_size": 16, "seq_len": 128, "lr": 2e-3}
+# The demo model trains with ``TrainConfig``'s own defaults (one place to change them).
+DEMO_DEFAULTS = {key: getattr(TrainConfig, key) for key in ("steps", "batch_size", "seq_len", "lr")}
 
 
 def defaults_for(model: str) -> dict[str, Any]:
