@@ -164,3 +164,148 @@ def test_short_training_tracks_high_precision():
         losses = train_steps(model, data, torch.optim.AdamW(model.parameters(), lr=3e-3))
         final = sum(losses[-20:]) / 20
         assert abs(final - base) / base < 0.05, (recipe.kind, final, base)
+
+
+# ---- hooks, attributes and wrappers survive conversion (issue 15) ---------------------------------------
+def hp_linear_of(layer, x):
+    return torch.nn.functional.linear(x, layer.weight, layer.bias)
+
+
+def test_every_hook_kind_and_attribute_survives_and_fires():
+    model = mlp()
+    layer = model[0]
+    fired: list[str] = []
+    layer.register_forward_pre_hook(lambda m, args: (args[0] * 2,))  # scales the input
+    layer.register_forward_pre_hook(lambda m, a, kw: fired.append("pre_kw"), with_kwargs=True)
+    layer.register_forward_hook(lambda m, a, out: fired.append(f"fwd:{type(m).__module__}"))
+    layer.register_forward_hook(lambda m, a, kw, out: fired.append("fwd_kw"), with_kwargs=True)
+    layer.register_full_backward_pre_hook(lambda m, g: fired.append("bwd_pre"))
+    layer.register_full_backward_hook(lambda m, gi, go: fired.append("bwd"))
+    layer._register_state_dict_hook(lambda m, sd, prefix, local: fired.append("sd") or None)
+    if hasattr(layer, "register_state_dict_pre_hook"):
+        layer.register_state_dict_pre_hook(lambda m, prefix, keep: fired.append("sd_pre"))
+    layer.register_load_state_dict_post_hook(lambda m, keys: fired.append("load_post"))
+    if hasattr(layer, "register_load_state_dict_pre_hook"):
+        layer.register_load_state_dict_pre_hook(lambda m, sd, prefix, *rest: fired.append("load_pre"))
+    layer.my_tag = "keep me"
+    fp8kit.convert(model, "current")
+    assert model.fp8_conversion_report.converted == ["0", "2"]
+    assert model[0] is layer and isinstance(layer, fnn.Linear) and layer.my_tag == "keep me"
+
+    x = torch.randn(4, 32, requires_grad=True)
+    y = layer(x)
+    assert fired == ["pre_kw", "fwd:fp8kit.nn.linear", "fwd_kw"]
+    # the FP8 path ran on the pre-hook's doubled input: close to, but not equal to, the FP32 result
+    ref = hp_linear_of(layer, 2 * x)
+    assert not torch.equal(y, ref) and (y - ref).abs().max() < 0.1 * ref.abs().max()
+    y.sum().backward()
+    assert fired[3:] == ["bwd_pre", "bwd"]
+    fired.clear()
+    sd = model.state_dict()
+    assert "sd" in fired and ("sd_pre" in fired or not hasattr(layer, "register_state_dict_pre_hook"))
+    fired.clear()
+    model.load_state_dict(sd)
+    assert "load_post" in fired and ("load_pre" in fired or not hasattr(layer, "register_load_state_dict_pre_hook"))
+
+
+def test_instance_forward_is_rebound_and_unknown_patches_are_refused():
+    model = mlp()
+    model[0].forward = model[0].forward  # a bound nn.Linear.forward stored in the instance
+    original = model[2].forward
+    model[2].forward = lambda x: original(x) + 1  # a patch fp8kit cannot see into
+    fp8kit.convert(model, "current")
+    assert model.fp8_conversion_report.converted == ["0"]
+    assert "forward is replaced" in model.fp8_conversion_report.skipped["2"]
+    x = torch.randn(4, 32)
+    assert not torch.equal(model[0](x), hp_linear_of(model[0], x))  # the FP8 forward runs
+
+
+def test_parametrized_layer_is_refused_with_a_reason():
+    from torch.nn.utils import parametrize
+
+    model = mlp()
+    parametrize.register_parametrization(model[0], "weight", torch.nn.Identity())
+    fp8kit.convert(model)
+    assert "parametrize" in model.fp8_conversion_report.skipped["0"]
+    assert not isinstance(model[0], fnn.Linear) and isinstance(model[2], fnn.Linear)
+    with pytest.raises(TypeError):
+        fnn.convert_layer(model[0])
+
+
+def test_convert_takes_a_recipe_name():
+    model = fp8kit.convert(mlp(), "block")
+    assert model[0].recipe == fp8kit.BlockScaling()
+    with pytest.raises(ValueError, match="accepted"):
+        fp8kit.convert(mlp(), "bogus")
+
+
+def test_accelerate_cpu_offload_model_converts_and_runs_fp8():
+    from accelerate import cpu_offload
+    from accelerate.hooks import remove_hook_from_submodules
+
+    x = torch.randn(8, 32)
+    plain = fp8kit.convert(mlp(), "current")
+    expected = plain(x)
+    model = mlp()
+    cpu_offload(model, execution_device="cpu")
+    assert model[0].weight.device.type == "meta"
+    fp8kit.convert(model, "current")
+    assert model.fp8_conversion_report.converted == ["0", "2"]  # 48x10 stays high precision
+    # accelerate's hook stays and calls the FP8 forward: bit-identical to the same model converted without offload
+    assert hasattr(model[0], "_hf_hook") and model[0].weight.device.type == "meta"
+    y = model(x)
+    assert torch.equal(y, expected) and not torch.equal(y, mlp()(x))
+    xg = x.clone().requires_grad_(True)
+    model(xg).sum().backward()
+    assert xg.grad is not None and torch.isfinite(xg.grad).all()
+    remove_hook_from_submodules(model)  # restores the FP8 forward, not nn.Linear's
+    assert model[0].forward.__func__ is fnn.Linear.forward
+
+
+def test_accelerate_dispatched_model_converts_and_trains():
+    from accelerate import dispatch_model
+
+    data = batches(3)
+    plain = fp8kit.convert(mlp(), "delayed")
+    expected = train_steps(plain, data, torch.optim.AdamW(plain.parameters(), lr=1e-2))
+    model = dispatch_model(mlp(), device_map={"": "cpu"}, force_hooks=True)
+    fp8kit.convert(model, "delayed")
+    assert hasattr(model[0], "_hf_hook")
+    assert train_steps(model, data, torch.optim.AdamW(model.parameters(), lr=1e-2)) == expected
+    assert int(model[0].fp8_seen[0]) == 3  # the FP8 scaling state advanced through the hooks
+
+
+def test_peft_lora_base_layers_in_fp8_adapters_in_high_precision():
+    peft = pytest.importorskip("peft")
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(tiny_llama_config())
+    model = peft.get_peft_model(base, peft.LoraConfig(r=16, target_modules=["q_proj", "v_proj"]))
+    fp8kit.convert(model, "current")
+    q = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert isinstance(q.base_layer, fnn.Linear)
+    assert type(q.lora_A["default"]) is torch.nn.Linear  # r=16 would fit the dim rule: adapters are skipped by name
+    assert (
+        "LoRA adapter"
+        in model.fp8_conversion_report.skipped["base_model.model.model.layers.0.self_attn.q_proj.lora_A.default"]
+    )
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, 256, (2, 16))
+    before = q.lora_B["default"].weight.detach().clone()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    assert not torch.equal(before, q.lora_B["default"].weight)
+    assert q.base_layer.weight.grad is None  # frozen base weights stay frozen
+
+
+def test_doctor_runs_the_users_hooks_on_its_copies():
+    from fp8kit.debug import doctor
+
+    model = mlp()
+    seen: list[str] = []
+    model[2].register_forward_hook(lambda m, a, out: seen.append(type(m).__name__))
+    x = torch.randn(8, 32)
+    rep = doctor(model, [x], steps=2, loss_fn=lambda m, b: m(b).float().pow(2).mean())
+    assert rep.steps == 2
+    assert {"BF16Linear", "Linear"} <= set(seen)  # the BF16 reference and the FP8 copy both ran the hook

@@ -75,3 +75,43 @@ def test_compiled_kernels_and_torch_compile_on_cuda(recipe):
     assert sqnr_db(y_eager.float(), y_fast.float()) > 35.0
     ref = mlp(x)
     assert sqnr_db(ref.float(), y_fast.float()) > 20.0
+
+
+@pytest.mark.parametrize(
+    "grans", [((1, 128), (128, 128)), ((1, 128), (1, 128))], ids=["1x128 x 128x128", "1x128 x 1x128"]
+)
+def test_block_scaled_gemm_is_native_on_hopper_and_exact(grans):
+    """DeepSeek-V3 tiles run through ``scaled_mm`` on SM90 (no dequantization to bf16), and equal the
+    float64 product of the same operands within Hopper's FP8 accumulation error (2**-10 of the range)."""
+    from fp8kit.gemm import native_gemm_fallbacks
+
+    a = torch.randn(256, 1024, device="cuda") * torch.exp2(torch.randint(-4, 4, (256, 1), device="cuda").float())
+    b = torch.randn(512, 1024, device="cuda")
+    qa = quantize(a, E4M3, grans[0], power_of_two=True)
+    qb = quantize(b, E4M3, grans[1], power_of_two=True)
+    got = fp8_gemm(qa, qb, torch.float32)
+    want = qa.dequantize(torch.float64) @ qb.dequantize(torch.float64).t()
+    torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=2**-10 * want.abs().max().item())
+    if torch.cuda.get_device_capability()[0] == 9 and hasattr(torch.nn.functional, "scaled_mm"):
+        assert not any("BlockWise" in k for k in native_gemm_fallbacks()), native_gemm_fallbacks()
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current", "rowwise"])
+def test_fullgraph_and_cuda_graphs_on_cuda(recipe):
+    """A converted model compiles whole (``fullgraph=True``) with ``mode="reduce-overhead"`` (CUDA
+    graphs) and trains: its losses match eager mode's within bf16 noise."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
+    mlp = mlp.cuda().bfloat16()
+    eager = fp8kit.convert(copy.deepcopy(mlp), recipe)
+    graphed = fp8kit.convert(copy.deepcopy(mlp), recipe)
+    step = torch.compile(lambda x: graphed(x).float().pow(2).mean(), fullgraph=True, mode="reduce-overhead")
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        loss_e = eager(x).float().pow(2).mean()
+        loss_e.backward()
+        loss_g = step(x)
+        loss_g.backward()
+        assert abs(loss_g.item() - loss_e.item()) <= 1e-2 * abs(loss_e.item())
+        for p in (*eager.parameters(), *graphed.parameters()):
+            p.grad = None

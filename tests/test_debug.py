@@ -174,7 +174,8 @@ def test_doctor_localises_an_outlier_channel(batches):
     model = mlp(Planted(start=8))
     rep = debug.doctor(model, batches, steps=14, loss_fn=mse, apply=True)
     assert model[4].calls == 0  # the user's model is never run or modified
-    assert not rep.healthy and rep.kind in ("divergence", "gap", "spike")
+    # the channel appears at step 8 and the losses part from step 10: a late divergence (numerics)
+    assert not rep.healthy and rep.kind == "divergence" and "late" in rep.summary, rep.summary
     top = rep.culprits[0]
     assert (top.layer, top.operand, top.step) == ("5", "input", 8)
     assert rep.recommendations[0].fix == {"type": "bf16_layers", "layers": ["5", "2", "7"]} or "5" in (
@@ -189,7 +190,7 @@ def test_doctor_localises_a_corrupted_scale(batches):
 
         def pre(mod, args):
             calls["n"] += 1
-            if calls["n"] > 6 and mod._calibrated[0] and float(mod.fp8_scale[0]) < 1e3:
+            if calls["n"] > 6 and int(mod.fp8_seen[0]) > 0 and float(mod.fp8_scale[0]) < 1e3:
                 mod.fp8_scale[0] *= 2**10  # the bug: a scale off by 2^10 from step 6 on
 
         layer.register_forward_pre_hook(pre)

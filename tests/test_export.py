@@ -197,3 +197,65 @@ def test_loads_another_tools_layout(base, batches, tmp_path):
         ours, theirs = q(x).logits, loaded(x).logits
     # only the bfloat16 rounding of the scales and the unquantized weights differs
     assert float((ours - theirs).pow(2).mean() / ours.pow(2).mean()) < 1e-3
+
+
+# ---- nothing lost: exports never delete what fp8kit did not write (issue 15) ------------------------------
+def tree(root):
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+def test_export_refuses_a_foreign_folder_and_replaces_only_its_own(base, batches, tmp_path):
+    from fp8kit.export import check_export_dir
+
+    q = quantized(base, batches, "fp8-dynamic")
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "checkpoint.pt").write_bytes(b"precious")
+    before = tree(tmp_path)
+    with pytest.raises(ExportError, match="did not write"):
+        save_pretrained(q, runs)
+    assert tree(tmp_path) == before  # untouched, no temporary left behind
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ExportError, match="is a file"):
+        save_pretrained(q, tmp_path / "afile")
+
+    out = save_pretrained(q, tmp_path / "export")
+    first = tree(out)
+    out2 = save_pretrained(quantized(base, batches, "fp8"), tmp_path / "export")  # its own earlier export: replaced
+    assert (
+        out2 == out
+        and tree(out) != first
+        and sorted(p.name for p in tmp_path.iterdir())
+        == [
+            "afile",
+            "export",
+            "runs",
+        ]
+    )
+    (out / "notes.txt").write_text("the user's")  # a file fp8kit did not write makes the folder foreign again
+    with pytest.raises(ExportError, match=r"notes\.txt"):
+        check_export_dir(out)
+    assert (out / "notes.txt").read_text() == "the user's"
+    save_pretrained(q, runs, overwrite=True)  # the user asked for it explicitly
+    assert not (runs / "checkpoint.pt").exists() and (runs / "config.json").is_file()
+
+
+def test_export_cleans_up_when_writing_fails(base, batches, tmp_path):
+    q = quantized(base, batches, "fp8-dynamic")
+    out = save_pretrained(q, tmp_path / "export")
+    before = tree(tmp_path)
+
+    class BrokenTokenizer:
+        def save_pretrained(self, path):
+            raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        save_pretrained(q, out, BrokenTokenizer())
+    assert tree(tmp_path) == before  # the previous export is intact and no .export.tmp-* is left
+
+
+def test_export_refuses_the_current_folder(base, batches, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ExportError, match="current folder"):
+        save_pretrained(quantized(base, batches, "fp8-dynamic"), ".")
+    assert list(tmp_path.iterdir()) == []

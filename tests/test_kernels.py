@@ -96,3 +96,27 @@ def test_eager_kernel_traced_inside_a_user_compiled_graph_keeps_the_float8_dtype
     ref = quantize(x, E4M3, (1, 128), backend="reference")
     assert data.dtype == torch.float8_e4m3fn
     assert torch.equal(data.view(torch.uint8), ref.data.view(torch.uint8))
+
+
+def test_compile_failure_raises_in_strict_mode_and_warns_otherwise(monkeypatch):
+    """Tests run strict (conftest): a kernel that fails to compile fails the test instead of silently
+    running eager. Outside strict mode the library warns and falls back to the eager kernels."""
+
+    def broken(kind):
+        def fn(*args):
+            raise RuntimeError("no C++ compiler")
+
+        return fn
+
+    monkeypatch.setattr(fused, "_compiled", broken)
+    x = torch.randn(32, 64)
+    with pytest.raises(RuntimeError, match="strict"):
+        quantize(x, E4M3, "row", backend="compiled")
+    fused.set_compile_strict(False)
+    try:
+        with pytest.warns(UserWarning, match="using eager kernels"):
+            q = quantize(x, E4M3, "row", backend="compiled")
+        assert_same(q, quantize(x, E4M3, "row", backend="reference"))
+    finally:
+        fused.set_compile_strict(True)
+        fused.set_compile_enabled(True)  # the fallback switched compilation off process-wide

@@ -41,10 +41,13 @@ def layer_and_data(seed: int = 0, outlier: float = 1.0):
     return nn.Sequential(lin), xs
 
 
-# SQNR floors (dB) of the layer output vs FP32, with the level each scheme reaches on Gaussian data in
-# comments. A wrong format (E5M2 for E4M3: ~6 dB less) or a scale off by a power of two in INT8 (a
-# bit of resolution: 6 dB) falls below them.
-FLOORS = {"fp8": 27.0, "fp8-dynamic": 27.0, "int8-smoothquant": 33.0, "int8-weight-only": 42.0}
+# SQNR floors (dB) of the layer output vs FP32. A wrong FP8 format (E5M2 for E4M3: ~6 dB less) falls
+# below the FP8 floors; the INT8 floors sit between the correct levels (39.2 / 48.1 dB) and those of a
+# scale 2x too coarse (amax/63.5 weights: 42.0; a doubled static amax: 33.5), so such a scale fails
+# (tests/test_mutants.py). FP8 SQNR hardly moves with the scale: exact scale checks are in
+# test_numerics_ptq.py, and SmoothQuant on a model with a norm feeding the linears too (here the model is
+# a bare Linear, so int8-smoothquant has nothing to smooth).
+FLOORS = {"fp8": 27.0, "fp8-dynamic": 27.0, "int8-smoothquant": 37.5, "int8-weight-only": 46.0}
 
 
 @pytest.mark.parametrize("scheme", list(ptq.SCHEMES))
@@ -96,11 +99,11 @@ def test_calibration_methods_clip_heavy_tails():
     mse = choose_amax(obs, INT8, "mse")
     assert amax == pytest.approx(200.0)
     assert pct < 10 and mse < amax
-    from fp8kit.ptq.linear import quantize_codes, scale_for
+    import fp8kit
 
-    def err(c, data):
-        s = scale_for(torch.tensor(c), INT8)
-        return float(((quantize_codes(data, s, INT8).float() * s - data) ** 2).mean())
+    def err(c, data):  # symmetric INT8 with the clipping value c (scale 127 / c)
+        deq = fp8kit.quantize(data, INT8, "tensor", scale=INT8.max / c).dequantize(torch.float32)
+        return float(((deq - data) ** 2).mean())
 
     # MSE search lowers the total error; the percentile protects the bulk (all but the outlier)
     assert err(mse, x) < err(amax, x)
@@ -219,14 +222,8 @@ def test_bad_inputs_give_clear_errors():
 
 
 def test_zero_variance_channels_do_not_break_smoothquant():
-    """Constant or dead input channels: smoothing factor 1 for them, finite output."""
-    model, xs = layer_and_data()
-    for x in xs:
-        x[:, :16] = 0.0  # dead channels
-        x[:, 16:32] = 3.0  # constant channels
-    ref = torch.cat([model(x).detach() for x in xs])
-    seq = nn.Sequential(nn.LayerNorm(256), copy.deepcopy(model[0]))
-    q = ptq.quantize(seq, "int8-smoothquant", calib(xs), module_filter=lambda n, m: True)
-    out = torch.cat([q(x) for x in xs])
-    assert out.isfinite().all()
-    assert ref.shape == out.shape
+    """Dead input channels into a norm-fed block: SmoothQuant runs, gives them factor 1, finite output
+    (the check lives in test_numerics_ptq.py; a bare Linear has no producer to fold into)."""
+    from tests.test_numerics_ptq import check_smoothquant_zero_variance
+
+    check_smoothquant_zero_variance()

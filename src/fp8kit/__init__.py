@@ -18,6 +18,42 @@ from .tensor import QuantizedTensor, quantize
 
 __version__ = "0.1.0"
 
+# Submodules reachable as attributes after ``import fp8kit`` (``fp8kit.ptq.quantize(...)``), imported on first
+# use (PEP 562) so that ``import fp8kit`` stays light: no transformers, matplotlib or tensorboard.
+_LAZY_SUBMODULES = (
+    "compare",
+    "data",
+    "debug",
+    "distributed",
+    "evaluation",
+    "export",
+    "integrations",
+    "models",
+    "optim",
+    "ptq",
+    "train",
+)
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        try:
+            module = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"{__name__}.{name}":
+                raise  # a dependency of the submodule is missing: say which
+            raise AttributeError(f"module 'fp8kit' has no attribute {name!r}") from None
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'fp8kit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY_SUBMODULES})
+
+
 __all__ = [
     "BlockScaling",
     "CurrentScaling",

@@ -1,15 +1,239 @@
-"""The ``fp8kit`` command line."""
+"""The ``fp8kit`` command line.
+
+Every argument is checked before any model is loaded or any data is read: a bad value ends the
+command at once with a one-line ``fp8kit <command>: error: ...`` that names the fix, and exit code 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from . import __version__
 from .formats import FORMATS
 
+TRAIN_OUT = "runs/fp8kit-train"
+PRETRAINED_MODELS = ("smollm2",)
 
+
+class UsageError(ValueError):
+    """A bad command-line argument, found before any work started (exit code 2)."""
+
+
+# ---- argument types: each raises ArgumentTypeError with the fix, so argparse reports it (exit 2) --------
+def _at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = _at_least(1)
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def unit_fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
+def recipe_list(text: str) -> str:
+    """``all`` or a comma list of recipe names (``fp8kit train``)."""
+    from .recipes import RECIPE_NAMES, recipe_from_name
+
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if text.strip().lower() == "all":
+        return "all"
+    if not names:
+        raise argparse.ArgumentTypeError(f"give a recipe: {', '.join(RECIPE_NAMES)}, all, or a comma list")
+    for n in names:
+        try:
+            recipe_from_name(n)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"unknown recipe {n!r}; accepted: {', '.join(RECIPE_NAMES)}, all, or a comma list"
+            ) from None
+    return text
+
+
+def recipe_name(text: str) -> str:
+    """One recipe name (``fp8kit doctor``)."""
+    from .recipes import RECIPE_NAMES, recipe_from_name
+
+    try:
+        recipe_from_name(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"unknown recipe {text!r}; accepted: {', '.join(RECIPE_NAMES)}") from None
+    return text
+
+
+def _scheme_names() -> str:
+    from .ptq.schemes import SCHEMES
+
+    return ", ".join([*SCHEMES, *(f"{n}+kv" for n, s in SCHEMES.items() if s.is_fp8)])
+
+
+def _check_scheme(name: str) -> str:
+    from .ptq.schemes import SCHEMES
+
+    base = name.strip().lower().removesuffix("+kv")
+    if base not in SCHEMES:
+        raise argparse.ArgumentTypeError(f"unknown scheme {name.strip()!r}; accepted: {_scheme_names()}")
+    if name.strip().lower().endswith("+kv") and not SCHEMES[base].is_fp8:
+        raise argparse.ArgumentTypeError(f"{name.strip()!r}: the FP8 KV cache (+kv) goes with the FP8 schemes only")
+    return name.strip().lower()
+
+
+def one_scheme(text: str) -> str:
+    """One PTQ scheme (``fp8kit quantize``)."""
+    if "," in text or text.strip().lower() == "all":
+        raise argparse.ArgumentTypeError(
+            f"quantize writes one model, so it takes one scheme: {_scheme_names()} (compare takes several, or all)"
+        )
+    return _check_scheme(text)
+
+
+def scheme_list(text: str) -> str:
+    """``all`` or a comma list of PTQ schemes (``fp8kit compare``)."""
+    if text.strip().lower() == "all":
+        return "all"
+    names = [s for s in text.split(",") if s.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"give a scheme: {_scheme_names()}, all, or a comma list")
+    return ",".join(_check_scheme(n) for n in names)
+
+
+def calibration_method(text: str) -> str:
+    from .ptq.calibrate import CALIBRATION_METHODS
+
+    if text not in CALIBRATION_METHODS:
+        raise argparse.ArgumentTypeError(f"unknown method {text!r}; accepted: {', '.join(CALIBRATION_METHODS)}")
+    return text
+
+
+def model_size(text: str) -> str:
+    from .models.llama import MODEL_SIZES
+
+    if text not in MODEL_SIZES:
+        raise argparse.ArgumentTypeError(f"unknown size {text!r}; accepted: {', '.join(MODEL_SIZES)}")
+    return text
+
+
+def _model(allow_demo: bool) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text == "demo" and allow_demo:
+            return text
+        if text == "demo":
+            raise argparse.ArgumentTypeError(
+                "the demo model is trained from scratch and has no pretrained weights: "
+                f"give {' or '.join(PRETRAINED_MODELS)}, or a local Hugging Face model folder"
+            )
+        if text in PRETRAINED_MODELS:
+            return text
+        path = Path(text)
+        if not (path / "config.json").is_file():
+            known = ", ".join((["demo"] if allow_demo else []) + list(PRETRAINED_MODELS))
+            what = "a folder without config.json" if path.is_dir() else "not an existing folder"
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is {what}: give {known}, or a local Hugging Face model folder (with config.json)"
+            )
+        return text
+
+    return parse
+
+
+def text_file(text: str) -> str:
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"file not found: {text!r} (give a UTF-8 text file)")
+    return text
+
+
+def existing_path(text: str) -> str:
+    if not Path(text).exists():
+        raise argparse.ArgumentTypeError(
+            f"no fp8kit checkpoint at {text!r} (it does not exist): give a run's ckpt/<run> folder"
+        )
+    return text
+
+
+# ---- output folders ------------------------------------------------------------------------------------
+def check_run_dir(out: str, writes: tuple[str, ...], signature: tuple[str, tuple[str, ...]], overwrite: bool) -> Path:
+    """Validate a run folder that a command writes ``writes`` into (other files in it are never touched).
+
+    Refused: a file; a folder where a file of ``writes`` exists that an earlier run of the same command did
+    not write (``signature``: a JSON file and keys it holds), unless ``overwrite``; an unwritable location.
+    """
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--out {out} is a file, not a folder: give a folder path (new, or an earlier run's)")
+    if path.is_dir() and not overwrite:
+        clash = [w for w in writes if (path / w).exists()]
+        if clash and not _written_by_fp8kit(path / signature[0], signature[1]):
+            raise UsageError(
+                f"--out {out} already holds {', '.join(clash)}, which fp8kit did not write: "
+                "give a new folder, or pass --overwrite to replace those files"
+            )
+    parent = path.absolute()
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out} is not writable ({parent} is not a writable folder): choose another folder")
+    return path
+
+
+def _written_by_fp8kit(path: Path, keys: tuple[str, ...]) -> bool:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and all(k in data for k in keys)
+
+
+TRAIN_WRITES = ("config.json", "metrics.jsonl", "summary.json", "summary.md", "loss.png", "ckpt")
+TRAIN_SIGNATURE = ("config.json", ("recipes", "model_size", "eval_interval"))
+DOCTOR_WRITES = ("report.md", "report.json", "fp8_stats.jsonl", "loss.png", "heatmaps.png")
+DOCTOR_SIGNATURE = ("report.json", ("healthy", "culprits", "recipe"))
+COMPARE_WRITES = ("compare.json", "compare.md", "compare.png")
+COMPARE_SIGNATURE = ("compare.json", ("rows", "calibration"))
+
+
+def _checkpoints_in(path: Path) -> list[Path]:
+    """``ckpt/<run>`` folders to evaluate: ``path`` itself, or every run of a ``fp8kit train`` folder."""
+    from .train.checkpoint import latest_checkpoint
+
+    if latest_checkpoint(path) is not None or (path / "model.safetensors").is_file():
+        return [path]
+    runs = sorted(p for p in (path / "ckpt").glob("*") if p.is_dir()) if (path / "ckpt").is_dir() else []
+    return [r for r in runs if latest_checkpoint(r) is not None]
+
+
+# ---- commands --------------------------------------------------------------------------------------------
 def _format_table() -> str:
     head = f"{'format':<7} {'torch dtype':<22} {'bias':>4} {'max':>12} {'min normal':>12} {'min subnormal':>14} {'binades':>8}"
     lines = [head, "-" * len(head)]
@@ -32,6 +256,10 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    check_run_dir(args.out, TRAIN_WRITES, TRAIN_SIGNATURE, args.overwrite)
+    if args.resume and not (Path(args.out) / "config.json").is_file():
+        raise UsageError(f"--resume: {args.out} holds no fp8kit training run: give the --out of an earlier run")
+
     from .train import TrainConfig, run_comparison
     from .train.loop import defaults_for, parse_recipes
     from .train.report import summary_markdown
@@ -53,8 +281,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         resume=args.resume,
         text=args.text,
         progress=not args.no_progress,
+        optimizer=args.optimizer,
+        master_weights=args.master_weights,
+        nproc=getattr(args, "nproc", 1),
+        fsdp=getattr(args, "fsdp", False),
         **settings,
     )
+    from .distributed.launch import launch_train, should_launch
+
+    if should_launch(cfg):  # --nproc N: validate here, then run this command on N processes (torchrun)
+        return launch_train(args, cfg)
     try:
         summary = run_comparison(cfg)
     except KeyboardInterrupt:
@@ -69,44 +305,56 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    if args.model is not None and args.checkpoint is not None:
+        raise UsageError("give --checkpoint (a trained run) or --model (a pretrained model), not both")
+    if args.model is None:
+        where = Path(args.checkpoint or TRAIN_OUT)
+        runs = _checkpoints_in(where)
+        if not runs:
+            raise UsageError(
+                f"no fp8kit checkpoint in {where}: run `fp8kit train` first, or give --checkpoint "
+                f"(a run's ckpt/<run> folder) or --model {'|'.join(PRETRAINED_MODELS)}|DIR"
+            )
     from .train.loop import evaluate_checkpoint, evaluate_pretrained
 
-    if args.checkpoint is not None:
-        res = evaluate_checkpoint(args.checkpoint, text=args.text, batches=args.batches or 32)
-    elif args.model == "demo":
-        raise ValueError("--model demo is trained from scratch: give --checkpoint (a run's ckpt/<run> folder)")
+    if args.model is not None:
+        results = [evaluate_pretrained(args.model, text=args.text, batches=args.eval_batches or 8)]
     else:
-        res = evaluate_pretrained(args.model, text=args.text, batches=args.batches or 8)
-    print(
-        f"{res['run']} (step {res['step']}) on the held-out split of {res['corpus']}: "
-        f"loss {res['val_loss']:.4f} nats/token, perplexity {res['val_ppl']:.3f}"
-    )
+        results = [evaluate_checkpoint(r, text=args.text, batches=args.eval_batches or 32) for r in runs]
+    for res in results:
+        print(
+            f"{res['run']} (step {res['step']}) on the held-out split of {res['corpus']}: "
+            f"loss {res['val_loss']:.4f} nats/token, perplexity {res['val_ppl']:.3f}"
+        )
     return 0
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from .export import save_pretrained
-    from .ptq.compare import parse_schemes, quantize_pretrained
+    from .export import check_export_dir, save_pretrained
 
-    if "," in args.scheme or args.scheme.strip().lower() == "all":
-        raise ValueError("--scheme takes one scheme: fp8, fp8-dynamic, int8-smoothquant, int8-weight-only (+kv)")
-    (scheme,) = parse_schemes(args.scheme)
+    try:
+        check_export_dir(args.out, args.overwrite)
+    except ValueError as err:
+        raise UsageError(f"--out {err}") from None
+    from .compare import quantize_pretrained
+
     model, tokenizer, corpus = quantize_pretrained(
         args.model,
-        scheme,
+        args.scheme,
         text=args.text,
         calib_batches=args.calib_batches,
         calibration=args.calibration,
         alpha=args.alpha,
     )
-    out = save_pretrained(model, args.out, tokenizer)
+    out = save_pretrained(model, args.out, tokenizer, overwrite=args.overwrite)
     print(model.ptq_report)
     print(f"calibrated on {corpus.name}; wrote the compressed-tensors export to {out} (vLLM: LLM(model={str(out)!r}))")
     return 0
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from .ptq.compare import compare_markdown, compare_schemes, parse_schemes
+    check_run_dir(args.out, COMPARE_WRITES, COMPARE_SIGNATURE, args.overwrite)
+    from .compare import compare_markdown, compare_schemes, parse_schemes
 
     result = compare_schemes(
         args.model,
@@ -125,6 +373,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    out = check_run_dir(args.out, DOCTOR_WRITES, DOCTOR_SIGNATURE, args.overwrite)
     from .data import load_corpus
     from .debug import doctor
     from .recipes import recipe_from_name
@@ -139,8 +388,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     for i in range(args.steps):
         x, _ = corpus.batch("train", i, args.batch_size, args.seq_len, args.seed)
         batches.append({"input_ids": x, "labels": x})
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)  # fail early (clear error) if the folder is not writable
     report = doctor(model, batches, recipe=recipe, steps=args.steps, lr=args.lr, apply=args.apply, seed=args.seed)
     path = report.save(out)
     print(
@@ -159,89 +406,235 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- parser ----------------------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments end in one line, ``fp8kit <command>: error: ...`` (exit code 2), as every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Shows each option's default, unless it is unset (None/False) or the help text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if unset or "default" in text or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _add_overwrite(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--overwrite", action="store_true", help=f"replace {what} in --out that fp8kit did not write")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fp8kit", description="Train, debug and deploy PyTorch models in FP8.")
+    """The ``fp8kit`` parser: one subparser per command (add options to a command with ``add_argument``)."""
+    parser = _Parser(
+        prog="fp8kit", description="Train, debug and deploy PyTorch models in FP8.", formatter_class=_HelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"fp8kit {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("info", help="print the FP8 formats and the runtime")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+
+    def command(name: str, summary: str, description: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=summary, description=description, formatter_class=_HelpFormatter)
+
+    p = command("info", "print the FP8 formats and the runtime", "Print fp8kit's FP8 formats and the torch runtime.")
     p.set_defaults(func=cmd_info)
 
-    t = sub.add_parser("train", help="train a small Llama in BF16 and FP8 side by side on the shipped corpus")
-    t.add_argument("--recipe", default="delayed", help="delayed|current|rowwise|block|mxfp8|all, or a comma list")
+    from .debug.doctor import DEFAULT_LR, DEFAULT_STEPS
+
+    t = command(
+        "train",
+        "train a small Llama in BF16 and FP8 side by side on the shipped corpus",
+        "Train the same model from the same weights and batches in BF16 and in each FP8 recipe, then write "
+        "a loss plot, a summary table and checkpoints to --out.",
+    )
+    t.add_argument(
+        "--recipe", default="delayed", type=recipe_list, help="delayed|current|rowwise|block|mxfp8|all, or a comma list"
+    )
     t.add_argument(
         "--model",
         default="demo",
+        type=_model(allow_demo=True),
         help="demo (a small Llama trained from scratch), smollm2 (fine-tune the shipped SmolLM2-135M), "
         "or a local Hugging Face causal-LM directory",
     )
-    t.add_argument("--steps", type=int, default=None, help="optimizer steps (default 200; 20 when fine-tuning)")
-    t.add_argument("--batch-size", type=int, default=None, help="sequences per micro-batch (default 16; 4 fine-tuning)")
-    t.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 128)")
-    t.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3; 5e-5 fine-tuning)")
-    t.add_argument("--grad-accum", type=int, default=1)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--model-size", default="small", help="size of the demo model: tiny|small|base")
-    t.add_argument("--text", default=None, help="train on this UTF-8 text file instead of the shipped corpus")
+    t.add_argument(
+        "--steps", type=positive_int, default=None, help="optimizer steps (default 200; 20 when fine-tuning)"
+    )
+    t.add_argument(
+        "--batch-size", type=positive_int, default=None, help="sequences per micro-batch (default 16; 4 fine-tuning)"
+    )
+    t.add_argument("--seq-len", type=_at_least(2), default=None, help="tokens per sequence (default 128)")
+    t.add_argument(
+        "--lr", type=positive_float, default=None, help="peak learning rate (default 2e-3; 5e-5 fine-tuning)"
+    )
+    t.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
+    t.add_argument("--seed", type=int, default=0, help="seed of the weights and of the batch order")
+    t.add_argument("--model-size", type=model_size, default="small", help="size of the demo model: tiny|small|base")
+    t.add_argument(
+        "--text", type=text_file, default=None, help="train on this UTF-8 text file instead of the shipped corpus"
+    )
     t.add_argument("--compile", action="store_true", help="torch.compile the model")
-    t.add_argument("--out", default="runs/fp8kit-train", help="run folder")
+    t.add_argument("--out", default=TRAIN_OUT, help="run folder")
     t.add_argument("--resume", action="store_true", help="continue the runs in --out from their checkpoints")
-    t.add_argument("--eval-interval", type=int, default=None, help="steps between held-out evaluations")
-    t.add_argument("--ckpt-interval", type=int, default=None, help="steps between checkpoints")
+    t.add_argument(
+        "--eval-interval",
+        type=positive_int,
+        default=None,
+        help="steps between held-out evaluations (default 100; the last step when fine-tuning)",
+    )
+    t.add_argument(
+        "--ckpt-interval",
+        type=positive_int,
+        default=None,
+        help="steps between checkpoints (default 100; the last step when fine-tuning)",
+    )
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
+    t.add_argument(
+        "--optimizer",
+        choices=("adamw", "fp8-adamw"),
+        default="adamw",
+        help="optimizer of the FP8 runs: adamw (torch, FP32 moments) or fp8-adamw (fp8kit.optim.AdamW, FP8 "
+        "moments, ~2 bytes/param); the bf16 baseline always uses torch AdamW (default: adamw)",
+    )
+    t.add_argument(
+        "--master-weights",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="precision of the FP8 runs' parameters: fp32, or bf16 updated with stochastic rounding "
+        "(needs --optimizer fp8-adamw) (default: fp32)",
+    )
+    t.add_argument(
+        "--nproc",
+        type=positive_int,
+        default=1,
+        help="processes on this machine (launched through torchrun; CPU, gloo); --batch-size stays the global "
+        "batch, split evenly across them; only rank 0 writes files. Several machines: docs/distributed.md",
+    )
+    t.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="with --nproc N >= 2: shard parameters, gradients and optimizer state with FSDP2 instead of DDP",
+    )
+    _add_overwrite(t, "files")
     t.set_defaults(func=cmd_train)
 
-    e = sub.add_parser("eval", help="held-out perplexity of a pretrained model or a fp8kit train checkpoint")
-    e.add_argument("--model", default="demo", help="demo, smollm2 or a local Hugging Face directory")
-    e.add_argument("--checkpoint", default=None, help="a run's ckpt/<run> folder (or one step-* folder)")
-    e.add_argument("--text", default=None, help="evaluate on this text's held-out split instead of the corpus")
-    e.add_argument(
-        "--batches",
-        type=int,
-        default=None,
-        help="held-out batches (default 32; 8 for a pretrained model, as fp8kit train uses)",
+    e = command(
+        "eval",
+        "held-out perplexity of fp8kit train checkpoints or of a pretrained model",
+        f"Held-out loss and perplexity. With no option: every run that `fp8kit train` wrote to {TRAIN_OUT}.",
     )
+    e.add_argument(
+        "--checkpoint",
+        type=existing_path,
+        default=None,
+        help=f"a run folder of fp8kit train, one of its ckpt/<run> folders, or a step-* folder (default {TRAIN_OUT})",
+    )
+    e.add_argument(
+        "--model", type=_model(allow_demo=False), default=None, help="smollm2 or a local Hugging Face directory"
+    )
+    e.add_argument(
+        "--text", type=text_file, default=None, help="evaluate on this text's held-out split instead of the corpus"
+    )
+    e.add_argument(
+        "--eval-batches",
+        type=positive_int,
+        default=None,
+        help="held-out batches (default 32 for a checkpoint; 8 for a pretrained model, as fp8kit train uses)",
+    )
+    e.add_argument("--batches", dest="eval_batches", type=positive_int, help=argparse.SUPPRESS)  # older name
     e.set_defaults(func=cmd_eval)
 
-    d = sub.add_parser("doctor", help="run FP8 beside BF16 and report where, when and why they part")
-    d.add_argument("--model", default="demo", help="demo (the fp8kit train Llama), smollm2, or a local HF directory")
-    d.add_argument("--model-size", default="small", help="size of the demo model: tiny|small|base")
-    d.add_argument("--recipe", default="delayed", help="delayed|current|rowwise|block|mxfp8")
-    d.add_argument("--steps", type=int, default=30)
-    d.add_argument("--batch-size", type=int, default=8)
-    d.add_argument("--seq-len", type=int, default=64)
-    d.add_argument("--lr", type=float, default=3e-3)
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--text", default=None, help="use this UTF-8 text instead of the shipped corpus")
+    d = command(
+        "doctor",
+        "run FP8 beside BF16 and report where, when and why they part",
+        "Train FP8 and BF16 copies side by side for a few steps and write a report (report.md with plots) "
+        "naming the layers, operands and steps where FP8 departs, with ranked fixes.",
+    )
+    d.add_argument(
+        "--model",
+        type=_model(allow_demo=True),
+        default="demo",
+        help="demo (the fp8kit train Llama), smollm2, or a local HF directory",
+    )
+    d.add_argument("--model-size", type=model_size, default="small", help="size of the demo model: tiny|small|base")
+    d.add_argument("--recipe", type=recipe_name, default="delayed", help="delayed|current|rowwise|block|mxfp8")
+    d.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, help="training steps of each copy")
+    d.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step")
+    d.add_argument("--seq-len", type=_at_least(2), default=64, help="tokens per sequence")
+    d.add_argument("--lr", type=positive_float, default=DEFAULT_LR, help="learning rate (AdamW), as fp8kit train's")
+    d.add_argument("--seed", type=int, default=0, help="seed of the weights and batches")
+    d.add_argument("--text", type=text_file, default=None, help="use this UTF-8 text instead of the shipped corpus")
     d.add_argument("--apply", action="store_true", help="re-run with the top fix and show whether the gap closed")
     d.add_argument("--out", default="runs/fp8kit-doctor", help="folder for report.md and its plots")
+    _add_overwrite(d, "files")
     d.set_defaults(func=cmd_doctor)
 
     model_help = "smollm2 (the shipped SmolLM2-135M) or a local Hugging Face causal-LM directory"
-    q = sub.add_parser("quantize", help="post-training quantization, written as a compressed-tensors export")
-    q.add_argument("--model", default="smollm2", help=model_help)
-    q.add_argument("--scheme", required=True, help="fp8|fp8-dynamic|int8-smoothquant|int8-weight-only; fp8+kv: FP8 KV")
-    q.add_argument("--out", required=True, help="directory for the Hugging Face / vLLM checkpoint")
-    q.add_argument("--text", default=None, help="calibrate on this UTF-8 text instead of the shipped corpus")
-    q.add_argument("--calibration", default="mse", help="max|percentile|mse (static activation scales)")
-    q.add_argument("--alpha", type=float, default=0.8, help="SmoothQuant migration strength (0.8 suits Llama models)")
-    q.add_argument("--calib-batches", type=int, default=8, help="calibration batches of 4 x 128 tokens")
+    q = command(
+        "quantize",
+        "post-training quantization, written as a compressed-tensors export",
+        "Calibrate a pretrained causal LM on the shipped corpus (or --text), quantize it with one scheme and "
+        "write a compressed-tensors folder that vLLM and transformers load.",
+    )
+    q.add_argument("--model", type=_model(allow_demo=False), default="smollm2", help=model_help)
+    q.add_argument(
+        "--scheme",
+        type=one_scheme,
+        required=True,
+        help="fp8|fp8-dynamic|int8-smoothquant|int8-weight-only; fp8+kv: FP8 KV",
+    )
+    q.add_argument("--out", required=True, help="new (or empty) folder for the Hugging Face / vLLM checkpoint")
+    q.add_argument(
+        "--text", type=text_file, default=None, help="calibrate on this UTF-8 text instead of the shipped corpus"
+    )
+    q.add_argument(
+        "--calibration", type=calibration_method, default="mse", help="max|percentile|mse (static activation scales)"
+    )
+    q.add_argument(
+        "--alpha", type=unit_fraction, default=0.8, help="SmoothQuant migration strength (0.8 suits Llama models)"
+    )
+    q.add_argument("--calib-batches", type=positive_int, default=8, help="calibration batches of 4 x 128 tokens")
+    _add_overwrite(q, "a folder")
     q.set_defaults(func=cmd_quantize)
 
-    c = sub.add_parser("compare", help="BF16 vs FP8 vs INT8 PTQ: perplexity, weight memory, prefill/decode time")
-    c.add_argument("--model", default="smollm2", help=model_help)
-    c.add_argument("--schemes", default="all", help="all, or a comma list of schemes (fp8+kv for the FP8 KV cache)")
+    c = command(
+        "compare",
+        "BF16 vs FP8 vs INT8 PTQ: perplexity, weight memory, prefill/decode time",
+        "Quantize a pretrained model with each scheme and compare held-out perplexity, weight memory and "
+        "per-token times against BF16; writes compare.json, compare.md and compare.png to --out.",
+    )
+    c.add_argument("--model", type=_model(allow_demo=False), default="smollm2", help=model_help)
+    c.add_argument(
+        "--schemes",
+        type=scheme_list,
+        default="all",
+        help="all, or a comma list of schemes (fp8+kv for the FP8 KV cache)",
+    )
     c.add_argument("--out", default="runs/fp8kit-compare", help="folder for compare.json/md/png")
-    c.add_argument("--text", default=None, help="use this UTF-8 text instead of the shipped corpus")
-    c.add_argument("--calibration", default="mse", help="max|percentile|mse (static activation scales)")
-    c.add_argument("--alpha", type=float, default=0.8, help="SmoothQuant migration strength")
-    c.add_argument("--calib-batches", type=int, default=8)
-    c.add_argument("--eval-batches", type=int, default=8, help="held-out batches of 4 x 128 tokens")
+    c.add_argument("--text", type=text_file, default=None, help="use this UTF-8 text instead of the shipped corpus")
+    c.add_argument(
+        "--calibration", type=calibration_method, default="mse", help="max|percentile|mse (static activation scales)"
+    )
+    c.add_argument("--alpha", type=unit_fraction, default=0.8, help="SmoothQuant migration strength")
+    c.add_argument("--calib-batches", type=positive_int, default=8, help="calibration batches of 4 x 128 tokens")
+    c.add_argument("--eval-batches", type=positive_int, default=8, help="held-out batches of 4 x 128 tokens")
+    c.add_argument("--batches", dest="eval_batches", type=positive_int, help=argparse.SUPPRESS)  # as in fp8kit eval
+    _add_overwrite(c, "files")
     c.set_defaults(func=cmd_compare)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run the ``fp8kit`` command line; returns the exit code (2 for bad arguments)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as stop:  # argparse: --help/--version (0) or a bad argument (2)
+        return stop.code if isinstance(stop.code, int) else 2
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from .ptq.linear import QuantLinear
 from .ptq.schemes import SCHEMES, Scheme
 from .state_dict import tied_aliases
 
-__all__ = ["ExportError", "load_pretrained", "save_pretrained"]
+__all__ = ["ExportError", "check_export_dir", "load_pretrained", "save_pretrained"]
 
 QUANT_METHOD = "compressed-tensors"
 
@@ -102,8 +103,59 @@ def unpack_int8(packed: torch.Tensor, cols: int) -> torch.Tensor:
     return (u.to(torch.int16) - 128).to(torch.int8)
 
 
-def save_pretrained(model: nn.Module, out_dir: str | Path, tokenizer: Any = None) -> Path:
-    """Write a ``fp8kit.ptq``-quantized model as a compressed-tensors directory (atomically)."""
+MANIFEST = ".fp8kit-export"  # the files an export wrote: a later export may replace them, nothing else
+
+
+def _foreign_entries(path: Path) -> list[str]:
+    """Entries of the folder ``path`` that an earlier fp8kit export did not write (all of them if none did)."""
+    entries = sorted(p.name for p in path.iterdir())
+    try:
+        written = set(json.loads((path / MANIFEST).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return entries
+    return [e for e in entries if e not in written and e != MANIFEST]
+
+
+def check_export_dir(out_dir: str | Path, overwrite: bool = False) -> Path:
+    """Validate ``out_dir`` for ``save_pretrained`` before any work; returns it as an absolute path.
+
+    Accepted: a new path, an empty folder, or an earlier fp8kit export holding only its own files. A
+    folder with anything else is refused unless ``overwrite`` (then it is replaced as a whole); a file,
+    the current directory or one of its parents is always refused. Raises ``ExportError``.
+    """
+    out = Path(out_dir).expanduser().absolute()
+    cwd = Path.cwd().absolute()
+    if out == cwd or out in cwd.parents or out.parent == out:
+        raise ExportError(
+            f"{out_dir} is the current folder or one of its parents: give a new folder for the export, "
+            "e.g. --out quantized-model"
+        )
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out_dir} is a file, not a folder: give a new folder for the export")
+    if out.is_dir() and not overwrite:
+        foreign = _foreign_entries(out)
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise ExportError(
+                f"{out_dir} already holds files fp8kit did not write ({shown}): give a new or empty folder, "
+                "or pass --overwrite (overwrite=True) to replace the whole folder"
+            )
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ExportError(f"{out_dir} cannot be created: {parent} is not a writable folder")
+    return out
+
+
+def save_pretrained(model: nn.Module, out_dir: str | Path, tokenizer: Any = None, *, overwrite: bool = False) -> Path:
+    """Write a ``fp8kit.ptq``-quantized model as a compressed-tensors directory.
+
+    The export is written into a temporary sibling folder and renamed into place, so ``out_dir`` is
+    either the complete new export or left as it was; the temporary folder is removed on failure. An
+    existing ``out_dir`` is replaced only if fp8kit wrote everything in it (see ``check_export_dir``),
+    or with ``overwrite=True``.
+    """
     from safetensors.torch import save_file
 
     report = getattr(model, "ptq_report", None)
@@ -114,6 +166,7 @@ def save_pretrained(model: nn.Module, out_dir: str | Path, tokenizer: Any = None
     config = getattr(model, "config", None)
     if config is None:
         raise ExportError("save_pretrained needs a Hugging Face model (with .config) to write config.json")
+    out = check_export_dir(out_dir, overwrite)
     tensors: dict[str, torch.Tensor] = {}
     state = model.state_dict()
     aliases = tied_aliases(state)
@@ -145,21 +198,50 @@ def save_pretrained(model: nn.Module, out_dir: str | Path, tokenizer: Any = None
     cfg.pop("_fp8kit_inner_attn", None)
     if cfg.get("_attn_implementation") == "fp8kit_fp8_kv":
         cfg.pop("_attn_implementation")
-    out = Path(out_dir)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
-    gen = getattr(model, "generation_config", None)
-    if gen is not None:
-        (tmp / "generation_config.json").write_text(gen.to_json_string())
-    if tokenizer is not None:
-        getattr(tokenizer, "tok", tokenizer).save_pretrained(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _sibling(out, "tmp")
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+        gen = getattr(model, "generation_config", None)
+        if gen is not None:
+            (tmp / "generation_config.json").write_text(gen.to_json_string())
+        if tokenizer is not None:
+            getattr(tokenizer, "tok", tokenizer).save_pretrained(tmp)
+        files = sorted(p.name for p in tmp.iterdir())
+        (tmp / MANIFEST).write_text(json.dumps({"producer": "fp8kit", "files": files}))
+        _swap_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
+
+
+def _sibling(out: Path, kind: str) -> Path:
+    """A new, uniquely named hidden folder beside ``out`` (created with the usual permissions)."""
+    while True:
+        path = out.with_name(f".{out.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` to ``out``; an existing ``out`` is moved aside first and removed only afterwards."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = _sibling(out, "old")
+    os.replace(out, old / out.name)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        os.replace(old / out.name, out)  # put the previous export back
+        shutil.rmtree(old, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _matches(name: str, module: nn.Module, patterns: list[str]) -> bool:

@@ -14,17 +14,50 @@ native bfloat16 (AVX2) run bfloat16 GEMMs tens of times slower; the result is th
 * Block and MX scales vary along ``K``: each operand is dequantized tile by tile first (exact when the
   scales are powers of two, as MX and the default block recipe use) and then multiplied.
 
-CUDA: ``torch._scaled_mm`` for per-tensor and row-wise scales (cuBLASLt FP8 tensor cores); block and
-MX scales fall back to the dequantize path in bfloat16 (exact for power-of-two scales).
+CPU backend: chosen once per process from the CPU's features and logged (``cpu_gemm_backend()``,
+``set_cpu_gemm_backend()``): on CPUs with native bfloat16 (AVX512-BF16, AMX) GEMMs with bfloat16
+outputs run as bf16 GEMMs on the exact FP8 values (FP32 accumulation inside oneDNN); elsewhere, and
+for FP32 outputs, the FP32 upcast above. FP8 codes are decoded through a 256-entry table.
+
+CUDA: one native FP8 GEMM per recipe, with the scales applied inside the kernel:
+
+* per tensor and per row: ``torch._scaled_mm`` (cuBLASLt), ``use_fast_accum`` allowed (forward GEMM);
+* DeepSeek-V3 blocks (1x128 activations/gradients, 128x128 weights):
+  ``torch.nn.functional.scaled_mm`` with ``ScalingType.BlockWise1x128`` / ``BlockWise128x128`` (torch
+  >= 2.10, SM90, cuBLASLt >= 12.9): no dequantization to bf16 on Hopper. Fast accumulation is never
+  used here: Hopper's FP8 tensor cores keep about 14 bits between promotions to FP32, and DeepSeek-V3
+  promotes every 128 elements of K precisely to avoid that error; block scaling exists for accuracy;
+* MXFP8 (1x32 blocks, E8M0 scales): ``ScalingType.BlockWise1x32`` (Blackwell, SM100).
+
+Where the native GEMM is unavailable (older torch, an unsupported GPU or shape) the product falls back
+to dequantized bf16 operands (exact for power-of-two scales), and the reason is logged once per kind.
 """
 
 from __future__ import annotations
+
+import functools
+import logging
 
 import torch
 
 from .tensor import QuantizedTensor
 
-__all__ = ["fp8_gemm", "scales_factor_out"]
+__all__ = ["cpu_gemm_backend", "fp8_gemm", "native_gemm_fallbacks", "scales_factor_out", "set_cpu_gemm_backend"]
+
+log = logging.getLogger("fp8kit")
+_FALLBACKS: dict[str, str] = {}  # kind -> reason the native CUDA GEMM was not used (logged once)
+_CPU_BACKEND: dict[str, str] = {}  # "name" -> "fp32" | "scaled_mm", decided by the first CPU GEMM
+
+
+def native_gemm_fallbacks() -> dict[str, str]:
+    """Kinds of CUDA GEMM that fell back to the dequantize path in this process, with the reason."""
+    return dict(_FALLBACKS)
+
+
+def _fallback(kind: str, reason: str) -> None:
+    if kind not in _FALLBACKS:
+        _FALLBACKS[kind] = reason
+        log.warning("fp8kit: %s FP8 GEMM falls back to dequantized bf16 operands: %s", kind, reason)
 
 
 def scales_factor_out(q: QuantizedTensor) -> bool:
@@ -41,12 +74,16 @@ def _row_scales(q: QuantizedTensor) -> torch.Tensor:
     return s.reshape(-1, 1).repeat_interleave(q.block[0], dim=0)[:rows]
 
 
-def _try_scaled_mm(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor | None:
+def _try_scaled_mm(
+    a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, use_fast_accum: bool = False
+) -> torch.Tensor | None:
     if not hasattr(torch, "_scaled_mm"):
+        _fallback("per-tensor/row-wise", "this torch has no torch._scaled_mm")
         return None
     m, k = a.data.shape
     n = b.data.shape[0]
     if k % 16 or n % 16:
+        _fallback("per-tensor/row-wise", f"K={k}, N={n} are not multiples of 16")
         return None
     sa, sb = _row_scales(a), _row_scales(b)
     rowwise = sa.numel() > 1 or sb.numel() > 1
@@ -58,29 +95,215 @@ def _try_scaled_mm(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtyp
         sa, sb = sa.reshape(()), sb.reshape(())
         dtype = out_dtype
     try:
-        out = torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(), scale_a=sa, scale_b=sb, out_dtype=dtype)
-    except (RuntimeError, TypeError):
+        out = torch._scaled_mm(
+            a.data.contiguous(),
+            b.data.contiguous().t(),
+            scale_a=sa,
+            scale_b=sb,
+            out_dtype=dtype,
+            use_fast_accum=use_fast_accum,
+        )
+    except (RuntimeError, TypeError) as err:
+        _fallback("per-tensor/row-wise", f"torch._scaled_mm refused: {err}")
         return None
     return out.to(out_dtype)
 
 
-def fp8_gemm(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``dequant(a) @ dequant(b).T`` for ``a`` ``(M, K)`` and ``b`` ``(N, K)``; result in ``out_dtype``."""
+def _scaling_type(q: QuantizedTensor) -> str | None:
+    """The ``ScalingType`` name that describes ``q``'s tiles along K, or None."""
+    br, bc = q.block
+    if q.granularity.is_mx and (br, bc) == (1, 32):
+        return "BlockWise1x32"
+    if (br, bc) == (1, 128):
+        return "BlockWise1x128"
+    if (br, bc) == (128, 128):
+        return "BlockWise128x128"
+    return None
+
+
+def _block_scales(q: QuantizedTensor, kind: str) -> torch.Tensor:
+    """``q``'s scales laid out as ``scaled_mm`` reads them for the operand in ``(rows, K)`` form.
+
+    1x128: ``(rows, K/128)`` float32, outer-dim-major (column-major) strides; 128x128: ``(rows/128,
+    K/128)`` float32; 1x32 (MX): E8M0 codes as ``float8_e8m0fnu``."""
+    if kind == "BlockWise1x32":
+        return q.scales.contiguous().view(torch.float8_e8m0fnu)
+    s = q.scale_inv.float()
+    if kind == "BlockWise1x128":
+        return s.t().contiguous().t()
+    return s.contiguous()
+
+
+def _try_block_scaled_mm(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """Native block-scaled GEMM through ``torch.nn.functional.scaled_mm`` (no dequantization).
+
+    The scale layout for ``mat_b`` is checked once per process and kind against the dequantized
+    product (the first call computes both): a layout the kernel reads differently than fp8kit writes
+    it falls back with a logged reason instead of giving wrong results."""
+    kind_a, kind_b = _scaling_type(a), _scaling_type(b)
+    label = f"{kind_a or a.block}x{kind_b or b.block}"
+    if label in _FALLBACKS:
+        return None
+    scaled_mm = getattr(torch.nn.functional, "scaled_mm", None)
+    scaling_type = getattr(torch.nn.functional, "ScalingType", None)
+    if scaled_mm is None or scaling_type is None:
+        _fallback(label, "this torch has no torch.nn.functional.scaled_mm (needs torch >= 2.10)")
+        return None
+    if kind_a is None or kind_b is None:
+        _fallback(label, "tile shapes other than 1x128, 128x128 and MX 1x32 have no native GEMM")
+        return None
+    major = torch.cuda.get_device_capability(a.data.device)[0]
+    if kind_a == "BlockWise1x32" and major < 10:
+        _fallback(label, f"MXFP8 GEMMs need Blackwell (SM100); this GPU is SM{major}x")
+        return None
+    if kind_a != "BlockWise1x32" and major != 9:
+        _fallback(label, f"1x128/128x128 block-scaled GEMMs need Hopper (SM90); this GPU is SM{major}x")
+        return None
+    k = a.data.shape[1]
+    if kind_a != "BlockWise1x32" and (k % 128 or (k // 128) % 4):
+        # pytorch PR 166752: some releases gave wrong results when (K/128) % 4 != 0
+        return None
+    swizzle = getattr(torch.nn.functional, "SwizzleType", None)
+    kw = {}
+    if kind_a == "BlockWise1x32" and swizzle is not None:
+        kw = {"swizzle_a": swizzle.SWIZZLE_32_4_4, "swizzle_b": swizzle.SWIZZLE_32_4_4}
+    sa, sb = _block_scales(a, kind_a), _block_scales(b, kind_b)
+    layouts = [_LAYOUTS[label]] if label in _LAYOUTS else ["as-is", "transposed"]
+    errors = []
+    for layout in layouts:
+        try:
+            out = scaled_mm(
+                a.data.contiguous(),
+                b.data.contiguous().t(),
+                sa,
+                getattr(scaling_type, kind_a),
+                sb if layout == "as-is" else sb.t(),
+                getattr(scaling_type, kind_b),
+                output_dtype=out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.bfloat16,
+                **kw,
+            )
+        except (RuntimeError, TypeError, ValueError, NotImplementedError) as err:
+            errors.append(f"{layout}: {err}")
+            continue
+        if label not in _LAYOUTS:  # first call: hold the native result against the dequantized product
+            rel = _relative_error(out, a, b)
+            if rel > 2**-6:
+                errors.append(f"{layout}: relative error {rel:.3g} against the dequantized product")
+                continue
+            _LAYOUTS[label] = layout
+            log.info("fp8kit: native %s FP8 GEMM in use (scale layout %s)", label, layout)
+        return out.to(out_dtype)
+    _fallback(label, "scaled_mm refused or disagreed: " + "; ".join(errors))
+    return None
+
+
+_LAYOUTS: dict[str, str] = {}  # kind pair -> mat_b scale layout checked on the first call
+
+
+def _relative_error(out: torch.Tensor, a: QuantizedTensor, b: QuantizedTensor) -> float:
+    """Frobenius relative error of a native GEMM result against the dequantized bf16 product (once per
+    kind and process, outside graphs: it reads the device)."""
+
+    def measure() -> float:
+        ref = torch.matmul(a.dequantize(torch.bfloat16), b.dequantize(torch.bfloat16).t()).float()
+        return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+    return torch.compiler.disable(measure)()
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where that file does not exist)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _cpu_backend() -> str:
+    """Decide once per process, from the CPU's features, how FP8 GEMMs run on the CPU (logged).
+
+    * ``"bf16"`` on CPUs with native bfloat16 dot products (AVX512-BF16 or AMX-BF16): FP8 values are
+      exact in bfloat16, oneDNN's bf16 GEMM accumulates in FP32, so for bfloat16 outputs it computes
+      what an FP8 tensor core does (one rounding of the FP32 sum to bf16); FP32 outputs still take the
+      upcast below.
+    * ``"fp32"`` elsewhere (AVX2): codes upcast to FP32 and multiplied in FP32 (bf16 GEMMs there are
+      tens of times slower).
+
+    A rule on features rather than a timing probe: timing depends on the machine's load, and a choice
+    that changed between processes would change results, breaking bit-exact resume."""
+    if "name" not in _CPU_BACKEND:
+        flags = _cpu_flags()
+        native = bool({"avx512_bf16", "amx_bf16"} & flags)
+        _CPU_BACKEND["name"] = "bf16" if native else "fp32"
+        log.info(
+            "fp8kit: CPU FP8 GEMM backend %s (capability %s, native bf16 %s)",
+            _CPU_BACKEND["name"],
+            torch.backends.cpu.get_cpu_capability(),
+            native,
+        )
+    return _CPU_BACKEND["name"]
+
+
+def set_cpu_gemm_backend(name: str) -> None:
+    """Override the CPU FP8 GEMM backend: ``"fp32"`` (upcast) or ``"bf16"`` (native bf16 GEMMs for
+    bfloat16 outputs)."""
+    if name not in ("fp32", "bf16"):
+        raise ValueError(f"CPU GEMM backend must be 'fp32' or 'bf16', got {name!r}")
+    _CPU_BACKEND["name"] = name
+
+
+def cpu_gemm_backend() -> str:
+    """The CPU FP8 GEMM backend this process uses (``"fp32"`` or ``"bf16"``)."""
+    return _cpu_backend()
+
+
+@functools.cache
+def _decode_table(dtype: torch.dtype, fmt_dtype: torch.dtype) -> torch.Tensor:
+    """The 256 values of an FP8 format in ``dtype`` (NaN codes included), indexed by the uint8 code."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt_dtype).to(dtype)
+
+
+def _decode(q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 codes as ``dtype`` values through a 256-entry table (a gather: vectorized, unlike torch's
+    element-by-element float8 conversion on CPU); INT8 codes by a plain conversion."""
+    if q.fmt.kind != "float":
+        return q.data.to(dtype)
+    table = _decode_table(dtype, q.data.dtype)
+    return table[q.data.view(torch.uint8).int()]
+
+
+def fp8_gemm(
+    a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch.float32, *, use_fast_accum: bool = False
+) -> torch.Tensor:
+    """``dequant(a) @ dequant(b).T`` for ``a`` ``(M, K)`` and ``b`` ``(N, K)``; result in ``out_dtype``.
+
+    ``use_fast_accum``: let Hopper's FP8 tensor cores skip the periodic FP32 promotion (per-tensor and
+    row-wise GEMMs on CUDA only; torchao and Transformer Engine use it for the forward GEMM)."""
     if a.data.dim() != 2 or b.data.dim() != 2 or a.data.shape[1] != b.data.shape[1]:
         raise ValueError(
             f"fp8_gemm needs a (M, K) and b (N, K) with the same K; got {tuple(a.data.shape)} and {tuple(b.data.shape)}"
         )
     factor = scales_factor_out(a) and scales_factor_out(b)
     if a.data.is_cuda:
-        if factor:
-            out = _try_scaled_mm(a, b, out_dtype)
-            if out is not None:
-                return out
+        out = _try_scaled_mm(a, b, out_dtype, use_fast_accum) if factor else _try_block_scaled_mm(a, b, out_dtype)
+        if out is not None:
+            return out
         acc = torch.matmul(a.dequantize(torch.bfloat16), b.dequantize(torch.bfloat16).t()).float()
         return acc.to(out_dtype)
+    gemm_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 and _cpu_backend() == "bf16" else torch.float32
     if factor:
-        acc = torch.matmul(a.data.float(), b.data.float().t())
-        acc = acc * _row_scales(a) * _row_scales(b).reshape(1, -1)
+        acc = torch.matmul(_decode(a, gemm_dtype), _decode(b, gemm_dtype).t())
+        # bf16 GEMM: the sum is rounded to bf16 once in the GEMM and once more after the scales (within
+        # one bf16 ulp of the tensor core's single rounding; exact when the scales are powers of two)
+        acc = acc.float() * _row_scales(a) * _row_scales(b).reshape(1, -1)
+    elif gemm_dtype == torch.bfloat16 and a.granularity.is_mx and b.granularity.is_mx:
+        # MX scales are powers of two: the dequantized operands are exact in bf16
+        acc = torch.matmul(a.dequantize(torch.bfloat16), b.dequantize(torch.bfloat16).t())
     else:
         acc = torch.matmul(a.dequantize(torch.float32), b.dequantize(torch.float32).t())
     return acc.to(out_dtype)

@@ -18,7 +18,7 @@ from .kernels import (
 from .kernels.reference import expand_tiles
 from .scaling import Granularity, parse_granularity
 
-__all__ = ["QuantizedTensor", "quantize", "quantize_with_transpose"]
+__all__ = ["QuantizedTensor", "quantize", "quantize_with_transpose", "tensor_amax"]
 
 
 @dataclass
@@ -91,6 +91,15 @@ class QuantizedTensor:
             f"QuantizedTensor(shape={tuple(self.shape)}, fmt={self.fmt}, granularity={self.granularity}, "
             f"scales={tuple(self.scales.shape)}, nbytes={self.nbytes})"
         )
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """Absolute maximum of a whole tensor as a float32 scalar tensor (NaN if ``x`` holds NaN).
+
+    Rows first, then across rows: the same reduction the per-tensor kernels use, so a compiled graph
+    that needs the amax before the cast (delayed scaling's first step) computes it once."""
+    x2 = _as_2d(x)
+    return torch.abs(x2).amax(dim=-1).amax().float()
 
 
 def _as_2d(x: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,10 @@ from ..recipes import CurrentScaling, DelayedScaling, Recipe, recipe_from_name
 from .detectors import NaNDetector, SpikeDetector
 from .inspector import Inspector
 
-__all__ = ["Culprit", "DoctorReport", "Recommendation", "default_loss", "doctor"]
+__all__ = ["DEFAULT_LR", "DEFAULT_STEPS", "Culprit", "DoctorReport", "Recommendation", "default_loss", "doctor"]
+
+DEFAULT_STEPS = 30  # steps of each copy (``fp8kit doctor --steps``)
+DEFAULT_LR = 2e-3  # AdamW learning rate: the demo model's peak rate in ``fp8kit train`` (tests hold them equal)
 
 
 @dataclass
@@ -83,7 +86,7 @@ class DoctorReport:
         """Write ``report.md`` (with PNG plots), ``report.json`` and ``fp8_stats.jsonl`` to ``out_dir``."""
         from .report import write_report
 
-        return write_report(self, Path(out_dir))
+        return write_report(self.to_dict(), self.stats, Path(out_dir))
 
 
 def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -375,10 +378,10 @@ def doctor(
     model: nn.Module,
     batches: Iterable[Any],
     recipe: Recipe | str | None = None,
-    steps: int = 20,
+    steps: int = DEFAULT_STEPS,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     *,
-    lr: float = 1e-3,
+    lr: float = DEFAULT_LR,
     module_filter: Callable[[str, nn.Module], bool] | None = None,
     prepare_fp8: Callable[[nn.Module], None] | None = None,
     apply: bool = False,

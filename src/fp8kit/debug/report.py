@@ -1,20 +1,33 @@
-"""The doctor's self-contained report: Markdown with PNG plots, plus JSON and the raw statistics."""
+"""The doctor's self-contained report: Markdown with PNG plots, plus JSON and the raw statistics.
+
+This module takes the doctor's result as data (``DoctorReport.to_dict()``: plain dicts and lists, as in
+``report.json``) and never imports the doctor, so the two stay one-way: ``doctor`` -> ``report``.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .doctor import DoctorReport
+from types import SimpleNamespace
+from typing import Any
 
 __all__ = ["report_markdown", "write_report"]
 
 
-def report_markdown(rep: DoctorReport) -> str:
+def _view(result: Mapping[str, Any]) -> SimpleNamespace:
+    """Attribute access over the result dict (culprits and recommendations as namespaces too)."""
+    rep = SimpleNamespace(**result)
+    rep.culprits = [SimpleNamespace(**c) for c in result.get("culprits", [])]
+    rep.recommendations = [SimpleNamespace(**r) for r in result.get("recommendations", [])]
+    return rep
+
+
+def report_markdown(result: Mapping[str, Any]) -> str:
+    """Markdown of a doctor result (``DoctorReport.to_dict()``)."""
+    rep = _view(result)
     status = "healthy" if rep.healthy else f"problem: **{rep.kind}**" if rep.kind != "none" else "anomalies found"
     lines = [
         f"# fp8kit doctor: {status}",
@@ -62,14 +75,20 @@ def report_markdown(rep: DoctorReport) -> str:
     return "\n".join(lines)
 
 
-def _matrix(rep: DoctorReport, operand: str, key: str) -> tuple[list[str], list[list[float]]]:
+def _matrix(
+    rep: SimpleNamespace, stats: Sequence[Mapping[str, Any]], operand: str, key: str
+) -> tuple[list[str], list[list[float]]]:
     layers = list(rep.layer_error)
-    grid = {(r["layer"], r["step"]): r[key] for r in rep.stats if r["recipe"] == "actual" and r["operand"] == operand}
+    grid = {(r["layer"], r["step"]): r[key] for r in stats if r["recipe"] == "actual" and r["operand"] == operand}
     rows = [[grid.get((layer, s), math.nan) for s in range(rep.steps)] for layer in layers]
     return layers, rows
 
 
-def write_report(rep: DoctorReport, out: Path) -> Path:
+def write_report(result: Mapping[str, Any], stats: Sequence[Mapping[str, Any]], out: Path) -> Path:
+    """Write ``report.md``, ``loss.png``, ``heatmaps.png``, ``report.json`` and ``fp8_stats.jsonl`` to ``out``.
+
+    ``result`` is ``DoctorReport.to_dict()``; ``stats`` the per-layer records (``DoctorReport.stats``).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,6 +99,7 @@ def write_report(rep: DoctorReport, out: Path) -> Path:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise PermissionError(f"cannot write the doctor report to {out}: {err.strerror or err}") from err
+    rep = _view(result)
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.plot(rep.losses["bf16"], label="bf16", color="black", lw=2)
     ax.plot(rep.losses["fp8"], label=f"fp8 ({rep.recipe})")
@@ -103,7 +123,7 @@ def write_report(rep: DoctorReport, out: Path) -> Path:
     ]
     fig, axes = plt.subplots(1, 5, figsize=(22, max(3, 0.3 * len(rep.layer_error) + 1.5)))
     for ax, (operand, key, title) in zip(axes, panels, strict=False):
-        layers, rows = _matrix(rep, operand, key)
+        layers, rows = _matrix(rep, stats, operand, key)
         im = ax.imshow(np.array(rows, dtype=float), aspect="auto", interpolation="nearest", cmap="viridis")
         ax.set_title(title)
         ax.set_yticks(range(len(layers)), layers, fontsize=7)
@@ -118,11 +138,17 @@ def write_report(rep: DoctorReport, out: Path) -> Path:
     fig.savefig(out / "heatmaps.png", dpi=90)
     plt.close(fig)
 
-    tmp = out / ".report.md.tmp"
-    tmp.write_text(report_markdown(rep))
-    os.replace(tmp, out / "report.md")
-    (out / "report.json").write_text(json.dumps(rep.to_dict(), indent=2, default=str))
-    with open(out / "fp8_stats.jsonl", "w") as f:
-        for r in rep.stats:
-            f.write(json.dumps(r) + "\n")
+    _write_text(out / "report.md", report_markdown(result))
+    _write_text(out / "report.json", json.dumps(dict(result), indent=2, default=str))
+    _write_text(out / "fp8_stats.jsonl", "".join(json.dumps(r) + "\n" for r in stats))
     return out / "report.md"
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary sibling, then rename it into place."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

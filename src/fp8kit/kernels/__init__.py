@@ -4,7 +4,8 @@
 * ``fused``: the same math compiled with ``torch.compile`` (C++/OpenMP on CPU, Triton on CUDA) so
   that amax, scale and cast read the input twice and write the FP8 output once. On CPU the cast is
   integer arithmetic on the float32 bits (``cast_bits``), which inductor vectorizes; on CUDA it is
-  torch's native conversion. Falls back to eager when compilation is unavailable.
+  torch's native conversion. Falls back to eager when compilation is unavailable
+  (``set_compile_strict(True)`` raises instead).
 """
 
 from .fused import (
@@ -13,6 +14,7 @@ from .fused import (
     quantize_pair_eager,
     quantize_pair_fused,
     set_compile_enabled,
+    set_compile_strict,
 )
 from .reference import BlockSpec, quantize_blocks_reference
 
@@ -24,4 +26,5 @@ __all__ = [
     "quantize_pair_eager",
     "quantize_pair_fused",
     "set_compile_enabled",
+    "set_compile_strict",
 ]

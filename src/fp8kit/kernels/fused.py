@@ -16,12 +16,18 @@ import torch
 from ..formats import E4M3, E5M2, Format
 from .reference import BlockSpec, scale_from_amax, tile_view
 
-_COMPILE = {"enabled": True}
+_COMPILE = {"enabled": True, "strict": False}
 
 
 def set_compile_enabled(enabled: bool) -> None:
     """Turn the compiled kernels on or off process-wide (off: the same math runs eagerly)."""
     _COMPILE["enabled"] = bool(enabled)
+
+
+def set_compile_strict(strict: bool) -> None:
+    """Strict mode: a kernel that fails to compile raises instead of warning and falling back to
+    eager (tests turn it on, so that a "compiled" test cannot silently test the eager kernels)."""
+    _COMPILE["strict"] = bool(strict)
 
 
 def _cast(y: torch.Tensor, fmt: Format, codes: bool = False) -> torch.Tensor:
@@ -136,6 +142,8 @@ def _run(kind: str, eager, *args):
     try:
         return _compiled(kind)(*(_dynamic(a) for a in args))
     except Exception as err:  # no C++ compiler, unsupported platform...
+        if _COMPILE["strict"]:
+            raise RuntimeError(f"fp8kit: compiled quantize kernel {kind!r} failed ({err}); strict mode is on") from err
         warnings.warn(f"fp8kit: compiled quantize kernel unavailable ({err}); using eager kernels", stacklevel=3)
         set_compile_enabled(False)
         return eager(*args)

@@ -2,7 +2,7 @@
 
 from .autocast import autocast, fp8_enabled
 from .bf16 import BF16Linear, to_bf16_gemms
-from .convert import ConversionReport, convert, default_module_filter
+from .convert import ConversionReport, convert, convert_layer, default_module_filter
 from .layernorm import LayerNormLinear, LayerNormMLP
 from .linear import Linear, set_quantize_backend, strip_fp8_state
 from .memory import saved_activation_bytes
@@ -15,6 +15,7 @@ __all__ = [
     "Linear",
     "autocast",
     "convert",
+    "convert_layer",
     "default_module_filter",
     "fp8_enabled",
     "set_quantize_backend",

@@ -1,20 +1,33 @@
-"""``fp8kit.convert``: swap the eligible ``nn.Linear`` layers of any model for FP8 ones, in place."""
+"""``fp8kit.convert``: turn the eligible ``nn.Linear`` layers of any model into FP8 ones, in place.
+
+Each layer is converted where it stands, by swapping its class to ``fp8kit.nn.Linear`` and adding the
+FP8 scaling state: the module object, its parameters, its hooks (forward, backward, state-dict) and
+every attribute a user or library set on it stay as they were. Two kinds of instance-level
+``forward`` are re-pointed at the FP8 forward: a bound ``nn.Linear.forward`` stored in the instance
+(``layer.forward = layer.forward``), and accelerate's ``_old_forward`` (``add_hook_to_module``). A
+layer whose forward cannot be followed, or whose weight is computed by ``torch.nn.utils.parametrize``,
+is left in high precision and listed in the report with the reason.
+"""
 
 from __future__ import annotations
 
 import logging
+import re
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 import torch.nn as nn
 
-from ..recipes import DelayedScaling, Recipe
+from ..recipes import DelayedScaling, Recipe, recipe_from_name
 from .linear import Linear
 
-__all__ = ["ConversionReport", "convert", "default_module_filter"]
+__all__ = ["ConversionReport", "convert", "convert_layer", "default_module_filter"]
 
 log = logging.getLogger("fp8kit")
 HARDWARE_MULTIPLE = 16  # FP8 tensor-core GEMMs need K and N multiples of 16
+_LORA_ADAPTER = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")  # PEFT's adapter layers
 
 
 @dataclass
@@ -53,6 +66,8 @@ def default_module_filter(model: nn.Module) -> Callable[[str, nn.Module], str | 
     def why_skip(name: str, module: nn.Module) -> str | None:
         if head(name, module):
             return "output head (kept in high precision, as Transformer Engine and torchao do)"
+        if _LORA_ADAPTER.search(f".{name}."):
+            return "LoRA adapter (rank-r GEMMs: little FP8 gain, and the low-rank update needs the precision)"
         assert isinstance(module, nn.Linear)
         if module.in_features % HARDWARE_MULTIPLE or module.out_features % HARDWARE_MULTIPLE:
             return (
@@ -64,27 +79,103 @@ def default_module_filter(model: nn.Module) -> Callable[[str, nn.Module], str | 
     return why_skip
 
 
+def _is_linear_forward(fn: object, module: nn.Module) -> bool:
+    """``fn`` is ``nn.Linear.forward`` bound to ``module`` (what ``module.forward`` was before the swap)."""
+    return (
+        isinstance(fn, types.MethodType)
+        and fn.__self__ is module
+        and getattr(fn, "__func__", None) is nn.Linear.forward
+    )
+
+
+def _why_not_convertible(module: nn.Module) -> str | None:
+    """Reason a plain-or-parametrized ``nn.Linear`` cannot keep its behaviour in FP8, or ``None``."""
+    parametrizations = getattr(module, "parametrizations", None)
+    if isinstance(parametrizations, nn.ModuleDict) and len(parametrizations):
+        return (
+            f"torch.nn.utils.parametrize on {', '.join(parametrizations)} (the weight is computed on every access; "
+            "remove_parametrizations(..., leave_parametrized=True) first to convert it)"
+        )
+    inst = module.__dict__
+    if "forward" in inst and not _is_linear_forward(inst["forward"], module) and "_old_forward" not in inst:
+        return "its forward is replaced on the instance by code fp8kit cannot follow (convert before patching it)"
+    if "_old_forward" in inst and not _is_linear_forward(inst["_old_forward"], module):
+        return "accelerate's _old_forward is not nn.Linear.forward (another wrapper sits below the hook)"
+    hook = inst.get("_hf_hook")
+    if hook is not None and getattr(hook, "offload_buffers", False) and getattr(hook, "weights_map", None) is not None:
+        return "dispatched with offload_buffers=True (the FP8 scaling buffers would be missing from the offload map)"
+    return None
+
+
+def convert_layer(
+    module: nn.Linear, recipe: Recipe | None = None, *, save_fp8_activations: bool = True, name: str = ""
+) -> Linear:
+    """Turn ``module`` (an ``nn.Linear``) into an ``fp8kit.nn.Linear`` in place and return it.
+
+    The object keeps its identity, parameters, hooks and attributes; only its class changes and the FP8
+    scaling state is added. Raises ``ValueError`` (with the reason) where that would change what the
+    layer computes, e.g. a parametrized weight.
+    """
+    if type(module) is not nn.Linear:
+        raise TypeError(f"convert_layer takes a plain nn.Linear, got {type(module).__name__}")
+    why = _why_not_convertible(module)
+    if why:
+        raise ValueError(f"cannot convert {name or 'this layer'} to FP8: {why}")
+    weight = module._parameters["weight"]
+    module.__class__ = Linear
+    try:
+        if weight is not None and weight.device.type == "meta":
+            # offloaded (accelerate): the FP8 state goes where the layer computes, not on the meta device
+            module._parameters["weight"] = _placeholder(weight, _execution_device(module))
+        module._init_fp8(recipe, save_fp8_activations, name)
+    except BaseException:
+        module.__class__ = nn.Linear
+        raise
+    finally:
+        module._parameters["weight"] = weight
+    inst = module.__dict__
+    for key in ("forward", "_old_forward"):
+        if key in inst and _is_linear_forward(inst[key], module):
+            inst[key] = types.MethodType(Linear.forward, module)
+    return module
+
+
+def _execution_device(module: nn.Module) -> torch.device:
+    hook = module.__dict__.get("_hf_hook")
+    dev = getattr(hook, "execution_device", None)
+    return torch.device(dev if dev is not None else "cpu")
+
+
+def _placeholder(weight: torch.Tensor, device: torch.device) -> nn.Parameter:
+    """A zero-cost stand-in with the weight's shape and dtype on ``device`` (a zero-stride expand)."""
+    return nn.Parameter(torch.zeros((), dtype=weight.dtype, device=device).expand(weight.shape), requires_grad=False)
+
+
 def convert(
     model: nn.Module,
-    recipe: Recipe | None = None,
+    recipe: Recipe | str | None = None,
     module_filter: Callable[[str, nn.Module], bool] | None = None,
     *,
     save_fp8_activations: bool = True,
     verbose: bool = False,
 ) -> nn.Module:
-    """Replace eligible ``nn.Linear`` layers of ``model`` with ``fp8kit.nn.Linear`` in place.
+    """Turn eligible ``nn.Linear`` layers of ``model`` into ``fp8kit.nn.Linear`` in place.
 
-    Parameters stay the same objects, so an optimizer built before or after conversion keeps working.
-    ``module_filter(name, module) -> bool`` picks layers by qualified name (it replaces the default
-    filter, which skips the output head and dims that are not multiples of 16). The report is stored
-    as ``model.fp8_conversion_report`` and logged (printed with ``verbose=True``).
+    ``recipe`` is a recipe object or its name (``"delayed"``, ``"current"``, ``"rowwise"``, ``"block"``,
+    ``"mxfp8"``; default delayed scaling). Layers keep their identity, parameters, hooks and attributes,
+    so an optimizer built before or after conversion keeps working and accelerate/PEFT/user hooks still
+    fire. ``module_filter(name, module) -> bool`` picks layers by qualified name (it replaces the default
+    filter, which skips the output head and dims that are not multiples of 16). The report is stored as
+    ``model.fp8_conversion_report`` and logged (printed with ``verbose=True``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}")
+    if isinstance(recipe, str):
+        recipe = recipe_from_name(recipe)
     recipe = recipe if recipe is not None else DelayedScaling()
     if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be an fp8kit recipe, got {recipe!r}")
-    if type(model) is nn.Linear:
+        raise TypeError(f"recipe must be an fp8kit recipe or its name (e.g. 'delayed'), got {recipe!r}")
+    if isinstance(model, nn.Linear) and type(model) is nn.Linear:
         raise ValueError(
             "convert() replaces layers inside a model, not the model itself: wrap the Linear in "
             "nn.Sequential, or use fp8kit.nn.Linear.from_linear(layer, recipe)"
@@ -93,21 +184,20 @@ def convert(
     default = default_module_filter(model)
     targets: list[tuple[str, nn.Linear]] = []
     for name, module in model.named_modules():
-        if type(module) is not nn.Linear:
+        parametrized = isinstance(module, nn.Linear) and hasattr(module, "parametrizations")
+        if type(module) is not nn.Linear and not parametrized:
             continue
         if module_filter is not None:
             reason = None if module_filter(name, module) else "excluded by module_filter"
         else:
             reason = default(name, module)
+        reason = reason or _why_not_convertible(module)
         if reason:
             report.skipped[name] = reason
         else:
             targets.append((name, module))
     for name, module in targets:
-        new = Linear.from_linear(module, recipe, name=name, save_fp8_activations=save_fp8_activations)
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, new)
+        convert_layer(module, recipe, save_fp8_activations=save_fp8_activations, name=name)
         report.converted.append(name)
     object.__setattr__(model, "fp8_conversion_report", report)
     (print if verbose else log.info)(str(report))

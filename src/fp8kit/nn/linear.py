@@ -6,11 +6,33 @@ in the input's dtype. Every operand is quantized along the reduction dim of its 
 says. The input needed by the weight-gradient GEMM is saved in FP8 (``save_fp8_activations=True``).
 The FP8 weights are cached and reused until the weight changes (its version counter moves, as an
 optimizer step does), so under gradient accumulation they are quantized once per optimizer step.
+
+The layer is traceable whole by ``torch.compile`` (``fullgraph=True``): its scaling state lives in
+buffers that are updated in place, with no Python-side flag and no ``.item()`` in the hot path, so
+inductor fuses amax, scale and cast into the ops around the layer.
+
+Buffers a layer holds, and their lifetime:
+
+* ``weight`` / ``bias``: the parameters (the master weights; the optimizer owns their precision).
+* delayed scaling only, persistent (in the state dict): ``fp8_amax_history`` ``(3, history_len)``
+  float32 amaxes of input, weight and gradient, newest first (0 = unfilled); ``fp8_scale`` ``(3,)``
+  float32 multipliers for the next quantization; ``fp8_seen`` ``(3,)`` int64 count of recorded amaxes;
+  ``fp8_amax_pending`` ``(3,)`` float32 amax recorded but not yet folded into the history (-1: none;
+  folded at once in one process, at the next scaling sync under ``torch.distributed``).
+* FP8 weight cache (eager mode only, not in the state dict): the weight quantized along K and its
+  transpose (a view for per-tensor and 128x128 scales, a second copy for row-wise and MX). Built at the
+  first forward of an optimizer step, reused by every micro-batch, and released after
+  ``optimizer.step()`` changes the weight: between steps no FP8 weight copy is alive. Under
+  ``torch.compile`` there is no cache: the cast is recomputed and fused into the forward.
+* autograd-saved tensors (per forward, freed by backward): the input in FP8 (or high precision with
+  ``save_fp8_activations=False``) and the FP8 weight transpose.
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,13 +42,13 @@ import torch.nn.functional as F
 from ..gemm import fp8_gemm
 from ..recipes import DelayedScaling, Recipe
 from ..scaling import compute_scale
-from ..tensor import QuantizedTensor, quantize, quantize_with_transpose
+from ..tensor import QuantizedTensor, quantize, quantize_with_transpose, tensor_amax
 from .autocast import fp8_enabled, recipe_override
 
 __all__ = ["Linear", "strip_fp8_state", "FP8_STATE_KEYS"]
 
 ROLES = ("input", "weight", "grad")
-FP8_STATE_KEYS = ("fp8_amax_history", "fp8_scale", "fp8_seen", "_extra_state")
+FP8_STATE_KEYS = ("fp8_amax_history", "fp8_scale", "fp8_seen", "fp8_amax_pending", "_extra_state")
 _BACKEND = {"name": "compiled"}
 
 
@@ -70,15 +92,20 @@ class Linear(nn.Linear):
         self.fp8_name = name or self.__class__.__name__
         self._weight_cache: tuple[Any, ...] | None = None
         self._warned_nonfinite: set[str] = set()
+        # Under torch.distributed the amaxes are reduced over ranks before they enter the history: set
+        # by ``fp8kit.distributed`` (constant during training, so graphs specialise on it once).
+        self.defer_scaling_update = False
+        # Optional MAX-reduction of per-tensor current-scaling amaxes over ranks (``fp8kit.distributed``).
+        self.amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         dev = self.weight.device
-        for key in ("fp8_amax_history", "fp8_scale", "fp8_seen"):
+        for key in ("fp8_amax_history", "fp8_scale", "fp8_seen", "fp8_amax_pending"):
             self._buffers.pop(key, None)
-        self._calibrated = [False, False, False]
         if isinstance(self.recipe, DelayedScaling):
             n = self.recipe.amax_history_len
             self.register_buffer("fp8_amax_history", torch.zeros(3, n, device=dev))
             self.register_buffer("fp8_scale", torch.ones(3, device=dev))
             self.register_buffer("fp8_seen", torch.zeros(3, dtype=torch.int64, device=dev))
+            self.register_buffer("fp8_amax_pending", torch.full((3,), -1.0, device=dev))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Recipe | None = None, name: str = "", **kwargs: Any) -> Linear:
@@ -101,7 +128,13 @@ class Linear(nn.Linear):
         backend = _BACKEND["name"]
         if isinstance(recipe, DelayedScaling) and recipe is self.recipe:
             return self._quantize_delayed(x, role, fmt, recipe, backend)
-        q = quantize(x, fmt, recipe.granularity_for(role), nonfinite="propagate", backend=backend, **_knobs(recipe))
+        if self.amax_reduce is not None and recipe.per_tensor and role != "weight":
+            # current scaling across ranks: one scale from the global amax (MAX over the group)
+            amax = self.amax_reduce(tensor_amax(x))
+            scale = compute_scale(amax, fmt, getattr(recipe, "margin", 0), getattr(recipe, "power_of_two", False))
+            q = quantize(x, fmt, "tensor", scale=scale, nonfinite="propagate", backend=backend, check_scale=False)
+        else:
+            q = quantize(x, fmt, recipe.granularity_for(role), nonfinite="propagate", backend=backend, **_knobs(recipe))
         self._check_amax(q, role)
         return q
 
@@ -121,10 +154,12 @@ class Linear(nn.Linear):
         self, x: torch.Tensor, role: str, fmt, recipe: DelayedScaling, backend: str
     ) -> QuantizedTensor:
         i = ROLES.index(role)
-        # A Python-side flag (not a tensor read) says whether this operand was ever seen, so that the
-        # hot path has no device sync and compiles without graph breaks.
-        calibrated = self._calibrated[i]
-        scale = self.fp8_scale[i] if calibrated else None
+        # Graph-friendly first-step rule: an operand never seen (``fp8_seen == 0``) is quantized with the
+        # scale of its own amax (current scaling), chosen by ``torch.where``: no Python flag, no sync.
+        amax_now = tensor_amax(x)
+        scale = torch.where(
+            self.fp8_seen[i] > 0, self.fp8_scale[i], compute_scale(amax_now, fmt, recipe.margin, previous=1.0)
+        )
         q = quantize(
             x,
             fmt,
@@ -136,22 +171,50 @@ class Linear(nn.Linear):
             check_scale=False,
         )
         self._check_amax(q, role)
-        if not self.training:  # evaluation uses the scaling state but does not change it
-            return q
-        with torch.no_grad():
-            amax = q.amax.reshape(())
-            ok = torch.isfinite(amax)
+        if self.training:  # evaluation uses the scaling state but does not change it
+            self._record_amax(i, amax_now, recipe)
+        return q
+
+    @torch.no_grad()
+    def _record_amax(self, i: int, amax: torch.Tensor, recipe: DelayedScaling) -> None:
+        """Record operand ``i``'s amax (a non-finite one is dropped) and, unless deferred, fold it in."""
+        amax = amax.reshape(()).float()
+        pending = self.fp8_amax_pending[i]
+        self.fp8_amax_pending[i] = torch.where(torch.isfinite(amax), torch.maximum(pending, amax), pending)
+        if not self.defer_scaling_update:
+            self.fold_amax_pending((i,))
+
+    @torch.no_grad()
+    def fold_amax_pending(self, roles: tuple[int, ...] = (0, 1, 2)) -> None:
+        """Move pending amaxes into the history and recompute the scales (in place, no sync).
+
+        Roles whose pending amax is -1 (nothing recorded) keep history and scale. Called by the layer
+        after each quantization in one process, and by ``fp8kit.distributed`` after the MAX reduction.
+        """
+        recipe = self.recipe
+        if not isinstance(recipe, DelayedScaling):
+            return
+        for i in roles:
+            pending = self.fp8_amax_pending[i]
+            has = pending >= 0
             hist = self.fp8_amax_history[i]
             rolled = torch.roll(hist, 1)
-            rolled[0] = torch.where(ok, amax, 0.0)
-            hist.copy_(torch.where(ok, rolled, hist))  # a non-finite amax is not recorded
-            self.fp8_seen[i] += ok.to(torch.int64)
+            rolled[0] = pending.clamp_min(0)
+            hist.copy_(torch.where(has, rolled, hist))
+            self.fp8_seen[i] += has.to(torch.int64)
             # unfilled history entries are 0 and never win the max
             ref = hist.max() if recipe.amax_compute_algo == "max" else hist[0]
+            fmt = recipe.format_for(ROLES[i])
             new_scale = compute_scale(ref, fmt, recipe.margin, previous=self.fp8_scale[i])
-            self.fp8_scale[i] = torch.where(ok, new_scale, self.fp8_scale[i])
-        self._calibrated[i] = True
-        return q
+            self.fp8_scale[i] = torch.where(has, new_scale, self.fp8_scale[i])
+            self.fp8_amax_pending[i] = torch.where(has, torch.full_like(pending, -1.0), pending)
+
+    @property
+    def _calibrated(self) -> list[bool]:
+        """Per role, whether a delayed scale exists (eager-only convenience: reads the device)."""
+        if not isinstance(self.recipe, DelayedScaling):
+            return [False, False, False]
+        return [bool(v > 0) for v in self.fp8_seen.tolist()]
 
     def _check_amax(self, q: QuantizedTensor, role: str) -> None:
         """Warn (once per operand) when a quantized operand held NaN/inf; eager mode only."""
@@ -167,19 +230,27 @@ class Linear(nn.Linear):
             )
 
     def fp8_weights(self, recipe: Recipe) -> tuple[QuantizedTensor, QuantizedTensor]:
-        """``(W quantized along K, W.T quantized along N)``; cached until the weight changes."""
+        """``(W quantized along K, W.T quantized along N)``; cached (eager mode) until the weight changes."""
         w = self.weight
-        key = (w._version, w.data_ptr(), recipe)
-        if self._weight_cache is not None and self._weight_cache[0] == key:
-            return self._weight_cache[1], self._weight_cache[2]
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
+            key = (w._version, w.data_ptr(), recipe)
+            if self._weight_cache is not None and self._weight_cache[0] == key:
+                return self._weight_cache[1], self._weight_cache[2]
         with torch.no_grad():
             wq = self.quantize_operand(w.detach(), "weight", recipe)
             if recipe.per_tensor or recipe.kind == "block":  # one scale, or square tiles: transpose as is
                 wq_t = wq.t()
             else:
                 wq_t = self.quantize_operand(w.detach().t().contiguous(), "weight", recipe)
-        self._weight_cache = (key, wq, wq_t)
+        if not compiling:
+            self._weight_cache = (key, wq, wq_t)
+            _track_cache(self)
         return wq, wq_t
+
+    def release_fp8_weights(self) -> None:
+        """Drop the cached FP8 weight copies (they are rebuilt at the next forward)."""
+        self._weight_cache = None
 
     # ---- forward -------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -222,11 +293,12 @@ class Linear(nn.Linear):
         fresh = {prefix + k for k in FP8_STATE_KEYS}
         missing_keys[:] = [k for k in missing_keys if k not in fresh]
         self._weight_cache = None
-        if isinstance(self.recipe, DelayedScaling):
-            self._calibrated = [bool(v > 0) for v in self.fp8_seen.tolist()]
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.kind}"
+
+
+_FAST_ACCUM = ("delayed", "current", "rowwise")
 
 
 def _knobs(recipe: Recipe) -> dict[str, Any]:
@@ -245,12 +317,37 @@ def strip_fp8_state(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return {k: v for k, v in state_dict.items() if k.rsplit(".", 1)[-1] not in FP8_STATE_KEYS}
 
 
-@torch.compiler.disable
 def _fp8_linear(x, weight, bias, module: Linear, recipe: Recipe) -> torch.Tensor:
-    """Runs outside ``torch.compile`` graphs of the model: the FP8 layer keeps mutable state (weight
-    cache, amax history) that graphs cannot hold, and its quantize kernels are compiled on their own.
-    The model's other ops (norms, activations, attention) are still compiled around it."""
+    """The FP8 GEMMs as one autograd function; ``torch.compile`` traces it with the model around it
+    (its buffer updates are in-place ops in the forward and backward graphs)."""
     return _FP8LinearFn.apply(x, weight, bias, module, recipe)
+
+
+# Layers that hold an FP8 weight cache; emptied after optimizer steps (weights changed).
+_CACHED: weakref.WeakSet[Linear] = weakref.WeakSet()
+
+
+def _release_stale_caches(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """After any ``optimizer.step()``: drop the FP8 weight caches of the layers whose weight that
+    optimizer updates, so that no FP8 copy of a weight lives between steps (the next forward rebuilds
+    it). Keyed on the optimizer's parameters, not on the weight's version counter: fused optimizers
+    (``torch.optim.AdamW(fused=True)``, Trainer's default) update weights without bumping it."""
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for layer in list(_CACHED):
+        if layer._weight_cache is None or id(layer.weight) in params:
+            layer._weight_cache = None
+            _CACHED.discard(layer)
+
+
+def _track_cache(layer: Linear) -> None:
+    if not _CACHED and not _HOOK:  # first cache in this process: hook into every optimizer's step
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _HOOK.append(register_optimizer_step_post_hook(_release_stale_caches))
+    _CACHED.add(layer)
+
+
+_HOOK: list[Any] = []
 
 
 def _pack(obj: QuantizedTensor | torch.Tensor | None) -> tuple[list[torch.Tensor], tuple | None]:
@@ -279,7 +376,9 @@ class _FP8LinearFn(torch.autograd.Function):
         else:
             xq = module.quantize_operand(x, "input", recipe)
         wq, wq_t = module.fp8_weights(recipe)
-        out = fp8_gemm(xq, wq, out_dtype=x.dtype)
+        # fast accumulation only in the forward GEMM of per-tensor / row-wise recipes (as torchao): the
+        # gradients' GEMMs and block scaling keep Hopper's periodic FP32 promotion (DeepSeek-V3)
+        out = fp8_gemm(xq, wq, out_dtype=x.dtype, use_fast_accum=recipe.kind in _FAST_ACCUM)
         if bias is not None:
             out = out + bias.to(out.dtype)
         saved_x: QuantizedTensor | torch.Tensor | None = None

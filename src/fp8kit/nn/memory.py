@@ -1,4 +1,4 @@
-"""Measure the memory that autograd holds for the backward pass."""
+"""Memory accounting: the persistent bytes of a training setup and what autograd saves for backward."""
 
 from __future__ import annotations
 
@@ -8,7 +8,12 @@ import torch
 
 from ..tensor import QuantizedTensor
 
-__all__ = ["saved_activation_bytes"]
+__all__ = ["PERSISTENT_KEYS", "persistent_bytes", "saved_activation_bytes"]
+
+# Categories of ``persistent_bytes`` (bytes that live for the whole run, activations excluded).
+PERSISTENT_KEYS = ("weights", "grads", "optimizer_state", "master_weights", "fp8_weight_cache")
+# Optimizer state entries that stand in for FP32 master weights (counted as master weights).
+_MASTER_STATE_KEYS = ("master", "kahan_comp")
 
 
 def _tensors_of(obj: object) -> Iterable[torch.Tensor]:
@@ -69,3 +74,45 @@ def saved_activation_bytes(output: torch.Tensor, exclude: Iterable[torch.Tensor]
             total += storage.nbytes()
         stack.extend(fn for fn, _ in node.next_functions)
     return total
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
+    total = 0
+    for t in tensors:
+        if t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def persistent_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes of a training setup's long-lived tensors, by category (shared storages count once).
+
+    * ``weights``: parameter storages as they are (FP32 parameters are their own master weights).
+    * ``grads``: one gradient per parameter in its dtype, whether or not one is allocated now (the
+      steady state during a step).
+    * ``optimizer_state``: tensors of ``optimizer.state`` (moments, FP8 codes and scales, steps).
+    * ``master_weights``: state that stands in for higher-precision weights (separate ``master``
+      copies, Kahan compensation buffers).
+    * ``fp8_weight_cache``: FP8 copies of weights that layers hold right now (``_weight_cache``).
+    """
+    seen: set[int] = set()
+    params = list(model.parameters())
+    out = dict.fromkeys(PERSISTENT_KEYS, 0)
+    out["weights"] = _storage_bytes(params, seen)
+    out["grads"] = sum(p.numel() * p.element_size() for p in params)
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for key, val in state.items():
+                if isinstance(val, torch.Tensor):
+                    cat = "master_weights" if any(m in key for m in _MASTER_STATE_KEYS) else "optimizer_state"
+                    out[cat] += _storage_bytes([val], seen)
+    for module in model.modules():
+        cache = getattr(module, "_weight_cache", None)
+        if cache is not None:
+            out["fp8_weight_cache"] += _storage_bytes(_tensors_of(list(cache[1:])), seen)
+    return out

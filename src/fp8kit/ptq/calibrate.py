@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 
 from ..formats import Format
-from .linear import quantize_codes, scale_for
+from ..scaling import compute_scale
+from ..tensor import quantize
 
 __all__ = ["CALIBRATION_METHODS", "InputObserver", "choose_amax", "observe_inputs"]
 
@@ -105,8 +106,8 @@ def choose_amax(obs: InputObserver, fmt: Format, method: str = "max", percentile
     best, best_err = obs.amax, float("inf")
     for r in torch.linspace(0.3, 1.0, MSE_GRID).tolist():  # magnitudes: the error is symmetric in sign
         c = obs.amax * r
-        scale = scale_for(torch.tensor(c), fmt)
-        err = float((weight * (quantize_codes(sample, scale, fmt).float() * scale - sample) ** 2).sum())
+        deq = quantize(sample, fmt, "tensor", scale=compute_scale(c, fmt)).dequantize(torch.float32)
+        err = float((weight * (deq - sample) ** 2).sum())
         if err < best_err:
             best, best_err = c, err
     return best

@@ -19,8 +19,9 @@ import torch
 import torch.nn as nn
 
 from ..formats import E4M3
+from ..tensor import quantize
 from .calibrate import InputObserver, choose_amax
-from .linear import quantize_codes, scale_for
+from .linear import dequant_scale
 
 __all__ = ["ATTN_NAME", "attention_modules", "enable_fp8_kv", "kv_cache_bytes"]
 
@@ -37,7 +38,9 @@ def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def _fake_fp8(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (quantize_codes(t, scale, E4M3).float() * scale).to(t.dtype)
+    """``t`` rounded to E4M3 codes with the static dequant ``scale`` and dequantized (``fp8kit.quantize``)."""
+    codes = quantize(t, E4M3, "tensor", scale=1.0 / scale, nonfinite="propagate", check_scale=False).data
+    return (codes.float() * scale).to(t.dtype)
 
 
 def _inner_attention(name: str):
@@ -100,7 +103,7 @@ def finish_calibration(blocks: dict[str, nn.Module], method: str = "max", percen
             obs = st[which]
             obs.name = f"{name} ({which})"
             amax = choose_amax(obs, E4M3, method, percentile)
-            m.register_buffer(f"{which}_scale", scale_for(torch.tensor([amax]), E4M3))
+            m.register_buffer(f"{which}_scale", dequant_scale(torch.tensor([amax]), E4M3))
         m._fp8kit_kv = {"mode": "quantize", "inner": st["inner"]}
 
 

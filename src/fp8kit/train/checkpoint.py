@@ -6,6 +6,11 @@ Layout of a run's checkpoint folder::
     ckpt/<run>/step-000200/      model.safetensors (weights + FP8 scaling state as plain tensors),
                                  optimizer.safetensors (tensors; param groups as JSON metadata)
 
+A run on several processes (``fp8kit train --nproc N``) writes, instead of ``optimizer.safetensors``, a
+``dcp/`` folder through ``torch.distributed.checkpoint`` (DCP): model, FP8 scaling state and optimizer,
+each rank writing its shards. DCP checkpoints load on any number of ranks (resharding), and in one
+process; ``model.safetensors`` (the full model, written by rank 0) stays the single-file export.
+
 A checkpoint becomes visible only by ``os.replace`` of a complete folder, then of ``latest``; a process
 killed at any point leaves the previous checkpoint intact and loadable.
 """
@@ -83,14 +88,25 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    state = model.state_dict()
-    tied = tied_aliases(state)
-    weights = {k: v.detach().contiguous().cpu() for k, v in state.items() if k not in tied}
-    meta = {"format": FORMAT, "step": str(step), "info": json.dumps(info, sort_keys=True), "tied": json.dumps(tied)}
-    _write_file_synced(tmp / "model.safetensors", lambda p: save_file(weights, p, metadata=meta))
+    meta = _write_model_file(tmp / "model.safetensors", model.state_dict(), step, info)
     if optimizer is not None:
         tensors, ometa = _optimizer_tensors(optimizer.state_dict())
         _write_file_synced(tmp / "optimizer.safetensors", lambda p: save_file(tensors, p, metadata={**meta, **ometa}))
+    _publish(folder, tmp, name)
+    return folder / name
+
+
+def _write_model_file(path: Path, state: dict[str, torch.Tensor], step: int, info: dict[str, Any]) -> dict[str, str]:
+    """``model.safetensors``: the state dict (tied aliases stored once) with fp8kit's metadata."""
+    tied = tied_aliases(state)
+    weights = {k: v.detach().contiguous().cpu() for k, v in state.items() if k not in tied}
+    meta = {"format": FORMAT, "step": str(step), "info": json.dumps(info, sort_keys=True), "tied": json.dumps(tied)}
+    _write_file_synced(path, lambda p: save_file(weights, p, metadata=meta))
+    return meta
+
+
+def _publish(folder: Path, tmp: Path, name: str) -> None:
+    """Make the complete folder ``tmp`` the checkpoint ``name`` and point ``latest`` at it (atomically)."""
     _fsync_dir(tmp)
     final = folder / name
     if final.exists():
@@ -105,7 +121,6 @@ def save_checkpoint(
     for old in folder.glob("step-*"):  # keep only the newest complete checkpoint
         if old.name != name:
             shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def latest_checkpoint(folder: str | Path) -> Path | None:
@@ -175,3 +190,139 @@ def load_checkpoint(
         except (SafetensorError, OSError, ValueError, KeyError) as err:
             raise CheckpointError(f"corrupted optimizer state in {path}: {err}") from err
     return step, info
+
+
+def is_distributed_checkpoint(path: str | Path) -> bool:
+    """Whether a checkpoint folder holds DCP shards (written by a run on several processes)."""
+    return (Path(path) / "dcp" / ".metadata").is_file()
+
+
+def _dist_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def save_distributed_checkpoint(
+    folder: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step: int, info: dict[str, Any]
+) -> Path:
+    """Collective: every rank calls it. Writes model + FP8 scaling state + optimizer through DCP into
+    ``folder/step-NNNNNN/dcp`` (each rank its shards) and the full model as ``model.safetensors`` (rank 0),
+    in a temporary folder that rank 0 renames once every rank is done. Works for DDP and FSDP2 models.
+
+    The scaling state is synchronized first (``fp8kit.distributed.sync_scaling``), so the saved pending
+    amaxes are the MAX over all ranks and a resumed run continues bit-exactly.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+    from ..distributed.scaling import sync_scaling
+
+    folder = Path(folder)
+    rank, world = _dist_world()
+    name = f"step-{step:06d}"
+    tmp = folder / f".tmp-{name}"
+    if rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    _barrier()
+    sync_scaling(model)
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    else:
+        state = {"model": get_model_state_dict(model)}
+    dcp.save(state, checkpoint_id=str(tmp / "dcp"))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        _write_model_file(tmp / "model.safetensors", full, step, {**info, "world_size": world, "dcp": True})
+    _barrier()
+    if rank == 0:
+        _publish(folder, tmp, name)
+    _barrier()
+    return folder / name
+
+
+def load_distributed_checkpoint(
+    path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, expect: dict | None = None
+) -> tuple[int, dict[str, Any]]:
+    """Load a DCP checkpoint folder into ``model`` (and ``optimizer``) on any number of ranks (resharding),
+    or in a single process; returns ``(step, info)``. Collective when ``torch.distributed`` is initialized."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    path = Path(path)
+    info = read_info(path)
+    for key, want in (expect or {}).items():
+        if info.get(key) != want:
+            raise CheckpointError(f"checkpoint {path} is for {key}={info.get(key)!r}, not {want!r}")
+    if not is_distributed_checkpoint(path):
+        raise CheckpointError(f"checkpoint {path} has no DCP shards (dcp/.metadata missing)")
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    else:
+        state = {"model": get_model_state_dict(model)}
+    try:
+        dcp.load(state, checkpoint_id=str(path / "dcp"))
+    except Exception as err:  # DCP raises CheckpointException (and others) with per-rank tracebacks
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"checkpoint {path} does not fit this model: {first}") from err
+    if optimizer is not None:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        set_model_state_dict(model, state["model"])
+    return _read_step(path), info
+
+
+def _read_step(path: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        return int((f.metadata() or {})["step"])
+
+
+def save_run_checkpoint(
+    folder: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step: int, info: dict[str, Any]
+) -> Path:
+    """``save_distributed_checkpoint`` on several processes (collective), ``save_checkpoint`` in one."""
+    if _dist_world()[1] > 1:
+        return save_distributed_checkpoint(folder, model, optimizer, step, info)
+    return save_checkpoint(folder, model, optimizer, step, info)
+
+
+def load_run_checkpoint(
+    path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, expect: dict | None = None
+) -> tuple[int, dict[str, Any]]:
+    """Load a checkpoint of ``fp8kit train`` written on any number of processes: DCP shards load on any
+    world size (and in one process); a single-process checkpoint only in a single process."""
+    if is_distributed_checkpoint(path):
+        return load_distributed_checkpoint(path, model, optimizer, expect)
+    check_world_size(path, read_info(path), _dist_world()[1])
+    return load_checkpoint(path, model, optimizer, expect)
+
+
+def check_world_size(path: str | Path, info: dict[str, Any], world: int) -> None:
+    """Refuse to resume a single-process checkpoint (no DCP shards) on ``world > 1`` processes."""
+    if world > 1 and not is_distributed_checkpoint(path):
+        written = info.get("world_size", 1)
+        raise CheckpointError(
+            f"--resume: checkpoint {path} was written by {written} process(es) without DCP shards and cannot be "
+            f"resharded to {world}; resume it with --nproc {written}"
+        )

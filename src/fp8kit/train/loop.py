@@ -12,13 +12,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ..data import ByteTokenizer, Corpus, load_corpus
+from ..distributed.runtime import (
+    MemoryLog,
+    check_parallel_settings,
+    context_from_env,
+    current_context,
+    in_torchrun,
+    sharded_memory_bytes,
+)
+from ..evaluation import evaluate, loss_of
 from ..models import build_llama
-from ..nn import convert, saved_activation_bytes, to_bf16_gemms
+from ..nn import BF16Linear, convert, saved_activation_bytes, to_bf16_gemms
+from ..nn.memory import persistent_bytes
 from ..recipes import RECIPE_NAMES, recipe_from_name
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, load_run_checkpoint, save_run_checkpoint
 
 __all__ = ["TrainConfig", "evaluate_checkpoint", "parse_recipes", "run_comparison"]
 
@@ -46,6 +55,10 @@ class TrainConfig:
     warmup: int = 20
     weight_decay: float = 0.1
     progress: bool = True
+    optimizer: str = "adamw"  # FP8 runs: adamw (torch) or fp8-adamw (fp8kit.optim.AdamW); bf16 stays torch
+    master_weights: str = "fp32"  # FP8 runs: fp32 parameters, or bf16 ones (needs fp8-adamw)
+    nproc: int = 1  # processes (torchrun); batch_size stays the global batch, split across them
+    fsdp: bool = False  # with nproc > 1: shard the model with FSDP2 instead of replicating it (DDP)
 
 
 def parse_recipes(spec: str) -> list[str]:
@@ -101,32 +114,36 @@ def make_model(base: torch.nn.Module, cfg: TrainConfig, run: str) -> torch.nn.Mo
     return model
 
 
-def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    logits = model(input_ids=x).logits
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+OPTIMIZERS = ("adamw", "fp8-adamw")
+MASTER_WEIGHTS = ("fp32", "bf16")
 
 
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    was = model.training
-    model.eval()
-    total = sum(loss_of(model, x, y).item() for x, y in batches) / len(batches)
-    model.train(was)
-    return total
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, run: str) -> torch.optim.Optimizer:
+    """AdamW over ``model`` (decay on matrices only): torch's for ``bf16`` and ``--optimizer adamw``,
+    ``fp8kit.optim.AdamW`` (FP8 moments) for FP8 runs with ``--optimizer fp8-adamw``."""
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [p for _, p in named if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    if run != "bf16" and cfg.optimizer == "fp8-adamw":
+        from ..optim import AdamW
+
+        return AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, seed=cfg.seed)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
-def memory_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> int:
-    """CUDA: peak allocated. CPU: parameters + gradients + optimizer state + saved activations of one
-    micro-batch (measured by walking the autograd graph at the end of the forward pass)."""
-    if x.is_cuda:
-        return int(torch.cuda.max_memory_allocated())
+def memory_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> dict[str, int]:
+    """Persistent bytes by category (``nn.memory.persistent_bytes``) + ``activations`` (saved for backward
+    by one micro-batch, from a walk of the autograd graph) + ``total``; on CUDA also ``cuda_peak``."""
     params = list(model.parameters())
-    total = sum(p.numel() * p.element_size() * 2 for p in params)
-    for state in opt.state.values():
-        total += sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+    mem = persistent_bytes(model, opt)
     logits = model(input_ids=x).logits
-    total += saved_activation_bytes(logits, exclude=params)
-    return total
+    mem["activations"] = saved_activation_bytes(logits, exclude=params)
+    mem["total"] = sum(mem.values())
+    if x.is_cuda:
+        mem["cuda_peak"] = int(torch.cuda.max_memory_allocated())
+    return mem
 
 
 class MetricsLog:
@@ -164,14 +181,14 @@ def train_run(
     """Train one run to ``cfg.steps`` (resuming from its checkpoint if asked); returns its results."""
     torch.manual_seed(cfg.seed)
     model = make_model(base, cfg, run)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-    )
+    if run != "bf16" and cfg.master_weights == "bf16":
+        model.to(torch.bfloat16)  # BF16 parameters, updated by fp8kit.optim.AdamW without FP32 copies
+        for module in model.modules():  # with BF16 weights a plain Linear already runs BF16 GEMMs
+            if isinstance(module, BF16Linear):
+                module.__class__ = torch.nn.Linear
+    dctx = current_context()
+    train_model = dctx.wrap(model)  # several processes: synchronized FP8 scaling + DDP, or FSDP2 in place
+    opt = make_optimizer(model, cfg, run)
     ckpt_dir = out / "ckpt" / run
     info = {
         "run": run,
@@ -185,15 +202,15 @@ def train_run(
     if cfg.resume:
         path = latest_checkpoint(ckpt_dir)
         if path is not None:
-            start, _ = load_checkpoint(path, model, opt, expect=info)
+            start, _ = load_run_checkpoint(path, model, opt, expect=info)
     log.keep_until(run, start)
-    step_fn = torch.compile(model) if cfg.compile else model
+    step_fn = torch.compile(train_model) if cfg.compile else train_model
     val = corpus.val_batches(cfg.eval_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
     if start == 0:  # step 0: the held-out loss before training (the pretrained model's, when fine-tuning)
         log.write({"run": run, "step": 0, "val_loss": evaluate(model, val)})
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
     bar = None
-    if cfg.progress:
+    if cfg.progress and dctx.is_main:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=cfg.steps, initial=start, desc=f"{run:>12}", unit="step", dynamic_ncols=True)
@@ -205,10 +222,12 @@ def train_run(
                 group["lr"] = lr_at(step, cfg)
             total = 0.0
             for micro in range(cfg.grad_accum):
-                x, y = corpus.batch("train", (step - 1) * cfg.grad_accum + micro, cfg.batch_size, cfg.seq_len, cfg.seed)
+                index = (step - 1) * cfg.grad_accum + micro
+                x, y = dctx.shard(*corpus.batch("train", index, cfg.batch_size, cfg.seq_len, cfg.seed))
                 loss = loss_of(step_fn, x, y) / cfg.grad_accum
                 loss.backward()
                 total += loss.item()
+            total = dctx.mean(total)  # the global batch's loss (equal shards: the mean of the ranks')
             if not math.isfinite(total):
                 raise FloatingPointError(f"{run}: loss became {total} at step {step}; lower --lr")
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -230,11 +249,11 @@ def train_run(
                 bar.update(1)
                 bar.set_postfix(loss=f"{total:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
             if step % cfg.ckpt_interval == 0 or step == cfg.steps:
-                save_checkpoint(ckpt_dir, model, opt, step, info)
+                save_run_checkpoint(ckpt_dir, model, opt, step, info)
     except KeyboardInterrupt:
         done = step - 1
-        if done > start:
-            save_checkpoint(ckpt_dir, model, opt, done, info)
+        if done > start and not dctx.active:  # a collective save cannot run when one rank was interrupted
+            save_run_checkpoint(ckpt_dir, model, opt, done, info)
         raise
     finally:
         if bar is not None:
@@ -247,6 +266,7 @@ def train_run(
     if val_loss is None:
         val_loss = evaluate(model, val)
     x, _ = corpus.batch("train", 0, cfg.batch_size, cfg.seq_len, cfg.seed)
+    mem = memory_bytes(model, opt, x) if not dctx.fsdp else sharded_memory_bytes(model, opt, x)  # FSDP2: per rank
     return {
         "train_loss": sum(r["loss"] for r in last) / max(len(last), 1),
         "val_loss": val_loss,
@@ -254,7 +274,8 @@ def train_run(
         "val_loss_before": before[-1] if before else float("nan"),
         "val_ppl_before": math.exp(before[-1]) if before else float("nan"),
         "tokens_per_s": (sum(r["tokens_per_s"] for r in records) / len(records)) if records else 0.0,
-        "peak_mem_bytes": memory_bytes(model, opt, x),
+        "peak_mem_bytes": mem["total"],
+        "memory": mem,
         "steps": cfg.steps,
         "train_time_s": train_time,
     }
@@ -270,16 +291,28 @@ def run_comparison(cfg: TrainConfig) -> dict[str, Any]:
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(cfg, key)}")
     if not cfg.lr > 0:
         raise ValueError(f"--lr must be > 0, got {cfg.lr}")
+    if cfg.optimizer not in OPTIMIZERS or cfg.master_weights not in MASTER_WEIGHTS:
+        raise ValueError(
+            f"--optimizer must be one of {', '.join(OPTIMIZERS)} and --master-weights one of "
+            f"{', '.join(MASTER_WEIGHTS)}; got {cfg.optimizer!r}, {cfg.master_weights!r}"
+        )
+    if cfg.master_weights == "bf16" and cfg.optimizer != "fp8-adamw":
+        raise ValueError("--master-weights bf16 needs --optimizer fp8-adamw (torch AdamW rounds BF16 updates away)")
+    check_parallel_settings(cfg.batch_size, cfg.nproc if not in_torchrun() else int(os.environ["WORLD_SIZE"]), cfg.fsdp)
+    if cfg.nproc > 1 and not in_torchrun():
+        raise ValueError(f"nproc={cfg.nproc} needs torchrun: run `fp8kit train --nproc {cfg.nproc}` (it launches it)")
+    dctx = context_from_env(cfg.fsdp)  # under torchrun: joins the process group
     base, tokenizer = build_base(cfg)
     corpus = load_corpus(cfg.text, tokenizer)
     corpus.check_fits(cfg.seq_len)
     out = Path(cfg.out)
     if cfg.resume:
         _check_resumable(out, names, cfg)
-    _prepare_out(out)
-    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    log = MetricsLog(out / "metrics.jsonl")
-    if not cfg.resume and log.path.exists():
+    if dctx.is_main:  # only rank 0 writes files
+        _prepare_out(out)
+        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    log = MetricsLog(out / "metrics.jsonl") if dctx.is_main else MemoryLog(out / "metrics.jsonl", cfg.resume)
+    if dctx.is_main and not cfg.resume and log.path.exists():
         log.path.unlink()
     results: dict[str, Any] = {}
     for run in names:
@@ -295,13 +328,15 @@ def run_comparison(cfg: TrainConfig) -> dict[str, Any]:
         "unigram_entropy": unigram_entropy(corpus.train),
         "config": asdict(cfg),
     }
-    write_reports(out, summary, log.read())
+    if dctx.is_main:
+        write_reports(out, summary, log.read())
     return summary
 
 
 def _check_resumable(out: Path, names: list[str], cfg: TrainConfig) -> None:
     """Validate every checkpoint of a run folder before anything is written (clear errors, no damage)."""
-    from .checkpoint import read_info
+    from ..distributed.runtime import planned_world_size
+    from .checkpoint import check_world_size, read_info
 
     if not (out / "config.json").is_file():
         raise CheckpointError(f"--resume: {out} holds no fp8kit training run (config.json missing)")
@@ -310,6 +345,7 @@ def _check_resumable(out: Path, names: list[str], cfg: TrainConfig) -> None:
         if path is None:
             continue
         info = read_info(path)
+        check_world_size(path, info, planned_world_size(cfg.nproc))
         want = {"run": run, "model_size": cfg.model_size, "model": cfg.model, "seed": cfg.seed}
         for key, val in want.items():
             if info.get(key, "demo" if key == "model" else None) != val:

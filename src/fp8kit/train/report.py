@@ -21,8 +21,14 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         "",
         f"Unigram entropy of the corpus: {summary['unigram_entropy']:.3f} nats/token (a model that learns nothing).",
         "",
-        "| run | train loss | val loss | val ppl (step 0 → end) | gap to bf16 | tokens/s | peak mem (MiB) |",
-        "|---|---|---|---|---|---|---|",
+        f"Optimizer of the FP8 runs: {_optimizer_line(summary.get('config', {}))}; the bf16 run uses torch AdamW "
+        "with FP32 parameters.",
+        "",
+        "Memory (MiB): *persistent* = weights + gradients + optimizer state + master weights (+ FP8 weight "
+        "copies held at the end), *activations* = what one micro-batch saves for backward.",
+        "",
+        "| run | train loss | val loss | val ppl (step 0 → end) | gap to bf16 | tokens/s | persistent | activations |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in runs.items():
         gap = f"{100 * r['rel_gap']:+.2f}%" if "rel_gap" in r else "—"
@@ -30,9 +36,24 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         ppl = f"{before:.3f} → {r['val_ppl']:.3f}" if before == before else f"{r['val_ppl']:.3f}"
         lines.append(
             f"| {name} | {r['train_loss']:.4f} | {r['val_loss']:.4f} | {ppl} | {gap} | "
-            f"{r['tokens_per_s']:,.0f} | {r['peak_mem_bytes'] / 2**20:.1f} |"
+            f"{r['tokens_per_s']:,.0f} | {_memory_cells(r)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _optimizer_line(cfg: dict[str, Any]) -> str:
+    opt = cfg.get("optimizer", "adamw")
+    name = "fp8kit.optim.AdamW (FP8 moments)" if opt == "fp8-adamw" else "torch AdamW"
+    return f"{name}, {cfg.get('master_weights', 'fp32').upper()} parameters"
+
+
+def _memory_cells(r: dict[str, Any]) -> str:
+    """``persistent | activations`` in MiB (older summaries hold only a total)."""
+    mem = r.get("memory")
+    if not mem:
+        return f"{r['peak_mem_bytes'] / 2**20:.1f} (total) | —"
+    persistent = sum(v for k, v in mem.items() if k not in ("activations", "total", "cuda_peak"))
+    return f"{persistent / 2**20:.1f} | {mem['activations'] / 2**20:.1f}"
 
 
 def plot_losses(path: Path, records: list[dict[str, Any]]) -> None:

@@ -1,5 +1,8 @@
 """``fp8kit quantize`` and ``fp8kit compare``: PTQ of a pretrained causal LM on the shipped corpus.
 
+An application workflow (beside ``fp8kit.train``): it ties the PTQ library (``fp8kit.ptq``) to the corpus
+(``fp8kit.data``), the model loader (``fp8kit.models``) and the shared evaluation (``fp8kit.evaluation``).
+
 The comparison evaluates, for the BF16 model and each scheme: held-out perplexity, weight memory
 (bytes as stored: 2 per BF16 weight, 1 per 8-bit code plus its scales), and prefill / decode time per
 token on this machine. The BF16 row runs ``fp8kit.nn.BF16Linear`` (bf16 operands, FP32 accumulation,
@@ -21,12 +24,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..data import Corpus, load_corpus
-from ..nn import to_bf16_gemms
-from .kv_cache import kv_cache_bytes
-from .linear import QuantLinear
-from .quantize import quantize
-from .schemes import SCHEMES
+from .data import Corpus, load_corpus
+from .evaluation import evaluate
+from .nn import to_bf16_gemms
+from .ptq.kv_cache import kv_cache_bytes
+from .ptq.linear import QuantLinear
+from .ptq.quantize import quantize
+from .ptq.schemes import SCHEMES
 
 __all__ = ["compare_schemes", "parse_schemes", "quantize_pretrained", "weight_memory"]
 
@@ -79,8 +83,7 @@ def calibration_loop(corpus: Corpus, batches: int, batch_size: int, seq_len: int
 
 @torch.no_grad()
 def perplexity(model: nn.Module, corpus: Corpus, batches: int, batch_size: int, seq_len: int, seed: int) -> float:
-    from ..train.loop import evaluate
-
+    """Held-out perplexity over ``batches`` validation batches of the corpus."""
     return math.exp(evaluate(model, corpus.val_batches(batches, batch_size, seq_len, seed)))
 
 
@@ -116,7 +119,7 @@ def quantize_pretrained(
 ) -> tuple[nn.Module, Any, Corpus]:
     """Load ``model_name`` (``smollm2`` or a local directory) and quantize it with ``scheme``
     (``+kv`` suffix: FP8 KV cache), calibrating on the corpus's training split."""
-    from ..models.pretrained import load_pretrained_lm
+    from .models.pretrained import load_pretrained_lm
 
     model, tokenizer = load_pretrained_lm(model_name)
     model.eval()
@@ -144,7 +147,7 @@ def compare_schemes(
 ) -> dict[str, Any]:
     """Perplexity, weight memory and per-token times of BF16 and each scheme; writes
     ``compare.json``, ``compare.md`` and ``compare.png`` under ``out``."""
-    from ..models.pretrained import load_pretrained_lm
+    from .models.pretrained import load_pretrained_lm
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,189 @@
+"""The process-group side of ``fp8kit train`` on several processes: who am I, my shard of the batch, the
+model wrapped for data parallelism (DDP or FSDP2), and rank-0-only logging."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .scaling import enable_fp8_distributed
+
+__all__ = [
+    "DistContext",
+    "MemoryLog",
+    "check_parallel_settings",
+    "context_from_env",
+    "current_context",
+    "in_torchrun",
+    "planned_world_size",
+    "shard_model",
+]
+
+
+def in_torchrun() -> bool:
+    """Whether this process was started by ``torchrun`` (``torch.distributed.run``) with a world size > 1."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+@dataclass
+class DistContext:
+    """Rank, world size and parallelism of this process (``world == 1``: a plain single-process run)."""
+
+    rank: int = 0
+    world: int = 1
+    fsdp: bool = False
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of a global batch (the batch size is a multiple of the world size)."""
+        if not self.active:
+            return x, y
+        per = x.shape[0] // self.world
+        return x[self.rank * per : (self.rank + 1) * per], y[self.rank * per : (self.rank + 1) * per]
+
+    def mean(self, value: float) -> float:
+        """Mean of a float over the ranks (the global mean loss when shards are equal in size)."""
+        if not self.active:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t.item()) / self.world
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Synchronize FP8 scaling and wrap for data parallelism. Returns the module to call in training
+        steps (the DDP wrapper, or ``model`` itself, sharded in place by FSDP2)."""
+        if not self.active:
+            return model
+        enable_fp8_distributed(model)
+        if self.fsdp:
+            return shard_model(model)
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # the scaling buffers are kept equal by the sync: broadcasting rank 0's would drop the other ranks'
+        # pending amaxes (torch >= 2.13 names the option forward_sync_buffers)
+        params = inspect.signature(DDP).parameters
+        kw = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+        return DDP(model, **kw)
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier()
+
+
+_CURRENT: list[DistContext] = []
+
+
+def context_from_env(fsdp: bool = False) -> DistContext:
+    """The context of this process; under ``torchrun`` joins the process group (gloo: ``fp8kit train``
+    computes on the CPU). The context becomes ``current_context()``."""
+    if not in_torchrun():
+        ctx = DistContext()
+    else:
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        ctx = DistContext(dist.get_rank(), dist.get_world_size(), fsdp)
+    _CURRENT[:] = [ctx]
+    return ctx
+
+
+def current_context() -> DistContext:
+    """The context set by the last ``context_from_env`` (a single-process one if none was)."""
+    return _CURRENT[0] if _CURRENT else DistContext()
+
+
+def planned_world_size(nproc: int) -> int:
+    """Processes the run will have: torchrun's ``WORLD_SIZE`` inside a worker, else ``nproc``."""
+    return int(os.environ["WORLD_SIZE"]) if in_torchrun() else nproc
+
+
+def check_parallel_settings(batch_size: int, world: int, fsdp: bool) -> None:
+    """One-line ``ValueError`` for settings a run on ``world`` processes cannot take."""
+    if fsdp and world < 2:
+        raise ValueError("--fsdp shards the model over several processes: add --nproc N with N >= 2")
+    if world > batch_size:
+        raise ValueError(
+            f"--nproc {world} is larger than the global --batch-size {batch_size}: every process needs at least "
+            f"one sequence; use --nproc <= {batch_size} or a larger --batch-size"
+        )
+    if batch_size % world:
+        raise ValueError(
+            f"--batch-size {batch_size} (the global batch) does not split evenly over --nproc {world}: "
+            f"give a multiple of {world}"
+        )
+
+
+def shard_model(model: nn.Module, fp8_all_gather: bool = False) -> nn.Module:
+    """FSDP2 (``fully_shard``) each block (every item of an ``nn.ModuleList``), then the root; with
+    ``fp8_all_gather`` the weights of per-tensor FP8 layers are all-gathered in FP8 (``fsdp.py``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    if fp8_all_gather:
+        from .fsdp import enable_fp8_all_gather
+
+        enable_fp8_all_gather(model)
+    for module in list(model.modules()):
+        if isinstance(module, nn.ModuleList):
+            for block in module:
+                fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+class MemoryLog:
+    """The metrics log of a rank other than 0: same interface as ``MetricsLog``, kept in memory (only rank 0
+    writes files), starting from rank 0's file so that every rank takes the same decisions from it."""
+
+    def __init__(self, path: Path, resume: bool) -> None:
+        self.path = path
+        self.records: list[dict[str, Any]] = []
+        if resume and path.exists():  # a fresh run: rank 0 deletes the old file, read nothing from it
+            self.records = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+    def keep_until(self, run: str, step: int) -> None:
+        self.records = [r for r in self.records if r.get("run") != run or r.get("step", 0) <= step]
+
+    def write(self, rec: dict[str, Any]) -> None:
+        self.records.append(json.loads(json.dumps(rec)))
+
+    def read(self) -> list[dict[str, Any]]:
+        return list(self.records)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def sharded_memory_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> dict[str, int]:
+    """``train.loop.memory_bytes`` for an FSDP2 model, per rank: the categories count this rank's shards
+    (``nn.memory.persistent_bytes`` reads parameter storages, which a sharded ``DTensor`` does not expose)."""
+    from ..nn import saved_activation_bytes
+    from ..nn.memory import PERSISTENT_KEYS
+
+    params = [_local(p) for p in model.parameters()]
+    mem = dict.fromkeys(PERSISTENT_KEYS, 0)
+    mem["weights"] = sum(p.numel() * p.element_size() for p in params)
+    mem["grads"] = mem["weights"]
+    for state in optimizer.state.values():
+        for val in state.values():
+            if isinstance(val, torch.Tensor):
+                v = _local(val)
+                mem["optimizer_state"] += v.numel() * v.element_size()
+    logits = model(input_ids=x).logits
+    mem["activations"] = saved_activation_bytes(logits, exclude=params)
+    mem["total"] = sum(mem.values())
+    return mem

@@ -1,0 +1,8 @@
+"""Glue to the libraries users already train with (Hugging Face ``transformers`` / ``accelerate``).
+
+Importing it is light: ``transformers`` is imported only inside the functions that need it.
+"""
+
+from . import hf
+
+__all__ = ["hf"]

@@ -1,0 +1,287 @@
+"""``fp8kit.optim.AdamW``: AdamW with FP8 moments and optional BF16 master weights.
+
+State per parameter (plain tensors only, so ``state_dict`` saves as safetensors):
+
+* ``step``: float32 scalar tensor (as ``torch.optim.AdamW``).
+* ``exp_avg_codes`` (uint8 E4M3 codes, ``(n_blocks, block)``) + ``exp_avg_scale`` (float32 per block).
+* second moment, ``exp_avg_sq="fp8"``: ``exp_avg_sq_codes`` (uint8) + ``exp_avg_sq_max`` (float32 per
+  block) + ``exp_avg_sq_k`` (bfloat16 per block), COAT's dynamic range expansion; ``"bf16"``:
+  ``exp_avg_sq`` (bfloat16, flat).
+* ``kahan_comp`` (bfloat16, flat): only for BF16 parameters with ``bf16_update="kahan"``.
+
+Bytes per parameter of the state (block 128): 1.03 (m) + 1.05 (v fp8) or 2 (v bf16), plus 2 with Kahan.
+FP32 parameters are their own master weights; BF16 parameters are updated in FP32 and written back
+with stochastic rounding (default) or Kahan compensation, so no FP32 copy is kept.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from .master import kahan_update_, stochastic_round_bf16
+from .states import decode_bf16, decode_expanded, decode_signed, encode_bf16, encode_expanded, encode_signed
+
+__all__ = ["AdamW"]
+
+_V_FORMATS = ("fp8", "bf16")
+_BF16_UPDATES = ("stochastic", "kahan")
+_PARAM_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+class AdamW(torch.optim.Optimizer):
+    """Drop-in for ``torch.optim.AdamW`` (decoupled weight decay) that stores its moments in 8 bits.
+
+    Args:
+        params, lr, betas, eps, weight_decay, maximize: as ``torch.optim.AdamW``.
+        amsgrad: only ``False`` (AMSGrad's extra buffer defeats the memory saving).
+        foreach: accepted and ignored (the update is vectorized per tensor).
+        exp_avg_sq: second moment storage, ``"fp8"`` (E4M3 with COAT range expansion, default) or ``"bf16"``.
+        bf16_update: how BF16 parameters take the FP32 update, ``"stochastic"`` rounding (default, no
+            extra memory) or ``"kahan"`` (a BF16 compensation buffer, 2 bytes per parameter).
+        block: contiguous elements per FP8 scale (default 128).
+        seed: seed of the stochastic-rounding generator (reproducible runs).
+        quantize_backend: ``"eager"`` or ``"compiled"`` kernels of ``fp8kit.quantize``.
+
+    Parameters may be float32, float64 or bfloat16 (a mix is fine). A parameter whose gradient holds
+    NaN/inf is not updated that step (its state is untouched) and a ``RuntimeWarning`` names it.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        exp_avg_sq: str = "fp8",
+        bf16_update: str = "stochastic",
+        block: int = 128,
+        seed: int = 0,
+        quantize_backend: str = "eager",
+    ) -> None:
+        lr = float(lr)
+        if not lr >= 0:
+            raise ValueError(f"invalid learning rate {lr}; give lr >= 0")
+        if not eps >= 0:
+            raise ValueError(f"invalid eps {eps}; give eps >= 0")
+        if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
+            raise ValueError(f"invalid betas {betas}; give two values in [0, 1)")
+        if not weight_decay >= 0:
+            raise ValueError(f"invalid weight_decay {weight_decay}; give weight_decay >= 0")
+        if amsgrad:
+            raise ValueError("fp8kit.optim.AdamW does not support amsgrad=True; use torch.optim.AdamW for AMSGrad")
+        for name, val in (("capturable", capturable), ("differentiable", differentiable), ("fused", fused)):
+            if val:
+                raise ValueError(f"fp8kit.optim.AdamW does not support {name}=True; leave it unset")
+        if exp_avg_sq not in _V_FORMATS:
+            raise ValueError(f"exp_avg_sq must be one of {_V_FORMATS}, got {exp_avg_sq!r}")
+        if bf16_update not in _BF16_UPDATES:
+            raise ValueError(f"bf16_update must be one of {_BF16_UPDATES}, got {bf16_update!r}")
+        if not isinstance(block, int) or block < 1:
+            raise ValueError(f"block must be a positive int, got {block!r}")
+        if quantize_backend not in ("eager", "compiled"):
+            raise ValueError(f"quantize_backend must be 'eager' or 'compiled', got {quantize_backend!r}")
+        del foreach  # the update is vectorized per tensor; there is no per-element Python loop to avoid
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "amsgrad": False,
+            "maximize": maximize,
+            "exp_avg_sq": exp_avg_sq,
+            "bf16_update": bf16_update,
+            "block": block,
+        }
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._quantize_backend = quantize_backend
+        super().__init__(params, defaults)
+
+    # ---- parameter groups ------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for i, p in enumerate(group["params"]):
+            if p.is_complex():
+                raise TypeError(
+                    f"fp8kit.optim.AdamW: parameter {self._name(group, i)} is complex; "
+                    "use torch.optim.AdamW or pass torch.view_as_real(param)"
+                )
+            if p.dtype not in _PARAM_DTYPES:
+                raise TypeError(
+                    f"fp8kit.optim.AdamW: parameter {self._name(group, i)} has dtype {p.dtype}; "
+                    "give float32, float64 or bfloat16 parameters"
+                )
+        if group["exp_avg_sq"] not in _V_FORMATS or group["bf16_update"] not in _BF16_UPDATES:
+            raise ValueError(f"invalid exp_avg_sq / bf16_update in a parameter group: {group['exp_avg_sq']!r}")
+        if group.get("amsgrad"):
+            raise ValueError("fp8kit.optim.AdamW does not support amsgrad=True; use torch.optim.AdamW for AMSGrad")
+
+    def _name(self, group: dict[str, Any], i: int) -> str:
+        names = group.get("param_names")
+        gi = next((j for j, g in enumerate(self.param_groups) if g is group), len(self.param_groups))
+        return f"'{names[i]}'" if names else f"{i} of group {gi}"
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self._seed)
+            self._generators[device] = gen
+        return gen
+
+    # ---- the update ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One AdamW step over every parameter that has a gradient; returns ``closure()`` if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            live = [(i, p) for i, p in enumerate(group["params"]) if p.grad is not None]
+            for i, p in live:
+                if p.grad.is_sparse:
+                    raise TypeError(
+                        f"fp8kit.optim.AdamW: parameter {self._name(group, i)} has a sparse gradient; "
+                        "use torch.optim.SparseAdam or a dense embedding"
+                    )
+            if not live:
+                continue
+            finite = torch.stack([torch.isfinite(p.grad).all() for _, p in live]).tolist()  # one sync per group
+            for (i, p), ok in zip(live, finite, strict=True):
+                if not ok:
+                    warnings.warn(
+                        f"fp8kit.optim.AdamW: gradient of parameter {self._name(group, i)} holds NaN/inf; "
+                        "its update was skipped this step (state unchanged)",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                    continue
+                self._update(p, group)
+        return loss
+
+    def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        zeros = torch.zeros(p.numel(), device=p.device)
+        state = self.state[p]
+        state["step"] = torch.tensor(0.0)
+        self._store(state, zeros, zeros, group)
+        if p.dtype == torch.bfloat16 and group["bf16_update"] == "kahan":
+            state["kahan_comp"] = torch.zeros(p.numel(), dtype=torch.bfloat16, device=p.device)
+        return state
+
+    def _store(self, state: dict[str, Any], m: torch.Tensor, v: torch.Tensor, group: dict[str, Any]) -> None:
+        block, backend = group["block"], self._quantize_backend
+        state["exp_avg_codes"], state["exp_avg_scale"] = encode_signed(m, block, backend)
+        if group["exp_avg_sq"] == "fp8":
+            codes, vmax, k = encode_expanded(v, block, backend)
+            state["exp_avg_sq_codes"], state["exp_avg_sq_max"], state["exp_avg_sq_k"] = codes, vmax, k
+        else:
+            state["exp_avg_sq"] = encode_bf16(v)
+
+    def moments(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoded ``(exp_avg, exp_avg_sq)`` of parameter ``p`` as float32 tensors of its shape."""
+        state, n = self.state[p], p.numel()
+        m = decode_signed(state["exp_avg_codes"], state["exp_avg_scale"], n)
+        if "exp_avg_sq_codes" in state:
+            v = decode_expanded(state["exp_avg_sq_codes"], state["exp_avg_sq_max"], state["exp_avg_sq_k"], n)
+        else:
+            v = decode_bf16(state["exp_avg_sq"], n)
+        return m.reshape(p.shape), v.reshape(p.shape)
+
+    def _update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        state = self.state[p] if self.state[p] else self._init_state(p, group)
+        beta1, beta2 = group["betas"]
+        lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
+        g = p.grad.reshape(-1).float()
+        if group["maximize"]:
+            g = -g
+        m, v = (t.reshape(-1) for t in self.moments(p))
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        state["step"] += 1
+        step = float(state["step"])
+        bias1 = 1 - beta1**step
+        bias2_sqrt = math.sqrt(1 - beta2**step)
+        denom = (v.sqrt() / bias2_sqrt).add_(eps)
+        new = p.detach().reshape(-1).to(torch.float32 if p.dtype != torch.float64 else p.dtype)
+        new = new.mul(1 - lr * wd).addcdiv_(m, denom, value=-lr / bias1)
+        if p.dtype == torch.bfloat16:
+            if group["bf16_update"] == "kahan":
+                kahan_update_(p, new, state["kahan_comp"])
+            else:
+                p.copy_(stochastic_round_bf16(new, self._generator(p.device)).reshape(p.shape))
+        else:
+            p.copy_(new.reshape(p.shape))
+        self._store(state, m, v, group)
+
+    # ---- state dicts -----------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of this class; tensors keep their stored dtypes (exact round trip)."""
+        groups = state_dict.get("param_groups", [])
+        for gi, group in enumerate(groups):
+            if group.get("exp_avg_sq") not in _V_FORMATS:
+                raise ValueError(
+                    f"param group {gi} of the state dict is not fp8kit.optim.AdamW's; for a torch.optim.AdamW "
+                    "state dict use AdamW.load_torch_state_dict"
+                )
+        super().load_state_dict(state_dict)
+        saved = state_dict["state"]
+        ids = [pid for g in groups for pid in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(ids, params, strict=True):
+            if pid in saved:  # torch casts floating state to the parameter's dtype: undo that
+                self.state[p] = {
+                    k: (v.to(p.device, copy=True) if k != "step" else v.clone()) for k, v in saved[pid].items()
+                }
+
+    def load_torch_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``torch.optim.AdamW`` state dict: hyper-parameters and moments (re-encoded)."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"state dict has {len(groups)} param groups, this optimizer {len(self.param_groups)}")
+        for gi, (mine, theirs) in enumerate(zip(self.param_groups, groups, strict=True)):
+            if len(mine["params"]) != len(theirs["params"]):
+                raise ValueError(
+                    f"param group {gi}: {len(theirs['params'])} params in the state dict, {len(mine['params'])} here"
+                )
+            if theirs.get("amsgrad"):
+                raise ValueError("the torch.optim.AdamW state dict uses amsgrad=True, which fp8kit.optim.AdamW lacks")
+            for key in ("lr", "betas", "eps", "weight_decay", "maximize"):
+                if key in theirs:
+                    mine[key] = tuple(theirs[key]) if key == "betas" else theirs[key]
+            for pid, p in zip(theirs["params"], mine["params"], strict=True):
+                st = state_dict["state"].get(pid)
+                if not st:
+                    continue
+                if "exp_avg" not in st or "exp_avg_sq" not in st:
+                    raise ValueError(f"state of parameter {pid} lacks exp_avg/exp_avg_sq: not a torch AdamW state dict")
+                state = self._init_state(p, mine)
+                state["step"] = torch.as_tensor(st["step"], dtype=torch.float32).clone().reshape(())
+                m = st["exp_avg"].to(p.device).float().reshape(-1)
+                v = st["exp_avg_sq"].to(p.device).float().reshape(-1)
+                self._store(state, m, v, mine)
+
+    @classmethod
+    def from_torch_state_dict(cls, params: Iterable[Any], state_dict: dict[str, Any], **kwargs: Any) -> AdamW:
+        """A new optimizer over ``params`` (same group layout) holding a ``torch.optim.AdamW`` state dict."""
+        opt = cls(params, **kwargs)
+        opt.load_torch_state_dict(state_dict)
+        return opt
+
+    def state_bytes(self) -> int:
+        """Bytes of all optimizer state tensors (codes, scales, steps, compensation buffers)."""
+        return sum(t.numel() * t.element_size() for st in self.state.values() for t in st.values())

@@ -1,0 +1,235 @@
+"""``fp8kit`` command line: every bad argument is refused before any work, in one line, with exit code 2."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import fp8kit.compare
+import fp8kit.debug
+import fp8kit.models.pretrained
+import fp8kit.train
+import fp8kit.train.loop
+from fp8kit.cli import main
+
+WORK = [
+    (fp8kit.train, "run_comparison"),
+    (fp8kit.train.loop, "build_base"),
+    (fp8kit.train.loop, "evaluate_checkpoint"),
+    (fp8kit.train.loop, "evaluate_pretrained"),
+    (fp8kit.models.pretrained, "load_pretrained_lm"),
+    (fp8kit.compare, "quantize_pretrained"),
+    (fp8kit.compare, "compare_schemes"),
+    (fp8kit.debug, "doctor"),
+]
+
+
+class WorkStarted(Exception):
+    pass
+
+
+@pytest.fixture
+def sandbox(tmp_path, monkeypatch):
+    """A working folder with a file, a foreign folder and a tiny HF-looking model folder; the commands'
+    real work (model loading, training, calibration) raises ``WorkStarted``."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("mine")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "checkpoint-7.pt").write_text("my checkpoint")
+    (tmp_path / "runs" / "config.json").write_text('{"mine": true}')
+    for name in ("summary.md", "compare.json", "report.json"):
+        (tmp_path / "runs" / name).write_text("mine")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+
+    def fail(*args, **kwargs):
+        raise WorkStarted
+
+    for module, name in WORK:
+        monkeypatch.setattr(module, name, fail)
+    return tmp_path
+
+
+def snapshot(root):
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
+BAD = {
+    "train": [
+        ["--steps", "0"],
+        ["--steps", "-1"],
+        ["--steps", "x"],
+        ["--lr", "0"],
+        ["--lr", "-1e-3"],
+        ["--lr", "nan"],
+        ["--batch-size", "0"],
+        ["--seq-len", "1"],
+        ["--grad-accum", "0"],
+        ["--eval-interval", "0"],
+        ["--recipe", "bogus"],
+        ["--recipe", "delayed,bogus"],
+        ["--model-size", "huge"],
+        ["--model", "no-such-model"],
+        ["--text", "missing.txt"],
+        ["--out", "afile"],
+        ["--out", "runs"],  # a foreign config.json would be overwritten
+        ["--out", "new-run", "--resume"],
+    ],
+    "eval": [
+        ["--batches", "0"],
+        ["--batches", "-1"],
+        ["--eval-batches", "0"],
+        [],  # nothing trained yet
+        ["--model", "demo"],
+        ["--checkpoint", "missing"],
+        ["--checkpoint", "runs"],
+        ["--model", "hf", "--checkpoint", "runs"],
+        ["--text", "missing.txt", "--model", "hf"],
+    ],
+    "quantize": [
+        ["--scheme", "bogus", "--out", "q"],
+        ["--scheme", "all", "--out", "q"],
+        ["--scheme", "fp8,int8-smoothquant", "--out", "q"],
+        ["--scheme", "int8-smoothquant+kv", "--out", "q"],
+        ["--model", "demo", "--scheme", "fp8", "--out", "q"],
+        ["--model", "no-such-model", "--scheme", "fp8", "--out", "q"],
+        ["--scheme", "fp8", "--out", "afile"],
+        ["--scheme", "fp8", "--out", "."],
+        ["--scheme", "fp8", "--out", "runs"],
+        ["--scheme", "fp8"],
+        ["--scheme", "fp8", "--out", "q", "--calibration", "bogus"],
+        ["--scheme", "fp8", "--out", "q", "--alpha", "2"],
+        ["--scheme", "fp8", "--out", "q", "--calib-batches", "0"],
+    ],
+    "compare": [
+        ["--calibration", "bogus"],
+        ["--schemes", "bogus"],
+        ["--schemes", ","],
+        ["--eval-batches", "0"],
+        ["--batches", "-1"],
+        ["--calib-batches", "0"],
+        ["--alpha", "-0.1"],
+        ["--model", "demo"],
+        ["--out", "afile"],
+        ["--out", "runs"],
+    ],
+    "doctor": [
+        ["--steps", "0"],
+        ["--lr", "0"],
+        ["--batch-size", "-1"],
+        ["--recipe", "bogus"],
+        ["--recipe", "delayed,current"],
+        ["--model-size", "huge"],
+        ["--model", "no-such-model"],
+        ["--text", "missing.txt"],
+        ["--out", "afile"],
+        ["--out", "runs"],
+    ],
+}
+CASES = [(cmd, args) for cmd, lists in BAD.items() for args in lists]
+
+
+@pytest.mark.parametrize(("command", "args"), CASES, ids=[f"{c}:{' '.join(a) or '-'}" for c, a in CASES])
+def test_bad_input_is_refused_at_once_with_exit_2_and_writes_nothing(sandbox, capsys, command, args):
+    before = snapshot(sandbox)
+    t0 = time.perf_counter()
+    rc = main([command, *args])
+    elapsed = time.perf_counter() - t0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert len(err) == 1 and err[0].startswith(f"fp8kit {command}: error: ")  # one line, same prefix everywhere
+    assert "Traceback" not in "\n".join(err) and "Errno" not in err[-1]
+    assert elapsed < 1.0, elapsed  # refused before any model, corpus or calibration work
+    assert snapshot(sandbox) == before
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--steps", "3", "--out", "fresh"],
+        ["train", "--out", "runs", "--overwrite"],
+        ["eval", "--model", "hf", "--batches", "2"],
+        ["quantize", "--model", "hf", "--scheme", "fp8+kv", "--out", "q"],
+        ["quantize", "--model", "hf", "--scheme", "fp8", "--out", "runs", "--overwrite"],
+        ["compare", "--model", "hf", "--schemes", "fp8,int8-smoothquant", "--out", "cmp"],
+        ["doctor", "--steps", "2", "--out", "doc"],
+    ],
+)
+def test_good_input_reaches_the_work(sandbox, argv):
+    """The validation does not refuse valid commands (the real work is stubbed to raise)."""
+    with pytest.raises(WorkStarted):
+        main(argv)
+
+
+def test_foreign_folder_survives_quantize_out(sandbox, capsys):
+    before = snapshot(sandbox)
+    assert main(["quantize", "--model", "hf", "--scheme", "fp8", "--out", "runs"]) == 2
+    err = capsys.readouterr().err
+    assert "fp8kit did not write" in err and "--overwrite" in err
+    assert snapshot(sandbox) == before
+    assert (sandbox / "runs" / "checkpoint-7.pt").read_text() == "my checkpoint"
+
+
+def test_messages_do_not_contradict_themselves(sandbox, capsys):
+    main(["quantize", "--model", "demo", "--scheme", "fp8", "--out", "q"])
+    err = capsys.readouterr().err
+    assert "neither demo" not in err and "smollm2" in err
+    main(["quantize", "--scheme", "bogus", "--out", "q"])
+    err = capsys.readouterr().err
+    assert "all" not in err.split("accepted:")[1]  # quantize never accepts "all", so it is not offered
+
+
+def test_every_option_has_help_and_every_command_a_description():
+    from fp8kit.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    for name, p in sub.choices.items():
+        assert p.description, name
+        for action in p._actions:
+            if action.option_strings and action.help != "==SUPPRESS==":
+                assert action.help, (name, action.option_strings)
+        text = "".join(p.format_help().split())  # wrapping may split a default anywhere
+        for action in p._actions:
+            if (
+                action.option_strings
+                and isinstance(action.default, (int, float, str))
+                and action.default not in (False, "==SUPPRESS==")
+            ):
+                if action.help != "==SUPPRESS==" and action.default is not None:
+                    assert "default" in (action.help or "") or "".join(str(action.default).split()) in text, (
+                        name,
+                        action.dest,
+                    )
+
+
+def test_doctor_defaults_agree_with_the_library_and_fp8kit_train():
+    import inspect
+
+    from fp8kit.cli import build_parser
+    from fp8kit.debug import doctor
+    from fp8kit.train import TrainConfig
+
+    args = build_parser().parse_args(["doctor"])
+    sig = inspect.signature(doctor).parameters
+    assert args.steps == sig["steps"].default and args.lr == sig["lr"].default == TrainConfig.lr
+
+
+def test_eval_without_options_evaluates_every_train_run(sandbox, monkeypatch, capsys):
+    runs = sandbox / "runs" / "fp8kit-train" / "ckpt"
+    for run in ("bf16", "fp8-delayed"):
+        (runs / run / "step-000010").mkdir(parents=True)
+        (runs / run / "latest").write_text("step-000010")
+    seen = []
+    monkeypatch.setattr(
+        fp8kit.train.loop,
+        "evaluate_checkpoint",
+        lambda path, text=None, batches=32: (
+            seen.append((path.name, batches))
+            or {"run": path.name, "step": 10, "val_loss": 1.0, "val_ppl": 2.718, "corpus": "x"}
+        ),
+    )
+    assert main(["eval"]) == 0
+    assert seen == [("bf16", 32), ("fp8-delayed", 32)]
+    assert "fp8-delayed (step 10)" in capsys.readouterr().out

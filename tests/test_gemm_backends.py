@@ -1,0 +1,89 @@
+"""The GEMM backends behind ``fp8kit.fp8_gemm``: each computes the product of the quantized operands."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fp8kit
+from fp8kit import gemm
+
+
+@pytest.fixture
+def cpu_backend():
+    saved = dict(gemm._CPU_BACKEND)
+
+    def use(name: str) -> None:
+        gemm._CPU_BACKEND["name"] = name
+
+    yield use
+    gemm._CPU_BACKEND.clear()
+    gemm._CPU_BACKEND.update(saved)
+
+
+def test_cpu_backend_follows_the_cpu_features(monkeypatch):
+    saved = dict(gemm._CPU_BACKEND)
+    try:
+        for flags, want in (({"avx2", "fma"}, "fp32"), ({"avx2", "avx512_bf16"}, "bf16"), ({"amx_bf16"}, "bf16")):
+            gemm._CPU_BACKEND.clear()
+            monkeypatch.setattr(gemm, "_cpu_flags", lambda flags=flags: frozenset(flags))
+            assert gemm.cpu_gemm_backend() == want
+        with pytest.raises(ValueError, match="'fp32' or 'bf16'"):
+            gemm.set_cpu_gemm_backend("scaled_mm")
+    finally:
+        gemm._CPU_BACKEND.clear()
+        gemm._CPU_BACKEND.update(saved)
+
+
+def test_decode_table_gives_every_code():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    for fmt in (fp8kit.E4M3, fp8kit.E5M2):
+        q = fp8kit.quantize(torch.ones(4), fmt)
+        q.data = codes.view(fmt.dtype)
+        for dtype in (torch.float32, torch.bfloat16):
+            got, want = gemm._decode(q, dtype), codes.view(fmt.dtype).to(dtype)
+            assert torch.equal(got.isnan(), want.isnan())
+            assert torch.equal(
+                got.nan_to_num(0.0).view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                want.nan_to_num(0.0).view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+            )
+
+
+@pytest.mark.parametrize("gran", ["tensor", "row"])
+def test_fp32_backend_computes_the_exact_product(cpu_backend, gran):
+    """Products of FP8 values are exact in FP32; only the summation order may differ from a float64
+    GEMM of the same dequantized operands: error below K * 2**-24 of the sum of |products|."""
+    cpu_backend("fp32")
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 256, generator=g) * torch.exp2(torch.randint(-6, 6, (64, 1), generator=g).float())
+    b = torch.randn(48, 256, generator=g)
+    qa, qb = fp8kit.quantize(a, "e4m3", gran), fp8kit.quantize(b, "e5m2", gran)
+    got = fp8kit.fp8_gemm(qa, qb, torch.float32)
+    da, db = qa.dequantize(torch.float64), qb.dequantize(torch.float64)
+    want = da @ db.t()
+    bound = 256 * 2**-24 * (da.abs() @ db.abs().t())
+    assert ((got.double() - want).abs() <= bound).all()
+    # a wrong scale (x2) or a dropped row scale would be far outside the bound
+    assert not torch.allclose(got.double() * 2, want, atol=0, rtol=1e-3)
+
+
+@pytest.mark.parametrize("gran", ["tensor", "row", "mx"])
+def test_bf16_backend_rounds_like_a_tensor_core_with_bf16_output(cpu_backend, gran):
+    """bf16 outputs on the bf16 backend: the exact product rounded to bf16 twice at most (the sum in the
+    GEMM, then after the scales), so within 2 * 2**-8 of its magnitude (bf16's unit roundoff is 2**-8). A product with a wrong scale or
+    in the wrong format would be off by far more."""
+    cpu_backend("bf16")
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(32, 256, generator=g) * 3
+    b = torch.randn(40, 256, generator=g)
+    qa, qb = fp8kit.quantize(a, "e4m3", gran), fp8kit.quantize(b, "e4m3", gran)
+    got = fp8kit.fp8_gemm(qa, qb, torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    want = qa.dequantize(torch.float64) @ qb.dequantize(torch.float64).t()
+    assert ((got.double() - want).abs() <= 2**-7 * want.abs() * 1.001 + 1e-30).all()
+    # power-of-two scales make the second rounding exact: one rounding of the FP32 sum, as on a GPU
+    # (up to FP32 summation order, which can move a result that lies within 2**-16 of a tie)
+    qa2, qb2 = (fp8kit.quantize(t, "e4m3", gran, power_of_two=True) for t in (a, b))
+    got2 = fp8kit.fp8_gemm(qa2, qb2, torch.bfloat16)
+    want2 = (qa2.dequantize(torch.float64) @ qb2.dequantize(torch.float64).t()).to(torch.bfloat16)
+    assert (got2 == want2).float().mean() > 0.995

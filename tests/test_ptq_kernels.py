@@ -1,0 +1,220 @@
+"""PTQ inference kernels: every 8-bit GEMM path of ``QuantLinear`` equals the FP32-upcast reference.
+
+Bound (see ``fp8kit.ptq.linear``): code products are exact in FP32, so two paths differ by FP32
+summation order only, ``|out - ref| <= 2 * gamma_{K+2} * (|codes_x| @ |codes_w|^T) * s_x * s_w``, plus
+one bfloat16 rounding of the accumulator where a bfloat16 GEMM writes bfloat16 (bfloat16 inputs) and,
+on CUDA, the FP8 tensor cores' fast accumulation (about 14 significant bits between promotions).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fp8kit import E4M3, INT8
+from fp8kit.formats import cast_reference
+from fp8kit.ptq import QuantLinear
+from fp8kit.ptq.linear import KernelChoice, dequant_scale, select_kernel
+
+SCHEMES = ["fp8", "fp8-dynamic", "int8-smoothquant", "int8-weight-only"]
+CPU_KERNELS = {
+    "fp8": ["codes_mm"],
+    "fp8-dynamic": ["codes_mm"],
+    "int8-smoothquant": ["codes_mm", "int_mm"],
+    "int8-weight-only": ["codes_mm"],
+}
+
+
+def _layer(scheme: str, k: int = 96, n: int = 80, bias: bool = True, device: str = "cpu") -> QuantLinear:
+    lin = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.mul_(torch.exp2(torch.randint(-3, 3, (n, 1)).float()))  # rows of different ranges
+    return QuantLinear.from_linear(lin, scheme, input_amax=4.0).to(device)
+
+
+def _inputs(m: int, k: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+    x = torch.randn(m, k) * torch.exp2(torch.randint(-2, 2, (m, 1)).float())
+    return x.to(device=device, dtype=dtype)
+
+
+def _bound(q: QuantLinear, x: torch.Tensor, extra_rel: float) -> torch.Tensor:
+    """Per-element bound on ``|kernel - reference|`` (float64)."""
+    x2 = x.reshape(-1, q.in_features)
+    k = q.in_features + 2
+    gamma = k * 2.0**-24 / (1 - k * 2.0**-24)
+    ws = q.weight_scale.double().reshape(1, -1)
+    if q.scheme.act_format is None:
+        mag = x2.double().abs() @ q.weight.double().abs().t() * ws
+    else:
+        xq, sx = q.quantize_input(x2)
+        mag = xq.double().abs() @ q.weight.double().abs().t() * sx.double().reshape(-1, 1) * ws
+    ref = q._forward_reference(x).double().reshape(mag.shape)
+    out_ulp = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7}[x.dtype]  # one rounding of the output
+    return (2 * gamma + extra_rel) * mag + out_ulp * ref.abs() + 1e-30
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_weight_and_input_scales_are_amax_over_format_max(scheme):
+    lin = nn.Linear(96, 80)
+    q = QuantLinear.from_linear(lin, scheme, input_amax=3.7)
+    fmt = q.scheme.weight_format
+    w = lin.weight.detach().float()
+    amax = w.abs().amax(dim=1, keepdim=True) if q.scheme.weight_strategy == "channel" else w.abs().amax().reshape(1)
+    assert torch.equal(q.weight_scale, (amax / fmt.max).reshape(q.weight_scale.shape))  # float32, bit for bit
+    assert q.weight.dtype == fmt.dtype and q.weight_scale.dtype == torch.float32
+    if q.scheme.static_activations:
+        assert q.input_scale.shape == (1,) and q.input_scale.dtype == torch.float32
+        assert torch.equal(q.input_scale, torch.tensor([3.7]) / q.scheme.act_format.max)
+    # codes are the round-to-nearest codes of w / scale (an independent float64 oracle)
+    oracle = cast_reference((w.double() * (fmt.max / amax.double().reshape(-1, 1))).float(), fmt, saturate=True)
+    assert torch.equal(q.weight.float(), oracle.float())
+
+
+@pytest.mark.parametrize("fmt", [E4M3, INT8], ids=["e4m3", "int8"])
+def test_all_zero_rows_get_a_finite_scale_and_zero_output(fmt):
+    scheme = "fp8-dynamic" if fmt is E4M3 else "int8-smoothquant"
+    lin = nn.Linear(64, 32)
+    with torch.no_grad():
+        lin.weight[3] = 0.0
+        lin.bias.zero_()
+    q = QuantLinear.from_linear(lin, scheme, input_amax=2.0)
+    assert torch.isfinite(q.weight_scale).all() and (q.weight_scale > 0).all()
+    assert float(q.weight_scale[3]) == 1.0 and not q.weight[3].float().any()
+    assert torch.equal(dequant_scale(torch.tensor([0.0, 448.0, float("inf")]), E4M3), torch.tensor([1.0, 1.0, 1.0]))
+    x = _inputs(8, 64, torch.float32)
+    x[2] = 0.0  # an all-zero token (per-token scale from amax 0)
+    for kernel in CPU_KERNELS[scheme] + ["reference"]:
+        q.kernel = kernel
+        out = q(x)
+        assert torch.isfinite(out).all() and not out[:, 3].any() and not out[2].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_cpu_kernels_equal_the_reference(scheme, dtype):
+    q = _layer(scheme)
+    for m in (1, 7, 33):
+        x = _inputs(m, q.in_features, dtype).reshape(1, m, -1)
+        ref = q._forward_reference(x)
+        for kernel in CPU_KERNELS[scheme]:
+            q.kernel = kernel
+            out = q(x)
+            assert out.shape == ref.shape and out.dtype == dtype
+            diff = (out.double() - ref.double()).abs().reshape(m, -1)
+            bound = _bound(q, x, 2.0**-8 if dtype == torch.bfloat16 else 0.0)
+            assert (diff <= bound).all(), f"{kernel}: max excess {float((diff - bound).max())}"
+    # the bound is tight enough to catch a wrong scale: the kernel output scaled by 1 + 2**-6 fails it
+    q.kernel = CPU_KERNELS[scheme][-1]
+    x = _inputs(16, q.in_features, torch.float32)
+    bad = (q(x).double() - q.bias.double()) * (1 + 2.0**-6) + q.bias.double()
+    assert ((bad - q._forward_reference(x).double()).abs() > _bound(q, x, 0.0)).any()
+
+
+def test_int_mm_accumulator_is_bit_exact_and_output_equals_reference():
+    """INT8 x INT8 in int32 is exact; with K * 127**2 < 2**24 the FP32 reference accumulator is exact
+    too, so the two accumulators and the scaled outputs agree bit for bit."""
+    q = _layer("int8-smoothquant", k=256, n=64)
+    x = _inputs(40, 256, torch.float32)
+    xq, _ = q.quantize_input(x)
+    assert torch.equal(torch._int_mm(xq, q.weight.t()).float(), xq.float() @ q.weight.float().t())
+    q.kernel = "int_mm"
+    assert torch.equal(q(x), q._forward_reference(x))
+
+
+def test_compiled_epilogue_for_large_outputs_equals_the_reference():
+    """Outputs of at least ``COMPILE_MIN_ELEMENTS`` get the torch.compile'd scale/bias epilogue (one fused
+    loop; it may contract multiply-add into an FMA, one FP32 rounding fewer than the reference)."""
+    from fp8kit.ptq import linear as ptq_linear
+
+    q = _layer("int8-smoothquant", k=64, n=256)
+    x = _inputs(ptq_linear.COMPILE_MIN_ELEMENTS // 256, 64, torch.float32)
+    q.kernel = "int_mm"
+    out = q(x)
+    assert ptq_linear._COMPILE["enabled"], "the epilogue failed to compile"
+    diff = (out.double() - q._forward_reference(x).double()).abs()
+    assert (diff <= _bound(q, x, 2.0**-23)).all()
+
+
+def test_cpu_selection_is_logged_and_matches_reference(caplog):
+    for scheme in SCHEMES:
+        q = _layer(scheme)
+        x = _inputs(5, q.in_features, torch.float32)
+        with caplog.at_level(logging.INFO, logger="fp8kit.ptq"):
+            choice = q.kernel_for(x)
+            out = q(x)
+        assert choice.name in CPU_KERNELS[scheme] and choice.reason
+        assert ((out.double() - q._forward_reference(x).double()).abs() <= _bound(q, x, 0.0)).all()
+    assert "kernel" in caplog.text
+
+
+def test_codes_cache_follows_the_weight():
+    q = _layer("fp8")
+    q.kernel = "codes_mm"
+    x = _inputs(4, q.in_features, torch.float32)
+    q(x)
+    other = _layer("fp8")
+    q.load_state_dict(other.state_dict())  # in-place copy: the cached codes must be rebuilt
+    assert torch.equal(q(x), other._forward_reference(x))
+    q.weight = (-other.weight.float()).to(torch.float8_e4m3fn)  # a new tensor
+    assert torch.equal(q(x), q._forward_reference(x))
+
+
+def test_odd_shapes_fall_back_on_cuda_with_a_reason():
+    c = select_kernel("fp8", "cuda", torch.bfloat16, 100, 64)
+    assert c.name == "reference" and "multiples of 16" in c.reason
+    c = select_kernel("int8-smoothquant", "cuda", torch.bfloat16, 64, 36)
+    assert c.name == "reference" and "multiples of 8" in c.reason
+    c = select_kernel("fp8-dynamic", "cuda", torch.float32, 64, 64)
+    assert c.name == "reference" and "bfloat16" in c.reason
+    assert select_kernel("fp8", "cuda", torch.bfloat16, 64, 64).name == "scaled_mm"
+    assert select_kernel("fp8-dynamic", "cuda", torch.bfloat16, 64, 64).name == "scaled_mm_rowwise"
+    assert select_kernel("int8-smoothquant", "cuda", torch.bfloat16, 64, 64).name == "int_mm"
+    assert select_kernel("int8-weight-only", "cuda", torch.bfloat16, 64, 64).name == "dequant_mm_compiled"
+
+
+def test_a_failing_kernel_falls_back_to_the_reference(monkeypatch, caplog):
+    q = _layer("int8-smoothquant")
+    x = _inputs(6, q.in_features, torch.float32)
+    monkeypatch.setattr("fp8kit.ptq.linear.select_kernel", lambda *a, **k: KernelChoice("int_mm", "test"))
+
+    def broken(*_a, **_k):
+        raise RuntimeError("no kernel image")
+
+    monkeypatch.setattr(torch, "_int_mm", broken)
+    with caplog.at_level(logging.WARNING, logger="fp8kit.ptq"):
+        out = q(x)
+    assert torch.equal(out, q._forward_reference(x)) and "int_mm failed" in caplog.text
+    assert q.kernel_for(x).name == "reference"  # remembered: no second attempt
+    q.kernel = "int_mm"  # forced kernels raise instead of falling back
+    with pytest.raises(RuntimeError, match="no kernel image"):
+        q(x)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_cuda_kernels_equal_the_reference(scheme, m):
+    q = _layer(scheme, k=256, n=512, device="cuda")
+    x = _inputs(m, 256, torch.bfloat16, "cuda")
+    choice = q.kernel_for(x)
+    assert choice.name != "reference", choice.reason
+    out, ref = q(x), q._forward_reference(x)
+    assert not q._failed, "the CUDA kernel raised and fell back"
+    diff = (out.double() - ref.double()).abs()
+    assert (diff <= _bound(q, x, 2.0**-8)).all(), float((diff - _bound(q, x, 2.0**-8)).max())
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_odd_shapes_run_the_reference():
+    q = _layer("fp8", k=100, n=72, device="cuda")
+    x = _inputs(8, 100, torch.bfloat16, "cuda")
+    assert q.kernel_for(x).name == "reference"
+    assert torch.equal(q(x), q._forward_reference(x))
