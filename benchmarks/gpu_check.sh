@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One prepared run for a CUDA machine: the GPU tests, then both benchmarks on the GPU.
+# One prepared run for a CUDA machine, within 8 minutes: the GPU tests, then the GPU benchmarks (quantize
+# kernels, MLP GEMM level at d=4096/8192, the ~1B Llama step, PTQ inference), each under its own timeout.
 # Writes logs under ${OUT:-gpu-results}/ for BENCHMARKS.md. Needs torch with CUDA plus fp8kit's test
 # dependencies; without an installed fp8kit it runs from src/. Wheels in .whl/ (e.g. torchao for the
 # comparison row) are installed to /tmp/site first, for machines that cannot reach a package index.
@@ -17,7 +18,11 @@ $py -c "import fp8kit" 2>/dev/null || export PYTHONPATH="$PWD/src:${PYTHONPATH:-
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
     $py -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 } 2>&1 | tee "$out/gpu.txt"
-timeout 200 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernels.py tests/test_linear.py -k cuda 2>&1 |
-    tee "$out/tests.log"
-timeout 90 $py benchmarks/quantize.py --device cuda --sizes 1,4,16,64 2>&1 | tee "$out/quantize.log"
-timeout 240 $py benchmarks/linear.py --shapes 2048x2048,4096x4096 --reps 20 2>&1 | tee "$out/linear.log"
+timeout 100 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_ptq_kernels.py tests/test_kernels.py \
+    tests/test_linear.py -k cuda 2>&1 | tee "$out/tests.log"
+timeout 30 $py benchmarks/quantize.py --device cuda --sizes 4,64 2>&1 | tee "$out/quantize.log"
+timeout 150 $py benchmarks/linear.py --shapes 4096x8192,8192x8192 --no-eager --recipes current,rowwise,block,delayed \
+    --reps 10 2>&1 | tee "$out/linear.log"
+timeout 120 $py benchmarks/llama_step.py --size 1b --batch 4 --seq 2048 --steps 5 --recipes current,rowwise,block \
+    2>&1 | tee "$out/llama_step.log"
+timeout 60 $py benchmarks/inference.py --device cuda --size 1b 2>&1 | tee "$out/inference.log"

@@ -11,6 +11,8 @@ kernel each scheme's ``QuantLinear`` layers ran (``fp8kit.ptq.linear.select_kern
 
     python benchmarks/inference.py                          # CPU, small config (hidden 576, 4 layers)
     python benchmarks/inference.py --device cuda --size 1b  # GPU, ~1B (hidden 2048, 8192, 16 layers)
+    python benchmarks/inference.py --threads 1 --old        # plus an fp8 row on the old FP32-upcast path
+    python benchmarks/inference.py --gemm --threads 1       # CPU: the candidate GEMMs per shape, timed
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
 """MLP block forward+backward: nn.Linear fp32/bf16, torchao Float8Linear, fp8kit recipes (eager, compiled).
 
 One run, side by side, per shape ``d -> 4d -> d`` (GELU) over ``T`` tokens: median step time, ratios to
-bf16 and fp32, and the bytes autograd saves for backward (activations only; FP8 weight caches and
-parameters excluded). Slow baselines (bf16 GEMMs on CPUs without native bf16) run once.
+bf16 and fp32 (and to the faster of the plain bf16 and fp32 steps, the CPU target of issue 12), and the
+bytes autograd saves for backward (activations only; FP8 weight caches and parameters excluded). BF16
+and torchao run compiled as well as eager (torchao is meant to be compiled). Slow baselines (bf16 GEMMs
+on CPUs without native bf16) run once.
 
-    python benchmarks/linear.py [--shapes 512x512,2048x2048,4096x2048] [--no-compile] [--no-torchao]
+    python benchmarks/linear.py [--shapes 2048x2048] [--recipes current,rowwise] [--no-compile] [--no-torchao]
+    python benchmarks/linear.py --shapes 4096x8192,8192x8192 --reps 20      # GPU (issue 12's shapes)
 """
 
 from __future__ import annotations
@@ -18,11 +21,22 @@ import warnings
 import torch
 
 import fp8kit
+from fp8kit.gemm import cpu_gemm_backend
 from fp8kit.nn import saved_activation_bytes
-from fp8kit.recipes import all_recipes
+from fp8kit.recipes import recipe_from_name
 
 warnings.filterwarnings("ignore")
-RECIPES = all_recipes()
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def mlp(d: int) -> torch.nn.Module:
@@ -38,12 +52,12 @@ def step_time(model, x, g, reps: int, slow_after: float) -> float:
         y.backward(g)
         sync()  # CUDA runs asynchronously: a step ends when its kernels have
 
-    t = time.perf_counter()
     step()  # warm-up: compilation, first-step scaling
-    first = time.perf_counter() - t
-    if first > slow_after:  # a slow baseline (bf16 GEMMs on a CPU without bf16): one step is the figure
-        return first
+    t = time.perf_counter()
     step()  # delayed scaling switches to its stored scales on the second step
+    second = time.perf_counter() - t
+    if second > slow_after:  # a slow baseline (bf16 GEMMs on a CPU without bf16): one step is the figure
+        return second
     times = []
     for _ in range(reps):
         t = time.perf_counter()
@@ -59,7 +73,9 @@ def saved_bytes(model, x) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="512x512,2048x2048,4096x2048", help="d x tokens, comma separated")
+    ap.add_argument("--shapes", default="2048x2048", help="d x tokens, comma separated")
+    ap.add_argument("--recipes", default="delayed,current,rowwise,block,mxfp8", help="fp8kit recipes to time")
+    ap.add_argument("--no-eager", action="store_true", help="time compiled modules only (GPU runs)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--slow-after", type=float, default=20.0, help="seconds: one timed step beyond this")
     ap.add_argument("--no-compile", action="store_true")
@@ -69,8 +85,13 @@ def main() -> None:
     )
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    where = torch.cuda.get_device_name() if dev == "cuda" else f"{torch.get_num_threads()} threads"
-    print(f"# {platform.processor() or platform.machine()}, {where}, torch {torch.__version__}, {dev}")
+    if dev == "cuda":
+        where = torch.cuda.get_device_name()
+    else:
+        cap = torch.backends.cpu.get_cpu_capability()
+        where = f"{torch.get_num_threads()} threads, {cap}, fp8kit CPU GEMM backend {cpu_gemm_backend()}"
+    print(f"# {_cpu_name()}, {where}, torch {torch.__version__}, {dev}")
+    recipes = [recipe_from_name(r) for r in args.recipes.split(",") if r]
     for shape in args.shapes.split(","):
         d, tokens = (int(v) for v in shape.split("x"))
         base = mlp(d).to(dev)
@@ -84,39 +105,50 @@ def main() -> None:
             rows.append((name, t, saved_bytes(model, x)))
             print(f"  measured {name}: {t * 1e3:.2f} ms", flush=True)
 
+        eager = not args.no_eager
         run("nn.Linear fp32", copy.deepcopy(base), torch.float32)
         if d <= args.bf16_max_d or dev == "cuda":
-            run("nn.Linear bf16", copy.deepcopy(base).bfloat16(), torch.bfloat16)
+            if eager:
+                run("nn.Linear bf16", copy.deepcopy(base).bfloat16(), torch.bfloat16)
+            if not args.no_compile:
+                run("nn.Linear bf16 compiled", torch.compile(copy.deepcopy(base).bfloat16()), torch.bfloat16)
         if not args.no_torchao:
             try:
                 from torchao.float8 import convert_to_float8_training
 
-                run(
-                    "torchao Float8Linear (bf16)",
-                    convert_to_float8_training(copy.deepcopy(base).bfloat16()),
-                    torch.bfloat16,
-                )
-            except Exception as err:  # not installed, or built for another torch
-                print(f"  torchao unavailable ({type(err).__name__}: {err}); pip install -e '.[bench]'")
-        for recipe in RECIPES:
-            run(f"fp8kit {recipe.kind} (bf16)", fp8kit.convert(copy.deepcopy(base).bfloat16(), recipe), torch.bfloat16)
+                ao = convert_to_float8_training(copy.deepcopy(base).bfloat16())
+                if eager:
+                    run("torchao Float8Linear (bf16)", ao, torch.bfloat16)
+                if not args.no_compile:
+                    ao = torch.compile(convert_to_float8_training(copy.deepcopy(base).bfloat16()))
+                    run("torchao Float8Linear (bf16) compiled", ao, torch.bfloat16)
+            except Exception as err:  # not installed, built for another torch, or no CPU kernels
+                print(f"  torchao unavailable ({type(err).__name__}: {str(err)[:200]}); pip install -e '.[bench]'")
+        for recipe in recipes:
+            if eager:
+                model = fp8kit.convert(copy.deepcopy(base).bfloat16(), recipe)
+                run(f"fp8kit {recipe.kind} (bf16)", model, torch.bfloat16)
             if not args.no_compile:
-                compiled = torch.compile(fp8kit.convert(copy.deepcopy(base).bfloat16(), recipe))
+                compiled = torch.compile(fp8kit.convert(copy.deepcopy(base).bfloat16(), recipe), fullgraph=True)
                 run(f"fp8kit {recipe.kind} (bf16) compiled", compiled, torch.bfloat16)
         fp32 = rows[0][1]
-        ref = next((r for r in rows if r[0] == "nn.Linear bf16"), None)
+        bf16_rows = [r for r in rows if r[0] in ("nn.Linear bf16", "nn.Linear bf16 compiled")]
+        ref = min(bf16_rows, key=lambda r: r[1]) if bf16_rows else None
         bf16, bf16_mem = (ref[1], ref[2]) if ref else (float("nan"), rows[0][2] / 2)
+        fastest_plain = min(fp32, bf16) if ref else fp32
         print(
-            f"\nMLP {d} -> {4 * d} -> {d}, {tokens} tokens, forward+backward"
+            f"\nMLP {d} -> {4 * d} -> {d}, {tokens} tokens, forward+backward; 'vs bf16' = vs the faster bf16 row"
             + ("" if ref else " (bf16 skipped: too slow here; memory ratio vs half of fp32)")
         )
         print(
-            f"| {'module':<36} | {'step (ms)':>9} | {'vs bf16':>8} | {'vs fp32':>8} | {'saved act. MiB':>14} | {'vs bf16':>7} |"
+            f"| {'module':<40} | {'step (ms)':>9} | {'vs bf16':>8} | {'vs fp32':>8} | {'vs faster':>9} "
+            f"| {'saved act. MiB':>14} | {'vs bf16':>7} |"
         )
-        print(f"|{'-' * 38}|{'-' * 11}|{'-' * 10}|{'-' * 10}|{'-' * 16}|{'-' * 9}|")
+        print(f"|{'-' * 42}|{'-' * 11}|{'-' * 10}|{'-' * 10}|{'-' * 11}|{'-' * 16}|{'-' * 9}|")
         for name, t, mem in rows:
             print(
-                f"| {name:<36} | {t * 1e3:>9.2f} | {t / bf16:>7.2f}x | {t / fp32:>7.2f}x | {mem / 2**20:>14.1f} | {mem / bf16_mem:>6.2f}x |"
+                f"| {name:<40} | {t * 1e3:>9.2f} | {t / bf16:>7.2f}x | {t / fp32:>7.2f}x | {t / fastest_plain:>8.2f}x "
+                f"| {mem / 2**20:>14.1f} | {mem / bf16_mem:>6.2f}x |"
             )
         print(flush=True)
 

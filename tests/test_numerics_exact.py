@@ -104,7 +104,7 @@ def ref_linear(kind: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | No
 
 def assert_matches(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     """Equal up to FP32 accumulation order: ~1e-6 relative, far below one FP8 rounding step (6-12%)."""
-    got, want = got.detach().double(), want.double()
+    got, want = got.detach().double(), want.detach().double()
     tol = 2e-5 * float(want.abs().max()) + 1e-30
     err = float((got - want).abs().max())
     assert err <= tol, f"{what}: max |diff| {err:.3g} > {tol:.3g}"

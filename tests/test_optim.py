@@ -252,3 +252,25 @@ def test_training_a_converted_tiny_model_reduces_loss():
             opt.step()
     with torch.no_grad():
         assert float(loss_fn()) < first - 0.1
+
+
+def test_persistent_bytes_split_and_train_options():
+    from fp8kit.nn.memory import persistent_bytes
+    from fp8kit.train.loop import TrainConfig, run_comparison
+
+    model = torch.nn.Linear(256, 128).to(torch.bfloat16)
+    opt = AdamW(model.parameters(), bf16_update="kahan")
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    mem = persistent_bytes(model, opt)
+    n = 256 * 128 + 128
+    assert mem["weights"] == mem["grads"] == 2 * n
+    assert mem["master_weights"] == 2 * n  # the Kahan compensation stands in for FP32 master weights
+    assert mem["optimizer_state"] == opt.state_bytes() - 2 * n
+    torch_opt = torch.optim.AdamW(torch.nn.Linear(256, 128).parameters())
+    assert persistent_bytes(torch.nn.Linear(256, 128), torch_opt)["optimizer_state"] == 0  # no state before a step
+    with pytest.raises(ValueError, match="needs --optimizer fp8-adamw"):
+        run_comparison(TrainConfig(master_weights="bf16"))
+    with pytest.raises(ValueError, match="--optimizer must be one of"):
+        run_comparison(TrainConfig(optimizer="sgd"))

@@ -81,7 +81,7 @@ def test_train_eval_quantize_compare_on_a_local_model(local_model, tmp_path, cap
 
 def test_cli_errors_for_models(tmp_path, capsys):
     assert main(["train", "--model", str(tmp_path / "nowhere"), "--steps", "1", "--out", str(tmp_path / "o")]) == 2
-    assert "neither demo" in capsys.readouterr().err
+    assert "is not an existing folder: give demo, smollm2" in capsys.readouterr().err
     assert main(["eval", "--model", "demo"]) == 2
     assert "--checkpoint" in capsys.readouterr().err
     assert main(["compare", "--schemes", "fp4", "--out", str(tmp_path / "c")]) == 2

@@ -113,6 +113,21 @@ def test_cpu_kernels_equal_the_reference(scheme, dtype):
     assert ((bad - q._forward_reference(x).double()).abs() > _bound(q, x, 0.0)).any()
 
 
+@pytest.mark.parametrize(
+    "scheme,kernel",
+    [("fp8", "scaled_mm"), ("fp8-dynamic", "scaled_mm_rowwise"), ("int8-weight-only", "dequant_mm_compiled")],
+)
+def test_cuda_kernel_code_runs_through_cpu_torch(scheme, kernel):
+    """The CUDA kernels' calls (``torch._scaled_mm`` argument layout, scales, the compiled dequant GEMM)
+    run on CPU torch's implementations of the same ops: without a GPU, CI still checks the code."""
+    q = _layer(scheme, k=64, n=48)
+    q.kernel = kernel
+    for m in (1, 17):
+        x = _inputs(m, 64, torch.bfloat16)
+        diff = (q(x).double() - q._forward_reference(x).double()).abs()
+        assert (diff <= _bound(q, x, 2.0**-8)).all()
+
+
 def test_int_mm_accumulator_is_bit_exact_and_output_equals_reference():
     """INT8 x INT8 in int32 is exact; with K * 127**2 < 2**24 the FP32 reference accumulator is exact
     too, so the two accumulators and the scaled outputs agree bit for bit."""

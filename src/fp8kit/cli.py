@@ -144,14 +144,14 @@ def model_size(text: str) -> str:
     return text
 
 
-def _model(allow_demo: bool) -> Callable[[str], str]:
+def _model(allow_demo: bool, demo_hint: str = "") -> Callable[[str], str]:
     def parse(text: str) -> str:
         if text == "demo" and allow_demo:
             return text
         if text == "demo":
             raise argparse.ArgumentTypeError(
                 "the demo model is trained from scratch and has no pretrained weights: "
-                f"give {' or '.join(PRETRAINED_MODELS)}, or a local Hugging Face model folder"
+                f"give {' or '.join(PRETRAINED_MODELS)}, or a local Hugging Face model folder{demo_hint}"
             )
         if text in PRETRAINED_MODELS:
             return text
@@ -345,6 +345,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         calib_batches=args.calib_batches,
         calibration=args.calibration,
         alpha=args.alpha,
+        gptq=args.gptq,
+        awq=args.awq,
+        keep_bf16=args.keep_bf16,
     )
     out = save_pretrained(model, args.out, tokenizer, overwrite=args.overwrite)
     print(model.ptq_report)
@@ -361,10 +364,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
         parse_schemes(args.schemes),
         args.out,
         text=args.text,
-        eval_batches=args.eval_batches,
+        split=args.split,
+        n_windows=args.windows,
+        seq_len=args.seq_len,
         calib_batches=args.calib_batches,
         calibration=args.calibration,
         alpha=args.alpha,
+        gptq=args.gptq,
+        awq=args.awq,
+        keep_bf16=args.keep_bf16,
+        sensitivity=args.sensitivity,
+        second_text=not args.no_second_text,
+        timing=not args.no_timing,
     )
     print()
     print(compare_markdown(result))
@@ -534,7 +545,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"a run folder of fp8kit train, one of its ckpt/<run> folders, or a step-* folder (default {TRAIN_OUT})",
     )
     e.add_argument(
-        "--model", type=_model(allow_demo=False), default=None, help="smollm2 or a local Hugging Face directory"
+        "--model",
+        type=_model(allow_demo=False, demo_hint="; for a trained demo run give --checkpoint"),
+        default=None,
+        help="smollm2 or a local Hugging Face directory",
     )
     e.add_argument(
         "--text", type=text_file, default=None, help="evaluate on this text's held-out split instead of the corpus"
@@ -598,6 +612,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--alpha", type=unit_fraction, default=0.8, help="SmoothQuant migration strength (0.8 suits Llama models)"
     )
     q.add_argument("--calib-batches", type=positive_int, default=8, help="calibration batches of 4 x 128 tokens")
+    _add_ptq_switches(q, "the N layers whose quantization alone changes the output most on calibration data")
     _add_overwrite(q, "a folder")
     q.set_defaults(func=cmd_quantize)
 
@@ -621,11 +636,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--alpha", type=unit_fraction, default=0.8, help="SmoothQuant migration strength")
     c.add_argument("--calib-batches", type=positive_int, default=8, help="calibration batches of 4 x 128 tokens")
-    c.add_argument("--eval-batches", type=positive_int, default=8, help="held-out batches of 4 x 128 tokens")
-    c.add_argument("--batches", dest="eval_batches", type=positive_int, help=argparse.SUPPRESS)  # as in fp8kit eval
+    c.add_argument(
+        "--split", choices=("dev", "test"), default="test", help="dev (to choose settings) or test (to report)"
+    )
+    c.add_argument(
+        "--windows", type=positive_int, default=128, help="held-out windows per text (128 x 256 = 32k tokens)"
+    )
+    c.add_argument("--seq-len", type=positive_int, default=256, help="tokens per held-out window")
+    c.add_argument("--eval-batches", "--batches", dest="windows", type=positive_int, help=argparse.SUPPRESS)  # old name
+    c.add_argument("--no-second-text", action="store_true", help="skip the second text (Python Language Reference)")
+    c.add_argument("--no-timing", action="store_true", help="skip the prefill/decode timing (accuracy only)")
+    c.add_argument(
+        "--sensitivity", type=positive_int, default=0, metavar="W", help="per-layer sensitivity report on W dev windows"
+    )
+    _add_ptq_switches(c, "the N layers with the largest dev-loss increase (per-layer sensitivity on the dev split)")
     _add_overwrite(c, "files")
     c.set_defaults(func=cmd_compare)
     return parser
+
+
+def _add_ptq_switches(p: argparse.ArgumentParser, keep_what: str) -> None:
+    p.add_argument(
+        "--gptq", action=argparse.BooleanOptionalAction, default=True, help="GPTQ weight rounding (Hessian-aware)"
+    )
+    p.add_argument(
+        "--awq", action=argparse.BooleanOptionalAction, default=True, help="AWQ scale search (int8-weight-only)"
+    )
+    p.add_argument("--keep-bf16", type=_at_least(0), default=0, metavar="N", help=f"keep in BF16 {keep_what}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,15 +24,16 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .data import Corpus, load_corpus
-from .evaluation import evaluate
+from .data import PTQSplits, load_ids, ptq_splits, reference_text, windows
+from .data.splits import EVAL_SPLITS
+from .evaluation import window_losses, window_summary
 from .nn import to_bf16_gemms
 from .ptq.kv_cache import kv_cache_bytes
 from .ptq.linear import QuantLinear
 from .ptq.quantize import quantize
 from .ptq.schemes import SCHEMES
 
-__all__ = ["compare_schemes", "parse_schemes", "quantize_pretrained", "weight_memory"]
+__all__ = ["compare_schemes", "load_splits", "parse_schemes", "quantize_pretrained", "weight_memory"]
 
 
 def parse_schemes(spec: str) -> list[str]:
@@ -70,21 +71,16 @@ def weight_memory(model: nn.Module) -> dict[str, int]:
     return {"linear_bytes": linear, "total_bytes": linear + other}
 
 
-def calibration_loop(corpus: Corpus, batches: int, batch_size: int, seq_len: int, seed: int) -> Callable:
-    """``forward_loop`` over ``batches`` training-split batches (ModelOpt's convention)."""
-    data = [corpus.batch("train", 10_000 + i, batch_size, seq_len, seed)[0] for i in range(batches)]
+def calibration_loop(splits: PTQSplits, batches: int, batch_size: int = 4, seq_len: int = 128) -> Callable:
+    """``forward_loop`` over ``batches`` batches of windows spread over the calibration split (ModelOpt's
+    convention); the dev and test splits are never seen."""
+    data = windows(splits.calib, batches * batch_size, seq_len)[:, :-1].split(batch_size)
 
     def forward_loop(model: nn.Module) -> None:
         for x in data:
             model(input_ids=x)
 
     return forward_loop
-
-
-@torch.no_grad()
-def perplexity(model: nn.Module, corpus: Corpus, batches: int, batch_size: int, seq_len: int, seed: int) -> float:
-    """Held-out perplexity over ``batches`` validation batches of the corpus."""
-    return math.exp(evaluate(model, corpus.val_batches(batches, batch_size, seq_len, seed)))
 
 
 @torch.no_grad()
@@ -106,6 +102,23 @@ def time_per_token(model: nn.Module, prompt: torch.Tensor, new_tokens: int, repe
     return best_p, best_d
 
 
+def load_splits(text: str | None, tokenizer, second_text: bool = True) -> list[PTQSplits]:
+    """The main text's calibration/dev/test splits (the shipped KJV, or ``text``), then, with
+    ``second_text``, those of the Python Language Reference (``data.reference_text``)."""
+    ids, name = load_ids(text, tokenizer)
+    out = [ptq_splits(ids, name)]
+    if second_text:
+        ref = tokenizer.encode(reference_text())
+        ref = ref if isinstance(ref, torch.Tensor) else torch.tensor(ref, dtype=torch.long)
+        out.append(ptq_splits(ref, f"Python {sys.version_info.major}.{sys.version_info.minor} Language Reference"))
+    return out
+
+
+def ptq_options(scheme: str, gptq: bool, awq: bool) -> dict[str, bool]:
+    """The ``quantize`` switches for ``scheme``: GPTQ for every scheme, AWQ for the weight-only one."""
+    return {"gptq": gptq, "awq": awq and SCHEMES[scheme.removesuffix("+kv")].act_format is None}
+
+
 def quantize_pretrained(
     model_name: str,
     scheme: str,
@@ -116,19 +129,31 @@ def quantize_pretrained(
     seq_len: int = 128,
     seed: int = 0,
     alpha: float = 0.8,
-) -> tuple[nn.Module, Any, Corpus]:
+    gptq: bool = True,
+    awq: bool = True,
+    keep_bf16: int = 0,
+) -> tuple[nn.Module, Any, PTQSplits]:
     """Load ``model_name`` (``smollm2`` or a local directory) and quantize it with ``scheme``
-    (``+kv`` suffix: FP8 KV cache), calibrating on the corpus's training split."""
+    (``+kv`` suffix: FP8 KV cache), calibrating on the calibration split of the corpus (or ``text``)."""
     from .models.pretrained import load_pretrained_lm
 
+    del seed  # the calibration windows are fixed (evenly spaced over the calibration split)
     model, tokenizer = load_pretrained_lm(model_name)
     model.eval()
-    corpus = load_corpus(text, tokenizer)
-    corpus.check_fits(seq_len)
-    loop = calibration_loop(corpus, calib_batches, batch_size, seq_len, seed)
+    splits = load_splits(text, tokenizer, second_text=False)[0]
+    loop = calibration_loop(splits, calib_batches, batch_size, seq_len)
     base = scheme.removesuffix("+kv")
-    quantize(model, base, loop, calibration=calibration, kv_cache=scheme.endswith("+kv"), alpha=alpha)
-    return model, tokenizer, corpus
+    quantize(
+        model,
+        base,
+        loop,
+        calibration=calibration,
+        kv_cache=scheme.endswith("+kv"),
+        alpha=alpha,
+        keep_bf16=keep_bf16,
+        **ptq_options(scheme, gptq, awq),
+    )
+    return model, tokenizer, splits
 
 
 def compare_schemes(
@@ -136,59 +161,93 @@ def compare_schemes(
     schemes: list[str],
     out: str | Path,
     text: str | None = None,
-    eval_batches: int = 8,
+    split: str = "test",
+    n_windows: int = 128,
+    seq_len: int = 256,
     calib_batches: int = 8,
     calibration: str = "mse",
-    batch_size: int = 4,
-    seq_len: int = 128,
-    seed: int = 0,
-    progress: bool = True,
     alpha: float = 0.8,
+    gptq: bool = True,
+    awq: bool = True,
+    keep_bf16: int = 0,
+    sensitivity: int = 0,
+    second_text: bool = True,
+    timing: bool = True,
+    progress: bool = True,
 ) -> dict[str, Any]:
-    """Perplexity, weight memory and per-token times of BF16 and each scheme; writes
-    ``compare.json``, ``compare.md`` and ``compare.png`` under ``out``."""
-    from .models.pretrained import load_pretrained_lm
+    """Perplexity (mean and spread over ``n_windows`` windows of ``seq_len`` tokens of the ``split`` split,
+    on the main text and the second text), weight memory and per-token times of BF16 and each scheme;
+    writes ``compare.json``, ``compare.md`` and ``compare.png`` under ``out``. ``timing=False`` skips the
+    prefill/decode timing (NaN in the table), for accuracy-only runs on a busy machine.
 
+    ``keep_bf16 = N``: the N layers with the largest dev-loss increase (per-layer sensitivity on
+    ``sensitivity`` dev windows, default 16, of the main text) stay in BF16; ``sensitivity`` alone
+    writes that report for each scheme. Both always score on the dev split, never on the test split."""
+    from .models.pretrained import load_pretrained_lm
+    from .ptq.sensitivity import dev_loss, keep_filter, layer_sensitivity
+
+    if split not in EVAL_SPLITS:
+        raise ValueError(f"unknown split {split!r}; accepted: {', '.join(EVAL_SPLITS)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     base, tokenizer = load_pretrained_lm(model_name)
     base.eval()
-    corpus = load_corpus(text, tokenizer)
-    corpus.check_fits(seq_len)
-    loop = calibration_loop(corpus, calib_batches, batch_size, seq_len, seed)
-    prompt = corpus.batch("val", 999, 1, min(seq_len, 64), seed)[0]
+    texts = load_splits(text, tokenizer, second_text)
+    evals = {}
+    for sp in texts:
+        ids = sp.split(split)
+        n = n_windows if sp is texts[0] else min(n_windows, ids.numel() // (seq_len + 1) // 2)
+        evals[sp.name] = windows(ids, n, seq_len)
+    loop = calibration_loop(texts[0], calib_batches)
+    sens_windows = windows(texts[0].dev, sensitivity or 16, seq_len) if (sensitivity or keep_bf16) else None
+    prompt = windows(texts[0].split(split), 1, min(seq_len, 64))[:, :-1]
     rows: dict[str, dict[str, Any]] = {}
+    losses: dict[str, dict[str, torch.Tensor]] = {}
+    sens_report: dict[str, list[dict[str, Any]]] = {}
     for name in ["bf16", *schemes]:
         model = copy.deepcopy(base)
         t0 = time.perf_counter()
+        extra: dict[str, Any] = {}
         if name == "bf16":
             to_bf16_gemms(model)
         else:
-            quantize(
-                model,
-                name.removesuffix("+kv"),
-                loop,
-                calibration=calibration,
-                kv_cache=name.endswith("+kv"),
-                alpha=alpha,
-            )
+            kw = {
+                "calibration": calibration,
+                "kv_cache": name.endswith("+kv"),
+                "alpha": alpha,
+                **ptq_options(name, gptq, awq),
+            }
+            if sens_windows is not None:
+                ranking = layer_sensitivity(base, name.removesuffix("+kv"), loop, dev_loss(sens_windows), **kw)
+                sens_report[name] = [{"layer": s.name, "dev_loss_delta": s.score} for s in ranking]
+                if keep_bf16:
+                    kw["module_filter"] = keep_filter(ranking, keep_bf16)
+                    extra["kept_bf16"] = [s.name for s in ranking[:keep_bf16]]
+            quantize(model, name.removesuffix("+kv"), loop, **kw)
         qtime = time.perf_counter() - t0
-        ppl = perplexity(model, corpus, eval_batches, batch_size, seq_len, seed)
-        prefill, decode = time_per_token(model, prompt, new_tokens=16)
+        losses[name] = {t: window_losses(model, w) for t, w in evals.items()}
+        prefill, decode = time_per_token(model, prompt, new_tokens=16) if timing else (float("nan"), float("nan"))
         mem = weight_memory(model)
         kv_bytes = kv_cache_bytes(model, 4096, 1 if name.endswith("+kv") else 2)
+        per_text = {
+            t: window_summary(v, losses["bf16"][t] if name != "bf16" else None) for t, v in losses[name].items()
+        }
+        main = per_text[texts[0].name]
         rows[name] = {
-            "ppl": ppl,
+            "ppl": main["ppl"],
+            "texts": per_text,
             **mem,
             "kv_cache_bytes_4k": kv_bytes,
             "prefill_s_per_token": prefill,
             "decode_s_per_token": decode,
             "quantize_s": qtime,
+            **extra,
         }
         if progress:
+            rel = "" if name == "bf16" else f" ({100 * main['ppl_rel']:+.2f}% +- {100 * main['ppl_rel_sem']:.2f})"
             print(
-                f"  {name:<18} ppl {ppl:8.3f}  weights {mem['total_bytes'] / 2**20:7.1f} MiB  "
-                f"prefill {1e3 * prefill:6.2f} ms/tok  decode {1e3 * decode:6.1f} ms/tok",
+                f"  {name:<18} {split} ppl {main['ppl']:8.3f}{rel}  weights {mem['total_bytes'] / 2**20:7.1f} MiB  "
+                f"decode {1e3 * decode:6.1f} ms/tok  quantize {qtime:5.1f} s",
                 flush=True,
             )
         del model
@@ -201,14 +260,21 @@ def compare_schemes(
         r["decode_ratio"] = r["decode_s_per_token"] / ref["decode_s_per_token"]
     result = {
         "model": model_name,
-        "corpus": corpus.name,
-        "eval_tokens": eval_batches * batch_size * seq_len,
+        "corpus": texts[0].name,
+        "split": split,
+        "texts": {t: {"windows": int(w.shape[0]), "tokens": int(w.shape[0] * seq_len)} for t, w in evals.items()},
+        "seq_len": seq_len,
+        "eval_tokens": int(evals[texts[0].name].shape[0] * seq_len),
         "calibration": {
             "method": calibration,
             "batches": calib_batches,
-            "tokens": calib_batches * batch_size * seq_len,
+            "tokens": calib_batches * 4 * 128,
             "smoothquant_alpha": alpha,
+            "gptq": gptq,
+            "awq": awq,
+            "keep_bf16": keep_bf16,
         },
+        "sensitivity": sens_report,
         "machine": f"{os.cpu_count()} CPU threads, torch {torch.__version__}",
         "rows": rows,
     }
@@ -217,23 +283,48 @@ def compare_schemes(
 
 
 def compare_markdown(result: dict[str, Any]) -> str:
+    cal = result["calibration"]
+    split = result["split"]
+    texts = list(result["texts"])
+    opts = ", ".join(k for k in ("gptq", "awq") if cal.get(k)) or "round to nearest"
     lines = [
-        f"# fp8kit compare: {result['model']} on {result['corpus']} ({result['eval_tokens']:,} held-out tokens)",
+        f"# fp8kit compare: {result['model']}, {split} split",
         "",
-        f"Calibration: {result['calibration']['method']} over {result['calibration']['tokens']:,} training tokens "
-        f"(SmoothQuant alpha {result['calibration']['smoothquant_alpha']}). "
-        f"Machine: {result['machine']}. Times are CPU emulation of the 8-bit GEMMs, not hardware FP8/INT8.",
+        f"Perplexity over the **{split}** split: "
+        + "; ".join(
+            f"{t}: {v['windows']} windows of {result['seq_len']} tokens ({v['tokens']:,} tokens)"
+            for t, v in result["texts"].items()
+        )
+        + ". Spread: std over windows; the change vs bf16 is paired per window (mean +- standard error).",
         "",
-        "| scheme | perplexity | vs bf16 | weights (MiB) | vs bf16 | Linear weights vs bf16 | KV cache @4k tokens (MiB) "
+        f"Calibration: {cal['method']} over {cal['tokens']:,} tokens of the calibration split "
+        f"(SmoothQuant alpha {cal['smoothquant_alpha']}; weights: {opts}"
+        + (f"; {cal['keep_bf16']} most dev-sensitive layers kept in BF16" if cal.get("keep_bf16") else "")
+        + f"). Machine: {result['machine']}. Times are CPU emulation of the 8-bit GEMMs, not hardware FP8/INT8.",
+        "",
+    ]
+    head = "| scheme | " + " | ".join(f"{t} ({split}) ppl +- std | vs bf16 (+- s.e.)" for t in texts)
+    lines += [
+        head + " | weights (MiB) | vs bf16 | Linear weights vs bf16 | KV cache @4k tokens (MiB) "
         "| prefill ms/token | decode ms/token | decode vs bf16 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|" + "---|---|" * len(texts) + "---|---|---|---|---|---|---|",
     ]
     for name, r in result["rows"].items():
+        cells = []
+        for t in texts:
+            v = r["texts"][t]
+            rel = "" if name == "bf16" else f"{100 * v['ppl_rel']:+.2f}% (+- {100 * v['ppl_rel_sem']:.2f})"
+            cells += [f"{v['ppl']:.3f} +- {v['ppl_std']:.2f}", rel]
         lines.append(
-            f"| {name} | {r['ppl']:.3f} | {100 * r['ppl_rel']:+.2f}% | {r['total_bytes'] / 2**20:.1f} | "
-            f"{r['memory_ratio']:.2f}x | {r['linear_memory_ratio']:.2f}x | {r['kv_cache_bytes_4k'] / 2**20:.1f} | "
-            f"{1e3 * r['prefill_s_per_token']:.2f} | {1e3 * r['decode_s_per_token']:.1f} | {r['decode_ratio']:.2f}x |"
+            f"| {name} | "
+            + " | ".join(cells)
+            + f" | {r['total_bytes'] / 2**20:.1f} | {r['memory_ratio']:.2f}x | {r['linear_memory_ratio']:.2f}x | "
+            f"{r['kv_cache_bytes_4k'] / 2**20:.1f} | {1e3 * r['prefill_s_per_token']:.2f} | "
+            f"{1e3 * r['decode_s_per_token']:.1f} | {r['decode_ratio']:.2f}x |"
         )
+    for name, ranking in result.get("sensitivity", {}).items():
+        lines += ["", f"Per-layer sensitivity of {name} (dev split, loss increase with only that layer quantized):", ""]
+        lines += [f"- {e['layer']}: {e['dev_loss_delta']:+.5f} nats/token" for e in ranking[:8]]
     return "\n".join(lines) + "\n"
 
 
@@ -249,7 +340,7 @@ def _write_compare(out: Path, result: dict[str, Any]) -> None:
     rows = [result["rows"][n] for n in names]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     axes[0].bar(names, [100 * r["ppl_rel"] for r in rows], color="tab:blue")
-    axes[0].set_ylabel("perplexity change vs bf16 (%)")
+    axes[0].set_ylabel(f"perplexity change vs bf16 (%), {result['split']} split")
     axes[1].bar(names, [r["total_bytes"] / 2**20 for r in rows], color="tab:green")
     axes[1].set_ylabel("weight memory (MiB)")
     axes[2].bar(names, [1e3 * r["decode_s_per_token"] for r in rows], color="tab:orange")

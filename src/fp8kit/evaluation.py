@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["evaluate", "loss_of", "perplexity"]
+__all__ = ["evaluate", "loss_of", "perplexity", "window_losses", "window_summary"]
 
 
 def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -39,3 +39,47 @@ def evaluate(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch
 def perplexity(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """``exp`` of ``evaluate``: held-out perplexity over the batches."""
     return math.exp(evaluate(model, batches))
+
+
+@torch.no_grad()
+def window_losses(model: torch.nn.Module, windows: torch.Tensor, batch_size: int = 8) -> torch.Tensor:
+    """Mean next-token loss (nats/token, FP32) of each window: ``windows`` is ``(n, seq_len + 1)`` token ids
+    (inputs ``[:, :-1]``, targets ``[:, 1:]``); returns shape ``(n,)``. Eval mode; the mode is restored."""
+    if windows.dim() != 2 or windows.shape[0] < 1 or windows.shape[1] < 2:
+        raise ValueError(f"window_losses() needs (n >= 1, seq_len + 1 >= 2) token ids, got {tuple(windows.shape)}")
+    was = model.training
+    model.eval()
+    out = []
+    try:
+        for i in range(0, windows.shape[0], batch_size):
+            w = windows[i : i + batch_size]
+            logits = model(input_ids=w[:, :-1]).logits.float()
+            nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1), reduction="none")
+            out.append(nll.reshape(w.shape[0], -1).mean(dim=1))
+    finally:
+        model.train(was)
+    return torch.cat(out)
+
+
+def window_summary(losses: torch.Tensor, reference: torch.Tensor | None = None) -> dict[str, float]:
+    """Perplexity ``exp(mean loss)`` over equal-length windows and its spread.
+
+    Returns ``ppl``, ``ppl_std`` (std over windows of each window's perplexity), ``windows`` and, given
+    the ``reference`` model's losses on the same windows, the paired change ``ppl_rel``
+    (``exp(mean(l - l_ref)) - 1``), ``ppl_rel_std`` (std over windows of ``exp(l - l_ref) - 1``) and
+    ``ppl_rel_sem`` (its standard error, ``std / sqrt(n)``)."""
+    losses = losses.double()
+    n = losses.numel()
+    out = {
+        "ppl": math.exp(float(losses.mean())),
+        "ppl_std": float(losses.exp().std()) if n > 1 else 0.0,
+        "windows": n,
+    }
+    if reference is not None:
+        if reference.shape != losses.shape:
+            raise ValueError(f"window_summary: {tuple(losses.shape)} losses vs {tuple(reference.shape)} reference")
+        d = losses - reference.double()
+        rel = d.exp() - 1
+        std = float(rel.std()) if n > 1 else 0.0
+        out.update(ppl_rel=math.expm1(float(d.mean())), ppl_rel_std=std, ppl_rel_sem=std / math.sqrt(n))
+    return out

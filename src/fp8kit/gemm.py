@@ -17,7 +17,8 @@ native bfloat16 (AVX2) run bfloat16 GEMMs tens of times slower; the result is th
 CPU backend: chosen once per process from the CPU's features and logged (``cpu_gemm_backend()``,
 ``set_cpu_gemm_backend()``): on CPUs with native bfloat16 (AVX512-BF16, AMX) GEMMs with bfloat16
 outputs run as bf16 GEMMs on the exact FP8 values (FP32 accumulation inside oneDNN); elsewhere, and
-for FP32 outputs, the FP32 upcast above. FP8 codes are decoded through a 256-entry table.
+for FP32 outputs, the FP32 upcast above. Inside compiled graphs FP8 codes are decoded through a
+256-entry table.
 
 CUDA: one native FP8 GEMM per recipe, with the scales applied inside the kernel:
 
@@ -262,19 +263,29 @@ def cpu_gemm_backend() -> str:
     return _cpu_backend()
 
 
-@functools.cache
 def _decode_table(dtype: torch.dtype, fmt_dtype: torch.dtype) -> torch.Tensor:
     """The 256 values of an FP8 format in ``dtype`` (NaN codes included), indexed by the uint8 code."""
     return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt_dtype).to(dtype)
 
 
+# Built once at import (tiny), so that compiled graphs read them as constants.
+_TABLES = {
+    (dtype, fmt): _decode_table(dtype, fmt)
+    for dtype in (torch.float32, torch.bfloat16)
+    for fmt in (torch.float8_e4m3fn, torch.float8_e5m2)
+}
+
+
 def _decode(q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
-    """FP8 codes as ``dtype`` values through a 256-entry table (a gather: vectorized, unlike torch's
-    element-by-element float8 conversion on CPU); INT8 codes by a plain conversion."""
-    if q.fmt.kind != "float":
+    """FP8 (or INT8) codes as ``dtype`` values, exactly.
+
+    Inside a compiled graph through a 256-entry table: inductor turns the gather into a vector loop,
+    while its float8 conversion on CPU runs element by element. Eagerly, torch's own conversion (a
+    gather in eager mode costs an int32 index tensor: measured 2x slower)."""
+    table = _TABLES.get((dtype, q.data.dtype))
+    if table is None or not torch.compiler.is_compiling():
         return q.data.to(dtype)
-    table = _decode_table(dtype, q.data.dtype)
-    return table[q.data.view(torch.uint8).int()]
+    return table.to(q.data.device)[q.data.view(torch.uint8).to(torch.int32)]
 
 
 def fp8_gemm(
@@ -298,9 +309,14 @@ def fp8_gemm(
     gemm_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 and _cpu_backend() == "bf16" else torch.float32
     if factor:
         acc = torch.matmul(_decode(a, gemm_dtype), _decode(b, gemm_dtype).t())
-        # bf16 GEMM: the sum is rounded to bf16 once in the GEMM and once more after the scales (within
-        # one bf16 ulp of the tensor core's single rounding; exact when the scales are powers of two)
-        acc = acc.float() * _row_scales(a) * _row_scales(b).reshape(1, -1)
+        sa, sb = _row_scales(a), _row_scales(b).reshape(1, -1)
+        if gemm_dtype == torch.bfloat16:
+            # bf16 GEMM: the sum is rounded to bf16 once in the GEMM and once more after the scales
+            # (within one bf16 rounding of the tensor core's result; exact for power-of-two scales)
+            if sa.numel() == 1 and sb.numel() == 1:
+                return acc.mul((sa * sb).reshape(())).to(out_dtype)  # one pass, fp32 math, bf16 out
+            return (acc.float() * sa * sb).to(out_dtype)
+        acc = acc * sa * sb
     elif gemm_dtype == torch.bfloat16 and a.granularity.is_mx and b.granularity.is_mx:
         # MX scales are powers of two: the dequantized operands are exact in bf16
         acc = torch.matmul(a.dequantize(torch.bfloat16), b.dequantize(torch.bfloat16).t())

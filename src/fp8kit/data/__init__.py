@@ -1,5 +1,6 @@
-"""Shipped training text and the byte-level tokenizer."""
+"""Shipped training text, the byte-level tokenizer and the PTQ evaluation splits."""
 
-from .corpus import ByteTokenizer, Corpus, load_corpus
+from .corpus import ByteTokenizer, Corpus, load_corpus, load_ids
+from .splits import PTQSplits, ptq_splits, reference_text, windows
 
-__all__ = ["ByteTokenizer", "Corpus", "load_corpus"]
+__all__ = ["ByteTokenizer", "Corpus", "PTQSplits", "load_corpus", "load_ids", "ptq_splits", "reference_text", "windows"]

@@ -94,6 +94,12 @@ def split_ids(ids: torch.Tensor, name: str) -> Corpus:
 
 def load_corpus(text_file: str | Path | None = None, tokenizer=None) -> Corpus:
     """Load the shipped KJV corpus, or ``text_file`` (UTF-8), and tokenize it."""
+    ids, name = load_ids(text_file, tokenizer)
+    return split_ids(ids, name)
+
+
+def load_ids(text_file: str | Path | None = None, tokenizer=None) -> tuple[torch.Tensor, str]:
+    """The whole shipped KJV corpus, or ``text_file`` (UTF-8), as one 1-D tensor of token ids, and its name."""
     tokenizer = tokenizer or ByteTokenizer()
     if text_file is None:
         text, name = kjv_text(), "King James Bible"
@@ -111,4 +117,4 @@ def load_corpus(text_file: str | Path | None = None, tokenizer=None) -> Corpus:
     ids = tokenizer.encode(text)
     if not isinstance(ids, torch.Tensor):
         ids = torch.tensor(ids, dtype=torch.long)
-    return split_ids(ids, name)
+    return ids, name

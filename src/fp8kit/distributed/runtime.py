@@ -71,7 +71,7 @@ class DistContext:
             return model
         enable_fp8_distributed(model)
         if self.fsdp:
-            return shard_model(model)
+            return shard_model(model, fp8_all_gather=True)
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         # the scaling buffers are kept equal by the sync: broadcasting rank 0's would drop the other ranks'
@@ -132,15 +132,17 @@ def shard_model(model: nn.Module, fp8_all_gather: bool = False) -> nn.Module:
     ``fp8_all_gather`` the weights of per-tensor FP8 layers are all-gathered in FP8 (``fsdp.py``)."""
     from torch.distributed.fsdp import fully_shard
 
-    if fp8_all_gather:
-        from .fsdp import enable_fp8_all_gather
+    from .fsdp import enable_fp8_all_gather, register_fp8_gather_hook
 
+    if fp8_all_gather:
         enable_fp8_all_gather(model)
     for module in list(model.modules()):
         if isinstance(module, nn.ModuleList):
             for block in module:
                 fully_shard(block)
     fully_shard(model)
+    if fp8_all_gather:
+        register_fp8_gather_hook(model)
     return model
 
 
@@ -165,7 +167,10 @@ class MemoryLog:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    """This rank's shard of a (possibly ``DTensor``, possibly FP8-gather-wrapped) tensor, as a plain tensor."""
+    from .fsdp import _shard
+
+    return _shard(t)
 
 
 def sharded_memory_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> dict[str, int]:

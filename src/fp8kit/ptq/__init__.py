@@ -1,18 +1,29 @@
 """Post-training quantization for inference: FP8 and INT8 schemes, calibration, FP8 KV cache."""
 
+from .awq import apply_awq
 from .calibrate import CALIBRATION_METHODS
+from .gptq import collect_hessians, gptq_linear, gptq_weight
 from .kv_cache import kv_cache_bytes
 from .linear import QuantLinear
 from .quantize import PTQReport, quantize
 from .schemes import SCHEMES, Scheme, get_scheme
+from .sensitivity import LayerScore, keep_filter, layer_sensitivity, rank_by_output_error
 
 __all__ = [
     "CALIBRATION_METHODS",
+    "LayerScore",
     "PTQReport",
     "QuantLinear",
     "SCHEMES",
     "Scheme",
+    "apply_awq",
+    "collect_hessians",
     "get_scheme",
+    "gptq_linear",
+    "gptq_weight",
+    "keep_filter",
     "kv_cache_bytes",
+    "layer_sensitivity",
     "quantize",
+    "rank_by_output_error",
 ]

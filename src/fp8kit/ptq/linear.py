@@ -7,8 +7,9 @@ shape ``(1,)``, per token at run time, or not at all (weight-only). Weights and 
 quantized by ``fp8kit.quantize``, the one quantizer that training and debug use too.
 
 The GEMM runs on the exact codes and applies the scales to the high-precision accumulator. Which
-kernel does it is chosen per call from the device, the scheme, the shapes and the input dtype
-(``select_kernel``; the choice and its reason are logged once each on logger ``fp8kit.ptq``):
+kernel does it is chosen per call from the device, the scheme, the layer's shape and the input dtype
+(``select_kernel``; the choice and its reason are logged once each on logger ``fp8kit.ptq``;
+``QuantLinear.kernel`` forces one):
 
 * CUDA: FP8 W8A8 through ``torch._scaled_mm`` (per-tensor scales, or per-token x per-channel
   scales with a bfloat16 output), INT8 W8A8 through ``torch._int_mm`` (int32 accumulation; ``M <= 16``
@@ -21,12 +22,21 @@ kernel does it is chosen per call from the device, the scheme, the shapes and th
 * Anything else (odd shapes, other dtypes, a kernel that raised once): ``_forward_reference``, the
   FP32-upcast math every kernel is tested against.
 
+Operands of at least ``COMPILE_MIN_ELEMENTS`` elements use compiled kernels around the GEMM: the
+activation quantizer (``fp8kit.quantize(backend="compiled")``, bit-identical to eager) and one fused
+scale-bias-cast loop. ``use_fast_accum`` on CUDA keeps the FP8 tensor cores' partial sums in reduced
+precision between cuBLAS's FP32 promotions (the caveat DeepSeek-V3 reports for long K); inference
+forward GEMMs only, and the CUDA tests hold it to the reference within ``2**-8`` of the product
+magnitudes.
+
 Equality with the reference (tests): INT8 x INT8 products summed in int32 are exact, so
 ``_int_mm``'s accumulator equals the reference accumulator bit for bit whenever the FP32 partial sums
 stay below 2**24 and otherwise differs by FP32 summation order only; products of FP8 (and INT8) codes
 are exact in FP32, so every path differs from the reference by accumulation order,
-``|out - ref| <= 2 * gamma_K * (|codes_x| @ |codes_w|^T) * s_x * s_w`` with
-``gamma_K = K * 2**-24 / (1 - K * 2**-24)``, plus one rounding of the accumulator to bfloat16 where a
+``|out - ref| <= 2 * gamma_{K+2} * (|codes_x| @ |codes_w|^T) * s_x * s_w`` with
+``gamma_n = n * 2**-24 / (1 - n * 2**-24)`` (the ``+2`` covers the scale products, which weight-only
+INT8 applies per weight in the reference and per output in the kernels), plus one FP32 rounding where
+the compiled epilogue fuses a multiply-add, one rounding of the accumulator to bfloat16 where a
 bfloat16 GEMM writes its output (bfloat16 inputs only) and, on CUDA with ``use_fast_accum``, the
 tensor cores' reduced-precision partial sums.
 """
@@ -250,6 +260,10 @@ class QuantLinear(nn.Module):
                 raise ValueError(f"scheme {scheme.name!r} needs a calibrated input amax (run a forward_loop)")
             q.input_scale = dequant_scale(torch.tensor([float(input_amax)]), scheme.act_format)
         return q
+
+    def _apply(self, fn, *args, **kwargs):
+        self._cache = None  # .to(device/dtype): drop the compute copy of the old weight
+        return super()._apply(fn, *args, **kwargs)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the layer computes with, ``codes * weight_scale``."""

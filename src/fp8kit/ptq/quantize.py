@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -16,6 +17,9 @@ from .kv_cache import enable_fp8_kv, finish_calibration
 from .linear import QuantLinear
 from .schemes import Scheme, get_scheme
 from .smoothquant import apply_smoothing, find_mappings
+
+if TYPE_CHECKING:
+    from .sensitivity import LayerScore
 
 __all__ = ["PTQReport", "quantize"]
 
@@ -31,11 +35,18 @@ class PTQReport:
     smoothed: list[str] = field(default_factory=list)
     kv_cache: bool = False
     calibration: str | None = None
+    gptq: bool = False
+    awq: dict[str, float] = field(default_factory=dict)
+    sensitivity: list[LayerScore] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"fp8kit.ptq ({self.scheme}): quantized {len(self.quantized)} Linear layers"]
         if self.smoothed:
             lines.append(f"  SmoothQuant folded into {len(self.smoothed)} producers")
+        if self.awq:
+            lines.append(f"  AWQ scales folded into {len(self.awq)} producers")
+        if self.gptq:
+            lines.append("  GPTQ weight rounding (Hessian-aware error compensation)")
         if self.kv_cache:
             lines.append("  FP8 KV cache (per-tensor static k/v scales)")
         for name, why in self.skipped.items():
@@ -74,6 +85,10 @@ def quantize(
     alpha: float = 0.5,
     kv_cache: bool = False,
     module_filter: Callable[[str, nn.Module], bool] | None = None,
+    gptq: bool = False,
+    awq: bool = False,
+    keep_bf16: int = 0,
+    _originals: dict[str, nn.Module] | None = None,
 ) -> nn.Module:
     """Quantize ``model``'s ``nn.Linear`` layers in place for inference and return it.
 
@@ -89,6 +104,11 @@ def quantize(
         kv_cache: FP8 KV cache with per-tensor static k/v scales (FP8 schemes, Llama-style attention).
         module_filter: ``(name, module) -> bool`` chooses layers (replaces the default, which keeps the
             output head in high precision).
+        gptq: round the weights with GPTQ (``ptq.gptq``; Hessians from ``forward_loop``) instead of to nearest.
+        awq: AWQ-style per-channel scale search before rounding (``ptq.awq``; weight-only schemes).
+        keep_bf16: keep the ``keep_bf16`` layers whose quantization alone changes the model's output most
+            (relative output error over ``forward_loop``, ``ptq.sensitivity``) in high precision; costs one
+            ``forward_loop`` per quantized layer.
 
     The report is stored as ``model.ptq_report``.
     """
@@ -99,7 +119,11 @@ def quantize(
         raise ValueError(f"unknown calibration method {calibration!r}; accepted: {', '.join(CALIBRATION_METHODS)}")
     if kv_cache and not scheme.is_fp8:
         raise ValueError(f"kv_cache (fp8-kv) goes with the FP8 schemes, not {scheme.name!r}")
-    needs_data = scheme.static_activations or scheme.smooth or kv_cache
+    if awq and scheme.act_format is not None:
+        raise ValueError(f"awq goes with the weight-only scheme (int8-weight-only), not {scheme.name!r}")
+    if isinstance(keep_bf16, bool) or not isinstance(keep_bf16, int) or keep_bf16 < 0:
+        raise ValueError(f"keep_bf16 must be a whole number >= 0, got {keep_bf16!r}")
+    needs_data = scheme.static_activations or scheme.smooth or kv_cache or gptq or awq or keep_bf16 > 0
     report = PTQReport(scheme.name, kv_cache=kv_cache, calibration=calibration if needs_data else None)
     skip = _default_skip(model)
     targets: list[str] = []
@@ -120,21 +144,29 @@ def quantize(
             "no nn.Linear layer to quantize"
             + (" (the module_filter matched none)" if module_filter else " in this model")
         )
+    if keep_bf16 >= len(targets):
+        raise ValueError(f"keep_bf16={keep_bf16} would keep all {len(targets)} quantizable layers: give fewer")
     was_training = model.training
     model.eval()
     amax: dict[str, float] = {}
     trained = _trained_input_amax(model, targets) if scheme.name == "fp8" else {}
-    if trained and len(trained) == len(targets) and not kv_cache:
+    if trained and len(trained) == len(targets) and not (kv_cache or gptq or keep_bf16):
         # every layer was trained with delayed scaling: reuse its amax history, no calibration needed
         needs_data = False
         amax = trained
         report.calibration = "trained delayed-scaling amax history"
     elif needs_data:
         if forward_loop is None:
+            what = "gptq" if gptq else "awq" if awq else "keep_bf16" if keep_bf16 else None
             raise ValueError(
-                f"scheme {scheme.name!r}{' with fp8-kv' if kv_cache else ''} has static scales: pass "
+                f"{what + ' needs calibration data' if what else f'scheme {scheme.name!r} has static scales'}"
+                f"{' (with fp8-kv)' if kv_cache else ''}: pass "
                 "forward_loop=lambda m: [m(x) for x in calibration_batches]"
             )
+        if awq:
+            from .awq import apply_awq
+
+            report.awq = apply_awq(model, find_mappings(model, set(targets)), forward_loop, scheme)
         observers = observe_inputs(model, targets, forward_loop)
         if scheme.smooth:
             mappings = find_mappings(model, set(targets))
@@ -151,9 +183,32 @@ def quantize(
             if scheme.static_activations:
                 for name in targets:
                     amax[name] = choose_amax(observers[name], scheme.act_format, calibration, percentile)
+    hessians = {}
+    if gptq:
+        from .gptq import collect_hessians
+
+        hessians = collect_hessians(model, targets, forward_loop)
+        report.gptq = True
+    qmods: dict[str, QuantLinear] = {}
     for name in targets:
         linear = model.get_submodule(name)
-        q = QuantLinear.from_linear(linear, scheme, amax.get(name))
+        if gptq:
+            from .gptq import gptq_linear
+
+            qmods[name] = gptq_linear(linear, hessians.pop(name), scheme, amax.get(name))
+        else:
+            qmods[name] = QuantLinear.from_linear(linear, scheme, amax.get(name))
+    if keep_bf16:
+        from .sensitivity import rank_by_output_error
+
+        report.sensitivity = rank_by_output_error(model, qmods, forward_loop)
+        for item in report.sensitivity[:keep_bf16]:
+            report.skipped[item.name] = f"kept in high precision: among the {keep_bf16} most sensitive (keep_bf16)"
+            del qmods[item.name]
+            amax.pop(item.name, None)
+    for name, q in qmods.items():
+        if _originals is not None:
+            _originals[name] = model.get_submodule(name)
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, q)
         report.quantized.append(name)

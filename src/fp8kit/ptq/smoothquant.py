@@ -10,7 +10,14 @@ The division is folded into the operation that produces ``X`` (no run-time cost)
 * ``up_proj`` -> ``down_proj`` (``down_proj``'s input is ``act(gate) * up``, linear in ``up``'s rows).
 
 Layers whose input cannot absorb the division (e.g. ``o_proj`` under grouped-query attention) are not
-smoothed. The mappings are found by these (Llama, Mistral, Qwen) names.
+smoothed. The mappings are found by these (Llama, Mistral, Qwen) names, and in BERT-style encoders:
+
+* ``attention.self.value`` -> ``attention.output.dense`` (attention mixes tokens, not channels).
+
+BERT's LayerNorms are post-LN: their output is also the residual stream, so a division folded into them
+would change the model (``test_ptq_encoder.py`` shows it); query/key/value and ``intermediate.dense``
+(after a LayerNorm) and ``output.dense`` (after GELU) are quantized unsmoothed. A norm whose output feeds
+only the smoothed layers (pre-LN, as in Llama) takes the division in its weight and bias.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import torch.nn as nn
 
 from .calibrate import InputObserver
 
-__all__ = ["SmoothMapping", "apply_smoothing", "find_mappings"]
+__all__ = ["SmoothMapping", "apply_smoothing", "find_mappings", "fold_scales"]
 
 
 @dataclass
@@ -49,6 +56,13 @@ def find_mappings(model: nn.Module, eligible: set[str]) -> list[SmoothMapping]:
                 out.append(SmoothMapping(f"{prefix}post_attention_layernorm", targets))
             if hasattr(mlp, "up_proj") and f"{prefix}mlp.down_proj" in eligible:
                 out.append(SmoothMapping(f"{prefix}mlp.up_proj", [f"{prefix}mlp.down_proj"]))
+        # BERT-style (post-LN) encoder: attention.self.value -> attention.output.dense
+        enc = getattr(m, "attention", None)
+        value = getattr(getattr(enc, "self", None), "value", None)
+        dense = getattr(getattr(enc, "output", None), "dense", None)
+        if isinstance(value, nn.Linear) and isinstance(dense, nn.Linear) and value.out_features == dense.in_features:
+            if f"{prefix}attention.output.dense" in eligible:
+                out.append(SmoothMapping(f"{prefix}attention.self.value", [f"{prefix}attention.output.dense"]))
     return out
 
 
@@ -74,19 +88,28 @@ def apply_smoothing(
         linears = [model.get_submodule(t) for t in mp.targets]
         w_amax = torch.stack([lin.weight.abs().amax(dim=0) for lin in linears]).amax(dim=0)
         s = smoothing_factors(x_amax, w_amax, alpha)
-        src = model.get_submodule(mp.source)
-        if isinstance(src, nn.Linear):  # fold into the producing layer's output rows
-            src.weight.div_(s.reshape(-1, 1).to(src.weight.dtype))
-            if src.bias is not None:
-                src.bias.div_(s.to(src.bias.dtype))
-        else:  # a norm: fold into its elementwise weight (and bias)
-            weight = getattr(src, "weight", None)
-            if weight is None or weight.shape != s.shape:
-                raise ValueError(f"SmoothQuant: cannot fold into {mp.source!r} (no per-channel weight)")
-            weight.div_(s.to(weight.dtype))
-            if getattr(src, "bias", None) is not None:
-                src.bias.div_(s.to(src.bias.dtype))
-        for lin in linears:
-            lin.weight.mul_(s.reshape(1, -1).to(lin.weight.dtype))
+        fold_scales(model, mp, s)
         factors[mp.source] = s
     return factors
+
+
+@torch.no_grad()
+def fold_scales(model: nn.Module, mp: SmoothMapping, s: torch.Tensor) -> None:
+    """Divide the input of ``mp.targets`` by ``s`` (per input channel) and multiply their weight columns by
+    it, in place: the division is folded into ``mp.source`` (a Linear's output rows and bias, or a norm's
+    weight and bias), so the model computes the same function."""
+    linears = [model.get_submodule(t) for t in mp.targets]
+    src = model.get_submodule(mp.source)
+    if isinstance(src, nn.Linear):  # fold into the producing layer's output rows
+        src.weight.div_(s.reshape(-1, 1).to(src.weight.dtype))
+        if src.bias is not None:
+            src.bias.div_(s.to(src.bias.dtype))
+    else:  # a norm: fold into its elementwise weight (and bias)
+        weight = getattr(src, "weight", None)
+        if weight is None or weight.shape != s.shape:
+            raise ValueError(f"SmoothQuant: cannot fold into {mp.source!r} (no per-channel weight)")
+        weight.div_(s.to(weight.dtype))
+        if getattr(src, "bias", None) is not None:
+            src.bias.div_(s.to(src.bias.dtype))
+    for lin in linears:
+        lin.weight.mul_(s.reshape(1, -1).to(lin.weight.dtype))

@@ -1,0 +1,207 @@
+"""FP8 weight all-gather under FSDP2 for per-tensor recipes (delayed and current scaling).
+
+FSDP2 all-gathers each layer's weight shards before the layer runs. For a per-tensor FP8 layer the
+gathered weight is only ever used after an FP8 cast with *one* scale, so the shards can be cast first and
+gathered as FP8 codes: 1 byte per element instead of 2 (BF16) or 4 (FP32).
+
+* Before each forward, one hook on the root (``register_fp8_gather_hook``) runs the scaling sync
+  (``sync_scaling``, one all-reduce) and then **one** MAX all-reduce of every FP8 weight's shard amax
+  (``(layers,)`` float32), and sets each layer's gather scale: the layer's delayed weight scale
+  (``fp8_scale[1]``; the global amax's scale before the first record) or, for current scaling, the scale
+  of the global weight amax. The true global weight amax is also recorded into delayed scaling's pending
+  amax, so a weight that grows past its scale is seen although its FP8 copy saturates.
+* ``FP8GatherWeight`` wraps the shard (``fsdp_pre_all_gather``: cast with that scale, gather the bytes as
+  ``uint8``; ``fsdp_post_all_gather``: dequantize into the parameter dtype). The layer quantizes the
+  gathered weight again with the same scale, which reproduces the same FP8 codes: per-tensor casts are
+  elementwise, and ``q / s * s`` rounds back to ``q`` (within a float32 ulp, far inside FP8's spacing).
+  Saving that second cast needs the layer to accept a pre-quantized weight (not done: ``nn/linear.py``).
+
+Gradients are still reduce-scattered in the parameter dtype. Row-wise, block and MX recipes keep the
+high-precision gather (their weight scales depend on the whole row or tile layout the layer quantizes).
+For any other op the wrapped shard behaves as the plain tensor it holds (optimizer steps, state dicts,
+DCP, gradient clipping); pickling stores the plain tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+from ..recipes import DelayedScaling
+from ..scaling import compute_scale
+from .scaling import _COUNTS, _compiler_disable, fp8_layers, sync_scaling
+
+__all__ = ["FP8GatherWeight", "enable_fp8_all_gather", "fp8_gather_layers", "register_fp8_gather_hook"]
+
+_FP8 = torch.float8_e4m3fn
+_FP8_MAX = 448.0
+_aten = torch.ops.aten
+# ops through which FSDP2 shards, pads, moves and copies a parameter: their results stay wrapped
+_KEEP = {
+    _aten.view.default,
+    _aten._unsafe_view.default,
+    _aten.as_strided.default,
+    _aten.slice.Tensor,
+    _aten.split.Tensor,
+    _aten.split_with_sizes.default,
+    _aten.chunk.default,
+    _aten.new_zeros.default,
+    _aten.new_empty.default,
+    _aten.empty_like.default,
+    _aten.zeros_like.default,
+    _aten.clone.default,
+    _aten.detach.default,
+    _aten.alias.default,
+    _aten.copy_.default,
+    _aten._to_copy.default,
+}
+
+
+class FP8GatherWeight(torch.Tensor):
+    """A weight (or its FSDP2 shard) that FSDP2 all-gathers in FP8 E4M3 with ``layer._fp8_gather_scale``."""
+
+    _data: torch.Tensor
+    _layer: nn.Module
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, layer: nn.Module) -> FP8GatherWeight:
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            data.size(),
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=data.dtype,
+            layout=data.layout,
+            device=data.device,
+            requires_grad=data.requires_grad,
+        )
+
+    def __init__(self, data: torch.Tensor, layer: nn.Module) -> None:
+        self._data = data
+        self._layer = layer
+
+    def __repr__(self) -> str:
+        return f"FP8GatherWeight({self._data!r})"
+
+    def __reduce_ex__(self, protocol: int) -> Any:  # pickled (torch.save, DCP) as the plain tensor
+        return self._data.__reduce_ex__(protocol)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        layer = None
+
+        def unwrap(t):
+            nonlocal layer
+            if isinstance(t, FP8GatherWeight):
+                layer = t._layer
+                return t._data
+            return t
+
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        if func not in _KEEP:
+            return out
+        return tree_map(lambda t: FP8GatherWeight(t, layer) if isinstance(t, torch.Tensor) else t, out)
+
+    def __tensor_flatten__(self):
+        return ["_data"], self._layer
+
+    @staticmethod
+    def __tensor_unflatten__(inner, layer, outer_size, outer_stride):
+        return FP8GatherWeight(inner["_data"], layer)
+
+    # ---- FSDP2 all-gather extension -----------------------------------------------------------------
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        scale = self._layer._fp8_gather_scale
+        codes = (self._data.float() * scale).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8)
+        return (codes.view(torch.uint8),), (scale,)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        (codes,) = all_gather_outputs
+        (scale,) = metadata
+        weight = (codes.view(_FP8).float() / scale).to(param_dtype)
+        if out is not None:
+            with torch.no_grad():
+                out.copy_(weight.view(out.shape) if out.numel() == weight.numel() else weight)
+            return None
+        return weight, (weight,)
+
+
+def fp8_gather_layers(model: nn.Module) -> list[nn.Module]:
+    """FP8 layers whose weight is all-gathered in FP8 (``enable_fp8_all_gather`` wrapped it)."""
+    return [m for m in fp8_layers(model) if getattr(m, "_fp8_gather_scale", None) is not None]
+
+
+def _per_tensor(layer: nn.Module) -> bool:
+    return bool(layer.recipe.per_tensor) and layer.recipe.format_for("weight").name.lower() in ("e4m3", "e4m3fn")
+
+
+def enable_fp8_all_gather(model: nn.Module, group: Any = None) -> list[str]:
+    """Wrap the weights of the per-tensor FP8 layers of ``model`` so FSDP2 all-gathers them in FP8; call
+    after ``enable_fp8_distributed`` and before ``fully_shard``, then ``register_fp8_gather_hook`` after it
+    (``shard_model`` does all three). Returns the names of the wrapped layers.
+
+    A weight whose rows do not split evenly over the ranks keeps the high-precision gather (FSDP2 pads
+    uneven shards, which this wrapper does not handle).
+    """
+    world = dist.get_world_size(group)
+    names = []
+    for name, m in model.named_modules():
+        if not (hasattr(m, "fold_amax_pending") and _per_tensor(m)) or m.weight.shape[0] % world:
+            continue
+        if not isinstance(m.weight.data, FP8GatherWeight):
+            m.weight = nn.Parameter(FP8GatherWeight(m.weight.data, m), requires_grad=m.weight.requires_grad)
+        m._fp8_gather_scale = torch.ones((), device=m.weight.device)
+        names.append(name)
+    return names
+
+
+def register_fp8_gather_hook(model: nn.Module, group: Any = None) -> None:
+    """After ``fully_shard(model)``: the root pre-forward hook that syncs the scaling state and sets the gather
+    scales. It must run before FSDP2's own root hook (which issues the first all-gathers), so it is
+    registered after ``fully_shard`` with ``prepend=True``. ``shard_model`` calls it."""
+    if not fp8_gather_layers(model):
+        return
+    old = getattr(model, "_fp8kit_sync_hook", None)
+    if old is not None:  # this hook syncs the scaling state itself, then sets the gather scales
+        old.remove()
+
+    @_compiler_disable
+    def _before_forward(module: nn.Module, args: Any) -> None:
+        if module.training:
+            sync_scaling(module, group)
+        _set_gather_scales(module, group)
+
+    model._fp8kit_sync_hook = model.register_forward_pre_hook(_before_forward, prepend=True)
+
+
+def _shard(weight: torch.Tensor) -> torch.Tensor:
+    local = weight.to_local() if hasattr(weight, "to_local") else weight
+    return local._data if isinstance(local, FP8GatherWeight) else local
+
+
+@torch.no_grad()
+def _set_gather_scales(model: nn.Module, group: Any) -> None:
+    """One MAX all-reduce of all FP8-gathered weights' shard amaxes, then each layer's gather scale."""
+    layers = fp8_gather_layers(model)
+    if not layers:
+        return
+    amax = torch.stack([_shard(m.weight).detach().abs().amax().float() for m in layers])
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    _COUNTS["weight_amax"] += 1
+    for m, a in zip(layers, amax, strict=True):
+        recipe = m.recipe
+        fmt = recipe.format_for("weight")
+        if isinstance(recipe, DelayedScaling):
+            own = compute_scale(a, fmt, recipe.margin, previous=1.0)
+            m._fp8_gather_scale = torch.where(m.fp8_seen[1] > 0, m.fp8_scale[1], own)
+            if m.training:  # the true amax (the gathered FP8 copy saturates where the weight outgrew the scale)
+                pending = m.fp8_amax_pending[1]
+                m.fp8_amax_pending[1] = torch.where(torch.isfinite(a), torch.maximum(pending, a), pending)
+        else:
+            m._fp8_gather_scale = compute_scale(
+                a, fmt, getattr(recipe, "margin", 0), getattr(recipe, "power_of_two", False)
+            )

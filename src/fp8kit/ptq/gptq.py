@@ -1,0 +1,142 @@
+"""GPTQ (Frantar et al., 2022): Hessian-aware weight rounding with column-by-column error compensation.
+
+For a layer ``y = x W^T`` with calibration inputs ``X`` (rows are tokens), GPTQ minimises
+``||X W^T - X Q^T||^2`` over 8-bit weights ``Q``. With ``H = 2 X^T X / N`` (collected per layer by forward
+pre-hooks, ``collect_hessians``) it rounds the columns of ``W`` in order and spreads each column's
+rounding error over the columns not yet rounded, weighted by the Cholesky factor of ``H^-1``:
+
+* damping: ``H += 0.01 * mean(diag H) * I`` (dead inputs, ``H_jj = 0``, get ``H_jj = 1`` and a zero column);
+* ``U = cholesky(H^-1, upper)``; column ``j``: ``q = Q(w_j)``, ``e = (w_j - q) / U_jj``,
+  ``w_k -= e * U_jk`` for ``k > j`` inside the block, and the block's errors update the rest of ``W``
+  at once (lazy batch updates, blocks of 128 columns).
+
+Rounding goes through ``fp8kit.quantize`` (the one quantizer) with the per-channel or per-tensor scale
+fixed from the original weight before the sweep, so the codes and ``weight_scale`` that ``QuantLinear``
+stores (and the export writes) have the usual format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn as nn
+
+from ..formats import Format
+from ..scaling import compute_scale
+from ..tensor import quantize as fp8_quantize
+from .linear import QuantLinear, dequant_scale
+from .schemes import Scheme, get_scheme
+
+__all__ = ["DAMPING", "GPTQ_BLOCK", "collect_hessians", "gptq_linear", "gptq_weight"]
+
+DAMPING = 0.01
+GPTQ_BLOCK = 128
+
+
+def collect_hessians(
+    model: nn.Module, names: Iterable[str], forward_loop: Callable[[nn.Module], object]
+) -> dict[str, torch.Tensor]:
+    """``2 X^T X / N`` (float32, ``(in, in)``) of each named layer's input over ``forward_loop(model)``.
+
+    Layers fed the same tensor (``q/k/v_proj``, ``gate/up_proj``) share one product per call."""
+    names = list(names)
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = dict.fromkeys(names, 0)
+    last: dict[str, object] = {"key": None, "xtx": None}
+
+    def hook(name: str, x: torch.Tensor) -> None:
+        x2 = x.detach().reshape(-1, x.shape[-1])
+        key = (x2.data_ptr(), tuple(x2.shape), x._version)
+        if last["key"] != key:
+            xf = x2.float()
+            last["key"], last["xtx"] = key, xf.t() @ xf
+        xtx = last["xtx"]
+        sums[name] = sums[name] + xtx if name in sums else xtx.clone()
+        counts[name] += x2.shape[0]
+
+    hooks = [model.get_submodule(n).register_forward_pre_hook(lambda _m, args, n=n: hook(n, args[0])) for n in names]
+    try:
+        with torch.no_grad():
+            forward_loop(model)
+    finally:
+        for h in hooks:
+            h.remove()
+    missing = [n for n in names if counts[n] == 0]
+    if missing:
+        raise ValueError(f"GPTQ: layer {missing[0]!r} saw no calibration data (the forward_loop never reached it)")
+    return {n: 2 * sums[n] / counts[n] for n in names}
+
+
+def _round_column(w: torch.Tensor, fmt: Format, mult: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and dequantized values of one weight column ``w`` (``(out,)``) with fixed scale multipliers."""
+    qt = fp8_quantize(w.reshape(-1, 1), fmt, "row", scale=mult, check_scale=False)
+    return qt.data.reshape(-1), qt.dequantize(torch.float32).reshape(-1)
+
+
+@torch.no_grad()
+def gptq_weight(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    fmt: Format,
+    per_channel: bool,
+    block: int = GPTQ_BLOCK,
+    damping: float = DAMPING,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ-round ``weight`` (``(out, in)``) against ``hessian`` (``(in, in)``).
+
+    Returns ``(codes, amax, dequantized)``: codes in ``fmt``'s dtype, the fixed amax (``(out,)`` per channel,
+    ``(1,)`` per tensor) that the scales come from, and ``codes * scale`` in float32."""
+    if block < 1 or damping <= 0:
+        raise ValueError(f"GPTQ needs block >= 1 and damping > 0, got block={block}, damping={damping}")
+    w = weight.detach().float().clone()
+    out_f, in_f = w.shape
+    if hessian.shape != (in_f, in_f):
+        raise ValueError(f"GPTQ: Hessian of shape {tuple(hessian.shape)} for a weight of shape {tuple(w.shape)}")
+    if not torch.isfinite(w).all() or not torch.isfinite(hessian).all():
+        raise ValueError("GPTQ: the weight or its Hessian holds NaN or inf")
+    amax = w.abs().amax(dim=1) if per_channel else w.abs().amax().reshape(1)
+    mult = compute_scale(amax, fmt).reshape(-1, 1).expand(out_f, 1).contiguous()
+    h = hessian.double().clone()
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    h += damping * torch.diagonal(h).mean() * torch.eye(in_f, dtype=h.dtype)
+    try:
+        hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    except RuntimeError as err:  # torch.linalg.LinAlgError subclasses RuntimeError
+        raise ValueError(f"GPTQ: the damped Hessian is not positive definite ({err}); raise the damping") from err
+    codes = torch.empty(out_f, in_f, dtype=fmt.dtype)
+    deq = torch.empty(out_f, in_f)
+    for i1 in range(0, in_f, block):
+        i2 = min(i1 + block, in_f)
+        w1 = w[:, i1:i2].clone()
+        err1 = torch.zeros_like(w1)
+        u1 = hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = w1[:, i]
+            c, q = _round_column(col, fmt, mult)
+            codes[:, i1 + i], deq[:, i1 + i] = c, q
+            e = (col - q) / u1[i, i]
+            w1[:, i:] -= e.unsqueeze(1) * u1[i, i:].unsqueeze(0)
+            err1[:, i] = e
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+    return codes, amax, deq
+
+
+def gptq_linear(
+    linear: nn.Linear,
+    hessian: torch.Tensor,
+    scheme: Scheme | str,
+    input_amax: float | None = None,
+    block: int = GPTQ_BLOCK,
+    damping: float = DAMPING,
+) -> QuantLinear:
+    """A ``QuantLinear`` of ``scheme`` whose weight codes come from GPTQ (scales as ``from_linear`` sets them)."""
+    scheme = get_scheme(scheme)
+    q = QuantLinear.from_linear(linear, scheme, input_amax)
+    per_channel = scheme.weight_strategy == "channel"
+    codes, amax, _ = gptq_weight(linear.weight, hessian, scheme.weight_format, per_channel, block, damping)
+    q.weight = codes.contiguous()
+    q.weight_scale = dequant_scale(amax, scheme.weight_format).reshape(q.weight_scale.shape).contiguous()
+    return q

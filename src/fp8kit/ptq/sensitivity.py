@@ -1,0 +1,137 @@
+"""Per-layer PTQ sensitivity: quantize one layer at a time and measure how much the model changes.
+
+* ``rank_by_output_error``: relative squared error of the model's output (logits, last hidden state or
+  first output tensor) over a ``forward_loop``, each quantized layer swapped in alone (what
+  ``quantize(..., keep_bf16=N)`` uses).
+* ``layer_sensitivity``: the same swap with any score, e.g. ``dev_loss`` (mean next-token loss on dev
+  windows, nats/token): the report ``fp8kit compare --sensitivity`` prints and ``--keep-bf16 N`` reads.
+
+Both quantize the whole model once (SmoothQuant / AWQ folds included), then start from the folded
+high-precision model and swap in one ``QuantLinear`` at a time, so every layer is scored in the
+function-preserving folded basis that the quantized model really uses.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+__all__ = ["LayerScore", "dev_loss", "keep_filter", "layer_sensitivity", "rank_by_output_error"]
+
+
+@dataclass(frozen=True)
+class LayerScore:
+    """``score``: how much quantizing layer ``name`` alone worsens the model (``metric`` says in what)."""
+
+    name: str
+    score: float
+    metric: str
+
+
+def _swap(model: nn.Module, name: str, module: nn.Module) -> nn.Module:
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    old = getattr(parent, attr)
+    setattr(parent, attr, module)
+    return old
+
+
+def _output_tensor(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    for key in ("logits", "last_hidden_state"):
+        t = getattr(out, key, None)
+        if isinstance(t, torch.Tensor):
+            return t
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise ValueError(f"sensitivity: cannot find the output tensor of a {type(out).__name__} (return a tensor)")
+
+
+@torch.no_grad()
+def rank_by_output_error(
+    model: nn.Module, qmods: dict[str, nn.Module], forward_loop: Callable[[nn.Module], object]
+) -> list[LayerScore]:
+    """Layers of ``qmods`` (name -> quantized module for ``model``'s layer ``name``), worst first, by
+    ``sum |y_q - y|^2 / sum |y|^2`` over the outputs ``y`` of ``forward_loop(model)``."""
+    ref: list[torch.Tensor] = []
+    state = {"i": 0, "err": 0.0, "norm": 0.0}
+
+    def record(_m, _args, out):
+        ref.append(_output_tensor(out).detach().to(torch.bfloat16))
+
+    def compare(_m, _args, out):
+        y = _output_tensor(out).detach().float()
+        r = ref[state["i"]].float()
+        state["i"] += 1
+        state["err"] += float((y - r).pow(2).sum())
+        state["norm"] += float(r.pow(2).sum())
+
+    h = model.register_forward_hook(record)
+    try:
+        forward_loop(model)
+    finally:
+        h.remove()
+    if not ref:
+        raise ValueError("sensitivity: the forward_loop never ran the model")
+    scores = []
+    for name, q in qmods.items():
+        state.update(i=0, err=0.0, norm=0.0)
+        orig = _swap(model, name, q)
+        h = model.register_forward_hook(compare)
+        try:
+            forward_loop(model)
+        finally:
+            h.remove()
+            _swap(model, name, orig)
+        scores.append(LayerScore(name, state["err"] / max(state["norm"], 1e-30), "relative output error"))
+    return sorted(scores, key=lambda s: -s.score)
+
+
+def dev_loss(windows: torch.Tensor, batch_size: int = 8) -> Callable[[nn.Module], float]:
+    """A score: mean next-token loss (nats/token) of a causal LM on ``(n, seq_len + 1)`` dev windows."""
+    from ..evaluation import window_losses
+
+    return lambda model: float(window_losses(model, windows, batch_size).mean())
+
+
+@torch.no_grad()
+def layer_sensitivity(
+    model: nn.Module,
+    scheme: str,
+    forward_loop: Callable[[nn.Module], object],
+    score: Callable[[nn.Module], float],
+    metric: str = "dev loss delta (nats/token)",
+    **quantize_kwargs: Any,
+) -> list[LayerScore]:
+    """Each quantizable layer of ``model`` (left untouched) scored by ``score(with only it quantized) -
+    score(folded high-precision model)``, worst first. ``quantize_kwargs`` go to ``ptq.quantize``."""
+    from .quantize import quantize
+
+    work = copy.deepcopy(model)
+    originals: dict[str, nn.Module] = {}
+    quantize(work, scheme, forward_loop, _originals=originals, **quantize_kwargs)
+    qmods = {name: _swap(work, name, orig) for name, orig in originals.items()}  # work: folded, high precision
+    base = score(work)
+    out = []
+    for name, q in qmods.items():
+        orig = _swap(work, name, q)
+        try:
+            out.append(LayerScore(name, score(work) - base, metric))
+        finally:
+            _swap(work, name, orig)
+    return sorted(out, key=lambda s: -s.score)
+
+
+def keep_filter(ranking: list[LayerScore], n: int) -> Callable[[str, nn.Module], bool]:
+    """A ``module_filter`` for ``quantize`` that quantizes every ranked layer except the ``n`` worst."""
+    if n < 0:
+        raise ValueError(f"keep_bf16 must be >= 0, got {n}")
+    kept = {s.name for s in ranking[:n]}
+    ranked = {s.name for s in ranking}
+    return lambda name, _m: name in ranked and name not in kept
