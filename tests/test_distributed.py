@@ -202,6 +202,16 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:  # noqa: PLR091
         key = "fsdp_fp8" if fp8_gather else "fsdp"
         res[f"{key}_losses"] = [sum(v) / world for v in zip(*gather(fsdp_losses), strict=True)]
         res[f"{key}_agree"], res[f"{key}_counts"], res[f"{key}_bytes"] = fsdp_agree, fsdp_counts, gathered["bytes"]
+    # DCP with FSDP2 + FP8 gather (sharded DTensor state): save, one more step, resume a fresh sharded model
+    save_distributed_checkpoint(Path(out) / "ckpt_fsdp", model, opt, STEPS, {"run": "fsdp"})
+    continued = sum(gather(train_step(model, opt, STEPS + 1, rank, world))) / world
+    model2, _ = make("delayed")
+    enable_fp8_distributed(model2)
+    shard_model(model2, fp8_all_gather=True)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    load_distributed_checkpoint(Path(out) / "ckpt_fsdp" / f"step-{STEPS:06d}", model2, opt2)
+    resumed = sum(gather(train_step(model2, opt2, STEPS + 1, rank, world))) / world
+    res["fsdp_resume"] = {"continued": continued, "resumed": resumed}
     # --- the single-process reference on the global batch (rank 0 only, no collectives) ----------------
     if rank == 0:
         ref, ref_opt = make("delayed")
@@ -286,6 +296,11 @@ def test_dcp_resume_is_bit_exact_on_two_ranks(ddp_result):
     res, _ = ddp_result
     assert res["resume"]["step"] == STEPS
     assert res["resume"]["resumed"] == res["resume"]["continued"]
+
+
+def test_dcp_resume_is_bit_exact_under_fsdp2_with_fp8_gather(ddp_result):
+    res, _ = ddp_result
+    assert res["fsdp_resume"]["resumed"] == res["fsdp_resume"]["continued"]
 
 
 def test_dcp_checkpoint_loads_in_one_process(ddp_result):

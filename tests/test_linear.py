@@ -239,3 +239,18 @@ def test_cuda_linear_sqnr(recipe):
     assert sqnr_db(ya, yb) >= 25.0
     assert sqnr_db(dxa, dxb) >= 20.0
     assert sqnr_db(ref.weight.grad, layer.weight.grad) >= 19.0
+
+
+def test_bf16_baseline_layer_trains_bf16_parameters():
+    """``BF16Linear`` with bfloat16 parameters (BF16 master weights): gradients in the parameters' and
+    input's dtype, equal to the FP32 products of the bf16 operands rounded once."""
+    from fp8kit.nn import BF16Linear
+
+    layer = torch.nn.Linear(32, 16).bfloat16()
+    layer.__class__ = BF16Linear
+    x = torch.randn(8, 32, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(8, 16, dtype=torch.bfloat16)
+    layer(x).backward(g)
+    assert x.grad.dtype == layer.weight.grad.dtype == layer.bias.grad.dtype == torch.bfloat16
+    assert torch.equal(layer.weight.grad, (g.float().t() @ x.detach().float()).bfloat16())
+    assert torch.equal(x.grad, (g.float() @ layer.weight.detach().float()).bfloat16())

@@ -53,7 +53,7 @@ def test_encoder_embeddings_stay_close(bert, scheme):
     model, data = bert
     loop = lambda m: [m(input_ids=x) for x in data]  # noqa: E731
     with torch.no_grad():
-        q = quantize(copy.deepcopy(model), scheme, loop, calibration="mse", gptq=True)
+        q = quantize(copy.deepcopy(model), scheme, loop, gptq=True)
         assert len(q.ptq_report.quantized) == 12  # q, k, v, attention.output, intermediate, output per layer
         if scheme == "int8-smoothquant":
             assert q.ptq_report.smoothed == [f"encoder.layer.{i}.attention.self.value" for i in range(2)]

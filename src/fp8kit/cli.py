@@ -606,7 +606,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--text", type=text_file, default=None, help="calibrate on this UTF-8 text instead of the shipped corpus"
     )
     q.add_argument(
-        "--calibration", type=calibration_method, default="mse", help="max|percentile|mse (static activation scales)"
+        "--calibration",
+        type=calibration_method,
+        default=None,
+        help="max|percentile|mse (static activation scales; default mse, max for int8-smoothquant)",
     )
     q.add_argument(
         "--alpha", type=unit_fraction, default=0.8, help="SmoothQuant migration strength (0.8 suits Llama models)"
@@ -632,7 +635,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default="runs/fp8kit-compare", help="folder for compare.json/md/png")
     c.add_argument("--text", type=text_file, default=None, help="use this UTF-8 text instead of the shipped corpus")
     c.add_argument(
-        "--calibration", type=calibration_method, default="mse", help="max|percentile|mse (static activation scales)"
+        "--calibration",
+        type=calibration_method,
+        default=None,
+        help="max|percentile|mse (static activation scales; default mse, max for int8-smoothquant)",
     )
     c.add_argument("--alpha", type=unit_fraction, default=0.8, help="SmoothQuant migration strength")
     c.add_argument("--calib-batches", type=positive_int, default=8, help="calibration batches of 4 x 128 tokens")

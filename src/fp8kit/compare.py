@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import sys
 import time
@@ -114,6 +115,16 @@ def load_splits(text: str | None, tokenizer, second_text: bool = True) -> list[P
     return out
 
 
+# chosen on the dev split (BENCHMARKS.md): static per-tensor INT8 keeps SmolLM2's large activations only
+# unclipped (max); FP8's range holds them either way and MSE clipping did as well or better
+DEFAULT_CALIBRATION = {"int8-smoothquant": "max"}
+
+
+def calibration_for(scheme: str, calibration: str | None) -> str:
+    """``calibration``, or the default for ``scheme`` when ``None`` (``mse``; ``max`` for int8-smoothquant)."""
+    return calibration or DEFAULT_CALIBRATION.get(scheme.removesuffix("+kv"), "mse")
+
+
 def ptq_options(scheme: str, gptq: bool, awq: bool) -> dict[str, bool]:
     """The ``quantize`` switches for ``scheme``: GPTQ for every scheme, AWQ for the weight-only one."""
     return {"gptq": gptq, "awq": awq and SCHEMES[scheme.removesuffix("+kv")].act_format is None}
@@ -124,7 +135,7 @@ def quantize_pretrained(
     scheme: str,
     text: str | None = None,
     calib_batches: int = 8,
-    calibration: str = "mse",
+    calibration: str | None = None,
     batch_size: int = 4,
     seq_len: int = 128,
     seed: int = 0,
@@ -147,7 +158,7 @@ def quantize_pretrained(
         model,
         base,
         loop,
-        calibration=calibration,
+        calibration=calibration_for(scheme, calibration),
         kv_cache=scheme.endswith("+kv"),
         alpha=alpha,
         keep_bf16=keep_bf16,
@@ -165,7 +176,7 @@ def compare_schemes(
     n_windows: int = 128,
     seq_len: int = 256,
     calib_batches: int = 8,
-    calibration: str = "mse",
+    calibration: str | None = None,
     alpha: float = 0.8,
     gptq: bool = True,
     awq: bool = True,
@@ -212,7 +223,7 @@ def compare_schemes(
             to_bf16_gemms(model)
         else:
             kw = {
-                "calibration": calibration,
+                "calibration": calibration_for(name, calibration),
                 "kv_cache": name.endswith("+kv"),
                 "alpha": alpha,
                 **ptq_options(name, gptq, awq),
@@ -244,10 +255,13 @@ def compare_schemes(
             **extra,
         }
         if progress:
-            rel = "" if name == "bf16" else f" ({100 * main['ppl_rel']:+.2f}% +- {100 * main['ppl_rel_sem']:.2f})"
+            cells = []
+            for t, v in per_text.items():
+                rel = "" if name == "bf16" else f" ({100 * v['ppl_rel']:+.2f}% +- {100 * v['ppl_rel_sem']:.2f})"
+                cells.append(f"{t[:24]}: {v['ppl']:.3f}{rel}")
             print(
-                f"  {name:<18} {split} ppl {main['ppl']:8.3f}{rel}  weights {mem['total_bytes'] / 2**20:7.1f} MiB  "
-                f"decode {1e3 * decode:6.1f} ms/tok  quantize {qtime:5.1f} s",
+                f"  {name:<18} {split} ppl " + "; ".join(cells) + f"; weights {mem['total_bytes'] / 2**20:.1f} MiB; "
+                f"decode {1e3 * decode:.1f} ms/tok; quantize {qtime:.1f} s",
                 flush=True,
             )
         del model
@@ -266,7 +280,7 @@ def compare_schemes(
         "seq_len": seq_len,
         "eval_tokens": int(evals[texts[0].name].shape[0] * seq_len),
         "calibration": {
-            "method": calibration,
+            "method": calibration or ", ".join(f"{calibration_for(n, None)} ({n})" for n in schemes),
             "batches": calib_batches,
             "tokens": calib_batches * 4 * 128,
             "smoothquant_alpha": alpha,
@@ -315,17 +329,31 @@ def compare_markdown(result: dict[str, Any]) -> str:
             v = r["texts"][t]
             rel = "" if name == "bf16" else f"{100 * v['ppl_rel']:+.2f}% (+- {100 * v['ppl_rel_sem']:.2f})"
             cells += [f"{v['ppl']:.3f} +- {v['ppl_std']:.2f}", rel]
+        timed = r["decode_s_per_token"] is not None and math.isfinite(r["decode_s_per_token"])
+        times = (
+            f"{1e3 * r['prefill_s_per_token']:.2f} | {1e3 * r['decode_s_per_token']:.1f} | {r['decode_ratio']:.2f}x"
+            if timed
+            else "not timed | not timed | -"
+        )
         lines.append(
             f"| {name} | "
             + " | ".join(cells)
             + f" | {r['total_bytes'] / 2**20:.1f} | {r['memory_ratio']:.2f}x | {r['linear_memory_ratio']:.2f}x | "
-            f"{r['kv_cache_bytes_4k'] / 2**20:.1f} | {1e3 * r['prefill_s_per_token']:.2f} | "
-            f"{1e3 * r['decode_s_per_token']:.1f} | {r['decode_ratio']:.2f}x |"
+            f"{r['kv_cache_bytes_4k'] / 2**20:.1f} | {times} |"
         )
     for name, ranking in result.get("sensitivity", {}).items():
         lines += ["", f"Per-layer sensitivity of {name} (dev split, loss increase with only that layer quantized):", ""]
         lines += [f"- {e['layer']}: {e['dev_loss_delta']:+.5f} nats/token" for e in ranking[:8]]
     return "\n".join(lines) + "\n"
+
+
+def _nan_to_none(x: Any) -> Any:
+    """Strict JSON: the times of an untimed run (NaN) are written as null."""
+    if isinstance(x, dict):
+        return {k: _nan_to_none(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_nan_to_none(v) for v in x]
+    return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
 def _write_compare(out: Path, result: dict[str, Any]) -> None:
@@ -334,7 +362,7 @@ def _write_compare(out: Path, result: dict[str, Any]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    (out / "compare.json").write_text(json.dumps(result, indent=2))
+    (out / "compare.json").write_text(json.dumps(_nan_to_none(result), indent=2))
     (out / "compare.md").write_text(compare_markdown(result))
     names = list(result["rows"])
     rows = [result["rows"][n] for n in names]

@@ -36,14 +36,20 @@ to dequantized bf16 operands (exact for power-of-two scales), and the reason is 
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 
 from .tensor import QuantizedTensor
 
-__all__ = ["cpu_gemm_backend", "fp8_gemm", "native_gemm_fallbacks", "scales_factor_out", "set_cpu_gemm_backend"]
+__all__ = [
+    "choose_cpu_backend",
+    "cpu_gemm_backend",
+    "fp8_gemm",
+    "native_gemm_fallbacks",
+    "scales_factor_out",
+    "set_cpu_gemm_backend",
+]
 
 log = logging.getLogger("fp8kit")
 _FALLBACKS: dict[str, str] = {}  # kind -> reason the native CUDA GEMM was not used (logged once)
@@ -212,7 +218,6 @@ def _relative_error(out: torch.Tensor, a: QuantizedTensor, b: QuantizedTensor) -
     return torch.compiler.disable(measure)()
 
 
-@functools.cache
 def _cpu_flags() -> frozenset[str]:
     """The CPU's feature flags from ``/proc/cpuinfo`` (empty where that file does not exist)."""
     try:
@@ -225,27 +230,33 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def _cpu_backend() -> str:
-    """Decide once per process, from the CPU's features, how FP8 GEMMs run on the CPU (logged).
+def choose_cpu_backend(flags: frozenset[str] | set[str]) -> str:
+    """How FP8 GEMMs run on a CPU with these feature flags.
 
     * ``"bf16"`` on CPUs with native bfloat16 dot products (AVX512-BF16 or AMX-BF16): FP8 values are
       exact in bfloat16, oneDNN's bf16 GEMM accumulates in FP32, so for bfloat16 outputs it computes
       what an FP8 tensor core does (one rounding of the FP32 sum to bf16); FP32 outputs still take the
-      upcast below.
+      upcast.
     * ``"fp32"`` elsewhere (AVX2): codes upcast to FP32 and multiplied in FP32 (bf16 GEMMs there are
       tens of times slower).
 
     A rule on features rather than a timing probe: timing depends on the machine's load, and a choice
     that changed between processes would change results, breaking bit-exact resume."""
-    if "name" not in _CPU_BACKEND:
-        flags = _cpu_flags()
-        native = bool({"avx512_bf16", "amx_bf16"} & flags)
-        _CPU_BACKEND["name"] = "bf16" if native else "fp32"
+    return "bf16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "fp32"
+
+
+# Decided at import (reading /proc/cpuinfo takes about a millisecond), so that graphs never trace it.
+_CPU_BACKEND["name"] = choose_cpu_backend(_cpu_flags())
+_LOGGED: list[bool] = []
+
+
+def _cpu_backend() -> str:
+    if not _LOGGED and not torch.compiler.is_compiling():
+        _LOGGED.append(True)
         log.info(
-            "fp8kit: CPU FP8 GEMM backend %s (capability %s, native bf16 %s)",
+            "fp8kit: CPU FP8 GEMM backend %s (capability %s)",
             _CPU_BACKEND["name"],
             torch.backends.cpu.get_cpu_capability(),
-            native,
         )
     return _CPU_BACKEND["name"]
 

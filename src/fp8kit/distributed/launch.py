@@ -46,7 +46,7 @@ def launch_train(args: argparse.Namespace, cfg: Any) -> int:
     written), then run the workers and return torchrun's exit code."""
     from ..train.loop import _check_resumable, parse_recipes
 
-    check_parallel_settings(cfg.batch_size, cfg.nproc, cfg.fsdp)
+    check_parallel_settings(cfg.batch_size, cfg.nproc, cfg.fsdp, cfg.optimizer)
     if cfg.resume:
         names = ["bf16"] + [f"fp8-{r}" for r in parse_recipes(",".join(cfg.recipes))]
         _check_resumable(Path(cfg.out), names, cfg)

@@ -111,10 +111,12 @@ def planned_world_size(nproc: int) -> int:
     return int(os.environ["WORLD_SIZE"]) if in_torchrun() else nproc
 
 
-def check_parallel_settings(batch_size: int, world: int, fsdp: bool) -> None:
+def check_parallel_settings(batch_size: int, world: int, fsdp: bool, optimizer: str = "adamw") -> None:
     """One-line ``ValueError`` for settings a run on ``world`` processes cannot take."""
     if fsdp and world < 2:
         raise ValueError("--fsdp shards the model over several processes: add --nproc N with N >= 2")
+    if fsdp and optimizer != "adamw":
+        raise ValueError(f"--optimizer {optimizer} does not support FSDP2's sharded (DTensor) parameters: use adamw")
     if world > batch_size:
         raise ValueError(
             f"--nproc {world} is larger than the global --batch-size {batch_size}: every process needs at least "

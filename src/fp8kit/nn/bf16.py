@@ -25,16 +25,18 @@ class _BF16LinearFn(torch.autograd.Function):
         xb, wb = _bf16(x), _bf16(weight)
         ctx.save_for_backward(xb.to(torch.bfloat16), wb.to(torch.bfloat16))
         ctx.has_bias = bias is not None
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         out = xb @ wb.t()
         return out + bias if bias is not None else out
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
+        # FP32 products of bf16-rounded operands whatever the parameters' dtype (bf16 master weights too)
         xb, wb = (t.float() for t in ctx.saved_tensors)
-        gb = _bf16(g)
-        dx = gb @ wb if ctx.needs_input_grad[0] else None
-        dw = gb.t() @ xb if ctx.needs_input_grad[1] else None
-        db = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        gb = _bf16(g).float()
+        dx = (gb @ wb).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        dw = (gb.t() @ xb).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
+        db = g.sum(0).to(ctx.w_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db
 
 

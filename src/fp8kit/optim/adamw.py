@@ -31,6 +31,7 @@ __all__ = ["AdamW"]
 _V_FORMATS = ("fp8", "bf16")
 _BF16_UPDATES = ("stochastic", "kahan")
 _PARAM_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+_CHUNK = 1 << 20  # elements updated at a time: bounds the step's FP32 temporaries (~40 MiB)
 
 
 class AdamW(torch.optim.Optimizer):
@@ -203,30 +204,69 @@ class AdamW(torch.optim.Optimizer):
         return m.reshape(p.shape), v.reshape(p.shape)
 
     def _update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        """AdamW step of one parameter, in chunks of whole blocks (FP32 temporaries stay ~``_CHUNK``)."""
         state = self.state[p] if self.state[p] else self._init_state(p, group)
-        beta1, beta2 = group["betas"]
-        lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
-        g = p.grad.reshape(-1).float()
-        if group["maximize"]:
-            g = -g
-        m, v = (t.reshape(-1) for t in self.moments(p))
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         state["step"] += 1
         step = float(state["step"])
-        bias1 = 1 - beta1**step
-        bias2_sqrt = math.sqrt(1 - beta2**step)
-        denom = (v.sqrt() / bias2_sqrt).add_(eps)
-        new = p.detach().reshape(-1).to(torch.float32 if p.dtype != torch.float64 else p.dtype)
-        new = new.mul(1 - lr * wd).addcdiv_(m, denom, value=-lr / bias1)
-        if p.dtype == torch.bfloat16:
-            if group["bf16_update"] == "kahan":
-                kahan_update_(p, new, state["kahan_comp"])
-            else:
-                p.copy_(stochastic_round_bf16(new, self._generator(p.device)).reshape(p.shape))
+        beta1, beta2 = group["betas"]
+        hyper = {
+            "lr": float(group["lr"]),
+            "bias1": 1 - beta1**step,
+            "bias2_sqrt": math.sqrt(1 - beta2**step),
+        }
+        block, n = group["block"], p.numel()
+        contiguous = p.is_contiguous()
+        flat = p.detach().view(-1) if contiguous else p.detach().reshape(-1).clone()
+        grad = p.grad.reshape(-1)
+        rows = state["exp_avg_codes"].shape[0]
+        step_rows = max(1, _CHUNK // block)
+        for r0 in range(0, rows, step_rows):
+            r1 = min(rows, r0 + step_rows)
+            self._update_rows(state, group, hyper, flat, grad, r0, r1, min(r1 * block, n) - r0 * block)
+        if not contiguous:
+            p.detach().copy_(flat.reshape(p.shape))
+
+    def _update_rows(self, state, group, hyper, flat, grad, r0: int, r1: int, count: int) -> None:
+        """Update blocks ``r0:r1`` (elements ``r0 * block`` onwards, ``count`` of them) in place."""
+        block, backend = group["block"], self._quantize_backend
+        e0, e1 = r0 * block, r0 * block + count
+        beta1, beta2 = group["betas"]
+        lr, wd, eps = hyper["lr"], group["weight_decay"], group["eps"]
+        g = grad[e0:e1].float()
+        if group["maximize"]:
+            g = -g
+        m = decode_signed(state["exp_avg_codes"][r0:r1], state["exp_avg_scale"][r0:r1], count)
+        if "exp_avg_sq_codes" in state:
+            v = decode_expanded(
+                state["exp_avg_sq_codes"][r0:r1], state["exp_avg_sq_max"][r0:r1], state["exp_avg_sq_k"][r0:r1], count
+            )
         else:
-            p.copy_(new.reshape(p.shape))
-        self._store(state, m, v, group)
+            v = decode_bf16(state["exp_avg_sq"][e0:e1], count)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (v.sqrt() / hyper["bias2_sqrt"]).add_(eps)
+        target = flat[e0:e1]
+        new = target.to(torch.float32 if target.dtype != torch.float64 else target.dtype)
+        new = new.mul(1 - lr * wd).addcdiv_(m, denom, value=-lr / hyper["bias1"])
+        del denom
+        if target.dtype == torch.bfloat16:
+            if group["bf16_update"] == "kahan":
+                kahan_update_(target, new, state["kahan_comp"][e0:e1])
+            else:
+                target.copy_(stochastic_round_bf16(new, self._generator(target.device)))
+        else:
+            target.copy_(new)
+        codes, scale = encode_signed(m, block, backend)
+        state["exp_avg_codes"][r0:r1], state["exp_avg_scale"][r0:r1] = codes, scale
+        if "exp_avg_sq_codes" in state:
+            codes, vmax, k = encode_expanded(v, block, backend)
+            state["exp_avg_sq_codes"][r0:r1], state["exp_avg_sq_max"][r0:r1], state["exp_avg_sq_k"][r0:r1] = (
+                codes,
+                vmax,
+                k,
+            )
+        else:
+            state["exp_avg_sq"][e0:e1] = encode_bf16(v)
 
     # ---- state dicts -----------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -97,30 +97,33 @@ def gptq_weight(
         raise ValueError("GPTQ: the weight or its Hessian holds NaN or inf")
     amax = w.abs().amax(dim=1) if per_channel else w.abs().amax().reshape(1)
     mult = compute_scale(amax, fmt).reshape(-1, 1).expand(out_f, 1).contiguous()
-    h = hessian.double().clone()
+    h = hessian.float().clone()
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1
     w[:, dead] = 0
     h += damping * torch.diagonal(h).mean() * torch.eye(in_f, dtype=h.dtype)
     try:
-        hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+        hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     except RuntimeError as err:  # torch.linalg.LinAlgError subclasses RuntimeError
         raise ValueError(f"GPTQ: the damped Hessian is not positive definite ({err}); raise the damping") from err
-    codes = torch.empty(out_f, in_f, dtype=fmt.dtype)
-    deq = torch.empty(out_f, in_f)
+    # work on W^T: column j of W is the contiguous row j, and the updates are in-place rank-1 (addr_)
+    wt = w.t().contiguous()
+    codes = torch.empty(in_f, out_f, dtype=fmt.dtype)
+    deq = torch.empty(in_f, out_f)
     for i1 in range(0, in_f, block):
         i2 = min(i1 + block, in_f)
-        w1 = w[:, i1:i2].clone()
+        w1 = wt[i1:i2].clone()
         err1 = torch.zeros_like(w1)
         u1 = hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
-            col = w1[:, i]
+            col = w1[i]
             c, q = _round_column(col, fmt, mult)
-            codes[:, i1 + i], deq[:, i1 + i] = c, q
+            codes[i1 + i], deq[i1 + i] = c, q
             e = (col - q) / u1[i, i]
-            w1[:, i:] -= e.unsqueeze(1) * u1[i, i:].unsqueeze(0)
-            err1[:, i] = e
-        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+            w1[i:].addr_(u1[i, i:], e, alpha=-1)
+            err1[i] = e
+        wt[i2:] -= hinv[i1:i2, i2:].t() @ err1
+    codes, deq = codes.t().contiguous(), deq.t().contiguous()
     return codes, amax, deq
 
 

@@ -19,7 +19,7 @@ from .schemes import Scheme, get_scheme
 from .smoothquant import apply_smoothing, find_mappings
 
 if TYPE_CHECKING:
-    from .sensitivity import LayerScore
+    from .layer_error import LayerScore
 
 __all__ = ["PTQReport", "quantize"]
 
@@ -199,7 +199,7 @@ def quantize(
         else:
             qmods[name] = QuantLinear.from_linear(linear, scheme, amax.get(name))
     if keep_bf16:
-        from .sensitivity import rank_by_output_error
+        from .layer_error import rank_by_output_error
 
         report.sensitivity = rank_by_output_error(model, qmods, forward_loop)
         for item in report.sensitivity[:keep_bf16]:

@@ -24,7 +24,7 @@ from ..distributed.runtime import (
 )
 from ..evaluation import evaluate, loss_of
 from ..models import build_llama
-from ..nn import BF16Linear, convert, saved_activation_bytes, to_bf16_gemms
+from ..nn import convert, saved_activation_bytes, to_bf16_gemms
 from ..nn.memory import persistent_bytes
 from ..recipes import RECIPE_NAMES, recipe_from_name
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, load_run_checkpoint, save_run_checkpoint
@@ -183,9 +183,6 @@ def train_run(
     model = make_model(base, cfg, run)
     if run != "bf16" and cfg.master_weights == "bf16":
         model.to(torch.bfloat16)  # BF16 parameters, updated by fp8kit.optim.AdamW without FP32 copies
-        for module in model.modules():  # with BF16 weights a plain Linear already runs BF16 GEMMs
-            if isinstance(module, BF16Linear):
-                module.__class__ = torch.nn.Linear
     dctx = current_context()
     train_model = dctx.wrap(model)  # several processes: synchronized FP8 scaling + DDP, or FSDP2 in place
     opt = make_optimizer(model, cfg, run)
@@ -298,7 +295,8 @@ def run_comparison(cfg: TrainConfig) -> dict[str, Any]:
         )
     if cfg.master_weights == "bf16" and cfg.optimizer != "fp8-adamw":
         raise ValueError("--master-weights bf16 needs --optimizer fp8-adamw (torch AdamW rounds BF16 updates away)")
-    check_parallel_settings(cfg.batch_size, cfg.nproc if not in_torchrun() else int(os.environ["WORLD_SIZE"]), cfg.fsdp)
+    world = cfg.nproc if not in_torchrun() else int(os.environ["WORLD_SIZE"])
+    check_parallel_settings(cfg.batch_size, world, cfg.fsdp, cfg.optimizer)
     if cfg.nproc > 1 and not in_torchrun():
         raise ValueError(f"nproc={cfg.nproc} needs torchrun: run `fp8kit train --nproc {cfg.nproc}` (it launches it)")
     dctx = context_from_env(cfg.fsdp)  # under torchrun: joins the process group
