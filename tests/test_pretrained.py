@@ -68,7 +68,10 @@ def test_train_eval_quantize_compare_on_a_local_model(local_model, tmp_path, cap
     assert (export / "config.json").is_file() and (export / "tokenizer.json").is_file()
     cmp_out = tmp_path / "cmp"
     args = ["compare", "--model", model, "--schemes", "fp8,fp8+kv,int8-weight-only", "--text", text]
-    assert main([*args, "--eval-batches", "2", "--calib-batches", "2", "--out", str(cmp_out)]) == 0
+    assert main([*args, "--seq-len", "256", "--eval-batches", "2", "--out", str(cmp_out / "x")]) == 2
+    assert "give a --seq-len below" in capsys.readouterr().err  # a short text: one line naming the fix
+    args += ["--seq-len", "32", "--eval-batches", "2", "--calib-batches", "2"]
+    assert main([*args, "--out", str(cmp_out)]) == 0
     result = json.loads((cmp_out / "compare.json").read_text())
     assert list(result["rows"]) == ["bf16", "fp8", "fp8+kv", "int8-weight-only"]
     for name, row in result["rows"].items():

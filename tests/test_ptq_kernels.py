@@ -153,7 +153,10 @@ def test_compiled_epilogue_for_large_outputs_equals_the_reference():
     assert (diff <= _bound(q, x, 2.0**-23)).all()
 
 
-def test_cpu_selection_is_logged_and_matches_reference(caplog):
+def test_cpu_selection_is_logged_and_matches_reference(caplog, monkeypatch):
+    from fp8kit.ptq import linear as ptq_linear
+
+    monkeypatch.setattr(ptq_linear, "_LOGGED", set())  # logged once per process: start afresh
     for scheme in SCHEMES:
         q = _layer(scheme)
         x = _inputs(5, q.in_features, torch.float32)

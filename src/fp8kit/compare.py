@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from .data import PTQSplits, load_ids, ptq_splits, reference_text, windows
-from .data.splits import EVAL_SPLITS
+from .data.splits import EVAL_SPLITS, available_windows
 from .evaluation import window_losses, window_summary
 from .nn import to_bf16_gemms
 from .ptq.kv_cache import kv_cache_bytes
@@ -74,8 +74,12 @@ def weight_memory(model: nn.Module) -> dict[str, int]:
 
 def calibration_loop(splits: PTQSplits, batches: int, batch_size: int = 4, seq_len: int = 128) -> Callable:
     """``forward_loop`` over ``batches`` batches of windows spread over the calibration split (ModelOpt's
-    convention); the dev and test splits are never seen."""
-    data = windows(splits.calib, batches * batch_size, seq_len)[:, :-1].split(batch_size)
+    convention); the dev and test splits are never seen. A short text (a user's ``--text``) gives as many
+    windows as its calibration split holds."""
+    n = min(batches * batch_size, available_windows(splits.calib, seq_len, splits.block))
+    if n < 1:
+        raise ValueError(f"{splits.name} is too short to calibrate on windows of {seq_len + 1} tokens")
+    data = windows(splits.calib, n, seq_len, splits.block)[:, :-1].split(batch_size)
 
     def forward_loop(model: nn.Module) -> None:
         for x in data:
@@ -207,11 +211,20 @@ def compare_schemes(
     evals = {}
     for sp in texts:
         ids = sp.split(split)
-        n = n_windows if sp is texts[0] else min(n_windows, ids.numel() // (seq_len + 1) // 2)
-        evals[sp.name] = windows(ids, n, seq_len)
+        n = min(n_windows, available_windows(ids, seq_len, sp.block))
+        if sp is not texts[0]:
+            n = min(n, ids.numel() // (seq_len + 1) // 2)
+        if n < 1:
+            raise ValueError(
+                f"the {split} split of {sp.name} holds {ids.numel()} tokens, too few for windows of {seq_len + 1}: "
+                f"give a --seq-len below {max(1, ids.numel() // 2)}, or a longer text"
+            )
+        evals[sp.name] = windows(ids, n, seq_len, sp.block)
     loop = calibration_loop(texts[0], calib_batches)
-    sens_windows = windows(texts[0].dev, sensitivity or 16, seq_len) if (sensitivity or keep_bf16) else None
-    prompt = windows(texts[0].split(split), 1, min(seq_len, 64))[:, :-1]
+    sens_windows = (
+        windows(texts[0].dev, sensitivity or 16, seq_len, texts[0].block) if (sensitivity or keep_bf16) else None
+    )
+    prompt = windows(texts[0].split(split), 1, min(seq_len, 64), texts[0].block)[:, :-1]
     rows: dict[str, dict[str, Any]] = {}
     losses: dict[str, dict[str, torch.Tensor]] = {}
     sens_report: dict[str, list[dict[str, Any]]] = {}

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BLOCK", "EVAL_SPLITS", "PTQSplits", "ptq_splits", "reference_text", "windows"]
+__all__ = ["BLOCK", "EVAL_SPLITS", "PTQSplits", "available_windows", "ptq_splits", "reference_text", "windows"]
 
 BLOCK = 2048
 EVERY = 8
@@ -32,6 +32,7 @@ class PTQSplits:
     dev: torch.Tensor
     test: torch.Tensor
     name: str
+    block: int = BLOCK  # tokens per block (smaller for a text shorter than EVERY * BLOCK tokens)
 
     def split(self, name: str) -> torch.Tensor:
         """The ids of split ``name`` (``calib``, ``dev``, ``test``, or ``all`` for the three together)."""
@@ -42,18 +43,40 @@ class PTQSplits:
         return getattr(self, name)
 
 
+MIN_BLOCK = 32  # a text shorter than EVERY * BLOCK tokens gets shorter blocks, down to this
+
+
 def ptq_splits(ids: torch.Tensor, name: str) -> PTQSplits:
-    """Block-interleaved calibration / dev / test splits of ``ids`` (see the module docstring)."""
-    blocks = list(ids.reshape(-1).split(BLOCK))
-    if len(blocks) < EVERY:
+    """Block-interleaved calibration / dev / test splits of ``ids`` (see the module docstring).
+
+    A text shorter than ``EVERY * BLOCK`` tokens (a user's own small ``--text``) is cut into ``EVERY``
+    equal blocks instead, as long as they hold ``MIN_BLOCK`` tokens each."""
+    ids = ids.reshape(-1)
+    block = BLOCK if ids.numel() >= EVERY * BLOCK else ids.numel() // EVERY
+    if block < MIN_BLOCK:
         raise ValueError(
-            f"{name} has {ids.numel()} tokens, too few for dev/test splits (at least {EVERY * BLOCK} needed)"
+            f"{name} has {ids.numel()} tokens, too few for dev/test splits (at least {EVERY * MIN_BLOCK} needed)"
         )
+    blocks = list(ids.split(block))
     pick = {"calib": [], "dev": [], "test": []}
     for i, b in enumerate(blocks):
         k = i % EVERY
         pick["dev" if k == DEV_AT else "test" if k == TEST_AT else "calib"].append(b)
-    return PTQSplits(*(torch.cat(pick[s]) for s in ("calib", "dev", "test")), name)
+    return PTQSplits(*(torch.cat(pick[s]) for s in ("calib", "dev", "test")), name, block)
+
+
+def _window_starts(ids: torch.Tensor, seq_len: int, block: int) -> list[int]:
+    span = seq_len + 1
+    starts: list[int] = []
+    for b0 in range(0, ids.numel(), block):
+        b_end = min(b0 + block, ids.numel())
+        starts.extend(range(b0, b_end - span + 1, span))
+    return starts
+
+
+def available_windows(ids: torch.Tensor, seq_len: int, block: int = BLOCK) -> int:
+    """How many non-overlapping windows of ``seq_len + 1`` tokens ``windows`` can take from ``ids``."""
+    return len(_window_starts(ids, seq_len, block))
 
 
 def windows(ids: torch.Tensor, n: int, seq_len: int, block: int = BLOCK) -> torch.Tensor:
@@ -62,10 +85,7 @@ def windows(ids: torch.Tensor, n: int, seq_len: int, block: int = BLOCK) -> torc
     if n < 1 or seq_len < 1:
         raise ValueError(f"windows() needs n >= 1 and seq_len >= 1, got n={n}, seq_len={seq_len}")
     span = seq_len + 1
-    starts: list[int] = []
-    for b0 in range(0, ids.numel(), block):
-        b_end = min(b0 + block, ids.numel())
-        starts.extend(range(b0, b_end - span + 1, span))
+    starts = _window_starts(ids, seq_len, block)
     if len(starts) < n:
         raise ValueError(
             f"the split holds {len(starts)} windows of {span} tokens, fewer than the {n} asked: "

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from ..tensor import quantize as fp8_quantize
+from .calibrate import run_with_input_hooks
 from .schemes import Scheme, get_scheme
 from .smoothquant import SmoothMapping, fold_scales
 
@@ -84,13 +85,7 @@ def apply_awq(
         idx = torch.randperm(x2.shape[0], generator=gen)[:ROWS_PER_CALL]
         rows[name].append(x2[idx].clone())
 
-    hooks = [model.get_submodule(t).register_forward_pre_hook(lambda _m, args, t=t: hook(t, args[0])) for t in firsts]
-    try:
-        with torch.no_grad():
-            forward_loop(model)
-    finally:
-        for h in hooks:
-            h.remove()
+    run_with_input_hooks(model, firsts, hook, forward_loop)
     chosen: dict[str, float] = {}
     for t, mp in firsts.items():
         if counts[t] == 0:

@@ -113,21 +113,31 @@ def choose_amax(obs: InputObserver, fmt: Format, method: str = "max", percentile
     return best
 
 
-def observe_inputs(
-    model: nn.Module, names: Iterable[str], forward_loop: Callable[[nn.Module], object], seed: int = 0
-) -> dict[str, InputObserver]:
-    """Run ``forward_loop(model)`` with observers on the inputs of the named ``nn.Linear`` layers."""
-    observers = {name: InputObserver(name, seed) for name in names}
-    hooks = []
-    for name, obs in observers.items():
-        module = model.get_submodule(name)
-        hooks.append(module.register_forward_pre_hook(lambda _m, args, obs=obs: obs.observe(args[0])))
+def run_with_input_hooks(
+    model: nn.Module,
+    names: Iterable[str],
+    on_input: Callable[[str, torch.Tensor], None],
+    forward_loop: Callable[[nn.Module], object],
+) -> None:
+    """Run ``forward_loop(model)`` without gradients, calling ``on_input(name, x)`` with the input of each
+    named layer as it runs; the hooks are removed afterwards, also on error."""
+    hooks = [
+        model.get_submodule(n).register_forward_pre_hook(lambda _m, args, n=n: on_input(n, args[0])) for n in names
+    ]
     try:
         with torch.no_grad():
             forward_loop(model)
     finally:
         for h in hooks:
             h.remove()
+
+
+def observe_inputs(
+    model: nn.Module, names: Iterable[str], forward_loop: Callable[[nn.Module], object], seed: int = 0
+) -> dict[str, InputObserver]:
+    """Run ``forward_loop(model)`` with observers on the inputs of the named ``nn.Linear`` layers."""
+    observers = {name: InputObserver(name, seed) for name in names}
+    run_with_input_hooks(model, observers, lambda name, x: observers[name].observe(x), forward_loop)
     if observers and all(o.batches == 0 for o in observers.values()):
         raise ValueError(
             "the forward_loop never ran the model: it must call model(...) on calibration batches "

@@ -25,6 +25,7 @@ import torch.nn as nn
 from ..formats import Format
 from ..scaling import compute_scale
 from ..tensor import quantize as fp8_quantize
+from .calibrate import run_with_input_hooks
 from .linear import QuantLinear, dequant_scale
 from .schemes import Scheme, get_scheme
 
@@ -55,13 +56,7 @@ def collect_hessians(
         sums[name] = sums[name] + xtx if name in sums else xtx.clone()
         counts[name] += x2.shape[0]
 
-    hooks = [model.get_submodule(n).register_forward_pre_hook(lambda _m, args, n=n: hook(n, args[0])) for n in names]
-    try:
-        with torch.no_grad():
-            forward_loop(model)
-    finally:
-        for h in hooks:
-            h.remove()
+    run_with_input_hooks(model, names, hook, forward_loop)
     missing = [n for n in names if counts[n] == 0]
     if missing:
         raise ValueError(f"GPTQ: layer {missing[0]!r} saw no calibration data (the forward_loop never reached it)")
