@@ -3,7 +3,8 @@
 One run, side by side, per shape ``d -> 4d -> d`` (GELU) over ``T`` tokens: median step time, ratios to
 bf16 and fp32 (and to the faster of the plain bf16 and fp32 steps, the CPU target of issue 12), and the
 bytes autograd saves for backward (activations only; FP8 weight caches and parameters excluded). BF16
-and torchao run compiled as well as eager (torchao is meant to be compiled). Slow baselines (bf16 GEMMs
+and torchao run compiled as well as eager (torchao is meant to be compiled); fp8kit's compiled rows use
+``fp8kit.compile`` (``torch.compile`` whose partitioner keeps FP8 activations for backward). Slow baselines (bf16 GEMMs
 on CPUs without native bf16) run once.
 
     python benchmarks/linear.py [--shapes 2048x2048] [--recipes current,rowwise] [--no-compile] [--no-torchao]
@@ -129,7 +130,8 @@ def main() -> None:
                 model = fp8kit.convert(copy.deepcopy(base).bfloat16(), recipe)
                 run(f"fp8kit {recipe.kind} (bf16)", model, torch.bfloat16)
             if not args.no_compile:
-                compiled = torch.compile(fp8kit.convert(copy.deepcopy(base).bfloat16(), recipe), fullgraph=True)
+                # fp8kit.compile: torch.compile with the activation memory budget that keeps FP8 copies
+                compiled = fp8kit.compile(fp8kit.convert(copy.deepcopy(base).bfloat16(), recipe), fullgraph=True)
                 run(f"fp8kit {recipe.kind} (bf16) compiled", compiled, torch.bfloat16)
         fp32 = rows[0][1]
         bf16_rows = [r for r in rows if r[0] in ("nn.Linear bf16", "nn.Linear bf16 compiled")]

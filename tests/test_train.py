@@ -201,3 +201,15 @@ def test_corrupted_and_foreign_checkpoints_on_resume(tmp_path, capsys):
     run_comparison(tiny_cfg(other, steps=2, seed=1))
     assert main(["train", *TINY, "--resume", "--out", str(other)]) != 0  # seed 0 asked, seed 1 saved
     assert "seed=1" in _err(capsys)
+
+
+def test_compile_flag_uses_fp8kit_compile_for_fp8_runs(tmp_path, monkeypatch):
+    """``--compile``: the BF16 run goes through ``torch.compile``, FP8 runs through ``fp8kit.compile``
+    (whose partitioner keeps FP8 activations); stand-ins record the calls and run the model eagerly."""
+    import fp8kit.train.loop as loop
+
+    calls = []
+    monkeypatch.setattr(loop.torch, "compile", lambda m, **kw: calls.append("torch") or m)
+    monkeypatch.setattr(loop, "compile_fp8", lambda m, **kw: calls.append("fp8kit") or m)
+    run_comparison(tiny_cfg(tmp_path / "run", steps=1, compile=True, eval_interval=1, ckpt_interval=1))
+    assert calls == ["torch", "fp8kit"]

@@ -3,7 +3,7 @@
 from . import nn
 from .formats import E4M3, E5M2, E8M0, FORMATS, INT8, Format, cast, get_format
 from .gemm import fp8_gemm
-from .nn import autocast, convert
+from .nn import autocast, compile, convert
 from .recipes import (
     BlockScaling,
     CurrentScaling,
@@ -62,6 +62,7 @@ __all__ = [
     "Recipe",
     "RowwiseScaling",
     "autocast",
+    "compile",
     "convert",
     "fp8_gemm",
     "nn",

@@ -2,6 +2,7 @@
 
 from .autocast import autocast, fp8_enabled
 from .bf16 import BF16Linear, to_bf16_gemms
+from .compiling import compile
 from .convert import ConversionReport, convert, convert_layer, default_module_filter
 from .layernorm import LayerNormLinear, LayerNormMLP
 from .linear import Linear, set_quantize_backend, strip_fp8_state
@@ -14,6 +15,7 @@ __all__ = [
     "LayerNormMLP",
     "Linear",
     "autocast",
+    "compile",
     "convert",
     "convert_layer",
     "default_module_filter",

@@ -24,6 +24,7 @@ from ..distributed.runtime import (
 )
 from ..evaluation import evaluate, loss_of
 from ..models import build_llama
+from ..nn import compile as compile_fp8
 from ..nn import convert, saved_activation_bytes, to_bf16_gemms
 from ..nn.memory import persistent_bytes
 from ..recipes import RECIPE_NAMES, recipe_from_name
@@ -201,7 +202,10 @@ def train_run(
         if path is not None:
             start, _ = load_run_checkpoint(path, model, opt, expect=info)
     log.keep_until(run, start)
-    step_fn = torch.compile(train_model) if cfg.compile else train_model
+    if cfg.compile:  # FP8 runs: fp8kit.compile keeps FP8 activations for backward (nn/compiling.py)
+        step_fn = torch.compile(train_model) if run == "bf16" else compile_fp8(train_model)
+    else:
+        step_fn = train_model
     val = corpus.val_batches(cfg.eval_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
     if start == 0:  # step 0: the held-out loss before training (the pretrained model's, when fine-tuning)
         log.write({"run": run, "step": 0, "val_loss": evaluate(model, val)})
