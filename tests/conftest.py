@@ -40,6 +40,25 @@ def _strict_compile():
     set_compile_strict(False)
 
 
+def tiny_train_config(out, **overrides):
+    """A ``TrainConfig`` for the tiny demo Llama (8 steps of 4 x 32 tokens, no progress bar) in ``out``."""
+    from fp8kit.train import TrainConfig
+
+    base = {
+        "model_size": "tiny",
+        "steps": 8,
+        "batch_size": 4,
+        "seq_len": 32,
+        "eval_interval": 4,
+        "ckpt_interval": 2,
+        "eval_batches": 2,
+        "progress": False,
+        "out": str(out),
+        "recipes": ["delayed"],
+    }
+    return TrainConfig(**{**base, **overrides})
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

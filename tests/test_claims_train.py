@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_train_config
 from test_debug import mlp, mse
 from test_mutants import replace_everywhere
 
@@ -21,18 +22,9 @@ from fp8kit.train import TrainConfig, run_comparison
 
 
 def cfg(out, **kw) -> TrainConfig:
-    base = {
-        "model_size": "tiny",
-        "steps": 2,
-        "batch_size": 4,
-        "seq_len": 32,
-        "eval_interval": 100,
-        "ckpt_interval": 100,
-        "eval_batches": 1,
-        "progress": False,
-        "out": str(out),
-    }
-    return TrainConfig(**{**base, **kw})
+    """The tiny demo run for 2 steps, evaluated and checkpointed only at the end, with the default recipe."""
+    base = {"steps": 2, "eval_interval": 100, "ckpt_interval": 100, "eval_batches": 1}
+    return tiny_train_config(out, **{**base, "recipes": TrainConfig().recipes, **kw})
 
 
 def losses(out, run: str) -> list[float]:

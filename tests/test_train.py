@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from conftest import tiny_train_config
 
 from fp8kit.cli import main
 from fp8kit.train import TrainConfig, load_checkpoint, run_comparison
@@ -33,19 +34,7 @@ TINY = [
 
 
 def tiny_cfg(out, **kw) -> TrainConfig:
-    base = {
-        "model_size": "tiny",
-        "steps": 8,
-        "batch_size": 4,
-        "seq_len": 32,
-        "eval_interval": 4,
-        "ckpt_interval": 2,
-        "eval_batches": 2,
-        "progress": False,
-        "out": str(out),
-        "recipes": ["delayed"],
-    }
-    return TrainConfig(**{**base, **kw})
+    return tiny_train_config(out, **kw)
 
 
 def test_cli_end_to_end(tmp_path, capsys):

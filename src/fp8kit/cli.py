@@ -605,16 +605,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument(
         "--text", type=text_file, default=None, help="calibrate on this UTF-8 text instead of the shipped corpus"
     )
-    q.add_argument(
-        "--calibration",
-        type=calibration_method,
-        default=None,
-        help="max|percentile|mse (static activation scales; default mse, max for int8-smoothquant)",
-    )
-    q.add_argument(
-        "--alpha", type=unit_fraction, default=0.8, help="SmoothQuant migration strength (0.8 suits Llama models)"
-    )
-    q.add_argument("--calib-batches", type=positive_int, default=8, help="calibration batches of 4 x 128 tokens")
+    _add_calibration_options(q)
     _add_ptq_switches(q, "the N layers whose quantization alone changes the output most on calibration data")
     _add_overwrite(q, "a folder")
     q.set_defaults(func=cmd_quantize)
@@ -634,14 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--out", default="runs/fp8kit-compare", help="folder for compare.json/md/png")
     c.add_argument("--text", type=text_file, default=None, help="use this UTF-8 text instead of the shipped corpus")
-    c.add_argument(
-        "--calibration",
-        type=calibration_method,
-        default=None,
-        help="max|percentile|mse (static activation scales; default mse, max for int8-smoothquant)",
-    )
-    c.add_argument("--alpha", type=unit_fraction, default=0.8, help="SmoothQuant migration strength")
-    c.add_argument("--calib-batches", type=positive_int, default=8, help="calibration batches of 4 x 128 tokens")
+    _add_calibration_options(c)
     c.add_argument(
         "--split", choices=("dev", "test"), default="test", help="dev (to choose settings) or test (to report)"
     )
@@ -659,6 +643,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_overwrite(c, "files")
     c.set_defaults(func=cmd_compare)
     return parser
+
+
+def _add_calibration_options(p: argparse.ArgumentParser) -> None:
+    """The calibration options ``quantize`` and ``compare`` share."""
+    p.add_argument(
+        "--calibration",
+        type=calibration_method,
+        default=None,
+        help="max|percentile|mse (static activation scales; default mse, max for int8-smoothquant)",
+    )
+    p.add_argument(
+        "--alpha", type=unit_fraction, default=0.8, help="SmoothQuant migration strength (0.8 suits Llama models)"
+    )
+    p.add_argument("--calib-batches", type=positive_int, default=8, help="calibration batches of 4 x 128 tokens")
 
 
 def _add_ptq_switches(p: argparse.ArgumentParser, keep_what: str) -> None:

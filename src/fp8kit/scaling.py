@@ -31,6 +31,7 @@ __all__ = [
     "Granularity",
     "amax_to_scale",
     "compute_scale",
+    "dequant_scale",
     "mx_scale",
     "parse_granularity",
 ]
@@ -73,6 +74,21 @@ def compute_scale(
 
 
 amax_to_scale = compute_scale
+
+
+def dequant_scale(amax: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """Stored dequant multipliers for ``amax`` (any shape), as PTQ exports them: ``amax / fmt.max`` in float32, correctly
+    rounded (the compressed-tensors and vLLM convention, as fp8kit always stored it).
+
+    ``fp8kit.quantize`` makes the codes with ``compute_scale(amax)``, whose inverse can be one ulp away
+    from ``amax / fmt.max``. Where ``amax / fmt.max`` is not the scale the codes were made with (amax
+    zero, so an all-zero row; non-finite; or below ``fmt.max / 2**120``) the quantizer's own inverse
+    ``1 / compute_scale(amax)`` is stored instead: finite and positive (1.0 for an all-zero row, whose
+    codes are all zero)."""
+    amax = amax.float()
+    own = (1.0 / compute_scale(amax, fmt)).float()
+    usable = (amax > 0) & torch.isfinite(amax) & (fmt.max / amax.double() <= MAX_SCALE)
+    return torch.where(usable, amax / fmt.max, own)
 
 
 def mx_scale(amax: torch.Tensor, fmt: Format | str = E4M3, rounding: str = "rceil") -> torch.Tensor:

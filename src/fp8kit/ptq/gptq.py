@@ -23,10 +23,10 @@ import torch
 import torch.nn as nn
 
 from ..formats import Format
-from ..scaling import compute_scale
+from ..scaling import compute_scale, dequant_scale
 from ..tensor import quantize as fp8_quantize
 from .calibrate import run_with_input_hooks
-from .linear import QuantLinear, dequant_scale
+from .linear import QuantLinear
 from .schemes import Scheme, get_scheme
 
 __all__ = ["DAMPING", "GPTQ_BLOCK", "collect_hessians", "gptq_linear", "gptq_weight"]

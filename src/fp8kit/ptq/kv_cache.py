@@ -19,9 +19,9 @@ import torch
 import torch.nn as nn
 
 from ..formats import E4M3
+from ..scaling import dequant_scale
 from ..tensor import quantize
 from .calibrate import InputObserver, choose_amax
-from .linear import dequant_scale
 
 __all__ = ["ATTN_NAME", "attention_modules", "enable_fp8_kv", "kv_cache_bytes"]
 

@@ -52,7 +52,7 @@ import torch
 import torch.nn as nn
 
 from ..formats import Format
-from ..scaling import MAX_SCALE, compute_scale
+from ..scaling import dequant_scale
 from ..tensor import quantize as fp8_quantize
 from .schemes import Scheme, get_scheme
 
@@ -61,21 +61,6 @@ __all__ = ["KERNELS", "KernelChoice", "QuantLinear", "dequant_scale", "select_ke
 log = logging.getLogger("fp8kit.ptq")
 
 KERNELS = ("reference", "scaled_mm", "scaled_mm_rowwise", "int_mm", "codes_mm", "dequant_mm_compiled")
-
-
-def dequant_scale(amax: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """Stored PTQ dequant multipliers for ``amax`` (any shape): ``amax / fmt.max`` in float32, correctly
-    rounded (the compressed-tensors and vLLM convention, as fp8kit always stored it).
-
-    ``fp8kit.quantize`` makes the codes with ``compute_scale(amax)``, whose inverse can be one ulp away
-    from ``amax / fmt.max``. Where ``amax / fmt.max`` is not the scale the codes were made with (amax
-    zero, so an all-zero row; non-finite; or below ``fmt.max / 2**120``) the quantizer's own inverse
-    ``1 / compute_scale(amax)`` is stored instead: finite and positive (1.0 for an all-zero row, whose
-    codes are all zero)."""
-    amax = amax.float()
-    own = (1.0 / compute_scale(amax, fmt)).float()
-    usable = (amax > 0) & torch.isfinite(amax) & (fmt.max / amax.double() <= MAX_SCALE)
-    return torch.where(usable, amax / fmt.max, own)
 
 
 @dataclass(frozen=True)
