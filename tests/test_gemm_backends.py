@@ -30,18 +30,27 @@ def test_cpu_backend_follows_the_cpu_features():
         gemm.set_cpu_gemm_backend("scaled_mm")
 
 
-def test_decode_table_gives_every_code():
-    """The compiled-graph decode (a 256-entry table) equals torch's conversion on every code."""
+@pytest.mark.compiled
+@pytest.mark.parametrize("mode", ["bits", "kernel", "in_graph"])
+def test_decode_gives_every_code(mode):
+    """The CPU decode (integer operations and one multiply) equals torch's conversion on every code,
+    bit for bit: signed zeros, subnormals (no flush to zero), the largest values, inf and NaN."""
+    from fp8kit.kernels.fused import decode_bits, decode_fp8
+
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    in_graph = torch.compile(decode_fp8, fullgraph=True)
     for fmt in (fp8kit.E4M3, fp8kit.E5M2):
         for dtype in (torch.float32, torch.bfloat16):
-            got = gemm._decode_table(dtype, fmt.dtype)[codes.to(torch.int32)]
+            if mode == "bits":
+                got = decode_bits(codes, fmt).to(dtype)
+            else:
+                got = (decode_fp8 if mode == "kernel" else in_graph)(codes.view(fmt.dtype), fmt, dtype)
             want = codes.view(fmt.dtype).to(dtype)
+            assert got.dtype == dtype
             assert torch.equal(got.isnan(), want.isnan())
-            assert torch.equal(
-                got.nan_to_num(0.0).view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                want.nan_to_num(0.0).view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-            )
+            bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+            assert torch.equal(got.nan_to_num(0.0).view(bits), want.nan_to_num(0.0).view(bits))
+            assert torch.equal(got.isinf(), want.isinf())
 
 
 @pytest.mark.parametrize("gran", ["tensor", "row"])

@@ -349,10 +349,16 @@ COMPILED_EVENT = "Torch-Compiled Region"
 
 
 def check_compiled_backend_runs_compiled_kernels(kind: str = "block") -> None:
-    """Under the default backend the layer's quantize kernels are compiled graphs (seen by the profiler),
-    and the results equal the reference."""
+    """Under the default backend the layer's quantize kernels are compiled graphs (seen by the profiler,
+    and by which compiled kernels were asked for: the FP8 decode kernel is compiled too), and the
+    results equal the reference."""
+    from fp8kit.kernels import fused
+
     x, w, b, g = layer_inputs()
     set_quantize_backend("compiled")
+    asked: set[str] = set()
+    compiled = fused._compiled
+    fused._compiled = lambda k: (asked.add(k), compiled(k))[1]
     try:
         layer = make_layer(kind, w, b)
         run_layer(layer, x, g)  # compiles (or loads) the graphs
@@ -360,9 +366,11 @@ def check_compiled_backend_runs_compiled_kernels(kind: str = "block") -> None:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             y, dx, dw = run_layer(layer, x, g)
     finally:
+        fused._compiled = compiled
         set_quantize_backend("eager")
     regions = [e for e in prof.events() if e.name.startswith(COMPILED_EVENT)]
     assert regions, f"{kind}: no compiled quantize kernel ran under the compiled backend"
+    assert asked & {"tensor", "tiles", "pair"}, f"{kind}: the quantize kernels were not the compiled ones ({asked})"
     ry, rdx, rdw = ref_linear(kind, x, w, b, g)
     assert_matches(y, ry, f"{kind} compiled: output")
     assert_matches(dx, rdx, f"{kind} compiled: input gradient")

@@ -40,6 +40,7 @@ import logging
 
 import torch
 
+from .kernels import decode_fp8
 from .tensor import QuantizedTensor
 
 __all__ = [
@@ -274,29 +275,15 @@ def cpu_gemm_backend() -> str:
     return _cpu_backend()
 
 
-def _decode_table(dtype: torch.dtype, fmt_dtype: torch.dtype) -> torch.Tensor:
-    """The 256 values of an FP8 format in ``dtype`` (NaN codes included), indexed by the uint8 code."""
-    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt_dtype).to(dtype)
-
-
-# Built once at import (tiny), so that compiled graphs read them as constants.
-_TABLES = {
-    (dtype, fmt): _decode_table(dtype, fmt)
-    for dtype in (torch.float32, torch.bfloat16)
-    for fmt in (torch.float8_e4m3fn, torch.float8_e5m2)
-}
-
-
 def _decode(q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
-    """FP8 (or INT8) codes as ``dtype`` values, exactly.
-
-    Inside a compiled graph through a 256-entry table: inductor turns the gather into a vector loop,
-    while its float8 conversion on CPU runs element by element. Eagerly, torch's own conversion (a
-    gather in eager mode costs an int32 index tensor: measured 2x slower)."""
-    table = _TABLES.get((dtype, q.data.dtype))
-    if table is None or not torch.compiler.is_compiling():
+    """FP8 (or INT8) codes as ``dtype`` values, exactly: the values the quantizer computed beside the
+    cast where it did (compiled CPU graphs), else ``kernels.decode_fp8`` (vectorized integer
+    operations; compiled on its own in eager mode, fused into the graph when compiling)."""
+    if q.values is not None:
+        return q.values.to(dtype)
+    if q.data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         return q.data.to(dtype)
-    return table.to(q.data.device)[q.data.view(torch.uint8).to(torch.int32)]
+    return decode_fp8(q.data, q.fmt, dtype)
 
 
 def fp8_gemm(

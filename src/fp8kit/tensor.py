@@ -14,6 +14,7 @@ from .kernels import (
     quantize_blocks_reference,
     quantize_pair_eager,
     quantize_pair_fused,
+    round_bits,
 )
 from .kernels.reference import expand_tiles
 from .scaling import Granularity, parse_granularity
@@ -34,6 +35,9 @@ class QuantizedTensor:
         block: the tile shape ``(br, bc)`` used.
         orig_dtype: dtype of the tensor that was quantized (default for ``dequantize``).
         amax: per-tile absolute maximum of the input (float32, shape of ``scales``), when known.
+        values: the unscaled FP8 values as exact float32, shape of ``data``; only inside compiled CPU
+            graphs (per-tensor and per-row scales), where computing them beside the cast lets a GEMM
+            read its operand without decoding the codes. Never saved for backward or stored.
     """
 
     data: torch.Tensor
@@ -43,6 +47,7 @@ class QuantizedTensor:
     block: tuple[int, int]
     orig_dtype: torch.dtype
     amax: torch.Tensor | None = None
+    values: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -84,6 +89,7 @@ class QuantizedTensor:
             self.block[::-1],
             self.orig_dtype,
             None if self.amax is None else self.amax.t(),
+            None if self.values is None else self.values.t(),
         )
 
     def __repr__(self) -> str:
@@ -189,7 +195,12 @@ def quantize(
         data, sc, amax = quantize_blocks_eager(x2, spec, static)
     else:
         raise ValueError(f"unknown backend {backend!r}; accepted: 'eager', 'compiled', 'reference'")
-    return _finish(data, sc, amax, x.shape, fmt, gran, block, x.dtype, nonfinite)
+    q = _finish(data, sc, amax, x.shape, fmt, gran, block, x.dtype, nonfinite)
+    per_row = block[1] == cols and block[0] in (1, rows) and not gran.is_mx
+    if fmt.kind == "float" and per_row and x.device.type == "cpu" and torch.compiler.is_compiling():
+        # the same float32 products the cast rounded, so inductor computes both in one loop
+        q.values = round_bits(x2.float() * sc.reshape(-1, 1), fmt).reshape(x.shape)
+    return q
 
 
 def _finish(data, sc, amax, shape, fmt, gran, block, dtype, nonfinite) -> QuantizedTensor:

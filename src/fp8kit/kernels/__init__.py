@@ -4,15 +4,18 @@
 * ``fused``: the same math compiled with ``torch.compile`` (C++/OpenMP on CPU, Triton on CUDA) so
   that amax, scale and cast read the input twice and write the FP8 output once. On CPU the cast is
   integer arithmetic on the float32 bits (``cast_bits``), which inductor vectorizes; on CUDA it is
-  torch's native conversion. Falls back to eager when compilation is unavailable
+  torch's native conversion. ``decode_fp8`` is the inverse (codes to exact values) and ``round_bits``
+  the values a cast encodes, computed beside it (the operand of a CPU GEMM). Falls back to eager when compilation is unavailable
   (``set_compile_strict(True)`` raises instead).
 """
 
 from .fused import (
+    decode_fp8,
     quantize_blocks_eager,
     quantize_blocks_fused,
     quantize_pair_eager,
     quantize_pair_fused,
+    round_bits,
     set_compile_enabled,
     set_compile_strict,
 )
@@ -20,11 +23,13 @@ from .reference import BlockSpec, quantize_blocks_reference
 
 __all__ = [
     "BlockSpec",
+    "decode_fp8",
     "quantize_blocks_eager",
     "quantize_blocks_fused",
     "quantize_blocks_reference",
     "quantize_pair_eager",
     "quantize_pair_fused",
+    "round_bits",
     "set_compile_enabled",
     "set_compile_strict",
 ]

@@ -75,6 +75,69 @@ def cast_bits(y: torch.Tensor, fmt: Format, view: bool = True) -> torch.Tensor:
     return code.view(fmt.dtype) if view else code
 
 
+def round_bits(y: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """The values ``cast_bits(y, fmt)`` encodes, as exact float32 (``decode_bits(cast_bits(y))``),
+    computed from ``y`` directly: saturating round-to-nearest-even to ``fmt``'s grid.
+
+    For a GEMM that runs on the FP8 values in a wider dtype (CPU), this gives the operand in the same
+    vector loop as the cast, without reading the codes back: in the normal range the magnitude's bits
+    (clamped to ``fmt.max``'s) round to ``fmt.mantissa_bits`` bits (add ``half ulp - 1 + lsb``, clear the
+    dropped bits); below ``fmt.min_normal`` the grid is ``fmt.min_subnormal`` (exact float32 math).
+    NaN stays NaN, +-inf saturates to +-max, the sign of zero is kept (tested against the codes).
+    """
+    shift = 23 - fmt.mantissa_bits
+    max_bits, min_normal_bits = _LIMIT_BITS[fmt.name]
+    y = y.float()
+    bits = y.view(torch.int32)
+    mag = bits & 0x7FFFFFFF
+    clamped = torch.clamp(mag, max=max_bits)
+    rounded = (clamped + ((1 << (shift - 1)) - 1) + ((clamped >> shift) & 1)) & -(1 << shift)
+    normal = (rounded | (bits & -(1 << 31))).view(torch.float32)
+    subnormal = torch.round(y * (1.0 / fmt.min_subnormal)) * fmt.min_subnormal
+    v = torch.where(mag < min_normal_bits, subnormal, normal)
+    return torch.where(mag > 0x7F800000, y, v)
+
+
+def decode_bits(codes: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """FP8 codes (uint8 bit patterns or a float8 tensor) as exact float32 values: ``cast_bits``' inverse.
+
+    Integer operations and one multiply, which inductor turns into vector code (a 256-entry table
+    gather compiles to a scalar loop with bounds checks, and torch's float8 -> float conversion runs
+    element by element on CPU). The code's magnitude bits are placed in a float32's exponent and
+    mantissa fields, which reads them with float32's exponent bias; the multiply by
+    ``2**(127 - fmt.bias)`` moves the bias. Subnormal codes land on float32 subnormals, which the
+    multiply scales to exactly ``m * fmt.min_subnormal`` (no flush-to-zero on CPU by default; tested
+    for all 256 codes). E4M3's NaN codes and E5M2's inf/NaN codes are set explicitly.
+    """
+    c = codes.view(torch.uint8).to(torch.int32)
+    shift = 23 - fmt.mantissa_bits  # the code's mantissa field lands at the top of float32's
+    mag = c & 0x7F
+    v = (((c & 0x80) << 24) | (mag << shift)).view(torch.float32) * float(2.0 ** (127 - fmt.bias))
+    if fmt.has_inf:  # E5M2: exponent field all ones is inf (mantissa 0) or NaN
+        inf = (((c & 0x80) << 24) | 0x7F800000).view(torch.float32)
+        v = torch.where(mag == 0x7C, inf, v)
+        return torch.where(mag > 0x7C, float("nan"), v)
+    return torch.where(mag == 0x7F, float("nan"), v)
+
+
+def _decode_to(codes: torch.Tensor, fmt: Format, dtype: torch.dtype) -> torch.Tensor:
+    return decode_bits(codes, fmt).to(dtype)
+
+
+def _decode_torch(codes: torch.Tensor, fmt: Format, dtype: torch.dtype) -> torch.Tensor:
+    return codes.view(fmt.dtype).to(dtype)
+
+
+def decode_fp8(codes: torch.Tensor, fmt: Format, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """FP8 codes as exact ``dtype`` values (unscaled). CPU: ``decode_bits``, fused into the caller's
+    graph when compiling and compiled on its own in eager mode; elsewhere torch's own conversion."""
+    if codes.device.type != "cpu":
+        return _decode_torch(codes, fmt, dtype)
+    if torch.compiler.is_compiling():
+        return _decode_to(codes, fmt, dtype)
+    return _run("decode", _decode_torch, codes.view(torch.uint8), fmt, dtype)
+
+
 def quantize_blocks_eager(
     x: torch.Tensor, spec: BlockSpec, scale: torch.Tensor | None = None, *, codes: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -119,10 +182,14 @@ def _compiled(kind: str):
     for attr in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, attr):
             setattr(cfg, attr, max(getattr(cfg, attr), 64))
-    fn = {"tensor": _per_tensor, "tiles": quantize_blocks_eager, "pair": quantize_pair_eager}[kind]
+    if kind == "decode":
+        fn = _decode_to
+    else:
+        fn = {"tensor": _per_tensor, "tiles": quantize_blocks_eager, "pair": quantize_pair_eager}[kind]
+        fn = functools.partial(fn, codes=True)
     # Static compile; ``_dynamic`` marks the tensor sizes symbolic instead. (``dynamic=True`` would
     # also turn the format's and spec's integers into runtime values, 3x slower kernels on CPU.)
-    return torch.compile(functools.partial(fn, codes=True), dynamic=False)
+    return torch.compile(fn, dynamic=False)
 
 
 def _dynamic(a):
