@@ -85,6 +85,45 @@ def test_compiled_bit_cast_matches_reference_on_every_bfloat16_and_random_bits(f
         assert torch.equal(fused.cast_bits(y, fmt, view=False), want)  # the same ops run eagerly
 
 
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
+def test_round_bits_gives_the_values_the_cast_encodes(fmt):
+    """``round_bits`` (the CPU GEMM operand computed beside the cast) equals the reference cast's
+    values bit for bit, compiled and eager: every bfloat16 pattern, random float32 bits, and the exact
+    midpoints between neighbouring FP8 values (ties to even)."""
+    from fp8kit.formats import cast_reference
+
+    compiled = torch.compile(lambda y: fused.round_bits(y, fmt), dynamic=False)
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt.dtype).float()
+    grid = grid[grid.isfinite()].sort().values
+    ties = (grid[1:] + grid[:-1]) / 2
+    patterns = torch.arange(-(2**15), 2**15, dtype=torch.int16).view(torch.bfloat16).float()
+    rand_bits = torch.randint(
+        -(2**31), 2**31 - 1, (1 << 16,), dtype=torch.int32, generator=torch.Generator().manual_seed(1)
+    ).view(torch.float32)
+    for y in (patterns, rand_bits, ties):
+        want = cast_reference(y, fmt, saturate=True).to(fmt.dtype).float()
+        for got in (compiled(y), fused.round_bits(y, fmt)):
+            assert torch.equal(got.isnan(), want.isnan())
+            assert torch.equal(got.nan_to_num(0.0).view(torch.int32), want.nan_to_num(0.0).view(torch.int32))
+
+
+@pytest.mark.parametrize("gran", ["tensor", "row"])
+def test_values_beside_the_codes_in_a_compiled_graph(gran):
+    """Inside a compiled CPU graph ``quantize`` also returns the unscaled values (what the GEMM reads);
+    they equal the decoded codes exactly, follow ``t()``, and exist only while compiling."""
+    x = torch.randn(64, 96, dtype=torch.bfloat16) * 5
+
+    def both(t):
+        q = quantize(t, E4M3, gran, backend="compiled", nonfinite="propagate")  # no data-dependent check
+        return q.data.view(torch.uint8), q.values, q.t().values
+
+    codes, values, values_t = torch.compile(both, fullgraph=True)(x)
+    want = codes.view(torch.float8_e4m3fn).float()
+    assert torch.equal(values.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(values_t, values.t())
+    assert quantize(x, E4M3, gran, backend="compiled").values is None
+
+
 def test_eager_kernel_traced_inside_a_user_compiled_graph_keeps_the_float8_dtype():
     """Traced by someone else's ``torch.compile`` the eager kernel casts with ``cast_bits`` and
     returns float8 (not the uint8 codes fp8kit's own compiled kernels hand back)."""

@@ -17,8 +17,10 @@ native bfloat16 (AVX2) run bfloat16 GEMMs tens of times slower; the result is th
 CPU backend: chosen once per process from the CPU's features and logged (``cpu_gemm_backend()``,
 ``set_cpu_gemm_backend()``): on CPUs with native bfloat16 (AVX512-BF16, AMX) GEMMs with bfloat16
 outputs run as bf16 GEMMs on the exact FP8 values (FP32 accumulation inside oneDNN); elsewhere, and
-for FP32 outputs, the FP32 upcast above. Inside compiled graphs FP8 codes are decoded through a
-256-entry table.
+for FP32 outputs, the FP32 upcast above. The operands reach the GEMM as exact values without a
+table gather: inside compiled graphs the quantizer computes them beside the cast
+(``QuantizedTensor.values``, ``kernels.round_bits``); saved codes, and eager mode, decode with integer
+operations (``kernels.decode_fp8``), vectorized by inductor.
 
 CUDA: one native FP8 GEMM per recipe, with the scales applied inside the kernel:
 
