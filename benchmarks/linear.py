@@ -9,12 +9,15 @@ on CPUs without native bf16) run once.
 
     python benchmarks/linear.py [--shapes 2048x2048] [--recipes current,rowwise] [--no-compile] [--no-torchao]
     python benchmarks/linear.py --shapes 4096x8192,8192x8192 --reps 20      # GPU (issue 12's shapes)
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+        python benchmarks/linear.py --cpu-gemm-backend fp32 --bf16-max-d 0      # an AVX2 CPU, emulated
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import platform
 import time
 import warnings
@@ -84,13 +87,25 @@ def main() -> None:
     ap.add_argument(
         "--bf16-max-d", type=int, default=2048, help="skip nn.Linear bf16 above this d (slow on CPUs without bf16)"
     )
+    ap.add_argument(
+        "--cpu-gemm-backend",
+        choices=["fp32", "bf16"],
+        help="override fp8kit's CPU GEMM choice (e.g. fp32 when emulating an AVX2 machine with "
+        "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2)",
+    )
     args = ap.parse_args()
+    if args.cpu_gemm_backend:
+        from fp8kit.gemm import set_cpu_gemm_backend
+
+        set_cpu_gemm_backend(args.cpu_gemm_backend)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cuda":
         where = torch.cuda.get_device_name()
     else:
         cap = torch.backends.cpu.get_cpu_capability()
         where = f"{torch.get_num_threads()} threads, {cap}, fp8kit CPU GEMM backend {cpu_gemm_backend()}"
+        limits = [f"{k}={os.environ[k]}" for k in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS") if k in os.environ]
+        where += f" (ISA limited: {', '.join(limits)})" if limits else ""
     print(f"# {_cpu_name()}, {where}, torch {torch.__version__}, {dev}")
     recipes = [recipe_from_name(r) for r in args.recipes.split(",") if r]
     for shape in args.shapes.split(","):
