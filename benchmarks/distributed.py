@@ -6,7 +6,11 @@ run gathers every parameter in BF16; the FP8 run gathers the weights of its FP8 
 (``fp8kit.distributed.fsdp``) and the rest (embeddings, norms, output head) in BF16. Bytes are counted
 by wrapping ``torch.distributed``'s all-gather / reduce-scatter entry points that FSDP2 calls; they are
 the bytes each rank contributes per step (the same on every rank). Step times are medians over the
-timed steps with the two runs interleaved step by step, so a shared machine's load hits both alike.
+timed steps with the runs interleaved step by step, so a shared machine's load hits all alike.
+
+A third run, "FP8 + fp8kit AdamW", is the FP8 run with ``fp8kit.optim.AdamW`` (FP8 moments) instead of
+torch AdamW: under FSDP2 each rank keeps the optimizer state of its own shards only. The optimizer column
+gives each rank's optimizer-state bytes (its local shards), and per parameter of the whole model.
 
     python benchmarks/distributed.py                      # small Llama, 2 processes, 6 steps
     python benchmarks/distributed.py --size tiny --steps 3
@@ -50,7 +54,7 @@ def _count_bytes() -> None:
         setattr(dist, name, counting)
 
 
-def _build(run: str, size: str, seq_len: int):
+def _build(run: str, size: str, seq_len: int):  # run: bf16 | fp8 | fp8-adamw
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from fp8kit.distributed import enable_fp8_distributed
@@ -59,7 +63,8 @@ def _build(run: str, size: str, seq_len: int):
     from fp8kit.nn import convert
 
     model = build_llama(size, max_seq_len=seq_len, seed=0)
-    if run == "fp8":  # the other layers compute in BF16: FSDP2 casts all parameters to BF16 (mp policy)
+    fp8 = run.startswith("fp8")
+    if fp8:  # the other layers compute in BF16: FSDP2 casts all parameters to BF16 (mp policy)
         convert(model, "delayed")
         enable_fp8_distributed(model)
         enable_fp8_all_gather(model)
@@ -67,9 +72,25 @@ def _build(run: str, size: str, seq_len: int):
     for block in model.model.layers:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    if run == "fp8":
+    if fp8:
         register_fp8_gather_hook(model)
+    if run == "fp8-adamw":
+        from fp8kit.optim import AdamW
+
+        return model, AdamW(model.parameters(), lr=1e-3)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _optimizer_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's optimizer state (the local part of DTensor state)."""
+    from fp8kit.optim.sharding import local_tensor
+
+    return sum(
+        local_tensor(v).numel() * local_tensor(v).element_size()
+        for st in opt.state.values()
+        for v in st.values()
+        if isinstance(v, torch.Tensor)
+    )
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
@@ -82,7 +103,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     _count_bytes()
     corpus = load_corpus()
-    runs = {name: _build(name, args.size, args.seq_len) for name in ("bf16", "fp8")}
+    runs = {name: _build(name, args.size, args.seq_len) for name in ("bf16", "fp8", "fp8-adamw")}
     per = args.batch_size // world
     times: dict[str, list[float]] = {name: [] for name in runs}
     moved = {name: {"all_gather": 0, "reduce_scatter": 0} for name in runs}
@@ -105,6 +126,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
                 for kind in moved[name]:
                     moved[name][kind] += _BYTES[kind]
             losses[name].append(loss.item())
+    opt_bytes = {name: [None] * world for name in runs}
+    for name, (_, opt) in runs.items():
+        dist.all_gather_object(opt_bytes[name], _optimizer_bytes(opt))
+    n_params = sum(p.numel() for p in runs["bf16"][0].parameters())  # DTensor numel: the global count
     if rank == 0:
         result = {
             name: {
@@ -112,6 +137,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
                 "reduce_scatter_bytes_per_step": moved[name]["reduce_scatter"] / args.steps,
                 "step_s_median": statistics.median(times[name]),
                 "losses": losses[name],
+                "optimizer_bytes_per_rank": opt_bytes[name],
+                "params": n_params,
             }
             for name in runs
         }
@@ -138,18 +165,28 @@ def main() -> None:
         out = str(Path(tmp) / "result.json")
         mp.start_processes(_worker, args=(args.nproc, port, args, out), nprocs=args.nproc, start_method="spawn")
         res = json.loads(Path(out).read_text())
-    bf16, fp8 = res["bf16"], res["fp8"]
+    bf16, fp8, fp8_opt = res["bf16"], res["fp8"], res["fp8-adamw"]
     print(
         f"FSDP2, {args.nproc} CPU processes (gloo), demo Llama '{args.size}', global batch {args.batch_size} x "
         f"{args.seq_len} tokens, {args.steps} timed steps after {args.warmup}; torch {torch.__version__}"
     )
     print()
-    print("| run | all-gather MiB/step/rank | reduce-scatter MiB/step/rank | step s (median) |")
-    print("|---|---|---|---|")
-    for name, r in (("BF16 (BF16 gather)", bf16), ("FP8 delayed (FP8 weight gather)", fp8)):
+    print(
+        "| run | all-gather MiB/step/rank | reduce-scatter MiB/step/rank | optimizer state MiB/rank "
+        "(B/param of the model) | step s (median) |"
+    )
+    print("|---|---|---|---|---|")
+    rows = (
+        ("BF16 (BF16 gather), torch AdamW", bf16),
+        ("FP8 delayed (FP8 weight gather), torch AdamW", fp8),
+        ("FP8 delayed (FP8 weight gather), fp8kit AdamW", fp8_opt),
+    )
+    for name, r in rows:
+        ob = max(r["optimizer_bytes_per_rank"])
         print(
             f"| {name} | {r['all_gather_bytes_per_step'] / 2**20:.3f} | "
-            f"{r['reduce_scatter_bytes_per_step'] / 2**20:.3f} | {r['step_s_median']:.3f} |"
+            f"{r['reduce_scatter_bytes_per_step'] / 2**20:.3f} | {ob / 2**20:.3f} ({ob / r['params']:.2f}) | "
+            f"{r['step_s_median']:.3f} |"
         )
     print()
     ag = fp8["all_gather_bytes_per_step"] / bf16["all_gather_bytes_per_step"]
@@ -160,6 +197,11 @@ def main() -> None:
     )
     print(f"losses bf16 {[round(v, 4) for v in bf16['losses']]}")
     print(f"losses fp8  {[round(v, 4) for v in fp8['losses']]}")
+    print(f"losses fp8 + fp8kit AdamW {[round(v, 4) for v in fp8_opt['losses']]}")
+    print(
+        f"optimizer bytes per rank {fp8_opt['optimizer_bytes_per_rank']} (fp8kit AdamW) vs "
+        f"{fp8['optimizer_bytes_per_rank']} (torch AdamW): {max(fp8_opt['optimizer_bytes_per_rank']) / max(fp8['optimizer_bytes_per_rank']):.3f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -293,3 +293,36 @@ def test_chunked_update_equals_whole_tensor_update(monkeypatch):
     (w1, s1), (w2, s2) = run(1 << 20), run(256)
     assert torch.equal(w1, w2)
     assert all(torch.equal(s1[k], s2[k]) for k in s1)
+
+
+@pytest.mark.parametrize("update", ["stochastic", "kahan"])
+def test_bf16_parameters_resume_bit_exactly_from_the_state_dict(update):
+    # Stochastic rounding draws from a generator reseeded per (seed, step, parameter, shard): a fresh optimizer
+    # loaded from the state dict draws the same bits as the one that kept running (no generator state saved).
+    def make(ps):
+        return AdamW([{"params": ps[:1]}, {"params": ps[1:], "weight_decay": 0.0}], lr=1e-2, bf16_update=update)
+
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(130, 7).bfloat16()), torch.nn.Parameter(torch.randn(5).bfloat16())]
+    opt = make(ps)
+    grads = [[torch.randn_like(p) for p in ps] for _ in range(5)]
+
+    def run(params, o, steps):
+        for g in steps:
+            for p, gi in zip(params, g, strict=True):
+                p.grad = gi.clone()
+            o.step()
+
+    run(ps, opt, grads[:3])
+    sd = opt.state_dict()
+    sd = {
+        "state": {k: {n: t.clone() for n, t in v.items()} for k, v in sd["state"].items()},
+        "param_groups": sd["param_groups"],
+    }
+    ps2 = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    fresh = make(ps2)
+    fresh.load_state_dict(sd)
+    run(ps, opt, grads[3:])
+    run(ps2, fresh, grads[3:])
+    for p, q in zip(ps, ps2, strict=True):
+        assert torch.equal(p, q)

@@ -24,6 +24,7 @@ DCP, gradient clipping); pickling stores the plain tensor.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -123,11 +124,18 @@ class FP8GatherWeight(torch.Tensor):
         (codes,) = all_gather_outputs
         (scale,) = metadata
         weight = (codes.view(_FP8).float() / scale).to(param_dtype)
-        if out is not None:
-            with torch.no_grad():
+        if out is not None:  # a re-gather (backward, or the next step) into the unsharded parameter FSDP2 keeps
+            # The values are those the forward saw; keep the version counter (as FSDP2's own copy-out does), or
+            # a compiled graph that saved the parameter for backward fails its in-place modification check.
+            with torch.no_grad(), _preserve_version(out):
                 out.copy_(weight.view(out.shape) if out.numel() == weight.numel() else weight)
             return None
         return weight, (weight,)
+
+
+def _preserve_version(t: torch.Tensor) -> Any:
+    keep = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
+    return keep(t) if keep is not None else contextlib.nullcontext()
 
 
 def fp8_gather_layers(model: nn.Module) -> list[nn.Module]:

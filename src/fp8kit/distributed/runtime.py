@@ -3,9 +3,11 @@ model wrapped for data parallelism (DDP or FSDP2), and rank-0-only logging."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,6 +82,28 @@ class DistContext:
         kw = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
         return DDP(model, **kw)
 
+    @contextlib.contextmanager
+    def grad_sync(self, model: nn.Module, sync: bool) -> Iterator[None]:
+        """Context of one micro-batch's forward and backward under gradient accumulation: ``sync=False``
+        (every micro-batch but the last) skips the gradient reduction, so a step reduces gradients once,
+        not once per micro-batch. DDP: ``model.no_sync()``; FSDP2: ``set_requires_gradient_sync(sync)``
+        (the unsharded gradients accumulate locally until the last micro-batch reduce-scatters them).
+        FP8 scaling is unaffected: its amax sync is a separate collective (``sync_scaling``)."""
+        if not self.active:
+            yield
+        elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2 (fully_shard)
+            model.set_requires_gradient_sync(sync)
+            try:
+                yield
+            finally:
+                if not sync:
+                    model.set_requires_gradient_sync(True)
+        elif not sync and hasattr(model, "no_sync"):  # DDP
+            with model.no_sync():
+                yield
+        else:
+            yield
+
     def barrier(self) -> None:
         if self.active:
             dist.barrier()
@@ -112,11 +136,10 @@ def planned_world_size(nproc: int) -> int:
 
 
 def check_parallel_settings(batch_size: int, world: int, fsdp: bool, optimizer: str = "adamw") -> None:
-    """One-line ``ValueError`` for settings a run on ``world`` processes cannot take."""
+    """One-line ``ValueError`` for settings a run on ``world`` processes cannot take (every ``optimizer``
+    works with DDP and FSDP2: ``fp8kit.optim.AdamW`` keeps sharded state for FSDP2's DTensor parameters)."""
     if fsdp and world < 2:
         raise ValueError("--fsdp shards the model over several processes: add --nproc N with N >= 2")
-    if fsdp and optimizer != "adamw":
-        raise ValueError(f"--optimizer {optimizer} does not support FSDP2's sharded (DTensor) parameters: use adamw")
     if world > batch_size:
         raise ValueError(
             f"--nproc {world} is larger than the global --batch-size {batch_size}: every process needs at least "

@@ -115,6 +115,8 @@ def sync_scaling(model: nn.Module, group: Any = None) -> int:
 
     Every rank must call it at the same point (it is a collective). Returns the number of layers synced
     (0: no delayed layer, and no collective is issued, on every rank alike since the model is the same).
+    The layers' cached FP8 weights are dropped (their weight scale may have moved), so every rank and
+    every micro-batch quantizes the weight with the current scale.
     """
     layers = delayed_layers(model)
     if not layers:
@@ -126,6 +128,8 @@ def sync_scaling(model: nn.Module, group: Any = None) -> int:
     for m, row in zip(layers, pending, strict=True):
         m.fp8_amax_pending.copy_(row)
         m.fold_amax_pending()
+        if hasattr(m, "release_fp8_weights"):  # the weight scale may have moved: no FP8 copy made with the old one
+            m.release_fp8_weights()
     return len(layers)
 
 

@@ -1,6 +1,6 @@
 """``fp8kit.optim.AdamW``: AdamW with FP8 moments and optional BF16 master weights.
 
-State per parameter (plain tensors only, so ``state_dict`` saves as safetensors):
+State per parameter (plain tensors, so ``state_dict`` saves as safetensors; DTensors under FSDP2):
 
 * ``step``: float32 scalar tensor (as ``torch.optim.AdamW``).
 * ``exp_avg_codes`` (uint8 E4M3 codes, ``(n_blocks, block)``) + ``exp_avg_scale`` (float32 per block).
@@ -8,6 +8,11 @@ State per parameter (plain tensors only, so ``state_dict`` saves as safetensors)
   block) + ``exp_avg_sq_k`` (bfloat16 per block), COAT's dynamic range expansion; ``"bf16"``:
   ``exp_avg_sq`` (bfloat16, flat).
 * ``kahan_comp`` (bfloat16, flat): only for BF16 parameters with ``bf16_update="kahan"``.
+
+FSDP2 (``fully_shard``) parameters are DTensors: each rank keeps the state of its own shard only,
+as DTensors placed like the parameter (``sharding.py``: padded shards, blocks never straddle ranks),
+so the state bytes per rank are ~1/N; the non-finite-gradient skip is agreed by all shards (one MIN
+all-reduce of the flags per step), and ``torch.distributed.checkpoint`` saves and loads the state.
 
 Bytes per parameter of the state (block 128): 1.03 (m) + 1.05 (v fp8) or 2 (v bf16), plus 2 with Kahan.
 FP32 parameters are their own master weights; BF16 parameters are updated in FP32 and written back
@@ -22,8 +27,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from .master import kahan_update_, stochastic_round_bf16
+from .sharding import ShardInfo, dtensor_class, local_tensor, shard_info, wrap_like
 from .states import decode_bf16, decode_expanded, decode_signed, encode_bf16, encode_expanded, encode_signed
 
 __all__ = ["AdamW"]
@@ -32,6 +39,17 @@ _V_FORMATS = ("fp8", "bf16")
 _BF16_UPDATES = ("stochastic", "kahan")
 _PARAM_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 _CHUNK = 1 << 20  # elements updated at a time: bounds the step's FP32 temporaries (~40 MiB)
+_MASK64 = (1 << 64) - 1
+
+
+def _mix_seed(*values: int) -> int:
+    """A 63-bit generator seed from integers (splitmix64 over them): the same on every run and machine."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (int(v) & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & _MASK64
+        h ^= h >> 31
+    return h >> 1
 
 
 class AdamW(torch.optim.Optimizer):
@@ -45,11 +63,15 @@ class AdamW(torch.optim.Optimizer):
         bf16_update: how BF16 parameters take the FP32 update, ``"stochastic"`` rounding (default, no
             extra memory) or ``"kahan"`` (a BF16 compensation buffer, 2 bytes per parameter).
         block: contiguous elements per FP8 scale (default 128).
-        seed: seed of the stochastic-rounding generator (reproducible runs).
+        seed: seed of stochastic rounding. The random bits of a parameter's step are drawn from a generator
+            seeded with ``(seed, step, parameter index, shard index)``: runs are reproducible, a resumed
+            run continues bit-exactly without saving generator state, DDP replicas round alike and
+            FSDP2 shards draw independent bits.
         quantize_backend: ``"eager"`` or ``"compiled"`` kernels of ``fp8kit.quantize``.
 
-    Parameters may be float32, float64 or bfloat16 (a mix is fine). A parameter whose gradient holds
-    NaN/inf is not updated that step (its state is untouched) and a ``RuntimeWarning`` names it.
+    Parameters may be float32, float64 or bfloat16 (a mix is fine), plain tensors or FSDP2's sharded
+    DTensors (state kept per shard). A parameter whose gradient holds NaN/inf (on any shard) is not
+    updated that step (its state is untouched) and a ``RuntimeWarning`` names it.
     """
 
     def __init__(
@@ -126,6 +148,7 @@ class AdamW(torch.optim.Optimizer):
                     f"fp8kit.optim.AdamW: parameter {self._name(group, i)} has dtype {p.dtype}; "
                     "give float32, float64 or bfloat16 parameters"
                 )
+            shard_info(p, f"parameter {self._name(group, i)}")  # TypeError for layouts other than FSDP2's
         if group["exp_avg_sq"] not in _V_FORMATS or group["bf16_update"] not in _BF16_UPDATES:
             raise ValueError(f"invalid exp_avg_sq / bf16_update in a parameter group: {group['exp_avg_sq']!r}")
         if group.get("amsgrad"):
@@ -136,12 +159,15 @@ class AdamW(torch.optim.Optimizer):
         gi = next((j for j, g in enumerate(self.param_groups) if g is group), len(self.param_groups))
         return f"'{names[i]}'" if names else f"{i} of group {gi}"
 
-    def _generator(self, device: torch.device) -> torch.Generator:
+    def _generator(self, device: torch.device, hyper: dict[str, Any], r0: int) -> torch.Generator:
+        """The stochastic-rounding generator of one parameter's step; reseeded at its first chunk (``r0 == 0``)
+        from ``hyper["seed"]`` = hash of (seed, step, parameter index, shard index)."""
         gen = self._generators.get(device)
         if gen is None:
             gen = torch.Generator(device=device)
-            gen.manual_seed(self._seed)
             self._generators[device] = gen
+        if r0 == 0:
+            gen.manual_seed(hyper["seed"])
         return gen
 
     # ---- the update ------------------------------------------------------------------------------
@@ -152,79 +178,121 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        live = []  # (group, index in group, index in optimizer, param, layout)
+        index = 0
         for group in self.param_groups:
-            live = [(i, p) for i, p in enumerate(group["params"]) if p.grad is not None]
-            for i, p in live:
-                if p.grad.is_sparse:
-                    raise TypeError(
-                        f"fp8kit.optim.AdamW: parameter {self._name(group, i)} has a sparse gradient; "
-                        "use torch.optim.SparseAdam or a dense embedding"
-                    )
-            if not live:
+            for i, p in enumerate(group["params"]):
+                if p.grad is not None:
+                    if p.grad.is_sparse:
+                        raise TypeError(
+                            f"fp8kit.optim.AdamW: parameter {self._name(group, i)} has a sparse gradient; "
+                            "use torch.optim.SparseAdam or a dense embedding"
+                        )
+                    live.append((group, i, index, p, shard_info(p)))
+                index += 1
+        if not live:
+            return loss
+        for (group, i, index, p, info), ok in zip(live, self._finite_flags(live), strict=True):
+            if not ok:
+                warnings.warn(
+                    f"fp8kit.optim.AdamW: gradient of parameter {self._name(group, i)} holds NaN/inf"
+                    f"{' (on some shard)' if info.sharded else ''}; its update was skipped this step (state unchanged)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
                 continue
-            finite = torch.stack([torch.isfinite(p.grad).all() for _, p in live]).tolist()  # one sync per group
-            for (i, p), ok in zip(live, finite, strict=True):
-                if not ok:
-                    warnings.warn(
-                        f"fp8kit.optim.AdamW: gradient of parameter {self._name(group, i)} holds NaN/inf; "
-                        "its update was skipped this step (state unchanged)",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
-                    continue
-                self._update(p, group)
+            self._update(p, group, index, info)
         return loss
 
-    def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
-        zeros = torch.zeros(p.numel(), device=p.device)
+    @staticmethod
+    def _finite_flags(live: list) -> list[bool]:
+        """Whether each live parameter's gradient is finite: one host sync; sharded parameters are decided
+        by all their shards (one MIN all-reduce per process group), so every rank skips the same ones."""
+        flags = torch.stack([torch.isfinite(local_tensor(p.grad)).all() for *_, p, _ in live]).to(torch.int32)
+        by_group: dict[Any, list[int]] = {}
+        for j, (*_, info) in enumerate(live):
+            if info.sharded:
+                by_group.setdefault(info.group, []).append(j)
+        for pg, idx in by_group.items():
+            sub = flags[idx]
+            torch.distributed.all_reduce(sub, op=torch.distributed.ReduceOp.MIN, group=pg)
+            flags[idx] = sub
+        return [bool(f) for f in flags.tolist()]
+
+    def _init_state(self, p: torch.Tensor, group: dict[str, Any], info: ShardInfo | None = None) -> dict[str, Any]:
+        info = info or shard_info(p)
+        device = local_tensor(p).device
+        zeros = torch.zeros(info.padded, device=device)
         state = self.state[p]
         state["step"] = torch.tensor(0.0)
-        self._store(state, zeros, zeros, group)
+        self._store(state, zeros, zeros, group, info)
         if p.dtype == torch.bfloat16 and group["bf16_update"] == "kahan":
-            state["kahan_comp"] = torch.zeros(p.numel(), dtype=torch.bfloat16, device=p.device)
+            n = self._flat_len(info, group)
+            state["kahan_comp"] = wrap_like(torch.zeros(n, dtype=torch.bfloat16, device=device), info)
         return state
 
-    def _store(self, state: dict[str, Any], m: torch.Tensor, v: torch.Tensor, group: dict[str, Any]) -> None:
+    @staticmethod
+    def _flat_len(info: ShardInfo, group: dict[str, Any]) -> int:
+        """Length of the flat (BF16) state: the parameter's elements, or whole blocks of the padded shard."""
+        return -(-info.padded // group["block"]) * group["block"] if info.sharded else info.padded
+
+    def _store(
+        self, state: dict[str, Any], m: torch.Tensor, v: torch.Tensor, group: dict[str, Any], info: ShardInfo
+    ) -> None:
+        """Encode flat moments ``m``, ``v`` (``info.padded`` elements) into ``state``."""
         block, backend = group["block"], self._quantize_backend
-        state["exp_avg_codes"], state["exp_avg_scale"] = encode_signed(m, block, backend)
+        codes, scale = encode_signed(m, block, backend)
+        state["exp_avg_codes"], state["exp_avg_scale"] = wrap_like(codes, info), wrap_like(scale, info)
         if group["exp_avg_sq"] == "fp8":
             codes, vmax, k = encode_expanded(v, block, backend)
-            state["exp_avg_sq_codes"], state["exp_avg_sq_max"], state["exp_avg_sq_k"] = codes, vmax, k
+            state["exp_avg_sq_codes"], state["exp_avg_sq_max"] = wrap_like(codes, info), wrap_like(vmax, info)
+            state["exp_avg_sq_k"] = wrap_like(k, info)
         else:
-            state["exp_avg_sq"] = encode_bf16(v)
+            flat = torch.zeros(self._flat_len(info, group), dtype=torch.bfloat16, device=v.device)
+            flat[: v.numel()] = encode_bf16(v)
+            state["exp_avg_sq"] = wrap_like(flat, info)
 
     def moments(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decoded ``(exp_avg, exp_avg_sq)`` of parameter ``p`` as float32 tensors of its shape."""
-        state, n = self.state[p], p.numel()
-        m = decode_signed(state["exp_avg_codes"], state["exp_avg_scale"], n)
-        if "exp_avg_sq_codes" in state:
-            v = decode_expanded(state["exp_avg_sq_codes"], state["exp_avg_sq_max"], state["exp_avg_sq_k"], n)
+        """Decoded ``(exp_avg, exp_avg_sq)`` of parameter ``p`` as float32 tensors of its shape (of this
+        rank's shard, for an FSDP2 ``DTensor`` parameter)."""
+        st = {k: local_tensor(v) for k, v in self.state[p].items()}
+        shape = local_tensor(p).shape
+        n = math.prod(shape)
+        m = decode_signed(st["exp_avg_codes"], st["exp_avg_scale"], n)
+        if "exp_avg_sq_codes" in st:
+            v = decode_expanded(st["exp_avg_sq_codes"], st["exp_avg_sq_max"], st["exp_avg_sq_k"], n)
         else:
-            v = decode_bf16(state["exp_avg_sq"], n)
-        return m.reshape(p.shape), v.reshape(p.shape)
+            v = decode_bf16(st["exp_avg_sq"], n)
+        return m.reshape(shape), v.reshape(shape)
 
-    def _update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
-        """AdamW step of one parameter, in chunks of whole blocks (FP32 temporaries stay ~``_CHUNK``)."""
-        state = self.state[p] if self.state[p] else self._init_state(p, group)
-        state["step"] += 1
+    def _update(self, p: torch.Tensor, group: dict[str, Any], index: int, info: ShardInfo) -> None:
+        """AdamW step of one parameter (this rank's shard of it), in chunks of whole blocks (FP32
+        temporaries stay ~``_CHUNK``); ``index``: the parameter's position in the optimizer."""
+        state = self.state[p] if self.state[p] else self._init_state(p, group, info)
+        state["step"] += 1  # on every shard, also an empty one: the (replicated) step stays equal on all ranks
         step = float(state["step"])
+        if info.numel == 0:
+            return
         beta1, beta2 = group["betas"]
         hyper = {
             "lr": float(group["lr"]),
             "bias1": 1 - beta1**step,
             "bias2_sqrt": math.sqrt(1 - beta2**step),
+            "seed": _mix_seed(self._seed, int(step), index, info.coord),
         }
-        block, n = group["block"], p.numel()
-        contiguous = p.is_contiguous()
-        flat = p.detach().view(-1) if contiguous else p.detach().reshape(-1).clone()
-        grad = p.grad.reshape(-1)
-        rows = state["exp_avg_codes"].shape[0]
+        block, n = group["block"], info.numel
+        local = local_tensor(p).detach()
+        contiguous = local.is_contiguous()
+        flat = local.view(-1) if contiguous else local.reshape(-1).clone()
+        grad = local_tensor(p.grad).reshape(-1)
+        st = {k: local_tensor(v) for k, v in state.items() if k != "step"}
+        rows = -(-n // block)  # blocks holding this shard's elements (a padded shard's tail stays zero)
         step_rows = max(1, _CHUNK // block)
         for r0 in range(0, rows, step_rows):
             r1 = min(rows, r0 + step_rows)
-            self._update_rows(state, group, hyper, flat, grad, r0, r1, min(r1 * block, n) - r0 * block)
+            self._update_rows(st, group, hyper, flat, grad, r0, r1, min(r1 * block, n) - r0 * block)
         if not contiguous:
-            p.detach().copy_(flat.reshape(p.shape))
+            local.copy_(flat.reshape(local.shape))
 
     def _update_rows(self, state, group, hyper, flat, grad, r0: int, r1: int, count: int) -> None:
         """Update blocks ``r0:r1`` (elements ``r0 * block`` onwards, ``count`` of them) in place."""
@@ -253,7 +321,7 @@ class AdamW(torch.optim.Optimizer):
             if group["bf16_update"] == "kahan":
                 kahan_update_(target, new, state["kahan_comp"][e0:e1])
             else:
-                target.copy_(stochastic_round_bf16(new, self._generator(target.device)))
+                target.copy_(stochastic_round_bf16(new, self._generator(target.device, hyper, r0)))
         else:
             target.copy_(new)
         codes, scale = encode_signed(m, block, backend)
@@ -278,15 +346,38 @@ class AdamW(torch.optim.Optimizer):
                     f"param group {gi} of the state dict is not fp8kit.optim.AdamW's; for a torch.optim.AdamW "
                     "state dict use AdamW.load_torch_state_dict"
                 )
-        super().load_state_dict(state_dict)
         saved = state_dict["state"]
         ids = [pid for g in groups for pid in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
+        if len(ids) == len(params):
+            for pid, p in zip(ids, params, strict=True):
+                if pid in saved:
+                    self._check_layout(p, saved[pid])
+        super().load_state_dict(state_dict)
         for pid, p in zip(ids, params, strict=True):
             if pid in saved:  # torch casts floating state to the parameter's dtype: undo that
                 self.state[p] = {
-                    k: (v.to(p.device, copy=True) if k != "step" else v.clone()) for k, v in saved[pid].items()
+                    k: (v.to(local_tensor(p).device, copy=True) if k != "step" else v.clone())
+                    for k, v in saved[pid].items()
                 }
+
+    @staticmethod
+    def _check_layout(p: torch.Tensor, st: dict[str, Any]) -> None:
+        """``ValueError`` unless the saved state of ``p`` is laid out as this optimizer keeps it (sharded state
+        as DTensors of the same number of blocks per shard; whole-tensor state as plain tensors)."""
+        info = shard_info(p)
+        codes = st.get("exp_avg_codes")
+        if codes is None:
+            return
+        block = codes.shape[-1]
+        want = (info.shards * -(-info.padded // block), block)
+        if info.sharded != _is_dtensor(codes) or (info.sharded and tuple(codes.shape) != want):
+            saved = f"sharded {tuple(codes.shape)}" if _is_dtensor(codes) else "unsharded"
+            raise ValueError(
+                f"saved fp8kit.optim.AdamW state ({saved}) does not fit a parameter "
+                f"{'sharded over ' + str(info.shards) + ' ranks' if info.sharded else 'that is not sharded'}: "
+                "sharded FP8 optimizer state loads only on the world size that saved it"
+            )
 
     def load_torch_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``torch.optim.AdamW`` state dict: hyper-parameters and moments (re-encoded)."""
@@ -309,11 +400,20 @@ class AdamW(torch.optim.Optimizer):
                     continue
                 if "exp_avg" not in st or "exp_avg_sq" not in st:
                     raise ValueError(f"state of parameter {pid} lacks exp_avg/exp_avg_sq: not a torch AdamW state dict")
-                state = self._init_state(p, mine)
+                info = shard_info(p)
+                if info.sharded != _is_dtensor(st["exp_avg"]):
+                    raise ValueError(
+                        f"state of parameter {pid}: sharded and unsharded layouts differ between the state dict "
+                        "and this optimizer; convert with the same FSDP2 sharding (or none)"
+                    )
+                state = self._init_state(p, mine, info)
                 state["step"] = torch.as_tensor(st["step"], dtype=torch.float32).clone().reshape(())
-                m = st["exp_avg"].to(p.device).float().reshape(-1)
-                v = st["exp_avg_sq"].to(p.device).float().reshape(-1)
-                self._store(state, m, v, mine)
+                device = local_tensor(p).device
+                m, v = (
+                    F.pad(local_tensor(st[k]).to(device).float().reshape(-1), (0, info.padded - info.numel))
+                    for k in ("exp_avg", "exp_avg_sq")
+                )
+                self._store(state, m, v, mine, info)
 
     @classmethod
     def from_torch_state_dict(cls, params: Iterable[Any], state_dict: dict[str, Any], **kwargs: Any) -> AdamW:
@@ -323,5 +423,18 @@ class AdamW(torch.optim.Optimizer):
         return opt
 
     def state_bytes(self) -> int:
-        """Bytes of all optimizer state tensors (codes, scales, steps, compensation buffers)."""
-        return sum(t.numel() * t.element_size() for st in self.state.values() for t in st.values())
+        """Bytes of all optimizer state tensors held by this process (codes, scales, steps, compensation
+        buffers; for FSDP2 parameters this rank's shard only)."""
+        return sum(
+            local_tensor(t).numel() * local_tensor(t).element_size() for st in self.state.values() for t in st.values()
+        )
+
+    def state_shards(self) -> int:
+        """Number of ranks the state is sharded over (1: not sharded). Sharded state is saved per rank in
+        blocks of the padded shard, so it loads only on the same number of ranks."""
+        return max((shard_info(p).shards for g in self.param_groups for p in g["params"]), default=1)
+
+
+def _is_dtensor(t: Any) -> bool:
+    cls = dtensor_class()
+    return cls is not None and isinstance(t, cls)

@@ -245,8 +245,12 @@ def save_distributed_checkpoint(
         state = {"model": get_model_state_dict(model)}
     dcp.save(state, checkpoint_id=str(tmp / "dcp"))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    extra: dict[str, Any] = {"world_size": world, "dcp": True}
+    shards = optimizer.state_shards() if hasattr(optimizer, "state_shards") else 1
+    if shards > 1:  # fp8kit.optim.AdamW under FSDP2: per-rank FP8 blocks, no resharding
+        extra["optimizer_shards"] = shards
     if rank == 0:
-        _write_model_file(tmp / "model.safetensors", full, step, {**info, "world_size": world, "dcp": True})
+        _write_model_file(tmp / "model.safetensors", full, step, {**info, **extra})
     _barrier()
     if rank == 0:
         _publish(folder, tmp, name)
@@ -275,6 +279,7 @@ def load_distributed_checkpoint(
     if not is_distributed_checkpoint(path):
         raise CheckpointError(f"checkpoint {path} has no DCP shards (dcp/.metadata missing)")
     if optimizer is not None:
+        check_optimizer_shards(path, info, _dist_world()[1])
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     else:
@@ -318,8 +323,21 @@ def load_run_checkpoint(
     return load_checkpoint(path, model, optimizer, expect)
 
 
+def check_optimizer_shards(path: str | Path, info: dict[str, Any], world: int) -> None:
+    """Refuse to load the optimizer state of a checkpoint whose ``fp8kit.optim.AdamW`` state is sharded
+    (FSDP2) over another number of ranks than ``world``: its per-rank FP8 blocks are not resharded."""
+    shards = info.get("optimizer_shards", 1)
+    if shards > 1 and world != shards:
+        raise CheckpointError(
+            f"--resume: checkpoint {path} holds fp8kit.optim.AdamW state sharded over {shards} ranks (FSDP2), which "
+            f"cannot be resharded to {world}; resume it with --nproc {shards} --fsdp"
+        )
+
+
 def check_world_size(path: str | Path, info: dict[str, Any], world: int) -> None:
-    """Refuse to resume a single-process checkpoint (no DCP shards) on ``world > 1`` processes."""
+    """Refuse to resume a single-process checkpoint (no DCP shards) on ``world > 1`` processes, or
+    sharded FP8 optimizer state on another number of ranks (``check_optimizer_shards``)."""
+    check_optimizer_shards(path, info, world)
     if world > 1 and not is_distributed_checkpoint(path):
         written = info.get("world_size", 1)
         raise CheckpointError(

@@ -225,8 +225,9 @@ def train_run(
             for micro in range(cfg.grad_accum):
                 index = (step - 1) * cfg.grad_accum + micro
                 x, y = dctx.shard(*corpus.batch("train", index, cfg.batch_size, cfg.seq_len, cfg.seed))
-                loss = loss_of(step_fn, x, y) / cfg.grad_accum
-                loss.backward()
+                with dctx.grad_sync(train_model, sync=micro == cfg.grad_accum - 1):  # one gradient reduction a step
+                    loss = loss_of(step_fn, x, y) / cfg.grad_accum
+                    loss.backward()
                 total += loss.item()
             total = dctx.mean(total)  # the global batch's loss (equal shards: the mean of the ranks')
             if not math.isfinite(total):
