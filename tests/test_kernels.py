@@ -159,3 +159,26 @@ def test_compile_failure_raises_in_strict_mode_and_warns_otherwise(monkeypatch):
     finally:
         fused.set_compile_strict(True)
         fused.set_compile_enabled(True)  # the fallback switched compilation off process-wide
+
+
+def test_tensor_amax_eager_and_compiled_agree_with_abs_max():
+    """``tensor_amax`` (one ``aminmax`` pass eagerly, the kernels' row-then-all reduction compiled) is
+    max|x| as float32: all-negative tensors, NaN (propagates), -inf, -0.0 (gives +0.0), bfloat16."""
+    from fp8kit.tensor import tensor_amax
+
+    compiled = torch.compile(tensor_amax, fullgraph=True)
+    cases = [
+        torch.randn(33, 17),
+        -torch.rand(4, 9) - 1,
+        torch.tensor([[1.0, float("nan")], [2.0, 3.0]]),
+        torch.tensor([[float("-inf"), 1.0]]),
+        torch.tensor([-0.0, -0.0]),
+        torch.tensor(-3.5),
+        torch.randn(8, 64, dtype=torch.bfloat16) * 100,
+    ]
+    for x in cases:
+        want = x.float().abs().max()
+        for got in (tensor_amax(x), compiled(x)):
+            assert got.dtype == torch.float32
+            assert torch.equal(got, want) or (want.isnan() and got.isnan()), (x, got, want)
+            assert want.isnan() or not torch.signbit(got)

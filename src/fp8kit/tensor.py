@@ -102,10 +102,14 @@ class QuantizedTensor:
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """Absolute maximum of a whole tensor as a float32 scalar tensor (NaN if ``x`` holds NaN).
 
-    Rows first, then across rows: the same reduction the per-tensor kernels use, so a compiled graph
-    that needs the amax before the cast (delayed scaling's first step) computes it once."""
+    Compiled: rows first, then across rows, the same reduction the per-tensor kernels use, so a graph
+    that needs the amax before the cast (delayed scaling's first step) computes it once. Eager: one
+    ``aminmax`` pass, which reads ``x`` without writing ``|x|`` (about 10x faster on CPU)."""
     x2 = _as_2d(x)
-    return torch.abs(x2).amax(dim=-1).amax().float()
+    if torch.compiler.is_compiling():
+        return torch.abs(x2).amax(dim=-1).amax().float()
+    lo, hi = torch.aminmax(x2)
+    return torch.maximum(hi.float(), -lo.float()).abs()  # NaN propagates; abs: -0.0 -> 0.0
 
 
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
