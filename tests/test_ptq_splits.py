@@ -76,3 +76,63 @@ def test_compare_markdown_marks_the_split_and_spread():
     }
     md = compare_markdown(result)
     assert "dev split" in md and "A (dev) ppl +- std" in md and "+1.00% (+- 0.20)" in md and "gptq" in md
+
+
+def test_compare_uses_each_schemes_settings_keeps_bf16_layers_and_reports_them(tmp_path):
+    """``compare_schemes`` end to end on a tiny local model: per-scheme settings (here given), the Fisher
+    ranking keeps one layer in BF16 and the table names it with its share of the weights."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    from conftest import tiny_llama_config
+
+    from fp8kit.compare import compare_schemes
+
+    text = "In the beginning God created the heaven and the earth. And the earth was without form. " * 60
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.train_from_iterator([text], tokenizers.trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    cfg = tiny_llama_config(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_attention_heads=2)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "model")
+    fast.save_pretrained(tmp_path / "model")
+    (tmp_path / "text.txt").write_text(text)
+    res = compare_schemes(
+        str(tmp_path / "model"),
+        ["int8-smoothquant", "fp8-dynamic"],
+        tmp_path / "cmp",
+        text=str(tmp_path / "text.txt"),
+        split="dev",
+        n_windows=2,
+        seq_len=8,
+        calib_batches=1,
+        alpha="search",
+        keep_bf16=1,
+        second_text=False,
+        timing=False,
+        progress=False,
+    )
+    sq = res["rows"]["int8-smoothquant"]
+    assert sq["settings"]["alpha"] == "search" and sq["settings"]["smooth"] is True and sq["smooth_alpha"]
+    assert len(sq["kept_bf16"]) == 1 and 0 < sq["kept_bf16_weight_fraction"] < 0.5
+    assert res["rows"]["fp8-dynamic"]["settings"]["smooth"] is False
+    md = (tmp_path / "cmp" / "compare.md").read_text()
+    assert "- int8-smoothquant: calibration max; SmoothQuant alpha searched per layer group; GPTQ" in md
+    assert "int8-smoothquant: 1 layer kept in BF16 (" in md and sq["kept_bf16"][0] in md
+
+
+def test_ptq_settings_take_each_schemes_default_unless_given():
+    from fp8kit.compare import DEFAULT_KEEP_BF16, ptq_settings
+
+    fp8 = ptq_settings("fp8+kv")  # SmolLM2's 210 layers
+    assert (
+        fp8["kv_cache"]
+        and fp8["keep_bf16"] == round(210 * DEFAULT_KEEP_BF16.get("fp8", 0))
+        and fp8["calibration"] == "mse"
+    )
+    assert ptq_settings("fp8", n_layers=14)["keep_bf16"] == round(14 * DEFAULT_KEEP_BF16.get("fp8", 0)) < 14
+    assert ptq_settings("fp8", keep_bf16=0, calibration="max")["keep_bf16"] == 0
+    sq = ptq_settings("int8-smoothquant", alpha="search")
+    assert sq["alpha"] == "search" and sq["calibration"] == "max" and not sq["awq"]
+    wo = ptq_settings("int8-weight-only", smooth=True)
+    assert wo["awq"] and wo["smooth"] is False and wo["gptq"]  # no activations to smooth

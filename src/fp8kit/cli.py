@@ -62,6 +62,11 @@ def unit_fraction(text: str) -> float:
     return value
 
 
+def smoothquant_alpha(text: str) -> float | str:
+    """``--alpha``: a number in [0, 1], or ``search`` (each layer group's alpha chosen on calibration data)."""
+    return "search" if text.strip().lower() == "search" else unit_fraction(text)
+
+
 def recipe_list(text: str) -> str:
     """``all`` or a comma list of recipe names (``fp8kit train``)."""
     from .recipes import RECIPE_NAMES, recipe_from_name
@@ -348,6 +353,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         gptq=args.gptq,
         awq=args.awq,
         keep_bf16=args.keep_bf16,
+        smooth=args.smooth,
     )
     out = save_pretrained(model, args.out, tokenizer, overwrite=args.overwrite)
     print(model.ptq_report)
@@ -373,6 +379,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         gptq=args.gptq,
         awq=args.awq,
         keep_bf16=args.keep_bf16,
+        smooth=args.smooth,
         sensitivity=args.sensitivity,
         second_text=not args.no_second_text,
         timing=not args.no_timing,
@@ -606,7 +613,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--text", type=text_file, default=None, help="calibrate on this UTF-8 text instead of the shipped corpus"
     )
     _add_calibration_options(q)
-    _add_ptq_switches(q, "the N layers whose quantization alone changes the output most on calibration data")
+    _add_ptq_switches(q, "the N layers whose quantization alone worsens the model most on calibration data")
     _add_overwrite(q, "a folder")
     q.set_defaults(func=cmd_quantize)
 
@@ -630,16 +637,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--split", choices=("dev", "test"), default="test", help="dev (to choose settings) or test (to report)"
     )
     c.add_argument(
-        "--windows", type=positive_int, default=128, help="held-out windows per text (128 x 256 = 32k tokens)"
+        "--windows",
+        type=positive_int,
+        default=64,
+        help="held-out windows per text, one per 2,048-token block of the split (64 x 512 = 32,768 tokens)",
     )
-    c.add_argument("--seq-len", type=positive_int, default=256, help="tokens per held-out window")
+    c.add_argument("--seq-len", type=positive_int, default=512, help="tokens per held-out window")
     c.add_argument("--eval-batches", "--batches", dest="windows", type=positive_int, help=argparse.SUPPRESS)  # old name
     c.add_argument("--no-second-text", action="store_true", help="skip the second text (Python Language Reference)")
     c.add_argument("--no-timing", action="store_true", help="skip the prefill/decode timing (accuracy only)")
     c.add_argument(
         "--sensitivity", type=positive_int, default=0, metavar="W", help="per-layer sensitivity report on W dev windows"
     )
-    _add_ptq_switches(c, "the N layers with the largest dev-loss increase (per-layer sensitivity on the dev split)")
+    _add_ptq_switches(c, "the N most sensitive layers (on calibration data; with --sensitivity W, by dev loss)")
     _add_overwrite(c, "files")
     c.set_defaults(func=cmd_compare)
     return parser
@@ -654,7 +664,11 @@ def _add_calibration_options(p: argparse.ArgumentParser) -> None:
         help="max|percentile|mse (static activation scales; default mse, max for int8-smoothquant)",
     )
     p.add_argument(
-        "--alpha", type=unit_fraction, default=0.8, help="SmoothQuant migration strength (0.8 suits Llama models)"
+        "--alpha",
+        type=smoothquant_alpha,
+        default=None,
+        help="SmoothQuant migration strength in [0, 1], or search (per layer group, on calibration data); "
+        "default: each scheme's dev-chosen setting",
     )
     p.add_argument("--calib-batches", type=positive_int, default=8, help="calibration batches of 4 x 128 tokens")
 
@@ -666,7 +680,19 @@ def _add_ptq_switches(p: argparse.ArgumentParser, keep_what: str) -> None:
     p.add_argument(
         "--awq", action=argparse.BooleanOptionalAction, default=True, help="AWQ scale search (int8-weight-only)"
     )
-    p.add_argument("--keep-bf16", type=_at_least(0), default=0, metavar="N", help=f"keep in BF16 {keep_what}")
+    p.add_argument(
+        "--smooth",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fold SmoothQuant factors before quantizing W8A8 schemes (default: each scheme's dev-chosen setting)",
+    )
+    p.add_argument(
+        "--keep-bf16",
+        type=_at_least(0),
+        default=None,
+        metavar="N",
+        help=f"keep in BF16 {keep_what} (default: each scheme's dev-chosen N)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -72,6 +72,24 @@ def weight_memory(model: nn.Module) -> dict[str, int]:
     return {"linear_bytes": linear, "total_bytes": linear + other}
 
 
+def _quantizable(model: nn.Module) -> list[nn.Linear]:
+    """The Linear layers ``quantize`` quantizes by default (the output head excluded)."""
+    from .nn.convert import is_output_head
+
+    head = is_output_head(model)
+    return [m for n, m in model.named_modules() if type(m) is nn.Linear and not head(n, m)]
+
+
+def quantizable_layers(model: nn.Module) -> int:
+    """How many Linear layers ``quantize`` quantizes by default (210 in SmolLM2-135M)."""
+    return len(_quantizable(model))
+
+
+def _linear_weights(model: nn.Module) -> int:
+    """Weights of the Linear layers ``quantize`` quantizes by default."""
+    return sum(m.weight.numel() for m in _quantizable(model))
+
+
 def calibration_loop(splits: PTQSplits, batches: int, batch_size: int = 4, seq_len: int = 128) -> Callable:
     """``forward_loop`` over ``batches`` batches of windows spread over the calibration split (ModelOpt's
     convention); the dev and test splits are never seen. A short text (a user's ``--text``) gives as many
@@ -120,8 +138,16 @@ def load_splits(text: str | None, tokenizer, second_text: bool = True) -> list[P
 
 
 # chosen on the dev split (BENCHMARKS.md): static per-tensor INT8 keeps SmolLM2's large activations only
-# unclipped (max); FP8's range holds them either way and MSE clipping did as well or better
+# unclipped (max); FP8's range holds them either way and MSE clipping did as well or better. Static
+# per-tensor activations lose most in a few layers (down_proj above all): the dev sweep keeps the
+# most sensitive ones (Fisher ranking on calibration data) in BF16; the searched SmoothQuant alpha
+# lost to the fixed 0.8 on dev, so it is opt-in (--alpha search).
 DEFAULT_CALIBRATION = {"int8-smoothquant": "max"}
+DEFAULT_ALPHA: dict[str, float | str] = {}  # per scheme; 0.8 otherwise
+DEFAULT_SMOOTH: dict[str, bool] = {}  # per scheme; the scheme's own choice otherwise
+# share of the quantizable layers kept in BF16 by default: of SmolLM2's 210, 24 for fp8, 8 for int8-smoothquant
+DEFAULT_KEEP_BF16: dict[str, float] = {"fp8": 24 / 210, "int8-smoothquant": 8 / 210}  # per scheme; 0 otherwise
+EVAL_WINDOWS, EVAL_SEQ_LEN = 64, 512  # 32,768 held-out tokens per text
 
 
 def calibration_for(scheme: str, calibration: str | None) -> str:
@@ -134,6 +160,33 @@ def ptq_options(scheme: str, gptq: bool, awq: bool) -> dict[str, bool]:
     return {"gptq": gptq, "awq": awq and SCHEMES[scheme.removesuffix("+kv")].act_format is None}
 
 
+def ptq_settings(
+    scheme: str,
+    calibration: str | None = None,
+    alpha: float | str | None = None,
+    smooth: bool | None = None,
+    gptq: bool = True,
+    awq: bool = True,
+    keep_bf16: int | None = None,
+    n_layers: int = 210,
+) -> dict[str, Any]:
+    """The ``quantize`` keyword arguments for ``scheme`` (``+kv``: FP8 KV cache): each ``None`` takes the
+    dev-chosen default of that scheme (``DEFAULT_*``, BENCHMARKS.md). The default ``keep_bf16`` is a share
+    of the model's ``n_layers`` quantizable layers (rounded; 210 in SmolLM2-135M)."""
+    base = scheme.removesuffix("+kv")
+    smooth = DEFAULT_SMOOTH.get(base) if smooth is None else smooth
+    if smooth and SCHEMES[base].act_format is None:
+        smooth = False  # SmoothQuant folds need quantized activations
+    return {
+        "calibration": calibration_for(base, calibration),
+        "kv_cache": scheme.endswith("+kv"),
+        "alpha": DEFAULT_ALPHA.get(base, 0.8) if alpha is None else alpha,
+        "smooth": smooth,
+        "keep_bf16": round(DEFAULT_KEEP_BF16.get(base, 0) * n_layers) if keep_bf16 is None else keep_bf16,
+        **ptq_options(base, gptq, awq),
+    }
+
+
 def quantize_pretrained(
     model_name: str,
     scheme: str,
@@ -143,13 +196,15 @@ def quantize_pretrained(
     batch_size: int = 4,
     seq_len: int = 128,
     seed: int = 0,
-    alpha: float = 0.8,
+    alpha: float | str | None = None,
     gptq: bool = True,
     awq: bool = True,
-    keep_bf16: int = 0,
+    keep_bf16: int | None = None,
+    smooth: bool | None = None,
 ) -> tuple[nn.Module, Any, PTQSplits]:
     """Load ``model_name`` (``smollm2`` or a local directory) and quantize it with ``scheme``
-    (``+kv`` suffix: FP8 KV cache), calibrating on the calibration split of the corpus (or ``text``)."""
+    (``+kv`` suffix: FP8 KV cache), calibrating on the calibration split of the corpus (or ``text``).
+    ``None`` settings take the scheme's dev-chosen defaults (``ptq_settings``)."""
     from .models.pretrained import load_pretrained_lm
 
     del seed  # the calibration windows are fixed (evenly spaced over the calibration split)
@@ -157,17 +212,8 @@ def quantize_pretrained(
     model.eval()
     splits = load_splits(text, tokenizer, second_text=False)[0]
     loop = calibration_loop(splits, calib_batches, batch_size, seq_len)
-    base = scheme.removesuffix("+kv")
-    quantize(
-        model,
-        base,
-        loop,
-        calibration=calibration_for(scheme, calibration),
-        kv_cache=scheme.endswith("+kv"),
-        alpha=alpha,
-        keep_bf16=keep_bf16,
-        **ptq_options(scheme, gptq, awq),
-    )
+    kw = ptq_settings(scheme, calibration, alpha, smooth, gptq, awq, keep_bf16, quantizable_layers(model))
+    quantize(model, scheme.removesuffix("+kv"), loop, **kw)
     return model, tokenizer, splits
 
 
@@ -177,15 +223,16 @@ def compare_schemes(
     out: str | Path,
     text: str | None = None,
     split: str = "test",
-    n_windows: int = 128,
-    seq_len: int = 256,
+    n_windows: int = EVAL_WINDOWS,
+    seq_len: int = EVAL_SEQ_LEN,
     calib_batches: int = 8,
     calibration: str | None = None,
-    alpha: float = 0.8,
+    alpha: float | str | None = None,
     gptq: bool = True,
     awq: bool = True,
-    keep_bf16: int = 0,
+    keep_bf16: int | None = None,
     sensitivity: int = 0,
+    smooth: bool | None = None,
     second_text: bool = True,
     timing: bool = True,
     progress: bool = True,
@@ -195,9 +242,14 @@ def compare_schemes(
     writes ``compare.json``, ``compare.md`` and ``compare.png`` under ``out``. ``timing=False`` skips the
     prefill/decode timing (NaN in the table), for accuracy-only runs on a busy machine.
 
-    ``keep_bf16 = N``: the N layers with the largest dev-loss increase (per-layer sensitivity on
-    ``sensitivity`` dev windows, default 16, of the main text) stay in BF16; ``sensitivity`` alone
-    writes that report for each scheme. Both always score on the dev split, never on the test split."""
+    The defaults evaluate 64 windows of 512 tokens (32,768 tokens) of the main text, one window per
+    2,048-token block of the split, so they cover the whole text; the second text gives as many as its
+    split holds (up to ``n_windows``).
+
+    ``keep_bf16 = N``: the N most sensitive layers stay in BF16, ranked by ``quantize`` on calibration
+    data (Fisher estimate of the loss increase, one pass with gradients); with ``sensitivity = W`` too,
+    ranked instead by the dev-loss increase on W dev windows of the main text (one dev evaluation per
+    layer). ``sensitivity`` alone writes that report for each scheme. Nothing ranks on the test split."""
     from .models.pretrained import load_pretrained_lm
     from .ptq.sensitivity import dev_loss, keep_filter, layer_sensitivity
 
@@ -212,8 +264,6 @@ def compare_schemes(
     for sp in texts:
         ids = sp.split(split)
         n = min(n_windows, available_windows(ids, seq_len, sp.block))
-        if sp is not texts[0]:
-            n = min(n, ids.numel() // (seq_len + 1) // 2)
         if n < 1:
             raise ValueError(
                 f"the {split} split of {sp.name} holds {ids.numel()} tokens, too few for windows of {seq_len + 1}: "
@@ -221,9 +271,7 @@ def compare_schemes(
             )
         evals[sp.name] = windows(ids, n, seq_len, sp.block)
     loop = calibration_loop(texts[0], calib_batches)
-    sens_windows = (
-        windows(texts[0].dev, sensitivity or 16, seq_len, texts[0].block) if (sensitivity or keep_bf16) else None
-    )
+    sens_windows = windows(texts[0].dev, sensitivity, seq_len, texts[0].block) if sensitivity else None
     prompt = windows(texts[0].split(split), 1, min(seq_len, 64), texts[0].block)[:, :-1]
     rows: dict[str, dict[str, Any]] = {}
     losses: dict[str, dict[str, torch.Tensor]] = {}
@@ -235,19 +283,25 @@ def compare_schemes(
         if name == "bf16":
             to_bf16_gemms(model)
         else:
-            kw = {
-                "calibration": calibration_for(name, calibration),
-                "kv_cache": name.endswith("+kv"),
-                "alpha": alpha,
-                **ptq_options(name, gptq, awq),
-            }
+            kw = ptq_settings(name, calibration, alpha, smooth, gptq, awq, keep_bf16, quantizable_layers(base))
+            smoothed = SCHEMES[name.removesuffix("+kv")].smooth if kw["smooth"] is None else kw["smooth"]
+            extra["settings"] = {**{k: v for k, v in kw.items() if k != "kv_cache"}, "smooth": smoothed}
+            n_keep = kw["keep_bf16"]
             if sens_windows is not None:
+                kw["keep_bf16"] = 0
                 ranking = layer_sensitivity(base, name.removesuffix("+kv"), loop, dev_loss(sens_windows), **kw)
                 sens_report[name] = [{"layer": s.name, "dev_loss_delta": s.score} for s in ranking]
-                if keep_bf16:
-                    kw["module_filter"] = keep_filter(ranking, keep_bf16)
-                    extra["kept_bf16"] = [s.name for s in ranking[:keep_bf16]]
+                if n_keep:
+                    kw["module_filter"] = keep_filter(ranking, n_keep)
+                    extra["kept_bf16"] = [s.name for s in ranking[:n_keep]]
             quantize(model, name.removesuffix("+kv"), loop, **kw)
+            if n_keep and "kept_bf16" not in extra:
+                extra["kept_bf16"] = [s.name for s in model.ptq_report.sensitivity[:n_keep]]
+            if model.ptq_report.smooth_alpha:
+                extra["smooth_alpha"] = model.ptq_report.smooth_alpha
+            if "kept_bf16" in extra:
+                kept = sum(base.get_submodule(n).weight.numel() for n in extra["kept_bf16"])
+                extra["kept_bf16_weight_fraction"] = kept / _linear_weights(base)
         qtime = time.perf_counter() - t0
         losses[name] = {t: window_losses(model, w) for t, w in evals.items()}
         prefill, decode = time_per_token(model, prompt, new_tokens=16) if timing else (float("nan"), float("nan"))
@@ -271,7 +325,7 @@ def compare_schemes(
             cells = []
             for t, v in per_text.items():
                 rel = "" if name == "bf16" else f" ({100 * v['ppl_rel']:+.2f}% +- {100 * v['ppl_rel_sem']:.2f})"
-                cells.append(f"{t[:24]}: {v['ppl']:.3f}{rel}")
+                cells.append(f"{t[:24]}: {v['ppl']:.3f} +- {v['ppl_std']:.2f}{rel}")
             print(
                 f"  {name:<18} {split} ppl " + "; ".join(cells) + f"; weights {mem['total_bytes'] / 2**20:.1f} MiB; "
                 f"decode {1e3 * decode:.1f} ms/tok; quantize {qtime:.1f} s",
@@ -296,10 +350,6 @@ def compare_schemes(
             "method": calibration or ", ".join(f"{calibration_for(n, None)} ({n})" for n in schemes),
             "batches": calib_batches,
             "tokens": calib_batches * 4 * 128,
-            "smoothquant_alpha": alpha,
-            "gptq": gptq,
-            "awq": awq,
-            "keep_bf16": keep_bf16,
         },
         "sensitivity": sens_report,
         "machine": f"{os.cpu_count()} CPU threads, torch {torch.__version__}",
@@ -307,6 +357,18 @@ def compare_schemes(
     }
     _write_compare(out, result)
     return result
+
+
+def settings_text(kw: dict[str, Any]) -> str:
+    """One line for a scheme's ``ptq_settings``: calibration, smoothing, weight rounding, BF16 layers."""
+    alpha = kw.get("alpha")
+    parts = [f"calibration {kw['calibration']}"]
+    if kw.get("smooth"):
+        parts.append("SmoothQuant " + ("alpha searched per layer group" if alpha == "search" else f"alpha {alpha}"))
+    parts.append(", ".join(k.upper() for k in ("gptq", "awq") if kw.get(k)) or "round to nearest")
+    if kw.get("keep_bf16"):
+        parts.append(f"{kw['keep_bf16']} most sensitive layers kept in BF16")
+    return "; ".join(parts)
 
 
 def compare_markdown(result: dict[str, Any]) -> str:
@@ -325,11 +387,21 @@ def compare_markdown(result: dict[str, Any]) -> str:
         + ". Spread: std over windows; the change vs bf16 is paired per window (mean +- standard error).",
         "",
         f"Calibration: {cal['method']} over {cal['tokens']:,} tokens of the calibration split "
-        f"(SmoothQuant alpha {cal['smoothquant_alpha']}; weights: {opts}"
-        + (f"; {cal['keep_bf16']} most dev-sensitive layers kept in BF16" if cal.get("keep_bf16") else "")
-        + f"). Machine: {result['machine']}. Times are CPU emulation of the 8-bit GEMMs, not hardware FP8/INT8.",
+        + (
+            f"(SmoothQuant alpha {cal['smoothquant_alpha']}; weights: {opts}"
+            + (f"; {cal['keep_bf16']} most sensitive layers kept in BF16" if cal.get("keep_bf16") else "")
+            + ")"
+            if "smoothquant_alpha" in cal
+            else "(each scheme's settings below)"
+        )
+        + f". Machine: {result['machine']}. Times are CPU emulation of the 8-bit GEMMs, not hardware FP8/INT8.",
         "",
     ]
+    for name, r in result["rows"].items():
+        if r.get("settings"):
+            lines.append(f"- {name}: {settings_text(r['settings'])}")
+    if any(r.get("settings") for r in result["rows"].values()):
+        lines.append("")
     head = "| scheme | " + " | ".join(f"{t} ({split}) ppl +- std | vs bf16 (+- s.e.)" for t in texts)
     lines += [
         head + " | weights (MiB) | vs bf16 | Linear weights vs bf16 | KV cache @4k tokens (MiB) "
@@ -354,6 +426,14 @@ def compare_markdown(result: dict[str, Any]) -> str:
             + f" | {r['total_bytes'] / 2**20:.1f} | {r['memory_ratio']:.2f}x | {r['linear_memory_ratio']:.2f}x | "
             f"{r['kv_cache_bytes_4k'] / 2**20:.1f} | {times} |"
         )
+    for name, r in result["rows"].items():
+        if r.get("kept_bf16"):
+            lines += [
+                "",
+                f"{name}: {len(r['kept_bf16'])} layer{'s' * (len(r['kept_bf16']) != 1)} kept in BF16 "
+                f"({100 * r['kept_bf16_weight_fraction']:.1f}% of the quantizable Linear weights): "
+                + ", ".join(r["kept_bf16"]),
+            ]
     for name, ranking in result.get("sensitivity", {}).items():
         lines += ["", f"Per-layer sensitivity of {name} (dev split, loss increase with only that layer quantized):", ""]
         lines += [f"- {e['layer']}: {e['dev_loss_delta']:+.5f} nats/token" for e in ranking[:8]]

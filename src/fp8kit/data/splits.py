@@ -7,7 +7,7 @@ spaced offsets) of held-out blocks, spread evenly over the whole split: no windo
 
 ``reference_text()`` is a second English text of another kind that every CPython ships offline: the
 Python Language Reference topics in ``pydoc_data.topics`` (technical prose and code). None of it is
-used for calibration; it is scored whole (split ``"all"``).
+used for calibration; ``fp8kit compare`` scores its dev or test split, cut the same way as the main text's.
 """
 
 from __future__ import annotations

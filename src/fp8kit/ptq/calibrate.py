@@ -34,10 +34,13 @@ MSE_GRID = 36
 
 
 class InputObserver:
-    """Running statistics of one layer's input: amax, per-channel amax and a magnitude sample."""
+    """Running statistics of one layer's input: amax, per-channel amax, a magnitude sample and, with
+    ``keep_rows > 0``, up to ``keep_rows`` whole input rows (tokens) drawn uniformly per batch."""
 
-    def __init__(self, name: str, seed: int = 0) -> None:
+    def __init__(self, name: str, seed: int = 0, keep_rows: int = 0) -> None:
         self.name = name
+        self.keep_rows = keep_rows
+        self.row_sample: list[torch.Tensor] = []
         self.amax = 0.0
         self.channel_amax: torch.Tensor | None = None
         self.samples: list[torch.Tensor] = []
@@ -52,6 +55,9 @@ class InputObserver:
                 f"calibration input of layer {self.name!r} holds NaN or inf: clean the calibration data "
                 "(or fix the model) before quantizing"
             )
+        if self.keep_rows:
+            idx = torch.randperm(x.shape[0], generator=self.gen)[: self.keep_rows]
+            self.row_sample.append(x[idx].clone())
         mag = x.abs()
         ch = mag.amax(dim=0)
         self.channel_amax = ch if self.channel_amax is None else torch.maximum(self.channel_amax, ch)
@@ -74,6 +80,10 @@ class InputObserver:
             self.samples.append(flat.clone())
             self.weights.append(torch.ones(flat.numel()))
         self.batches += 1
+
+    def rows(self) -> torch.Tensor:
+        """The kept input rows, ``(rows, in_features)`` float32 (empty without ``keep_rows``)."""
+        return torch.cat(self.row_sample) if self.row_sample else torch.zeros(0)
 
     def sample(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Magnitudes and the number of observed values each stands for."""
@@ -133,10 +143,15 @@ def run_with_input_hooks(
 
 
 def observe_inputs(
-    model: nn.Module, names: Iterable[str], forward_loop: Callable[[nn.Module], object], seed: int = 0
+    model: nn.Module,
+    names: Iterable[str],
+    forward_loop: Callable[[nn.Module], object],
+    seed: int = 0,
+    keep_rows: int = 0,
 ) -> dict[str, InputObserver]:
-    """Run ``forward_loop(model)`` with observers on the inputs of the named ``nn.Linear`` layers."""
-    observers = {name: InputObserver(name, seed) for name in names}
+    """Run ``forward_loop(model)`` with observers on the inputs of the named ``nn.Linear`` layers
+    (``keep_rows``: input rows each observer keeps per batch, for searches that need whole tokens)."""
+    observers = {name: InputObserver(name, seed, keep_rows) for name in names}
     run_with_input_hooks(model, observers, lambda name, x: observers[name].observe(x), forward_loop)
     if observers and all(o.batches == 0 for o in observers.values()):
         raise ValueError(

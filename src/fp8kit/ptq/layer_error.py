@@ -1,5 +1,10 @@
 """Which layers' quantization alone changes a model's output most (used by ``quantize(..., keep_bf16=N)``).
 
+* ``rank_by_fisher``: one pass with gradients for all layers at once (causal LMs): each layer's output
+  change under quantization, weighted by the gradient of the next-token loss (a Fisher estimate of the
+  loss increase, as in HAWQ-V2 and BRECQ).
+* ``rank_by_output_error``: one ``forward_loop`` per layer with that layer alone quantized (any model).
+
 A leaf module (no import of ``ptq.quantize``): ``ptq.sensitivity`` builds the full report on top of it.
 """
 
@@ -12,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["LayerScore", "rank_by_output_error"]
+__all__ = ["LayerScore", "rank_by_fisher", "rank_by_output_error"]
 
 
 @dataclass(frozen=True)
@@ -81,4 +86,83 @@ def rank_by_output_error(
             h.remove()
             _swap(model, name, orig)
         scores.append(LayerScore(name, state["err"] / max(state["norm"], 1e-30), "relative output error"))
+    return sorted(scores, key=lambda s: -s.score)
+
+
+def _causal_lm_loss(output: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """Summed next-token cross-entropy of a causal LM call (``logits`` and ``input_ids``), else ``None``."""
+    logits = getattr(output, "logits", None)
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if not isinstance(logits, torch.Tensor) or not isinstance(ids, torch.Tensor) or logits.dim() != 3:
+        return None
+    if ids.shape != logits.shape[:2] or ids.shape[1] < 2:
+        return None
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1), reduction="sum"
+    )
+
+
+def rank_by_fisher(
+    model: nn.Module, qmods: dict[str, nn.Module], forward_loop: Callable[[nn.Module], object]
+) -> list[LayerScore] | None:
+    """Layers of ``qmods``, worst first, by ``0.5 * sum(g**2 * dy**2)`` over output elements divided by the
+    tokens seen (diagonal-Fisher estimate of the loss increase, nats/token): ``dy`` is the change of the layer's output
+    when its quantized module runs on the same input, ``g`` the gradient of the summed next-token loss
+    with respect to that output. One ``forward_loop`` with gradients (the parameters' own gradients are
+    not computed). Returns ``None`` if ``model``'s calls are not causal-LM calls (no ``logits`` or
+    ``input_ids``): use ``rank_by_output_error`` then."""
+    totals = dict.fromkeys(qmods, 0.0)
+    state = {"seqs": 0, "tokens": 0, "ok": True}
+    handles = []
+
+    def layer_hook(name: str):
+        q = qmods[name]
+
+        def hook(_m, args, out):
+            if not torch.is_grad_enabled() or not out.requires_grad:
+                return
+            with torch.no_grad():
+                dy = (q(args[0].detach()) - out.detach()).float()
+
+            def on_grad(g: torch.Tensor) -> None:
+                totals[name] += 0.5 * float((g.float() * dy).pow(2).sum())
+
+            out.register_hook(on_grad)
+
+        return hook
+
+    def model_hook(_m, args, kwargs, output):
+        loss = _causal_lm_loss(output, args, kwargs)
+        if loss is None or not loss.requires_grad:
+            state["ok"] = False
+            return
+        logits = output.logits
+        state["seqs"] += logits.shape[0]
+        state["tokens"] += logits.shape[0] * (logits.shape[1] - 1)
+        loss.backward()
+
+    def embed_hook(_m, _args, out):
+        return out.requires_grad_() if isinstance(out, torch.Tensor) and out.is_floating_point() else out
+
+    grads = {p: p.requires_grad for p in model.parameters()}
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not isinstance(embed, nn.Module):
+        return None
+    try:
+        for p in grads:
+            p.requires_grad_(False)
+        handles.append(embed.register_forward_hook(embed_hook))
+        handles += [model.get_submodule(n).register_forward_hook(layer_hook(n)) for n in qmods]
+        handles.append(model.register_forward_hook(model_hook, with_kwargs=True))
+        with torch.enable_grad():
+            forward_loop(model)
+    finally:
+        for h in handles:
+            h.remove()
+        for p, flag in grads.items():
+            p.requires_grad_(flag)
+    if not state["ok"] or state["seqs"] == 0:
+        return None
+    metric = "Fisher estimate of the loss increase (nats/token)"
+    scores = [LayerScore(n, t / state["tokens"], metric) for n, t in totals.items()]
     return sorted(scores, key=lambda s: -s.score)

@@ -16,12 +16,14 @@ from .calibrate import CALIBRATION_METHODS, choose_amax, observe_inputs
 from .kv_cache import enable_fp8_kv, finish_calibration
 from .linear import QuantLinear
 from .schemes import Scheme, get_scheme
-from .smoothquant import apply_smoothing, find_mappings
+from .smoothquant import apply_smoothing, apply_smoothing_search, find_mappings
 
 if TYPE_CHECKING:
     from .layer_error import LayerScore
 
 __all__ = ["PTQReport", "quantize"]
+
+ROWS_PER_BATCH = 64  # calibration tokens per batch kept for the SmoothQuant alpha search
 
 
 @dataclass
@@ -33,6 +35,7 @@ class PTQReport:
     skipped: dict[str, str] = field(default_factory=dict)
     input_amax: dict[str, float] = field(default_factory=dict)
     smoothed: list[str] = field(default_factory=list)
+    smooth_alpha: dict[str, float | None] = field(default_factory=dict)
     kv_cache: bool = False
     calibration: str | None = None
     gptq: bool = False
@@ -41,8 +44,15 @@ class PTQReport:
 
     def __str__(self) -> str:
         lines = [f"fp8kit.ptq ({self.scheme}): quantized {len(self.quantized)} Linear layers"]
-        if self.smoothed:
-            lines.append(f"  SmoothQuant folded into {len(self.smoothed)} producers")
+        if self.smooth_alpha:
+            searched = [a for a in self.smooth_alpha.values() if a is not None]
+            detail = (
+                f" (alpha searched per group: {min(searched)}-{max(searched)}, "
+                f"{len(self.smooth_alpha) - len(searched)} left unsmoothed)"
+                if len(set(self.smooth_alpha.values())) > 1 and searched
+                else ""
+            )
+            lines.append(f"  SmoothQuant folded into {len(self.smoothed)} producers{detail}")
         if self.awq:
             lines.append(f"  AWQ scales folded into {len(self.awq)} producers")
         if self.gptq:
@@ -82,7 +92,8 @@ def quantize(
     *,
     calibration: str = "max",
     percentile: float = 99.99,
-    alpha: float = 0.5,
+    alpha: float | str = 0.5,
+    smooth: bool | None = None,
     kv_cache: bool = False,
     module_filter: Callable[[str, nn.Module], bool] | None = None,
     gptq: bool = False,
@@ -100,15 +111,21 @@ def quantize(
             with its trained input amax (every layer's history) and needs none.
         calibration: ``"max"``, ``"percentile"`` or ``"mse"`` (static activation scales).
         percentile: for ``calibration="percentile"``.
-        alpha: SmoothQuant migration strength.
+        alpha: SmoothQuant migration strength in ``[0, 1]``, or ``"search"``: each group (norm -> q/k/v,
+            norm -> gate/up, up -> down) gets the alpha on an 11-point grid, or no smoothing, with the
+            smallest quantized output error on calibration tokens (``smoothquant.search_alpha``).
+        smooth: fold SmoothQuant factors before quantizing; ``None``: the scheme's own choice (only
+            ``int8-smoothquant``). The folds keep the model's function, so any W8A8 scheme may use them
+            (static ``fp8`` activations lose less with them on SmolLM2, BENCHMARKS.md).
         kv_cache: FP8 KV cache with per-tensor static k/v scales (FP8 schemes, Llama-style attention).
         module_filter: ``(name, module) -> bool`` chooses layers (replaces the default, which keeps the
             output head in high precision).
         gptq: round the weights with GPTQ (``ptq.gptq``; Hessians from ``forward_loop``) instead of to nearest.
         awq: AWQ-style per-channel scale search before rounding (``ptq.awq``; weight-only schemes).
-        keep_bf16: keep the ``keep_bf16`` layers whose quantization alone changes the model's output most
-            (relative output error over ``forward_loop``, ``ptq.sensitivity``) in high precision; costs one
-            ``forward_loop`` per quantized layer.
+        keep_bf16: keep in high precision the ``keep_bf16`` layers whose quantization alone worsens the
+            model most over ``forward_loop``: for causal LMs by the Fisher estimate of the next-token loss
+            increase (``layer_error.rank_by_fisher``, one pass with gradients), for other models by the
+            relative output error (``rank_by_output_error``, one ``forward_loop`` per quantized layer).
 
     The report is stored as ``model.ptq_report``.
     """
@@ -121,9 +138,14 @@ def quantize(
         raise ValueError(f"kv_cache (fp8-kv) goes with the FP8 schemes, not {scheme.name!r}")
     if awq and scheme.act_format is not None:
         raise ValueError(f"awq goes with the weight-only scheme (int8-weight-only), not {scheme.name!r}")
+    if not (alpha == "search" or (isinstance(alpha, (int, float)) and 0 <= alpha <= 1)):
+        raise ValueError(f"alpha must be a number in [0, 1] or 'search', got {alpha!r}")
     if isinstance(keep_bf16, bool) or not isinstance(keep_bf16, int) or keep_bf16 < 0:
         raise ValueError(f"keep_bf16 must be a whole number >= 0, got {keep_bf16!r}")
-    needs_data = scheme.static_activations or scheme.smooth or kv_cache or gptq or awq or keep_bf16 > 0
+    do_smooth = scheme.smooth if smooth is None else bool(smooth)
+    if do_smooth and scheme.act_format is None:
+        raise ValueError(f"smooth goes with schemes that quantize activations, not {scheme.name!r}")
+    needs_data = scheme.static_activations or do_smooth or kv_cache or gptq or awq or keep_bf16 > 0
     report = PTQReport(scheme.name, kv_cache=kv_cache, calibration=calibration if needs_data else None)
     skip = _default_skip(model)
     targets: list[str] = []
@@ -167,11 +189,17 @@ def quantize(
             from .awq import apply_awq
 
             report.awq = apply_awq(model, find_mappings(model, set(targets)), forward_loop, scheme)
-        observers = observe_inputs(model, targets, forward_loop)
-        if scheme.smooth:
+        search = do_smooth and alpha == "search"
+        observers = observe_inputs(model, targets, forward_loop, keep_rows=ROWS_PER_BATCH if search else 0)
+        if do_smooth:
             mappings = find_mappings(model, set(targets))
-            apply_smoothing(model, mappings, observers, alpha)
-            report.smoothed = [m.source for m in mappings]
+            if search:
+                rows = {m.targets[0]: observers[m.targets[0]].rows() for m in mappings}
+                report.smooth_alpha = apply_smoothing_search(model, mappings, observers, rows, scheme)
+            else:
+                apply_smoothing(model, mappings, observers, alpha)
+                report.smooth_alpha = dict.fromkeys((m.source for m in mappings), float(alpha))
+            report.smoothed = [src for src, a in report.smooth_alpha.items() if a is not None]
             if mappings:  # the smoothed inputs have new ranges: observe again
                 observers = observe_inputs(model, targets, forward_loop)
         blocks = enable_fp8_kv(model, "observe") if kv_cache else None
@@ -199,9 +227,12 @@ def quantize(
         else:
             qmods[name] = QuantLinear.from_linear(linear, scheme, amax.get(name))
     if keep_bf16:
-        from .layer_error import rank_by_output_error
+        from .layer_error import rank_by_fisher, rank_by_output_error
 
-        report.sensitivity = rank_by_output_error(model, qmods, forward_loop)
+        # causal LMs: one pass with gradients; other models: one forward_loop per layer
+        report.sensitivity = rank_by_fisher(model, qmods, forward_loop) or rank_by_output_error(
+            model, qmods, forward_loop
+        )
         for item in report.sensitivity[:keep_bf16]:
             report.skipped[item.name] = f"kept in high precision: among the {keep_bf16} most sensitive (keep_bf16)"
             del qmods[item.name]

@@ -27,9 +27,22 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from ..formats import Format
+from ..scaling import compute_scale
+from ..tensor import quantize as fp8_quantize
 from .calibrate import InputObserver
+from .schemes import Scheme, get_scheme
 
-__all__ = ["SmoothMapping", "apply_smoothing", "find_mappings", "fold_scales"]
+__all__ = [
+    "ALPHA_GRID",
+    "SmoothMapping",
+    "apply_smoothing",
+    "apply_smoothing_search",
+    "find_mappings",
+    "fold_scales",
+    "search_alpha",
+    "smoothed_error",
+]
 
 
 @dataclass
@@ -91,6 +104,82 @@ def apply_smoothing(
         fold_scales(model, mp, s)
         factors[mp.source] = s
     return factors
+
+
+ALPHA_GRID = 11  # alpha in 0, 0.1, ..., 1 for the per-mapping search
+
+
+def _fake_quant(x: torch.Tensor, fmt: Format, granularity: str, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize-dequantize ``x`` (float32) with ``fp8kit.quantize``; a static per-tensor ``amax`` if given."""
+    scale = None if amax is None else compute_scale(amax.reshape(1), fmt)
+    return fp8_quantize(x, fmt, granularity, scale=scale, check_scale=False).dequantize(torch.float32)
+
+
+@torch.no_grad()
+def smoothed_error(
+    x: torch.Tensor, x_amax: torch.Tensor, weights: list[torch.Tensor], scheme: Scheme | str, s: torch.Tensor
+) -> float:
+    """Mean squared output error of one smoothed group, as ``scheme`` quantizes it: sample inputs ``x``
+    ``(rows, in)`` divided by ``s`` and quantized with the static per-tensor scale that ``max`` calibration
+    gives (``max(x_amax / s)``), or per token for dynamic schemes; each weight ``(out_i, in)`` times ``s``
+    quantized per channel or per tensor (round to nearest); against the unquantized ``x @ W^T``."""
+    scheme = get_scheme(scheme)
+    x = x.float()
+    ref = torch.cat([x @ w.float().t() for w in weights], dim=1)
+    xs = x / s
+    if scheme.act_format is not None:
+        static = scheme.act_strategy == "tensor"
+        amax = (x_amax.float() / s).amax() if static else None
+        xs = _fake_quant(xs, scheme.act_format, "tensor" if static else "row", amax)
+    gran = "row" if scheme.weight_strategy == "channel" else "tensor"
+    out = torch.cat([xs @ _fake_quant(w.float() * s, scheme.weight_format, gran).t() for w in weights], dim=1)
+    return float((out - ref).pow(2).mean())
+
+
+@torch.no_grad()
+def search_alpha(
+    x: torch.Tensor,
+    x_amax: torch.Tensor,
+    weights: list[torch.Tensor],
+    scheme: Scheme | str,
+    grid: int = ALPHA_GRID,
+) -> tuple[torch.Tensor, float | None, dict[float | None, float]]:
+    """The SmoothQuant alpha of one group (SmoothQuant's per-layer search): the factors of ``alpha`` on
+    ``grid`` points in ``[0, 1]``, or no smoothing (``None``), whichever gives the smallest
+    ``smoothed_error`` on the sample ``x``. Returns ``(s, alpha, {alpha: error})``."""
+    if grid < 2:
+        raise ValueError(f"the SmoothQuant alpha search needs at least 2 grid points, got {grid}")
+    w_amax = torch.stack([w.detach().abs().amax(dim=0) for w in weights]).amax(dim=0)
+    candidates: dict[float | None, torch.Tensor] = {None: torch.ones_like(x_amax, dtype=torch.float32)}
+    for a in torch.linspace(0, 1, grid).tolist():
+        candidates[round(a, 4)] = smoothing_factors(x_amax, w_amax, a)
+    errors = {a: smoothed_error(x, x_amax, weights, scheme, s) for a, s in candidates.items()}
+    best = min(errors, key=lambda a: errors[a])
+    return candidates[best], best, errors
+
+
+@torch.no_grad()
+def apply_smoothing_search(
+    model: nn.Module,
+    mappings: list[SmoothMapping],
+    observers: dict[str, InputObserver],
+    rows: dict[str, torch.Tensor],
+    scheme: Scheme | str,
+    grid: int = ALPHA_GRID,
+) -> dict[str, float | None]:
+    """Smooth every mapping in place with its own alpha from ``search_alpha`` (on the sample input
+    ``rows[first target]``); returns the chosen alpha per source (``None``: left unsmoothed)."""
+    chosen: dict[str, float | None] = {}
+    for mp in mappings:
+        x_amax = observers[mp.targets[0]].channel_amax
+        if x_amax is None or mp.targets[0] not in rows:
+            raise ValueError(f"SmoothQuant: {mp.targets[0]!r} saw no calibration data")
+        weights = [model.get_submodule(t).weight for t in mp.targets]
+        s, alpha, _ = search_alpha(rows[mp.targets[0]], x_amax, weights, scheme, grid)
+        if alpha is not None:
+            fold_scales(model, mp, s)
+        chosen[mp.source] = alpha
+    return chosen
 
 
 @torch.no_grad()
