@@ -46,6 +46,15 @@ def _cast(y: torch.Tensor, fmt: Format, codes: bool = False) -> torch.Tensor:
 _LIMIT_BITS = {f.name: tuple(torch.tensor([f.max, f.min_normal]).view(torch.int32).tolist()) for f in (E4M3, E5M2)}
 
 
+def _float_bits(y: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``y`` as float32, its bits (int32), its magnitude's bits, and those clamped to ``fmt.max``'s
+    (saturation); read once: each bitcast costs inductor's CPU code a store and a reload."""
+    y = y.float()
+    bits = y.view(torch.int32)
+    mag = bits & 0x7FFFFFFF
+    return y, bits, mag, torch.clamp(mag, max=_LIMIT_BITS[fmt.name][0])
+
+
 def cast_bits(y: torch.Tensor, fmt: Format, view: bool = True) -> torch.Tensor:
     """Saturating round-to-nearest-even float32 -> FP8 written as integer operations on the bits.
 
@@ -57,15 +66,10 @@ def cast_bits(y: torch.Tensor, fmt: Format, view: bool = True) -> torch.Tensor:
       ``fmt.bias``, add ``half ulp - 1 + lsb`` and shift the mantissa down (round half to even);
     * subnormal range (``|y| < min_normal``): the code is ``round_half_even(|y| / min_subnormal)``,
       exact in float32; ``2**mantissa_bits`` is the smallest normal's code, so round-up into it is right.
-
-    The float32 bits are read once: each bitcast costs inductor's CPU code a store and a reload.
     """
     shift = 23 - fmt.mantissa_bits
-    max_bits, min_normal_bits = _LIMIT_BITS[fmt.name]
-    y = y.float()
-    bits = y.view(torch.int32)
-    mag = bits & 0x7FFFFFFF
-    clamped = torch.clamp(mag, max=max_bits)
+    y, bits, mag, clamped = _float_bits(y, fmt)
+    min_normal_bits = _LIMIT_BITS[fmt.name][1]
     normal = (clamped - ((127 - fmt.bias) << 23) + ((1 << (shift - 1)) - 1) + ((clamped >> shift) & 1)) >> shift
     subnormal = torch.round(y.abs() * (1.0 / fmt.min_subnormal)).to(torch.int32)
     code = torch.where(mag < min_normal_bits, subnormal, normal)
@@ -86,11 +90,8 @@ def round_bits(y: torch.Tensor, fmt: Format) -> torch.Tensor:
     NaN stays NaN, +-inf saturates to +-max, the sign of zero is kept (tested against the codes).
     """
     shift = 23 - fmt.mantissa_bits
-    max_bits, min_normal_bits = _LIMIT_BITS[fmt.name]
-    y = y.float()
-    bits = y.view(torch.int32)
-    mag = bits & 0x7FFFFFFF
-    clamped = torch.clamp(mag, max=max_bits)
+    y, bits, mag, clamped = _float_bits(y, fmt)
+    min_normal_bits = _LIMIT_BITS[fmt.name][1]
     rounded = (clamped + ((1 << (shift - 1)) - 1) + ((clamped >> shift) & 1)) & -(1 << shift)
     normal = (rounded | (bits & -(1 << 31))).view(torch.float32)
     subnormal = torch.round(y * (1.0 / fmt.min_subnormal)) * fmt.min_subnormal
