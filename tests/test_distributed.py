@@ -85,7 +85,7 @@ def train_step(model, opt, step, rank, world, skip_b=False) -> float:
     x, y = batch(step)
     per = GLOBAL_BATCH // world
     x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
-    loss = F.mse_loss(model(x, skip_b=skip_b), y)
+    loss = F.mse_loss(model(x, skip_b=True) if skip_b else model(x), y)  # any model taking x
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -857,16 +857,7 @@ def _fsdp_inductor_worker(rank: int, world: int, port: int, out: str) -> None:
             shard_model(model, fp8_all_gather=True)
             step_fn = torch.compile(model) if mode == "root" else model
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            losses = []
-            for step in range(1, 4):
-                x, _ = batch(step)
-                per = GLOBAL_BATCH // world
-                x = x[rank * per : (rank + 1) * per]
-                loss = F.mse_loss(step_fn(x), torch.tanh(x[:, :16]))
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                losses.append(loss.item())
+            losses = [train_step(step_fn, opt, s, rank, world) for s in range(1, 4)]
             states = [None] * world
             dist.all_gather_object(states, state_without_pending(model))
             res[f"{recipe}-{mode}"] = {"losses": losses, "agree": all(s == states[0] for s in states)}
