@@ -92,3 +92,34 @@ def test_quantize_with_gptq_lowers_model_output_error():
             gq = quantize(copy.deepcopy(model), scheme, loop, gptq=True)
             assert gq.ptq_report.gptq and "GPTQ" in str(gq.ptq_report)
             assert err(gq) < 0.8 * err(rtn), (scheme, err(gq), err(rtn))
+
+
+def test_collect_hessians_equals_each_layers_own_product():
+    """Each layer's Hessian is its own inputs' ``2 X^T X / N``, computed here without sharing. A later
+    layer's input may be allocated at a freed input's address with the same shape and version; a cache
+    keyed by address then handed that layer a stale product (measured: the MLPs of both layers here)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(tiny_llama_config(hidden_size=256, intermediate_size=512)).eval().requires_grad_(False)
+    data = [torch.randint(0, 256, (4, 128)) for _ in range(4)]
+    names = [n for n, m in model.named_modules() if type(m) is nn.Linear and n != "lm_head"]
+    hessians = collect_hessians(model, names, lambda m: [m(input_ids=x) for x in data])
+    sums = dict.fromkeys(names, 0.0)
+    counts = dict.fromkeys(names, 0)
+
+    def own(name):
+        def hook(_m, args):
+            x = args[0].reshape(-1, args[0].shape[-1]).float()
+            sums[name] = sums[name] + x.t() @ x
+            counts[name] += x.shape[0]
+
+        return hook
+
+    hooks = [model.get_submodule(n).register_forward_pre_hook(own(n)) for n in names]
+    with torch.no_grad():
+        for x in data:
+            model(input_ids=x)
+    for h in hooks:
+        h.remove()
+    wrong = [n for n in names if not torch.allclose(hessians[n], 2 * sums[n] / counts[n], rtol=1e-5, atol=1e-6)]
+    assert not wrong, wrong

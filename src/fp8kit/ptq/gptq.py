@@ -44,14 +44,15 @@ def collect_hessians(
     names = list(names)
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = dict.fromkeys(names, 0)
-    last: dict[str, object] = {"key": None, "xtx": None}
+    # the last input seen and its product: q/k/v (gate/up) get the same tensor object in one call. The
+    # tensor itself is held, so its memory cannot be reused by a later input (an address is no identity)
+    last: dict[str, object] = {"x": None, "version": None, "xtx": None}
 
     def hook(name: str, x: torch.Tensor) -> None:
         x2 = x.detach().reshape(-1, x.shape[-1])
-        key = (x2.data_ptr(), tuple(x2.shape), x._version)
-        if last["key"] != key:
+        if last["x"] is not x or last["version"] != x._version:
             xf = x2.float()
-            last["key"], last["xtx"] = key, xf.t() @ xf
+            last["x"], last["version"], last["xtx"] = x, x._version, xf.t() @ xf
         xtx = last["xtx"]
         sums[name] = sums[name] + xtx if name in sums else xtx.clone()
         counts[name] += x2.shape[0]
