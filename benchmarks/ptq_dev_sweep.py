@@ -16,7 +16,9 @@ Settings (comma list): ``SCHEME[:opt[:opt...]]`` with options ``rtn`` (no GPTQ),
 ``mse`` (calibration), ``a0.8`` (SmoothQuant alpha), ``asearch`` (per-group alpha search), ``keepN``
 (keep the N most sensitive layers in BF16), ``keepsA/B/C`` (several N from one quantization), ``smooth``
 (SmoothQuant folds for an FP8 scheme), ``wonly`` (E4M3 per-tensor weights only: the weights' share
-of the fp8 error).
+of the fp8 error), ``tweakN`` (N norm-tweaking steps on the calibration batches), ``lrX`` (its learning
+rate), ``shiftK`` (another calibration sample: the calibration split shifted by K x 1000 tokens, to see
+how much a figure owes to the sample), ``test`` (after the dev figure, score that same model once on the test split).
 """
 
 from __future__ import annotations
@@ -64,8 +66,16 @@ def parse(setting: str) -> tuple[str, dict]:
             kw["keeps"] = [int(n) for n in o[5:].split("/")]
         elif o.startswith("keep"):
             kw["keep_bf16"] = int(o[4:])
+        elif o.startswith("tweak"):  # norm tweaking: tweak60 = 60 steps
+            kw["norm_tweak"] = int(o[5:])
+        elif o.startswith("lr"):
+            kw["norm_tweak_lr"] = float(o[2:])
         elif o == "testonly":  # no dev evaluation: the test split once (settings fixed beforehand)
             kw["testonly"] = True
+        elif o.startswith("shift"):  # another calibration sample: the calibration split shifted by K x 1000 tokens
+            kw["shift"] = int(o[5:])
+        elif o == "test":  # dev, then the same model once on the test split
+            kw["then_test"] = True
         elif o == "wonly":
             scheme = dataclasses.replace(scheme, act_format=None, act_strategy=None)
         elif o == "smooth":
@@ -137,7 +147,7 @@ def main() -> None:
         "KJV": windows(texts[0].dev, args.windows, args.seq_len, texts[0].block),
         "PyRef": windows(texts[1].dev, args.ref_windows, args.seq_len, texts[1].block),
     }
-    loop = calibration_loop(texts[0], args.calib_batches)
+    base_loop = calibration_loop(texts[0], args.calib_batches)
     t0 = time.perf_counter()
     ref_model = copy.deepcopy(base)
     to_bf16_gemms(ref_model)
@@ -189,6 +199,13 @@ def main() -> None:
 
     for setting in args.settings.split(","):
         scheme, kw = parse(setting)
+        loop = base_loop
+        if kw.get("shift"):
+            calib = texts[0]
+            loop = calibration_loop(
+                dataclasses.replace(calib, calib=calib.calib[1000 * kw["shift"] :]), args.calib_batches
+            )
+        kw.pop("shift", None)
         model = copy.deepcopy(base)
         t0 = time.perf_counter()
         if "keeps" in kw:
@@ -198,8 +215,13 @@ def main() -> None:
             quantize(model, scheme, loop, **kw)
             test_fn(model, setting, [])
             continue
+        then_test = kw.pop("then_test", False)
+        if then_test and not args.test:
+            raise SystemExit(f"{setting!r}: the option 'test' scores the test split, which needs --test")
         quantize(model, scheme, loop, **kw)
         tq = time.perf_counter() - t0
+        if model.ptq_report.norm_tweak is not None:
+            print("  ", model.ptq_report.norm_tweak, flush=True)
         res = {k: paired(window_losses(model, w), ref[k]) for k, w in evals.items()}
         kept = [n for n, why in model.ptq_report.skipped.items() if "keep_bf16" in why]
         if kept:
@@ -220,6 +242,8 @@ def main() -> None:
             + (f" kept {kept}" if kept else ""),
             flush=True,
         )
+        if then_test:
+            test_fn(model, setting, kept)
         del model
 
 

@@ -111,18 +111,22 @@ def test_compare_uses_each_schemes_settings_keeps_bf16_layers_and_reports_them(t
         second_text=False,
         timing=False,
         progress=False,
+        norm_tweak=2,
     )
     sq = res["rows"]["int8-smoothquant"]
     assert sq["settings"]["alpha"] == "search" and sq["settings"]["smooth"] is True and sq["smooth_alpha"]
     assert len(sq["kept_bf16"]) == 1 and 0 < sq["kept_bf16_weight_fraction"] < 0.5
     assert res["rows"]["fp8-dynamic"]["settings"]["smooth"] is False
+    tweak = res["rows"]["fp8-dynamic"]["norm_tweak"]
+    assert tweak["steps"] == 2 and tweak["loss_after"] <= tweak["loss_before"]
     md = (tmp_path / "cmp" / "compare.md").read_text()
     assert "- int8-smoothquant: calibration max; SmoothQuant alpha searched per layer group; GPTQ" in md
+    assert "norm tweaking 2 steps" in md
     assert "int8-smoothquant: 1 layer kept in BF16 (" in md and sq["kept_bf16"][0] in md
 
 
 def test_ptq_settings_take_each_schemes_default_unless_given():
-    from fp8kit.compare import DEFAULT_KEEP_BF16, ptq_settings
+    from fp8kit.compare import DEFAULT_KEEP_BF16, DEFAULT_NORM_TWEAK, ptq_settings
 
     fp8 = ptq_settings("fp8+kv")  # SmolLM2's 210 layers
     assert (
@@ -132,6 +136,8 @@ def test_ptq_settings_take_each_schemes_default_unless_given():
     )
     assert ptq_settings("fp8", n_layers=14)["keep_bf16"] == round(14 * DEFAULT_KEEP_BF16.get("fp8", 0)) < 14
     assert ptq_settings("fp8", keep_bf16=0, calibration="max")["keep_bf16"] == 0
+    assert fp8["norm_tweak"] == DEFAULT_NORM_TWEAK.get("fp8", 0)
+    assert ptq_settings("fp8", norm_tweak=7)["norm_tweak"] == 7 and ptq_settings("fp8", norm_tweak=0)["norm_tweak"] == 0
     sq = ptq_settings("int8-smoothquant", alpha="search")
     assert sq["alpha"] == "search" and sq["calibration"] == "max" and not sq["awq"]
     wo = ptq_settings("int8-weight-only", smooth=True)

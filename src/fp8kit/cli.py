@@ -354,6 +354,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         awq=args.awq,
         keep_bf16=args.keep_bf16,
         smooth=args.smooth,
+        norm_tweak=args.norm_tweak,
     )
     out = save_pretrained(model, args.out, tokenizer, overwrite=args.overwrite)
     print(model.ptq_report)
@@ -380,6 +381,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         awq=args.awq,
         keep_bf16=args.keep_bf16,
         smooth=args.smooth,
+        norm_tweak=args.norm_tweak,
         sensitivity=args.sensitivity,
         second_text=not args.no_second_text,
         timing=not args.no_timing,
@@ -692,6 +694,14 @@ def _add_ptq_switches(p: argparse.ArgumentParser, keep_what: str) -> None:
         default=None,
         metavar="N",
         help=f"keep in BF16 {keep_what} (default: each scheme's dev-chosen N)",
+    )
+    p.add_argument(
+        "--norm-tweak",
+        type=_at_least(0),
+        default=None,
+        metavar="STEPS",
+        help="after quantizing, tune the norm weights for STEPS steps towards the BF16 model on the "
+        "calibration batches (0: off; default: each scheme's dev-chosen setting)",
     )
 
 

@@ -13,6 +13,7 @@ without FP8/INT8 matrix units these times measure the emulation, not the hardwar
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -147,6 +148,7 @@ DEFAULT_ALPHA: dict[str, float | str] = {}  # per scheme; 0.8 otherwise
 DEFAULT_SMOOTH: dict[str, bool] = {}  # per scheme; the scheme's own choice otherwise
 # share of the quantizable layers kept in BF16 by default: of SmolLM2's 210, 24 for fp8, 8 for int8-smoothquant
 DEFAULT_KEEP_BF16: dict[str, float] = {"fp8": 24 / 210, "int8-smoothquant": 8 / 210}  # per scheme; 0 otherwise
+DEFAULT_NORM_TWEAK: dict[str, int] = {}  # norm-tweaking steps per scheme; 0 otherwise
 EVAL_WINDOWS, EVAL_SEQ_LEN = 64, 512  # 32,768 held-out tokens per text
 
 
@@ -169,6 +171,7 @@ def ptq_settings(
     awq: bool = True,
     keep_bf16: int | None = None,
     n_layers: int = 210,
+    norm_tweak: int | None = None,
 ) -> dict[str, Any]:
     """The ``quantize`` keyword arguments for ``scheme`` (``+kv``: FP8 KV cache): each ``None`` takes the
     dev-chosen default of that scheme (``DEFAULT_*``, BENCHMARKS.md). The default ``keep_bf16`` is a share
@@ -183,6 +186,7 @@ def ptq_settings(
         "alpha": DEFAULT_ALPHA.get(base, 0.8) if alpha is None else alpha,
         "smooth": smooth,
         "keep_bf16": round(DEFAULT_KEEP_BF16.get(base, 0) * n_layers) if keep_bf16 is None else keep_bf16,
+        "norm_tweak": DEFAULT_NORM_TWEAK.get(base, 0) if norm_tweak is None else norm_tweak,
         **ptq_options(base, gptq, awq),
     }
 
@@ -201,6 +205,7 @@ def quantize_pretrained(
     awq: bool = True,
     keep_bf16: int | None = None,
     smooth: bool | None = None,
+    norm_tweak: int | None = None,
 ) -> tuple[nn.Module, Any, PTQSplits]:
     """Load ``model_name`` (``smollm2`` or a local directory) and quantize it with ``scheme``
     (``+kv`` suffix: FP8 KV cache), calibrating on the calibration split of the corpus (or ``text``).
@@ -212,7 +217,7 @@ def quantize_pretrained(
     model.eval()
     splits = load_splits(text, tokenizer, second_text=False)[0]
     loop = calibration_loop(splits, calib_batches, batch_size, seq_len)
-    kw = ptq_settings(scheme, calibration, alpha, smooth, gptq, awq, keep_bf16, quantizable_layers(model))
+    kw = ptq_settings(scheme, calibration, alpha, smooth, gptq, awq, keep_bf16, quantizable_layers(model), norm_tweak)
     quantize(model, scheme.removesuffix("+kv"), loop, **kw)
     return model, tokenizer, splits
 
@@ -236,6 +241,7 @@ def compare_schemes(
     second_text: bool = True,
     timing: bool = True,
     progress: bool = True,
+    norm_tweak: int | None = None,
 ) -> dict[str, Any]:
     """Perplexity (mean and spread over ``n_windows`` windows of ``seq_len`` tokens of the ``split`` split,
     on the main text and the second text), weight memory and per-token times of BF16 and each scheme;
@@ -283,13 +289,16 @@ def compare_schemes(
         if name == "bf16":
             to_bf16_gemms(model)
         else:
-            kw = ptq_settings(name, calibration, alpha, smooth, gptq, awq, keep_bf16, quantizable_layers(base))
+            kw = ptq_settings(
+                name, calibration, alpha, smooth, gptq, awq, keep_bf16, quantizable_layers(base), norm_tweak
+            )
             smoothed = SCHEMES[name.removesuffix("+kv")].smooth if kw["smooth"] is None else kw["smooth"]
             extra["settings"] = {**{k: v for k, v in kw.items() if k != "kv_cache"}, "smooth": smoothed}
             n_keep = kw["keep_bf16"]
             if sens_windows is not None:
                 kw["keep_bf16"] = 0
-                ranking = layer_sensitivity(base, name.removesuffix("+kv"), loop, dev_loss(sens_windows), **kw)
+                plain = {k: v for k, v in kw.items() if k != "norm_tweak"}  # rank the layers, then tweak once
+                ranking = layer_sensitivity(base, name.removesuffix("+kv"), loop, dev_loss(sens_windows), **plain)
                 sens_report[name] = [{"layer": s.name, "dev_loss_delta": s.score} for s in ranking]
                 if n_keep:
                     kw["module_filter"] = keep_filter(ranking, n_keep)
@@ -299,6 +308,8 @@ def compare_schemes(
                 extra["kept_bf16"] = [s.name for s in model.ptq_report.sensitivity[:n_keep]]
             if model.ptq_report.smooth_alpha:
                 extra["smooth_alpha"] = model.ptq_report.smooth_alpha
+            if model.ptq_report.norm_tweak is not None:
+                extra["norm_tweak"] = dataclasses.asdict(model.ptq_report.norm_tweak)
             if "kept_bf16" in extra:
                 kept = sum(base.get_submodule(n).weight.numel() for n in extra["kept_bf16"])
                 extra["kept_bf16_weight_fraction"] = kept / _linear_weights(base)
@@ -368,6 +379,8 @@ def settings_text(kw: dict[str, Any]) -> str:
     parts.append(", ".join(k.upper() for k in ("gptq", "awq") if kw.get(k)) or "round to nearest")
     if kw.get("keep_bf16"):
         parts.append(f"{kw['keep_bf16']} most sensitive layers kept in BF16")
+    if kw.get("norm_tweak"):
+        parts.append(f"norm tweaking {kw['norm_tweak']} steps")
     return "; ".join(parts)
 
 

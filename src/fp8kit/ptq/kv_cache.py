@@ -38,9 +38,11 @@ def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def _fake_fp8(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``t`` rounded to E4M3 codes with the static dequant ``scale`` and dequantized (``fp8kit.quantize``)."""
-    codes = quantize(t, E4M3, "tensor", scale=1.0 / scale, nonfinite="propagate", check_scale=False).data
-    return (codes.float() * scale).to(t.dtype)
+    """``t`` rounded to E4M3 codes with the static dequant ``scale`` and dequantized (``fp8kit.quantize``);
+    a gradient passes straight through (norm tweaking)."""
+    codes = quantize(t.detach(), E4M3, "tensor", scale=1.0 / scale, nonfinite="propagate", check_scale=False).data
+    fake = (codes.float() * scale).to(t.dtype)
+    return t + (fake - t).detach() if t.requires_grad else fake  # straight-through gradient
 
 
 def _inner_attention(name: str):
@@ -60,7 +62,7 @@ def _fp8_kv_attention(module: nn.Module, query, key, value, attention_mask, **kw
     if state["mode"] == "observe":
         state["k"].observe(key)
         state["v"].observe(value)
-    else:
+    elif state["mode"] == "quantize":  # "off": high precision (the norm-tweaking teacher)
         key = _fake_fp8(key, module.k_scale)
         value = _fake_fp8(value, module.v_scale)
     return state["inner"](module, query, key, value, attention_mask, **kwargs)

@@ -290,6 +290,22 @@ class QuantLinear(nn.Module):
             out = out + self.bias
         return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
+    def _forward_straight_through(self, x: torch.Tensor) -> torch.Tensor:
+        """The reference math, differentiable in ``x``: the forward value uses the quantized input, the
+        gradient passes the activation quantizer straight through (the weights stay frozen). Used when
+        ``x`` requires a gradient (e.g. norm tweaking); inference never takes this path."""
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.scheme.act_format is not None:
+            with torch.no_grad():
+                xq, sx = self.quantize_input(x2.detach())
+                xd = (xq.float() * sx.reshape(-1, 1)).to(x2.dtype)
+            x2 = x2 + (xd - x2).detach()
+        out = x2.float() @ self.dequantized_weight().t()
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
     def _codes(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight's code values in ``dtype`` (exact), cached until the weight buffer changes."""
         w = self.weight  # the cache holds the weight itself, so its identity and version name it safely
@@ -356,6 +372,8 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"QuantLinear expects inputs with last dim {self.in_features}, got {tuple(x.shape)}")
+        if x.requires_grad and torch.is_grad_enabled():
+            return self._forward_straight_through(x)
         choice = self.kernel_for(x)
         _log_choice(choice, x.device.type)
         if choice.name == "reference":

@@ -20,6 +20,7 @@ from .smoothquant import apply_smoothing, apply_smoothing_search, find_mappings
 
 if TYPE_CHECKING:
     from .layer_error import LayerScore
+    from .norm_tweak import NormTweakResult
 
 __all__ = ["PTQReport", "quantize"]
 
@@ -38,6 +39,7 @@ class PTQReport:
     smooth_alpha: dict[str, float | None] = field(default_factory=dict)
     kv_cache: bool = False
     calibration: str | None = None
+    norm_tweak: NormTweakResult | None = None
     gptq: bool = False
     awq: dict[str, float] = field(default_factory=dict)
     sensitivity: list[LayerScore] = field(default_factory=list)
@@ -59,6 +61,12 @@ class PTQReport:
             lines.append("  GPTQ weight rounding (Hessian-aware error compensation)")
         if self.kv_cache:
             lines.append("  FP8 KV cache (per-tensor static k/v scales)")
+        if self.norm_tweak is not None:
+            t = self.norm_tweak
+            lines.append(
+                f"  norm tweaking: {t.parameters} norm weights, {t.steps} steps at lr {t.lr:g}: calibration "
+                f"{t.metric} {t.loss_before:.4g} -> {t.loss_after:.4g}" + (" (no gain: reverted)" if t.reverted else "")
+            )
         for name, why in self.skipped.items():
             lines.append(f"  kept {name}: {why}")
         return "\n".join(lines)
@@ -99,6 +107,8 @@ def quantize(
     gptq: bool = False,
     awq: bool = False,
     keep_bf16: int = 0,
+    norm_tweak: int = 0,
+    norm_tweak_lr: float = 1e-3,
     _originals: dict[str, nn.Module] | None = None,
 ) -> nn.Module:
     """Quantize ``model``'s ``nn.Linear`` layers in place for inference and return it.
@@ -126,6 +136,10 @@ def quantize(
             model most over ``forward_loop``: for causal LMs by the Fisher estimate of the next-token loss
             increase (``layer_error.rank_by_fisher``, one pass with gradients), for other models by the
             relative output error (``rank_by_output_error``, one ``forward_loop`` per quantized layer).
+        norm_tweak: after quantizing, tune the norm weights for this many Adam steps (learning rate
+            ``norm_tweak_lr``) so the quantized model's outputs match the high-precision model's on
+            ``forward_loop``'s batches (``ptq.norm_tweak``; KL of next-token distributions for causal LMs).
+            Only norm weights change; nothing is kept if the calibration loss does not fall.
 
     The report is stored as ``model.ptq_report``.
     """
@@ -145,7 +159,9 @@ def quantize(
     do_smooth = scheme.smooth if smooth is None else bool(smooth)
     if do_smooth and scheme.act_format is None:
         raise ValueError(f"smooth goes with schemes that quantize activations, not {scheme.name!r}")
-    needs_data = scheme.static_activations or do_smooth or kv_cache or gptq or awq or keep_bf16 > 0
+    if isinstance(norm_tweak, bool) or not isinstance(norm_tweak, int) or norm_tweak < 0:
+        raise ValueError(f"norm_tweak must be a whole number of steps >= 0, got {norm_tweak!r}")
+    needs_data = scheme.static_activations or do_smooth or kv_cache or gptq or awq or keep_bf16 > 0 or norm_tweak > 0
     report = PTQReport(scheme.name, kv_cache=kv_cache, calibration=calibration if needs_data else None)
     skip = _default_skip(model)
     targets: list[str] = []
@@ -172,14 +188,21 @@ def quantize(
     model.eval()
     amax: dict[str, float] = {}
     trained = _trained_input_amax(model, targets) if scheme.name == "fp8" else {}
-    if trained and len(trained) == len(targets) and not (kv_cache or gptq or keep_bf16):
+    if trained and len(trained) == len(targets) and not (kv_cache or gptq or keep_bf16 or norm_tweak):
         # every layer was trained with delayed scaling: reuse its amax history, no calibration needed
         needs_data = False
         amax = trained
         report.calibration = "trained delayed-scaling amax history"
     elif needs_data:
         if forward_loop is None:
-            what = "gptq" if gptq else "awq" if awq else "keep_bf16" if keep_bf16 else None
+            what = next(
+                (
+                    k
+                    for k, v in (("gptq", gptq), ("awq", awq), ("keep_bf16", keep_bf16), ("norm_tweak", norm_tweak))
+                    if v
+                ),
+                None,
+            )
             raise ValueError(
                 f"{what + ' needs calibration data' if what else f'scheme {scheme.name!r} has static scales'}"
                 f"{' (with fp8-kv)' if kv_cache else ''}: pass "
@@ -237,13 +260,19 @@ def quantize(
             report.skipped[item.name] = f"kept in high precision: among the {keep_bf16} most sensitive (keep_bf16)"
             del qmods[item.name]
             amax.pop(item.name, None)
+    originals = {} if _originals is None else _originals
     for name, q in qmods.items():
-        if _originals is not None:
-            _originals[name] = model.get_submodule(name)
+        originals[name] = model.get_submodule(name)
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, q)
         report.quantized.append(name)
     report.input_amax = amax
+    if norm_tweak:
+        from .norm_tweak import tweak_norms
+
+        report.norm_tweak = tweak_norms(
+            model, {n: originals[n] for n in qmods}, forward_loop, norm_tweak, norm_tweak_lr
+        )
     model.train(was_training)
     object.__setattr__(model, "ptq_report", report)
     return model

@@ -1,0 +1,180 @@
+"""Norm tweaking: after quantization, tune the model's normalization weights so that the quantized model
+matches the high-precision one on calibration data (Li et al., "Norm Tweaking: High-performance Low-bit
+Quantization of Large Language Models", AAAI 2024).
+
+Only the elementwise weights (and biases) of the norms change (``RMSNorm``/``LayerNorm``: 35k numbers in
+SmolLM2-135M); the quantized weights, their scales and the static activation scales stay as calibrated,
+so the result exports and loads like any other checkpoint of the scheme. The objective is end to end:
+the KL divergence from the high-precision model's next-token distribution (nats per token), or, for
+models without ``logits`` (encoders), the output's squared error relative to its power. Gradients pass
+the activation and KV-cache quantizers straight through (``QuantLinear``'s straight-through path).
+
+The teacher is the same model with its high-precision layers, norm weights and (with an FP8 KV cache)
+high-precision keys and values swapped back in, so no second copy of the model is held. If the tuned weights do not lower the calibration loss they are
+reverted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .layer_error import _output_tensor, _swap
+
+__all__ = ["NormTweakResult", "norm_parameters", "tweak_norms"]
+
+
+@dataclass(frozen=True)
+class NormTweakResult:
+    """What ``tweak_norms`` did. Losses are means over the recorded calibration batches: KL in nats per
+    token for causal LMs, else the relative squared output error (``metric`` says which)."""
+
+    steps: int
+    lr: float
+    parameters: int
+    loss_before: float
+    loss_after: float
+    metric: str
+    reverted: bool
+
+
+def norm_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The elementwise weights and biases of ``model``'s normalization layers (``nn.LayerNorm``,
+    ``nn.RMSNorm`` and any module whose class name ends in ``Norm``/``RMSNorm``, as in ``transformers``)."""
+    out: dict[str, nn.Parameter] = {}
+    for name, m in model.named_modules():
+        cls = type(m).__name__
+        if isinstance(m, (nn.LayerNorm, getattr(nn, "RMSNorm", nn.LayerNorm))) or cls.endswith(("Norm", "RMSNorm")):
+            for pname, p in m.named_parameters(recurse=False):
+                if p.is_floating_point():
+                    out[f"{name}.{pname}" if name else pname] = p
+    return out
+
+
+def record_calls(model: nn.Module, forward_loop: Callable[[nn.Module], object]) -> list[tuple[tuple, dict]]:
+    """The ``(args, kwargs)`` of every call ``forward_loop`` makes to ``model`` (run once, no gradients)."""
+    calls: list[tuple[tuple, dict]] = []
+
+    def hook(_m, args, kwargs):
+        calls.append((args, dict(kwargs)))
+
+    h = model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            forward_loop(model)
+    finally:
+        h.remove()
+    if not calls:
+        raise ValueError("norm tweaking: the forward_loop never called the model")
+    return calls
+
+
+def _distance(student: Any, teacher: Any) -> tuple[torch.Tensor, str]:
+    """KL(teacher || student) per token over next-token distributions, else relative squared error."""
+    s_logits, t_logits = getattr(student, "logits", None), getattr(teacher, "logits", None)
+    if isinstance(s_logits, torch.Tensor) and isinstance(t_logits, torch.Tensor):
+        s = F.log_softmax(s_logits.float().reshape(-1, s_logits.shape[-1]), -1)
+        t = F.log_softmax(t_logits.float().reshape(-1, t_logits.shape[-1]), -1)
+        return F.kl_div(s, t, log_target=True, reduction="batchmean"), "KL divergence (nats/token)"
+    s, t = _output_tensor(student).float(), _output_tensor(teacher).float()
+    return (s - t).pow(2).sum() / t.pow(2).sum().clamp_min(1e-30), "relative squared output error"
+
+
+def tweak_norms(
+    model: nn.Module,
+    originals: dict[str, nn.Module],
+    forward_loop: Callable[[nn.Module], object],
+    steps: int,
+    lr: float = 1e-3,
+) -> NormTweakResult:
+    """Tune ``model``'s norm weights for ``steps`` Adam steps (one recorded calibration batch per step,
+    cycling; the learning rate decays to 0 on a cosine) towards the high-precision model, in place.
+
+    Args:
+        model: the quantized model (``QuantLinear`` layers in place).
+        originals: layer name -> the high-precision module it replaced (the teacher's layers).
+        forward_loop: runs the model on calibration batches; its calls are recorded once and replayed.
+        steps: optimizer steps (0: nothing happens).
+        lr: Adam's initial learning rate.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"norm_tweak must be a whole number of steps >= 0, got {steps!r}")
+    if not lr > 0:
+        raise ValueError(f"the norm tweaking learning rate must be > 0, got {lr!r}")
+    params = norm_parameters(model)
+    if not params:
+        raise ValueError(
+            "norm tweaking tunes normalization weights (LayerNorm/RMSNorm) and this model has none: "
+            "quantize without norm_tweak"
+        )
+    calls = record_calls(model, forward_loop)
+    start = {n: p.detach().clone() for n, p in params.items()}
+    quantized = {n: model.get_submodule(n) for n in originals}
+    kv_states = [m._fp8kit_kv for m in model.modules() if isinstance(getattr(m, "_fp8kit_kv", None), dict)]
+
+    def teacher_out(args: tuple, kwargs: dict) -> Any:
+        tuned = {n: p.detach().clone() for n, p in params.items()}
+        for n, m in originals.items():
+            _swap(model, n, m)
+        modes = [st["mode"] for st in kv_states]
+        for st in kv_states:  # the teacher's keys and values in high precision too
+            st["mode"] = "off"
+        try:
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(start[n])
+                return model(*args, **kwargs)
+        finally:
+            for st, mode in zip(kv_states, modes, strict=True):
+                st["mode"] = mode
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(tuned[n])
+            for n, m in quantized.items():
+                _swap(model, n, m)
+
+    def mean_loss() -> tuple[float, str]:
+        total, metric = 0.0, ""
+        with torch.no_grad():
+            for a, k in calls:
+                loss, metric = _distance(model(*a, **k), teacher_out(a, k))
+                total += float(loss)
+        return total / len(calls), metric
+
+    was_training = model.training
+    model.eval()
+    flags = {p: p.requires_grad for p in model.parameters()}
+    before, metric = mean_loss()
+    try:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for p in params.values():
+            p.requires_grad_(True)
+        opt = torch.optim.Adam(params.values(), lr=lr)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(steps, 1))
+        for step in range(steps):
+            args, kwargs = calls[step % len(calls)]
+            teacher = teacher_out(args, kwargs)
+            with torch.enable_grad():
+                loss, _ = _distance(model(*args, **kwargs), teacher)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+            opt.step()
+            schedule.step()
+    finally:
+        for p, flag in flags.items():
+            p.requires_grad_(flag)
+        model.train(was_training)
+    after, _ = mean_loss()
+    reverted = not after < before
+    if reverted:  # tuning did not help on the calibration data itself: keep the calibrated model
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(start[n])
+        after = before
+    return NormTweakResult(steps, lr, sum(p.numel() for p in params.values()), before, after, metric, reverted)
