@@ -146,9 +146,11 @@ def load_splits(text: str | None, tokenizer, second_text: bool = True) -> list[P
 DEFAULT_CALIBRATION = {"int8-smoothquant": "max"}
 DEFAULT_ALPHA: dict[str, float | str] = {}  # per scheme; 0.8 otherwise
 DEFAULT_SMOOTH: dict[str, bool] = {}  # per scheme; the scheme's own choice otherwise
-# share of the quantizable layers kept in BF16 by default: of SmolLM2's 210, 24 for fp8, 8 for int8-smoothquant
-DEFAULT_KEEP_BF16: dict[str, float] = {"fp8": 24 / 210, "int8-smoothquant": 8 / 210}  # per scheme; 0 otherwise
-DEFAULT_NORM_TWEAK: dict[str, int] = {}  # norm-tweaking steps per scheme; 0 otherwise
+# share of the quantizable layers kept in BF16 by default: of SmolLM2's 210, 16 for fp8, 8 for int8-smoothquant
+DEFAULT_KEEP_BF16: dict[str, float] = {"fp8": 16 / 210, "int8-smoothquant": 8 / 210}  # per scheme; 0 otherwise
+# fp8 sits on the E4M3 rounding floor; tuning the norms absorbs part of that noise (dev: keep 16 +1.27%,
+# keep 16 with 120 norm-tweaking steps +0.94%)
+DEFAULT_NORM_TWEAK: dict[str, int] = {"fp8": 120}  # norm-tweaking steps per scheme; 0 otherwise
 EVAL_WINDOWS, EVAL_SEQ_LEN = 64, 512  # 32,768 held-out tokens per text
 
 
