@@ -166,15 +166,17 @@ def tweak_norms(
                 loss.backward()
             opt.step()
             schedule.step()
+        for p in params.values():
+            p.requires_grad_(False)
+        after, _ = mean_loss()
+        reverted = not after < before  # NaN included
+        if reverted:  # tuning did not help on the calibration data itself: keep the calibrated model
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(start[n])
+            after = before
     finally:
         for p, flag in flags.items():
             p.requires_grad_(flag)
         model.train(was_training)
-    after, _ = mean_loss()
-    reverted = not after < before
-    if reverted:  # tuning did not help on the calibration data itself: keep the calibrated model
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(start[n])
-        after = before
     return NormTweakResult(steps, lr, sum(p.numel() for p in params.values()), before, after, metric, reverted)
