@@ -91,6 +91,7 @@ def tweak_norms(
     forward_loop: Callable[[nn.Module], object],
     steps: int,
     lr: float = 1e-3,
+    on_step: Callable[[], object] | None = None,
 ) -> NormTweakResult:
     """Tune ``model``'s norm weights for ``steps`` Adam steps (one recorded calibration batch per step,
     cycling; the learning rate decays to 0 on a cosine) towards the high-precision model, in place.
@@ -101,6 +102,7 @@ def tweak_norms(
         forward_loop: runs the model on calibration batches; its calls are recorded once and replayed.
         steps: optimizer steps (0: nothing happens).
         lr: Adam's initial learning rate.
+        on_step: called after each optimizer step (a progress bar).
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"norm_tweak must be a whole number of steps >= 0, got {steps!r}")
@@ -166,6 +168,8 @@ def tweak_norms(
                 loss.backward()
             opt.step()
             schedule.step()
+            if on_step is not None:
+                on_step()
         for p in params.values():
             p.requires_grad_(False)
         after, _ = mean_loss()

@@ -12,9 +12,10 @@ import torch.nn as nn
 from ..nn.convert import is_output_head
 from ..nn.linear import Linear as FP8Linear
 from ..recipes import DelayedScaling
-from .calibrate import CALIBRATION_METHODS, choose_amax, observe_inputs
+from .calibrate import CALIBRATION_METHODS, InputObserver, choose_amax, observe_inputs
 from .kv_cache import enable_fp8_kv, finish_calibration
 from .linear import QuantLinear
+from .progress import Progress
 from .schemes import Scheme, get_scheme
 from .smoothquant import apply_smoothing, apply_smoothing_search, find_mappings
 
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from .layer_error import LayerScore
     from .norm_tweak import NormTweakResult
 
-__all__ = ["PTQReport", "quantize"]
+__all__ = ["PIPELINE", "PTQOptions", "PTQReport", "plan_line", "quantize"]
 
 ROWS_PER_BATCH = 64  # calibration tokens per batch kept for the SmoothQuant alpha search
 
@@ -93,6 +94,316 @@ def _trained_input_amax(model: nn.Module, targets: list[str]) -> dict[str, float
     return out
 
 
+@dataclass(frozen=True)
+class PTQOptions:
+    """The switches of one ``quantize`` call (documented there), checked against the scheme by ``check``."""
+
+    calibration: str = "max"
+    percentile: float = 99.99
+    alpha: float | str = 0.5
+    smooth: bool | None = None
+    kv_cache: bool = False
+    module_filter: Callable[[str, nn.Module], bool] | None = None
+    gptq: bool = False
+    awq: bool = False
+    keep_bf16: int = 0
+    norm_tweak: int = 0
+    norm_tweak_lr: float = 1e-3
+
+    def check(self, scheme: Scheme) -> None:
+        """One clear error for a switch that does not fit ``scheme`` or is out of range."""
+        if self.calibration not in CALIBRATION_METHODS:
+            raise ValueError(
+                f"unknown calibration method {self.calibration!r}; accepted: {', '.join(CALIBRATION_METHODS)}"
+            )
+        if self.kv_cache and not scheme.is_fp8:
+            raise ValueError(f"kv_cache (fp8-kv) goes with the FP8 schemes, not {scheme.name!r}")
+        if self.awq and scheme.act_format is not None:
+            raise ValueError(f"awq goes with the weight-only scheme (int8-weight-only), not {scheme.name!r}")
+        a = self.alpha
+        if not (a == "search" or (isinstance(a, (int, float)) and 0 <= a <= 1)):
+            raise ValueError(f"alpha must be a number in [0, 1] or 'search', got {a!r}")
+        if isinstance(self.keep_bf16, bool) or not isinstance(self.keep_bf16, int) or self.keep_bf16 < 0:
+            raise ValueError(f"keep_bf16 must be a whole number >= 0, got {self.keep_bf16!r}")
+        if self.smooth_for(scheme) and scheme.act_format is None:
+            raise ValueError(f"smooth goes with schemes that quantize activations, not {scheme.name!r}")
+        if isinstance(self.norm_tweak, bool) or not isinstance(self.norm_tweak, int) or self.norm_tweak < 0:
+            raise ValueError(f"norm_tweak must be a whole number of steps >= 0, got {self.norm_tweak!r}")
+
+    def smooth_for(self, scheme: Scheme) -> bool:
+        """Whether SmoothQuant folds run: ``smooth``, or the scheme's own choice when it is ``None``."""
+        return scheme.smooth if self.smooth is None else bool(self.smooth)
+
+    def needs_data(self, scheme: Scheme) -> bool:
+        """Whether the run needs ``forward_loop`` (static scales, folds, GPTQ/AWQ, ranking, norm tweaking)."""
+        return (
+            scheme.static_activations
+            or self.smooth_for(scheme)
+            or self.kv_cache
+            or self.gptq
+            or self.awq
+            or self.keep_bf16 > 0
+            or self.norm_tweak > 0
+        )
+
+
+@dataclass
+class _Run:
+    """What the steps of one ``quantize`` call share: the inputs, and what each step leaves for the next."""
+
+    model: nn.Module
+    scheme: Scheme
+    forward_loop: Callable[[nn.Module], object] | None
+    opts: PTQOptions
+    report: PTQReport
+    progress: Progress
+    calibrating: bool = False  # runs forward_loop (not a data-free run, nor one with trained amax)
+    targets: list[str] = field(default_factory=list)  # the Linear layers to quantize
+    observers: dict[str, InputObserver] = field(default_factory=dict)  # their calibrated inputs
+    amax: dict[str, float] = field(default_factory=dict)  # their static input amax
+    hessians: dict[str, torch.Tensor] = field(default_factory=dict)  # GPTQ's 2 X^T X / N
+    qmods: dict[str, QuantLinear] = field(default_factory=dict)  # their quantized replacements
+    originals: dict[str, nn.Module] = field(default_factory=dict)  # the modules the replacements replaced
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One named step of the pipeline: when it runs, what it does, and what it says it will do (for the plan
+    line) and cost (in passes over the calibration data, for the estimate)."""
+
+    name: str
+    runs: Callable[[_Run], bool]
+    apply: Callable[[_Run], None]
+    plan: Callable[[_Run], str]
+    passes: Callable[[_Run], float] = lambda r: 0.0
+
+
+def _select_layers(run: _Run) -> None:
+    """The Linear layers to quantize (``module_filter``, or all but the output head); the rest are reported."""
+    model, opts, report = run.model, run.opts, run.report
+    skip = _default_skip(model)
+    for name, module in model.named_modules():
+        if type(module) is not nn.Linear and type(module) is not FP8Linear:
+            continue
+        reason = (
+            (None if opts.module_filter(name, module) else "excluded by module_filter")
+            if opts.module_filter
+            else skip(name, module)
+        )
+        if reason:
+            report.skipped[name] = reason
+        else:
+            run.targets.append(name)
+    if not run.targets:
+        raise ValueError(
+            "no nn.Linear layer to quantize"
+            + (" (the module_filter matched none)" if opts.module_filter else " in this model")
+        )
+    if opts.keep_bf16 >= len(run.targets):
+        raise ValueError(
+            f"keep_bf16={opts.keep_bf16} would keep all {len(run.targets)} quantizable layers: give fewer"
+        )
+
+
+def _choose_data(run: _Run) -> None:
+    """Calibrate on ``forward_loop``, or reuse the trained delayed-scaling amax of a model trained in FP8
+    (every layer, nothing else asking for data), or need no data at all."""
+    scheme, opts = run.scheme, run.opts
+    if not opts.needs_data(scheme):
+        return
+    trained = _trained_input_amax(run.model, run.targets) if scheme.name == "fp8" else {}
+    if len(trained) == len(run.targets) and not (opts.kv_cache or opts.gptq or opts.keep_bf16 or opts.norm_tweak):
+        run.amax = trained
+        run.report.calibration = "trained delayed-scaling amax history"
+        return
+    if run.forward_loop is None:
+        asked = (("gptq", opts.gptq), ("awq", opts.awq), ("keep_bf16", opts.keep_bf16), ("norm_tweak", opts.norm_tweak))
+        what = next((k for k, v in asked if v), None)
+        raise ValueError(
+            f"{what + ' needs calibration data' if what else f'scheme {scheme.name!r} has static scales'}"
+            f"{' (with fp8-kv)' if opts.kv_cache else ''}: pass "
+            "forward_loop=lambda m: [m(x) for x in calibration_batches]"
+        )
+    run.calibrating = True
+    run.report.calibration = opts.calibration
+
+
+def _awq(run: _Run) -> None:
+    from .awq import apply_awq
+
+    mappings = find_mappings(run.model, set(run.targets))
+    with run.progress.phase("AWQ", run.progress.batches, model=run.model, timed_pass=True):
+        run.report.awq = apply_awq(run.model, mappings, run.forward_loop, run.scheme)
+
+
+def _observe(run: _Run) -> None:
+    search = run.opts.smooth_for(run.scheme) and run.opts.alpha == "search"
+    with run.progress.phase("calibrate", run.progress.batches, model=run.model, timed_pass=True):
+        run.observers = observe_inputs(
+            run.model, run.targets, run.forward_loop, keep_rows=ROWS_PER_BATCH if search else 0
+        )
+
+
+def _smooth(run: _Run) -> None:
+    model, opts, report = run.model, run.opts, run.report
+    mappings = find_mappings(model, set(run.targets))
+    if opts.alpha == "search":
+        rows = {m.targets[0]: run.observers[m.targets[0]].rows() for m in mappings}
+        report.smooth_alpha = apply_smoothing_search(model, mappings, run.observers, rows, run.scheme)
+    else:
+        apply_smoothing(model, mappings, run.observers, opts.alpha)
+        report.smooth_alpha = dict.fromkeys((m.source for m in mappings), float(opts.alpha))
+    report.smoothed = [src for src, a in report.smooth_alpha.items() if a is not None]
+    if mappings:  # the smoothed inputs have new ranges: observe again
+        with run.progress.phase("re-calibrate", run.progress.batches, model=model):
+            run.observers = observe_inputs(model, run.targets, run.forward_loop)
+
+
+def _activation_scales(run: _Run) -> None:
+    opts, fmt = run.opts, run.scheme.act_format
+    for name in run.targets:
+        run.amax[name] = choose_amax(run.observers[name], fmt, opts.calibration, opts.percentile)
+
+
+def _kv_scales(run: _Run) -> None:
+    blocks = enable_fp8_kv(run.model, "observe")
+    with run.progress.phase("KV cache", run.progress.batches, model=run.model, timed_pass=True), torch.no_grad():
+        run.forward_loop(run.model)  # records the post-RoPE k/v amax
+    finish_calibration(blocks, run.opts.calibration, run.opts.percentile)
+
+
+def _hessians(run: _Run) -> None:
+    from .gptq import collect_hessians
+
+    with run.progress.phase("GPTQ Hessians", run.progress.batches, model=run.model, timed_pass=True):
+        run.hessians = collect_hessians(run.model, run.targets, run.forward_loop)
+    run.report.gptq = True
+
+
+def _quantize_layers(run: _Run) -> None:
+    from .gptq import gptq_linear
+
+    with run.progress.phase("GPTQ" if run.opts.gptq else "quantize", len(run.targets), unit="layer") as update:
+        for name in run.targets:
+            linear = run.model.get_submodule(name)
+            if run.opts.gptq:
+                run.qmods[name] = gptq_linear(linear, run.hessians.pop(name), run.scheme, run.amax.get(name))
+            else:
+                run.qmods[name] = QuantLinear.from_linear(linear, run.scheme, run.amax.get(name))
+            update(1)
+
+
+def _rank_and_keep(run: _Run) -> None:
+    from .layer_error import rank_by_fisher, rank_by_output_error
+
+    keep, report = run.opts.keep_bf16, run.report
+    with run.progress.phase("rank layers", run.progress.batches, model=run.model):
+        # causal LMs: one pass with gradients; other models: one forward_loop per layer
+        report.sensitivity = rank_by_fisher(run.model, run.qmods, run.forward_loop) or rank_by_output_error(
+            run.model, run.qmods, run.forward_loop
+        )
+    for item in report.sensitivity[:keep]:
+        report.skipped[item.name] = f"kept in high precision: among the {keep} most sensitive (keep_bf16)"
+        del run.qmods[item.name]
+        run.amax.pop(item.name, None)
+
+
+def _install(run: _Run) -> None:
+    for name, q in run.qmods.items():
+        run.originals[name] = run.model.get_submodule(name)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(run.model.get_submodule(parent_name) if parent_name else run.model, attr, q)
+        run.report.quantized.append(name)
+    run.report.input_amax = run.amax
+
+
+def _tweak_norms(run: _Run) -> None:
+    from .norm_tweak import tweak_norms
+
+    steps = run.opts.norm_tweak
+    with run.progress.phase("norm tweak", steps, unit="step") as update:
+        run.report.norm_tweak = tweak_norms(
+            run.model,
+            {n: run.originals[n] for n in run.qmods},
+            run.forward_loop,
+            steps,
+            run.opts.norm_tweak_lr,
+            on_step=lambda: update(1),
+        )
+
+
+def _steps_per_pass(run: _Run) -> float:
+    return run.opts.norm_tweak / run.progress.batches if run.progress.batches else 0.0
+
+
+PIPELINE: tuple[_Step, ...] = (
+    _Step(
+        "awq",
+        lambda r: r.calibrating and r.opts.awq,
+        _awq,
+        lambda r: "AWQ scale search (1 pass)",
+        lambda r: 1.5,
+    ),
+    _Step(
+        "calibrate",
+        lambda r: r.calibrating and (r.scheme.static_activations or r.opts.smooth_for(r.scheme)),
+        _observe,
+        lambda r: f"calibrate {len(r.targets)} layer inputs (1 pass)",
+        lambda r: 1.0,
+    ),
+    _Step(
+        "smooth",
+        lambda r: r.calibrating and r.opts.smooth_for(r.scheme),
+        _smooth,
+        lambda r: f"SmoothQuant (alpha {'searched' if r.opts.alpha == 'search' else r.opts.alpha}, 1 more pass)",
+        lambda r: 1.0,
+    ),
+    _Step(
+        "activation scales",
+        lambda r: r.calibrating and r.scheme.static_activations,
+        _activation_scales,
+        lambda r: f"{r.opts.calibration} activation scales",
+    ),
+    _Step(
+        "kv cache",
+        lambda r: r.calibrating and r.opts.kv_cache,
+        _kv_scales,
+        lambda r: "FP8 KV-cache scales (1 pass)",
+        lambda r: 1.0,
+    ),
+    _Step("gptq hessians", lambda r: r.opts.gptq, _hessians, lambda r: "GPTQ Hessians (1 pass)", lambda r: 1.0),
+    _Step(
+        "quantize layers",
+        lambda r: True,
+        _quantize_layers,
+        lambda r: f"{'GPTQ' if r.opts.gptq else 'round'} {len(r.targets)} layers",
+    ),
+    _Step(
+        "rank",
+        lambda r: r.opts.keep_bf16 > 0,
+        _rank_and_keep,
+        lambda r: f"rank layers (1 pass with gradients), keep {r.opts.keep_bf16} in BF16",
+        lambda r: 3.0,
+    ),
+    _Step("install", lambda r: True, _install, lambda r: "swap in"),
+    _Step(
+        "norm tweak",
+        lambda r: r.opts.norm_tweak > 0,
+        _tweak_norms,
+        lambda r: f"norm tweak ({r.opts.norm_tweak} steps)",
+        lambda r: 4 * _steps_per_pass(r) + 4,  # teacher + student + backward per step; loss before and after
+    ),
+)
+
+
+def plan_line(run: _Run, steps: list[_Step]) -> str:
+    """The one-line plan printed before a run: the scheme, layers, and every step that will run, in order."""
+    data = "no calibration data" if not run.calibrating else "passes over forward_loop's batches"
+    return f"fp8kit.ptq {run.scheme.name} on {len(run.targets)} Linear layers ({data}): " + " -> ".join(
+        s.plan(run) for s in steps
+    )
+
+
 def quantize(
     model: nn.Module,
     scheme: Scheme | str,
@@ -109,6 +420,7 @@ def quantize(
     keep_bf16: int = 0,
     norm_tweak: int = 0,
     norm_tweak_lr: float = 1e-3,
+    progress: bool | None = None,
     _originals: dict[str, nn.Module] | None = None,
 ) -> nn.Module:
     """Quantize ``model``'s ``nn.Linear`` layers in place for inference and return it.
@@ -140,139 +452,39 @@ def quantize(
             ``norm_tweak_lr``) so the quantized model's outputs match the high-precision model's on
             ``forward_loop``'s batches (``ptq.norm_tweak``; KL of next-token distributions for causal LMs).
             Only norm weights change; nothing is kept if the calibration loss does not fall.
+        progress: print the plan (every step that will run), an estimate per step once the first pass
+            over the calibration data is timed, and a bar per step on stderr; ``None``: when stderr is a
+            terminal.
 
-    The report is stored as ``model.ptq_report``.
+    The steps run in the order of ``PIPELINE``: AWQ -> calibrate -> SmoothQuant -> activation scales ->
+    KV-cache scales -> GPTQ Hessians -> quantize the layers -> rank and keep the most sensitive in high
+    precision -> swap in -> norm tweaking, each only when its option asks for it. The report is stored
+    as ``model.ptq_report``.
     """
     scheme = get_scheme(scheme)
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize() takes an nn.Module, got {type(model).__name__}")
-    if calibration not in CALIBRATION_METHODS:
-        raise ValueError(f"unknown calibration method {calibration!r}; accepted: {', '.join(CALIBRATION_METHODS)}")
-    if kv_cache and not scheme.is_fp8:
-        raise ValueError(f"kv_cache (fp8-kv) goes with the FP8 schemes, not {scheme.name!r}")
-    if awq and scheme.act_format is not None:
-        raise ValueError(f"awq goes with the weight-only scheme (int8-weight-only), not {scheme.name!r}")
-    if not (alpha == "search" or (isinstance(alpha, (int, float)) and 0 <= alpha <= 1)):
-        raise ValueError(f"alpha must be a number in [0, 1] or 'search', got {alpha!r}")
-    if isinstance(keep_bf16, bool) or not isinstance(keep_bf16, int) or keep_bf16 < 0:
-        raise ValueError(f"keep_bf16 must be a whole number >= 0, got {keep_bf16!r}")
-    do_smooth = scheme.smooth if smooth is None else bool(smooth)
-    if do_smooth and scheme.act_format is None:
-        raise ValueError(f"smooth goes with schemes that quantize activations, not {scheme.name!r}")
-    if isinstance(norm_tweak, bool) or not isinstance(norm_tweak, int) or norm_tweak < 0:
-        raise ValueError(f"norm_tweak must be a whole number of steps >= 0, got {norm_tweak!r}")
-    needs_data = scheme.static_activations or do_smooth or kv_cache or gptq or awq or keep_bf16 > 0 or norm_tweak > 0
-    report = PTQReport(scheme.name, kv_cache=kv_cache, calibration=calibration if needs_data else None)
-    skip = _default_skip(model)
-    targets: list[str] = []
-    for name, module in model.named_modules():
-        if type(module) is not nn.Linear and type(module) is not FP8Linear:
-            continue
-        reason = (
-            (None if module_filter(name, module) else "excluded by module_filter")
-            if module_filter
-            else skip(name, module)
-        )
-        if reason:
-            report.skipped[name] = reason
-        else:
-            targets.append(name)
-    if not targets:
-        raise ValueError(
-            "no nn.Linear layer to quantize"
-            + (" (the module_filter matched none)" if module_filter else " in this model")
-        )
-    if keep_bf16 >= len(targets):
-        raise ValueError(f"keep_bf16={keep_bf16} would keep all {len(targets)} quantizable layers: give fewer")
+    opts = PTQOptions(
+        calibration, percentile, alpha, smooth, kv_cache, module_filter, gptq, awq, keep_bf16, norm_tweak, norm_tweak_lr
+    )
+    opts.check(scheme)
+    run = _Run(model, scheme, forward_loop, opts, PTQReport(scheme.name, kv_cache=kv_cache), Progress(progress))
+    if _originals is not None:
+        run.originals = _originals
+    _select_layers(run)
+    _choose_data(run)
+    steps = [s for s in PIPELINE if s.runs(run)]
+    run.progress.say(plan_line(run, steps))
     was_training = model.training
     model.eval()
-    amax: dict[str, float] = {}
-    trained = _trained_input_amax(model, targets) if scheme.name == "fp8" else {}
-    if trained and len(trained) == len(targets) and not (kv_cache or gptq or keep_bf16 or norm_tweak):
-        # every layer was trained with delayed scaling: reuse its amax history, no calibration needed
-        needs_data = False
-        amax = trained
-        report.calibration = "trained delayed-scaling amax history"
-    elif needs_data:
-        if forward_loop is None:
-            what = next(
-                (
-                    k
-                    for k, v in (("gptq", gptq), ("awq", awq), ("keep_bf16", keep_bf16), ("norm_tweak", norm_tweak))
-                    if v
-                ),
-                None,
-            )
-            raise ValueError(
-                f"{what + ' needs calibration data' if what else f'scheme {scheme.name!r} has static scales'}"
-                f"{' (with fp8-kv)' if kv_cache else ''}: pass "
-                "forward_loop=lambda m: [m(x) for x in calibration_batches]"
-            )
-        if awq:
-            from .awq import apply_awq
-
-            report.awq = apply_awq(model, find_mappings(model, set(targets)), forward_loop, scheme)
-        search = do_smooth and alpha == "search"
-        observers = observe_inputs(model, targets, forward_loop, keep_rows=ROWS_PER_BATCH if search else 0)
-        if do_smooth:
-            mappings = find_mappings(model, set(targets))
-            if search:
-                rows = {m.targets[0]: observers[m.targets[0]].rows() for m in mappings}
-                report.smooth_alpha = apply_smoothing_search(model, mappings, observers, rows, scheme)
-            else:
-                apply_smoothing(model, mappings, observers, alpha)
-                report.smooth_alpha = dict.fromkeys((m.source for m in mappings), float(alpha))
-            report.smoothed = [src for src, a in report.smooth_alpha.items() if a is not None]
-            if mappings:  # the smoothed inputs have new ranges: observe again
-                observers = observe_inputs(model, targets, forward_loop)
-        blocks = enable_fp8_kv(model, "observe") if kv_cache else None
-        if scheme.static_activations or blocks is not None:
-            if blocks is not None:  # one more pass records the post-RoPE k/v amax
-                with torch.no_grad():
-                    forward_loop(model)
-                finish_calibration(blocks, calibration, percentile)
-            if scheme.static_activations:
-                for name in targets:
-                    amax[name] = choose_amax(observers[name], scheme.act_format, calibration, percentile)
-    hessians = {}
-    if gptq:
-        from .gptq import collect_hessians
-
-        hessians = collect_hessians(model, targets, forward_loop)
-        report.gptq = True
-    qmods: dict[str, QuantLinear] = {}
-    for name in targets:
-        linear = model.get_submodule(name)
-        if gptq:
-            from .gptq import gptq_linear
-
-            qmods[name] = gptq_linear(linear, hessians.pop(name), scheme, amax.get(name))
-        else:
-            qmods[name] = QuantLinear.from_linear(linear, scheme, amax.get(name))
-    if keep_bf16:
-        from .layer_error import rank_by_fisher, rank_by_output_error
-
-        # causal LMs: one pass with gradients; other models: one forward_loop per layer
-        report.sensitivity = rank_by_fisher(model, qmods, forward_loop) or rank_by_output_error(
-            model, qmods, forward_loop
-        )
-        for item in report.sensitivity[:keep_bf16]:
-            report.skipped[item.name] = f"kept in high precision: among the {keep_bf16} most sensitive (keep_bf16)"
-            del qmods[item.name]
-            amax.pop(item.name, None)
-    originals = {} if _originals is None else _originals
-    for name, q in qmods.items():
-        originals[name] = model.get_submodule(name)
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, q)
-        report.quantized.append(name)
-    report.input_amax = amax
-    if norm_tweak:
-        from .norm_tweak import tweak_norms
-
-        report.norm_tweak = tweak_norms(
-            model, {n: originals[n] for n in qmods}, forward_loop, norm_tweak, norm_tweak_lr
-        )
-    model.train(was_training)
-    object.__setattr__(model, "ptq_report", report)
+    try:
+        estimated = False
+        for i, step in enumerate(steps):
+            step.apply(run)
+            if not estimated and run.progress.pass_s is not None:
+                estimated = True
+                run.progress.estimate({s.name: s.passes(run) for s in steps[i + 1 :] if s.passes(run)})
+    finally:
+        model.train(was_training)
+    object.__setattr__(model, "ptq_report", run.report)
     return model
