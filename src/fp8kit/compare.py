@@ -1,7 +1,7 @@
-"""``fp8kit quantize`` and ``fp8kit compare``: PTQ of a pretrained causal LM on the shipped corpus.
+"""``fp8kit compare``: the BF16 model and each PTQ scheme side by side on held-out text.
 
-An application workflow (beside ``fp8kit.train``): it ties the PTQ library (``fp8kit.ptq``) to the corpus
-(``fp8kit.data``), the model loader (``fp8kit.models``) and the shared evaluation (``fp8kit.evaluation``).
+An application workflow (beside ``fp8kit.train``): it quantizes with ``fp8kit.pretrained_ptq`` (the
+``fp8kit quantize`` recipe) and scores with the shared evaluation (``fp8kit.evaluation``).
 
 The comparison evaluates, for the BF16 model and each scheme: held-out perplexity, weight memory
 (bytes as stored: 2 per BF16 weight, 1 per 8-bit code plus its scales), and prefill / decode time per
@@ -17,25 +17,49 @@ import dataclasses
 import json
 import math
 import os
-import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from .data import PTQSplits, load_ids, ptq_splits, reference_text, windows
+from .data import windows
 from .data.splits import EVAL_SPLITS, available_windows
 from .evaluation import window_losses, window_summary
 from .nn import to_bf16_gemms
+from .pretrained_ptq import (  # re-exported: the names `fp8kit compare` users and the CLI import from here
+    DEFAULT_KEEP_BF16,
+    DEFAULT_NORM_TWEAK,
+    _linear_weights,
+    calibration_for,
+    calibration_loop,
+    load_splits,
+    ptq_settings,
+    quantizable_layers,
+    quantize_pretrained,
+    settings_text,
+)
 from .ptq.kv_cache import kv_cache_bytes
 from .ptq.linear import QuantLinear
 from .ptq.quantize import quantize
 from .ptq.schemes import SCHEMES
 
-__all__ = ["compare_schemes", "load_splits", "parse_schemes", "quantize_pretrained", "weight_memory"]
+__all__ = [
+    "DEFAULT_KEEP_BF16",
+    "DEFAULT_NORM_TWEAK",
+    "calibration_for",
+    "calibration_loop",
+    "compare_markdown",
+    "compare_schemes",
+    "load_splits",
+    "parse_schemes",
+    "ptq_settings",
+    "quantizable_layers",
+    "quantize_pretrained",
+    "settings_text",
+    "weight_memory",
+]
 
 
 def parse_schemes(spec: str) -> list[str]:
@@ -73,40 +97,6 @@ def weight_memory(model: nn.Module) -> dict[str, int]:
     return {"linear_bytes": linear, "total_bytes": linear + other}
 
 
-def _quantizable(model: nn.Module) -> list[nn.Linear]:
-    """The Linear layers ``quantize`` quantizes by default (the output head excluded)."""
-    from .nn.convert import is_output_head
-
-    head = is_output_head(model)
-    return [m for n, m in model.named_modules() if type(m) is nn.Linear and not head(n, m)]
-
-
-def quantizable_layers(model: nn.Module) -> int:
-    """How many Linear layers ``quantize`` quantizes by default (210 in SmolLM2-135M)."""
-    return len(_quantizable(model))
-
-
-def _linear_weights(model: nn.Module) -> int:
-    """Weights of the Linear layers ``quantize`` quantizes by default."""
-    return sum(m.weight.numel() for m in _quantizable(model))
-
-
-def calibration_loop(splits: PTQSplits, batches: int, batch_size: int = 4, seq_len: int = 128) -> Callable:
-    """``forward_loop`` over ``batches`` batches of windows spread over the calibration split (ModelOpt's
-    convention); the dev and test splits are never seen. A short text (a user's ``--text``) gives as many
-    windows as its calibration split holds."""
-    n = min(batches * batch_size, available_windows(splits.calib, seq_len, splits.block))
-    if n < 1:
-        raise ValueError(f"{splits.name} is too short to calibrate on windows of {seq_len + 1} tokens")
-    data = windows(splits.calib, n, seq_len, splits.block)[:, :-1].split(batch_size)
-
-    def forward_loop(model: nn.Module) -> None:
-        for x in data:
-            model(input_ids=x)
-
-    return forward_loop
-
-
 @torch.no_grad()
 def time_per_token(model: nn.Module, prompt: torch.Tensor, new_tokens: int, repeats: int = 2) -> tuple[float, float]:
     """(prefill seconds per prompt token, decode seconds per generated token), best of ``repeats``."""
@@ -126,102 +116,7 @@ def time_per_token(model: nn.Module, prompt: torch.Tensor, new_tokens: int, repe
     return best_p, best_d
 
 
-def load_splits(text: str | None, tokenizer, second_text: bool = True) -> list[PTQSplits]:
-    """The main text's calibration/dev/test splits (the shipped KJV, or ``text``), then, with
-    ``second_text``, those of the Python Language Reference (``data.reference_text``)."""
-    ids, name = load_ids(text, tokenizer)
-    out = [ptq_splits(ids, name)]
-    if second_text:
-        ref = tokenizer.encode(reference_text())
-        ref = ref if isinstance(ref, torch.Tensor) else torch.tensor(ref, dtype=torch.long)
-        out.append(ptq_splits(ref, f"Python {sys.version_info.major}.{sys.version_info.minor} Language Reference"))
-    return out
-
-
-# chosen on the dev split (BENCHMARKS.md): static per-tensor INT8 keeps SmolLM2's large activations only
-# unclipped (max); FP8's range holds them either way and MSE clipping did as well or better. Static
-# per-tensor activations lose most in a few layers (down_proj above all): the dev sweep keeps the
-# most sensitive ones (Fisher ranking on calibration data) in BF16; the searched SmoothQuant alpha
-# lost to the fixed 0.8 on dev, so it is opt-in (--alpha search).
-DEFAULT_CALIBRATION = {"int8-smoothquant": "max"}
-DEFAULT_ALPHA: dict[str, float | str] = {}  # per scheme; 0.8 otherwise
-DEFAULT_SMOOTH: dict[str, bool] = {}  # per scheme; the scheme's own choice otherwise
-# share of the quantizable layers kept in BF16 by default: of SmolLM2's 210, 16 for fp8, 8 for int8-smoothquant
-DEFAULT_KEEP_BF16: dict[str, float] = {"fp8": 16 / 210, "int8-smoothquant": 8 / 210}  # per scheme; 0 otherwise
-# fp8 sits on the E4M3 rounding floor; tuning the norms absorbs part of that noise (dev: keep 16 +1.27%,
-# keep 16 with 120 norm-tweaking steps +0.94%)
-DEFAULT_NORM_TWEAK: dict[str, int] = {"fp8": 120}  # norm-tweaking steps per scheme; 0 otherwise
 EVAL_WINDOWS, EVAL_SEQ_LEN = 64, 512  # 32,768 held-out tokens per text
-
-
-def calibration_for(scheme: str, calibration: str | None) -> str:
-    """``calibration``, or the default for ``scheme`` when ``None`` (``mse``; ``max`` for int8-smoothquant)."""
-    return calibration or DEFAULT_CALIBRATION.get(scheme.removesuffix("+kv"), "mse")
-
-
-def ptq_options(scheme: str, gptq: bool, awq: bool) -> dict[str, bool]:
-    """The ``quantize`` switches for ``scheme``: GPTQ for every scheme, AWQ for the weight-only one."""
-    return {"gptq": gptq, "awq": awq and SCHEMES[scheme.removesuffix("+kv")].act_format is None}
-
-
-def ptq_settings(
-    scheme: str,
-    calibration: str | None = None,
-    alpha: float | str | None = None,
-    smooth: bool | None = None,
-    gptq: bool = True,
-    awq: bool = True,
-    keep_bf16: int | None = None,
-    n_layers: int = 210,
-    norm_tweak: int | None = None,
-) -> dict[str, Any]:
-    """The ``quantize`` keyword arguments for ``scheme`` (``+kv``: FP8 KV cache): each ``None`` takes the
-    dev-chosen default of that scheme (``DEFAULT_*``, BENCHMARKS.md). The default ``keep_bf16`` is a share
-    of the model's ``n_layers`` quantizable layers (rounded; 210 in SmolLM2-135M)."""
-    base = scheme.removesuffix("+kv")
-    smooth = DEFAULT_SMOOTH.get(base) if smooth is None else smooth
-    if smooth and SCHEMES[base].act_format is None:
-        smooth = False  # SmoothQuant folds need quantized activations
-    return {
-        "calibration": calibration_for(base, calibration),
-        "kv_cache": scheme.endswith("+kv"),
-        "alpha": DEFAULT_ALPHA.get(base, 0.8) if alpha is None else alpha,
-        "smooth": smooth,
-        "keep_bf16": round(DEFAULT_KEEP_BF16.get(base, 0) * n_layers) if keep_bf16 is None else keep_bf16,
-        "norm_tweak": DEFAULT_NORM_TWEAK.get(base, 0) if norm_tweak is None else norm_tweak,
-        **ptq_options(base, gptq, awq),
-    }
-
-
-def quantize_pretrained(
-    model_name: str,
-    scheme: str,
-    text: str | None = None,
-    calib_batches: int = 8,
-    calibration: str | None = None,
-    batch_size: int = 4,
-    seq_len: int = 128,
-    seed: int = 0,
-    alpha: float | str | None = None,
-    gptq: bool = True,
-    awq: bool = True,
-    keep_bf16: int | None = None,
-    smooth: bool | None = None,
-    norm_tweak: int | None = None,
-) -> tuple[nn.Module, Any, PTQSplits]:
-    """Load ``model_name`` (``smollm2`` or a local directory) and quantize it with ``scheme``
-    (``+kv`` suffix: FP8 KV cache), calibrating on the calibration split of the corpus (or ``text``).
-    ``None`` settings take the scheme's dev-chosen defaults (``ptq_settings``)."""
-    from .models.pretrained import load_pretrained_lm
-
-    del seed  # the calibration windows are fixed (evenly spaced over the calibration split)
-    model, tokenizer = load_pretrained_lm(model_name)
-    model.eval()
-    splits = load_splits(text, tokenizer, second_text=False)[0]
-    loop = calibration_loop(splits, calib_batches, batch_size, seq_len)
-    kw = ptq_settings(scheme, calibration, alpha, smooth, gptq, awq, keep_bf16, quantizable_layers(model), norm_tweak)
-    quantize(model, scheme.removesuffix("+kv"), loop, **kw)
-    return model, tokenizer, splits
 
 
 def compare_schemes(
@@ -305,7 +200,7 @@ def compare_schemes(
                 if n_keep:
                     kw["module_filter"] = keep_filter(ranking, n_keep)
                     extra["kept_bf16"] = [s.name for s in ranking[:n_keep]]
-            quantize(model, name.removesuffix("+kv"), loop, **kw)
+            quantize(model, name.removesuffix("+kv"), loop, progress=None if progress else False, **kw)
             if n_keep and "kept_bf16" not in extra:
                 extra["kept_bf16"] = [s.name for s in model.ptq_report.sensitivity[:n_keep]]
             if model.ptq_report.smooth_alpha:
@@ -370,20 +265,6 @@ def compare_schemes(
     }
     _write_compare(out, result)
     return result
-
-
-def settings_text(kw: dict[str, Any]) -> str:
-    """One line for a scheme's ``ptq_settings``: calibration, smoothing, weight rounding, BF16 layers."""
-    alpha = kw.get("alpha")
-    parts = [f"calibration {kw['calibration']}"]
-    if kw.get("smooth"):
-        parts.append("SmoothQuant " + ("alpha searched per layer group" if alpha == "search" else f"alpha {alpha}"))
-    parts.append(", ".join(k.upper() for k in ("gptq", "awq") if kw.get(k)) or "round to nearest")
-    if kw.get("keep_bf16"):
-        parts.append(f"{kw['keep_bf16']} most sensitive layers kept in BF16")
-    if kw.get("norm_tweak"):
-        parts.append(f"norm tweaking {kw['norm_tweak']} steps")
-    return "; ".join(parts)
 
 
 def compare_markdown(result: dict[str, Any]) -> str:

@@ -200,9 +200,7 @@ def _select_layers(run: _Run) -> None:
             + (" (the module_filter matched none)" if opts.module_filter else " in this model")
         )
     if opts.keep_bf16 >= len(run.targets):
-        raise ValueError(
-            f"keep_bf16={opts.keep_bf16} would keep all {len(run.targets)} quantizable layers: give fewer"
-        )
+        raise ValueError(f"keep_bf16={opts.keep_bf16} would keep all {len(run.targets)} quantizable layers: give fewer")
 
 
 def _choose_data(run: _Run) -> None:
