@@ -142,3 +142,23 @@ def test_ptq_settings_take_each_schemes_default_unless_given():
     assert sq["alpha"] == "search" and sq["calibration"] == "max" and not sq["awq"]
     wo = ptq_settings("int8-weight-only", smooth=True)
     assert wo["awq"] and wo["smooth"] is False and wo["gptq"]  # no activations to smooth
+
+
+def test_heldout_texts_are_of_other_kinds_and_long_enough(monkeypatch):
+    from fp8kit.data.heldout import HELDOUT_TEXTS, heldout_text
+
+    texts = {name: heldout_text(name) for name in HELDOUT_TEXTS}
+    ref = reference_text()
+    for name, text in texts.items():
+        assert len(text.encode()) >= 8 * 513, name  # several 512-token windows, even one byte per token
+        assert text[:2000] not in ref, name  # not the Python reference again
+    assert "def " in texts["Python source"] and "class " in texts["Python source"]  # code
+    assert "def " not in texts["CPython license"] and "License" in texts["CPython license"]  # legal prose
+    assert len(set(texts.values())) == len(texts)
+    with pytest.raises(ValueError, match="accepted: Python source"):
+        heldout_text("bogus")
+    import sysconfig
+
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": "/nonexistent"})
+    with pytest.raises(FileNotFoundError, match="LICENSE.txt"):
+        heldout_text("CPython license")
