@@ -135,3 +135,20 @@ def test_quiet_unless_asked(capsys):
     """Under pytest stderr is not a terminal: ``progress=None`` prints nothing, as the training loop."""
     ptq.quantize(tiny_llama(), "fp8", calib(BATCHES), gptq=True, norm_tweak=2)
     assert capsys.readouterr().err == ""
+
+
+def test_every_layer_in_fp8_beside_the_default():
+    """Issue 25 item 5: ``--keep-bf16 0`` quantizes every Linear but the head, as ModelOpt and llm-compressor
+    do, while the default keeps its share of layers in BF16; the settings line says which."""
+    from fp8kit.pretrained_ptq import ptq_settings, settings_text
+
+    every = ptq_settings("fp8", keep_bf16=0, norm_tweak=0, n_layers=len(LINEARS))
+    default = ptq_settings("fp8", n_layers=len(LINEARS), norm_tweak=2)
+    assert every["keep_bf16"] == 0 and default["keep_bf16"] >= 1
+    m = ptq.quantize(tiny_llama(), "fp8", calib(BATCHES), **every)
+    assert sorted(m.ptq_report.quantized) == sorted(LINEARS) and m.ptq_report.norm_tweak is None
+    assert "BF16" not in settings_text(every)
+    m = ptq.quantize(tiny_llama(), "fp8", calib(BATCHES), **default)
+    kept = [n for n, why in m.ptq_report.skipped.items() if "keep_bf16" in why]
+    assert len(kept) == default["keep_bf16"] and len(m.ptq_report.quantized) == len(LINEARS) - len(kept)
+    assert f"{default['keep_bf16']} most sensitive layers kept in BF16" in settings_text(default)
