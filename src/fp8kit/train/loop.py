@@ -20,6 +20,7 @@ from ..distributed.runtime import (
     context_from_env,
     current_context,
     in_torchrun,
+    planned_world_size,
     sharded_memory_bytes,
 )
 from ..evaluation import evaluate, loss_of
@@ -30,7 +31,15 @@ from ..nn.memory import persistent_bytes
 from ..recipes import RECIPE_NAMES, recipe_from_name
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, load_run_checkpoint, save_run_checkpoint
 
-__all__ = ["TrainConfig", "evaluate_checkpoint", "parse_recipes", "run_comparison"]
+__all__ = [
+    "TrainConfig",
+    "check_config",
+    "check_resumable",
+    "evaluate_checkpoint",
+    "parse_recipes",
+    "run_comparison",
+    "run_names",
+]
 
 
 @dataclass
@@ -287,30 +296,15 @@ def run_comparison(cfg: TrainConfig) -> dict[str, Any]:
     """Run bf16 and each FP8 recipe; write metrics, plot, summaries and checkpoints under ``cfg.out``."""
     from .report import write_reports
 
-    names = ["bf16"] + [f"fp8-{r}" for r in parse_recipes(",".join(cfg.recipes))]
-    for key in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches", "eval_interval", "ckpt_interval"):
-        if getattr(cfg, key) < 1:
-            raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(cfg, key)}")
-    if not cfg.lr > 0:
-        raise ValueError(f"--lr must be > 0, got {cfg.lr}")
-    if cfg.optimizer not in OPTIMIZERS or cfg.master_weights not in MASTER_WEIGHTS:
-        raise ValueError(
-            f"--optimizer must be one of {', '.join(OPTIMIZERS)} and --master-weights one of "
-            f"{', '.join(MASTER_WEIGHTS)}; got {cfg.optimizer!r}, {cfg.master_weights!r}"
-        )
-    if cfg.master_weights == "bf16" and cfg.optimizer != "fp8-adamw":
-        raise ValueError("--master-weights bf16 needs --optimizer fp8-adamw (torch AdamW rounds BF16 updates away)")
-    world = cfg.nproc if not in_torchrun() else int(os.environ["WORLD_SIZE"])
-    check_parallel_settings(cfg.batch_size, world, cfg.fsdp, cfg.optimizer)
+    check_config(cfg)
     if cfg.nproc > 1 and not in_torchrun():
         raise ValueError(f"nproc={cfg.nproc} needs torchrun: run `fp8kit train --nproc {cfg.nproc}` (it launches it)")
+    names = run_names(cfg)
     dctx = context_from_env(cfg.fsdp)  # under torchrun: joins the process group
     base, tokenizer = build_base(cfg)
     corpus = load_corpus(cfg.text, tokenizer)
     corpus.check_fits(cfg.seq_len)
     out = Path(cfg.out)
-    if cfg.resume:
-        _check_resumable(out, names, cfg)
     if dctx.is_main:  # only rank 0 writes files
         _prepare_out(out)
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
@@ -336,9 +330,36 @@ def run_comparison(cfg: TrainConfig) -> dict[str, Any]:
     return summary
 
 
-def _check_resumable(out: Path, names: list[str], cfg: TrainConfig) -> None:
-    """Validate every checkpoint of a run folder before anything is written (clear errors, no damage)."""
-    from ..distributed.runtime import planned_world_size
+def run_names(cfg: TrainConfig) -> list[str]:
+    """The runs of a comparison: ``bf16`` (the baseline), then ``fp8-<recipe>`` for each recipe."""
+    return ["bf16"] + [f"fp8-{r}" for r in parse_recipes(",".join(cfg.recipes))]
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Every check of ``cfg`` that needs neither model nor data, so that a bad setting ends the run before
+    anything is built, launched or written: a one-line ``ValueError`` (``CheckpointError`` for ``--resume``)
+    that names the fix. ``run_comparison`` calls it first; ``fp8kit train`` before it launches ``--nproc``."""
+    run_names(cfg)  # the recipes
+    for key in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches", "eval_interval", "ckpt_interval"):
+        if getattr(cfg, key) < 1:
+            raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(cfg, key)}")
+    if not cfg.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {cfg.lr}")
+    if cfg.optimizer not in OPTIMIZERS or cfg.master_weights not in MASTER_WEIGHTS:
+        raise ValueError(
+            f"--optimizer must be one of {', '.join(OPTIMIZERS)} and --master-weights one of "
+            f"{', '.join(MASTER_WEIGHTS)}; got {cfg.optimizer!r}, {cfg.master_weights!r}"
+        )
+    if cfg.master_weights == "bf16" and cfg.optimizer != "fp8-adamw":
+        raise ValueError("--master-weights bf16 needs --optimizer fp8-adamw (torch AdamW rounds BF16 updates away)")
+    check_parallel_settings(cfg.batch_size, planned_world_size(cfg.nproc), cfg.fsdp, cfg.optimizer)
+    if cfg.resume:
+        check_resumable(Path(cfg.out), run_names(cfg), cfg)
+
+
+def check_resumable(out: Path, names: list[str], cfg: TrainConfig) -> None:
+    """Validate every checkpoint of the runs ``names`` in the run folder ``out`` against ``cfg`` before
+    anything is written (one-line ``CheckpointError``, no damage)."""
     from .checkpoint import check_world_size, read_info
 
     if not (out / "config.json").is_file():
