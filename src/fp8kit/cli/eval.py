@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
                 f"no fp8kit checkpoint in {where}: run `fp8kit train` first, or give --checkpoint "
                 f"(a run's ckpt/<run> folder) or --model {'|'.join(PRETRAINED_MODELS)}|DIR"
             )
-    from ..train.loop import evaluate_checkpoint, evaluate_pretrained
+    from ..train.evaluate import evaluate_checkpoint, evaluate_pretrained
 
     if args.model is not None:
         results = [evaluate_pretrained(args.model, text=args.text, batches=args.eval_batches or 8)]

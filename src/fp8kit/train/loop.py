@@ -29,13 +29,12 @@ from ..nn import compile as compile_fp8
 from ..nn import convert, saved_activation_bytes, to_bf16_gemms
 from ..nn.memory import persistent_bytes
 from ..recipes import RECIPE_NAMES, recipe_from_name
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, load_run_checkpoint, save_run_checkpoint
+from .checkpoint import CheckpointError, latest_checkpoint, load_run_checkpoint, save_run_checkpoint
 
 __all__ = [
     "TrainConfig",
     "check_config",
     "check_resumable",
-    "evaluate_checkpoint",
     "parse_recipes",
     "run_comparison",
     "run_names",
@@ -374,49 +373,6 @@ def check_resumable(out: Path, names: list[str], cfg: TrainConfig) -> None:
         for key, val in want.items():
             if info.get(key, "demo" if key == "model" else None) != val:
                 raise CheckpointError(f"--resume: checkpoint {path} is for {key}={info.get(key)!r}, not {val!r}")
-
-
-def evaluate_checkpoint(checkpoint: str | Path, text: str | None = None, batches: int = 32) -> dict[str, Any]:
-    """Held-out loss and perplexity of a ``fp8kit train`` checkpoint (a run folder or ``ckpt/<run>``)."""
-    from .checkpoint import read_info
-
-    path = Path(checkpoint)
-    found = latest_checkpoint(path)
-    if found is None and (path / "model.safetensors").is_file():
-        found = path
-    if found is None:
-        raise CheckpointError(f"no fp8kit checkpoint in {path} (give a run's ckpt/<run> folder)")
-    info = read_info(found)
-    missing = [k for k in ("run", "model_size", "seed", "seq_len", "batch_size") if k not in info]
-    if missing:
-        raise CheckpointError(f"checkpoint {found} lacks {', '.join(missing)}: not written by fp8kit train")
-    cfg = TrainConfig(
-        model_size=info["model_size"],
-        model=info.get("model", "demo"),
-        seed=info["seed"],
-        seq_len=info["seq_len"],
-        batch_size=info["batch_size"],
-        text=text,
-    )
-    base, tokenizer = build_base(cfg)
-    corpus = load_corpus(text, tokenizer)
-    corpus.check_fits(cfg.seq_len)
-    model = make_model(base, cfg, info["run"])
-    step, _ = load_checkpoint(found, model)
-    loss = evaluate(model, corpus.val_batches(batches, cfg.batch_size, cfg.seq_len, cfg.seed))
-    return {"run": info["run"], "step": step, "val_loss": loss, "val_ppl": math.exp(loss), "corpus": corpus.name}
-
-
-def evaluate_pretrained(
-    model_name: str, text: str | None = None, batches: int = 16, batch_size: int = 4, seq_len: int = 128, seed: int = 0
-) -> dict[str, Any]:
-    """Held-out loss and perplexity of a pretrained model as shipped (FP32 weights, no FP8)."""
-    cfg = TrainConfig(model=model_name, seed=seed, seq_len=seq_len, batch_size=batch_size, text=text)
-    model, tokenizer = build_base(cfg)
-    corpus = load_corpus(text, tokenizer)
-    corpus.check_fits(seq_len)
-    loss = evaluate(model, corpus.val_batches(batches, batch_size, seq_len, seed))
-    return {"run": model_name, "step": 0, "val_loss": loss, "val_ppl": math.exp(loss), "corpus": corpus.name}
 
 
 def unigram_entropy(ids: torch.Tensor) -> float:
