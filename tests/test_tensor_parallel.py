@@ -121,7 +121,7 @@ def _tp_run(recipe: str, rank: int, world: int, gather, fp8: bool = True) -> dic
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from fp8kit.distributed import enable_fp8_distributed, scaling_state, sync_scaling
+    from fp8kit.distributed import collective_counts, enable_fp8_distributed, scaling_state, sync_scaling
     from fp8kit.nn import autocast
 
     mesh = init_device_mesh("cpu", (world,))
@@ -131,8 +131,9 @@ def _tp_run(recipe: str, rank: int, world: int, gather, fp8: bool = True) -> dic
     log: list = []
     _record_scales(model, log)
     per = SEQ // world
-    losses = []
+    losses, amax_collectives = [], []
     for step in range(1, STEPS + 1):
+        before = collective_counts().get("tp_amax", 0)
         x, y = batch(step)
         xs, ys = x[:, rank * per : (rank + 1) * per], y[:, rank * per : (rank + 1) * per]
         with autocast(enabled=fp8):
@@ -143,12 +144,14 @@ def _tp_run(recipe: str, rank: int, world: int, gather, fp8: bool = True) -> dic
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
+        amax_collectives.append(collective_counts().get("tp_amax", 0) - before)
     sync_scaling(model)
     return {
         "losses": losses,
         "weights": {k: v.tolist() for k, v in full_weights(model).items()},
         "scales_agree": all(s == log for s in gather(log)) and len(log) > 0,
         "n_scales": len(log),
+        "amax_collectives": amax_collectives,
         "state_agree": all(s == scaling_state(model).tolist() for s in gather(scaling_state(model).tolist())),
     }
 
@@ -266,6 +269,13 @@ def test_every_rank_uses_the_same_scales(tp_result, recipe):
     # 2 blocks x 3 layers x (input, weight, grad) per step; the weight once per step (cached)
     assert got["n_scales"] >= 2 * 3 * 3 * STEPS
     assert got["state_agree"]
+
+
+def test_delayed_scaling_reduces_amaxes_only_in_the_step_sync_after_the_first_step(tp_result):
+    delayed, current = tp_result["delayed"]["amax_collectives"], tp_result["current"]["amax_collectives"]
+    # first step: weights (6), column-parallel gradients (4), row-parallel inputs (2) and the 2 SP gathers
+    assert delayed == [14, 0, 0]
+    assert current == [14] * STEPS  # just-in-time scaling: every step
 
 
 def test_sequence_parallel_all_gather_moves_fp8_bytes(tp_result):

@@ -63,6 +63,7 @@ __all__ = [
     "PrepareFloat8ModuleInput",
     "TensorParallelLinear",
     "check_tensor_parallel_layout",
+    "sequence_all_gather",
 ]
 
 
