@@ -12,6 +12,8 @@ One spawn runs every 2-rank scenario (hard timeout) and writes JSON; the tests a
   across an FP8 rounding boundary by it would move its value by a whole FP8 step (2**-3 / 2**-2 relative)
   and break the bound; the runs are deterministic, so the test cannot flake on it. The same run without
   FP8 is the control (1e-6 / 1e-5 too: measured 0 and 2.6e-7).
+* the same without sequence parallelism, and a tiny transformers Llama (q/k/v/gate/up column-wise,
+  o/down row-wise; losses bit-identical on both ranks, within 1e-6 of one process).
 * every rank's scales, bit for bit: all quantizations of every TP layer (and delayed scaling's state).
 * bytes of the sequence-parallel activation all-gather counted at ``all_gather_into_tensor``: FP8 against
   the same model gathering its BF16 activations (<= 0.55x).
@@ -118,7 +120,7 @@ def _record_scales(model: nn.Module, log: list) -> None:
             m.quantize_operand = spy
 
 
-def _tp_run(recipe: str, rank: int, world: int, gather, fp8: bool = True) -> dict:
+def _tp_run(recipe: str, rank: int, world: int, gather, fp8: bool = True, sequence_parallel: bool = True) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
@@ -127,20 +129,21 @@ def _tp_run(recipe: str, rank: int, world: int, gather, fp8: bool = True) -> dic
     from fp8kit.nn import autocast
 
     mesh = init_device_mesh("cpu", (world,))
-    model = parallelize_module(make(recipe), mesh, tp_plan())
+    model = parallelize_module(make(recipe), mesh, tp_plan(sequence_parallel))
     enable_fp8_distributed(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     log: list = []
     _record_scales(model, log)
-    per = SEQ // world
+    per, shards = (SEQ // world, world) if sequence_parallel else (SEQ, 1)  # without SP: every rank the whole batch
     losses, amax_collectives = [], []
     for step in range(1, STEPS + 1):
         before = collective_counts().get("tp_amax", 0)
         x, y = batch(step)
-        xs, ys = x[:, rank * per : (rank + 1) * per], y[:, rank * per : (rank + 1) * per]
+        part = rank % shards
+        xs, ys = x[:, part * per : (part + 1) * per], y[:, part * per : (part + 1) * per]
         with autocast(enabled=fp8):
             loss = F.mse_loss(model(xs), ys)
-            (loss / world).backward()  # the global loss is the mean of the ranks' (equal-sized) shards' losses
+            (loss / shards).backward()  # the global loss is the mean of the (equal-sized) sequence shards' losses
         opt.step()
         opt.zero_grad(set_to_none=True)
         total = loss.detach().clone()
@@ -186,6 +189,66 @@ def _gather_bytes(rank: int, world: int, fp8: bool) -> int:
     return counted["bytes"]
 
 
+LLAMA_STEPS = 2
+
+
+def _llama(recipe: str) -> nn.Module:
+    from conftest import tiny_llama_config
+    from transformers import LlamaForCausalLM
+
+    import fp8kit
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config(attn_implementation="eager"))
+    return fp8kit.convert(model, recipe)
+
+
+def _llama_loss(model: nn.Module, step: int) -> torch.Tensor:
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(step))
+    return model(input_ids=ids, labels=ids).loss
+
+
+def llama_one_process(recipe: str) -> list[float]:
+    model = _llama(recipe)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(LLAMA_STEPS):
+        loss = _llama_loss(model, step)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def _llama_tp_run(recipe: str, world: int) -> list[float]:
+    """Tiny transformers Llama, TP=2 on the attention (q, k, v column-wise: a local head per rank; o row-wise)
+    and the MLP (gate, up column-wise; down row-wise); embeddings, norms and the head replicated."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from fp8kit.distributed import enable_fp8_distributed
+    from fp8kit.distributed.tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    model = _llama(recipe)
+    mesh = init_device_mesh("cpu", (world,))
+    col, row = Float8ColwiseParallel, Float8RowwiseParallel
+    plan = {"self_attn.q_proj": col(), "self_attn.k_proj": col(), "self_attn.v_proj": col(), "self_attn.o_proj": row()}
+    plan |= {"mlp.gate_proj": col(), "mlp.up_proj": col(), "mlp.down_proj": row()}
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, plan)
+    enable_fp8_distributed(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(LLAMA_STEPS):
+        loss = _llama_loss(model, step)  # the same batch on every rank
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
@@ -204,6 +267,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
     res = {recipe: _tp_run(recipe, rank, world, gather) for recipe in RECIPES}
     res["high_precision"] = _tp_run("delayed", rank, world, gather, fp8=False)
+    res["no_sp"] = _tp_run("current", rank, world, gather, sequence_parallel=False)
+    res["llama"] = {recipe: gather(_llama_tp_run(recipe, world)) for recipe in ("delayed", "current")}
     res["bytes_fp8"] = _gather_bytes(rank, world, fp8=True)
     res["bytes_bf16"] = _gather_bytes(rank, world, fp8=False)
     dist.barrier()
@@ -252,6 +317,23 @@ def test_tp2_sequence_parallel_follows_one_process(tp_result, recipe):
     assert got["losses"] == pytest.approx(losses, rel=1e-6)
     for name, (gap, moved) in _weight_gaps(got, weights, recipe).items():
         assert gap <= 1e-5 * moved, (name, gap, moved)
+
+
+def test_tp2_without_sequence_parallelism_follows_one_process(tp_result):
+    """Replicated inputs (input gradient all-reduced) and all-reduced row-parallel outputs."""
+    got = tp_result["no_sp"]
+    losses, weights = one_process("current")
+    assert got["losses"] == pytest.approx(losses, rel=1e-6)
+    for name, (gap, moved) in _weight_gaps(got, weights, "current").items():
+        assert gap <= 1e-5 * moved, (name, gap, moved)
+    assert got["scales_agree"]
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_tp2_llama_attention_and_mlp_follow_one_process(tp_result, recipe):
+    ranks = tp_result["llama"][recipe]
+    assert ranks[0] == ranks[1]  # the same loss on both ranks, bit for bit
+    assert ranks[0] == pytest.approx(llama_one_process(recipe), rel=1e-6)
 
 
 def test_tp2_without_fp8_is_one_process_to_float32_rounding(tp_result):
