@@ -7,25 +7,26 @@ import torch
 
 import fp8kit
 from fp8kit import gemm
+from fp8kit.gemm import probe
 
 
 @pytest.fixture
 def cpu_backend():
-    saved = dict(gemm._CPU_BACKEND)
+    saved = dict(probe._CPU_BACKEND)
 
     def use(name: str) -> None:
-        gemm._CPU_BACKEND["name"] = name
+        probe._CPU_BACKEND["name"] = name
 
     yield use
-    gemm._CPU_BACKEND.clear()
-    gemm._CPU_BACKEND.update(saved)
+    probe._CPU_BACKEND.clear()
+    probe._CPU_BACKEND.update(saved)
 
 
 def test_cpu_backend_follows_the_cpu_features():
     assert gemm.choose_cpu_backend({"avx2", "fma"}) == "fp32"
     assert gemm.choose_cpu_backend({"avx2", "avx512_bf16"}) == "bf16"
     assert gemm.choose_cpu_backend({"amx_bf16", "amx_tile"}) == "bf16"
-    assert gemm.cpu_gemm_backend() == gemm.choose_cpu_backend(gemm._cpu_flags())
+    assert gemm.cpu_gemm_backend() == gemm.choose_cpu_backend(probe._cpu_flags())
     with pytest.raises(ValueError, match="'fp32' or 'bf16'"):
         gemm.set_cpu_gemm_backend("scaled_mm")
 
