@@ -67,7 +67,7 @@ _LOGGED: set[tuple[str, str]] = set()
 
 def _log_choice(choice: KernelChoice, device: str) -> None:
     key = (device, choice.reason)
-    if key not in _LOGGED:
+    if key not in _LOGGED and not torch.compiler.is_compiling():  # logged by the first eager call
         _LOGGED.add(key)
         log.info("fp8kit.ptq %s kernel %s: %s", device, choice.name, choice.reason)
 
