@@ -21,7 +21,10 @@ resident, about 1 byte per weight, and decodes the weight tile by tile inside ea
 beside them (+2 bytes per weight in bfloat16, +4 in float32) and saves the decode on every call, the
 faster choice for small batches where memory allows (``BENCHMARKS.md``). INT8 W8A8 on ``torch._int_mm``
 and every CUDA kernel read the codes directly and never cache. ``set_weight_cache(model, mode)`` sets
-every layer of a model; ``resident_bytes(module)`` counts what a module holds.
+every layer of a model; ``resident_bytes(module)`` counts what a module holds. Lean and cached feed
+the same exact values to the same GEMM, each output element one dot product over all of K, so they
+can differ only where the BLAS sums a narrower N in another order (bit-identical in every case checked
+on AVX-512 oneDNN/MKL); the tests assert bit-identity where any order is exact, the bound below otherwise.
 
 Equality with the reference (tests): INT8 x INT8 products summed in int32 are exact, so
 ``_int_mm``'s accumulator equals the reference accumulator bit for bit whenever the FP32 partial sums
