@@ -146,13 +146,13 @@ def test_int_mm_accumulator_is_bit_exact_and_output_equals_reference():
 def test_compiled_epilogue_for_large_outputs_equals_the_reference():
     """Outputs of at least ``COMPILE_MIN_ELEMENTS`` get the torch.compile'd scale/bias epilogue (one fused
     loop; it may contract multiply-add into an FMA, one FP32 rounding fewer than the reference)."""
-    from fp8kit.ptq import linear as ptq_linear
+    from fp8kit.gemm import scaled
 
     q = _layer("int8-smoothquant", k=64, n=256)
-    x = _inputs(ptq_linear.COMPILE_MIN_ELEMENTS // 256, 64, torch.float32)
+    x = _inputs(scaled.COMPILE_MIN_ELEMENTS // 256, 64, torch.float32)
     q.kernel = "int_mm"
     out = q(x)
-    assert ptq_linear._COMPILE["enabled"], "the epilogue failed to compile"
+    assert scaled.use_compiled(scaled.COMPILE_MIN_ELEMENTS), "the epilogue failed to compile"
     diff = (out.double() - q._forward_reference(x).double()).abs()
     assert (diff <= _bound(q, x, 2.0**-23)).all()
 

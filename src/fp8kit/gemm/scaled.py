@@ -32,7 +32,7 @@ from ..formats import get_format
 from .codes import codes_mm
 from .probe import cpu_gemm_backend, cpu_int8_backend
 
-__all__ = ["COMPILE_MIN_ELEMENTS", "KERNELS", "KernelChoice", "choose_kernel", "scaled_mm"]
+__all__ = ["COMPILE_MIN_ELEMENTS", "KERNELS", "KernelChoice", "choose_kernel", "scaled_mm", "use_compiled"]
 
 log = logging.getLogger("fp8kit.ptq")
 
@@ -122,6 +122,12 @@ _COMPILE = {"enabled": True}
 _EAGER = {"dequant_mm": _dequant_mm, "convert": _convert, "finish": _finish}
 
 
+def use_compiled(numel: int) -> bool:
+    """True when operands of ``numel`` elements run compiled kernels: at least ``COMPILE_MIN_ELEMENTS``,
+    and compilation has not failed in this process."""
+    return _COMPILE["enabled"] and numel >= COMPILE_MIN_ELEMENTS
+
+
 @functools.cache
 def _compiled(name: str):
     return torch.compile(_EAGER[name], dynamic=True)
@@ -130,7 +136,7 @@ def _compiled(name: str):
 def _run(name: str, *args):
     """``name``'s function compiled (one fused loop on CPU, one Triton kernel on CUDA) for large operands,
     eager otherwise; a compile failure is logged once and the eager function used from then on."""
-    if _COMPILE["enabled"] and args[0].numel() >= COMPILE_MIN_ELEMENTS and not torch.compiler.is_compiling():
+    if use_compiled(args[0].numel()) and not torch.compiler.is_compiling():
         try:
             return _compiled(name)(*args)
         except Exception as err:  # no C++ compiler / Triton: same math, eagerly

@@ -46,7 +46,7 @@ import torch
 import torch.nn as nn
 
 from ..formats import Format
-from ..gemm.scaled import _COMPILE, COMPILE_MIN_ELEMENTS, KERNELS, KernelChoice, choose_kernel, scaled_mm
+from ..gemm.scaled import KERNELS, KernelChoice, choose_kernel, scaled_mm, use_compiled
 from ..scaling import dequant_scale
 from ..tensor import quantize as fp8_quantize
 from .schemes import Scheme, get_scheme
@@ -195,7 +195,7 @@ class QuantLinear(nn.Module):
         fmt: Format = self.scheme.act_format
         # compiled kernel (bit-identical to eager) for large inputs; row tiles keep one compiled graph per
         # in_features (a static scalar scale is broadcast to every row: the per-tensor codes exactly)
-        backend = "compiled" if _COMPILE["enabled"] and x2.numel() >= COMPILE_MIN_ELEMENTS else "eager"
+        backend = "compiled" if use_compiled(x2.numel()) else "eager"
         if self.scheme.act_strategy == "tensor":
             mult = 1.0 / self.input_scale
             qt = fp8_quantize(x2, fmt, "row", scale=mult, nonfinite="propagate", check_scale=False, backend=backend)
