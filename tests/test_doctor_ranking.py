@@ -1,8 +1,8 @@
 """The doctor's culprit ranking: severity times persistence, not the step alone.
 
 On a 4-layer ``transformers`` Llama (byte vocabulary, delayed scaling with an amax history of 16, 10
-steps), the gradients of the first layers grow after the first optimizer update, so at step 1 their
-delayed scale (set from step 0's amax alone) is stale and a few values saturate: a transient reading
+steps), the gradients of the first layers grow after the first optimizer updates, so in the first
+steps their delayed scale (set from the amax of the steps before) is stale and a few values saturate: a transient reading
 near the SQNR floor that the loss does not feel. It used to be ranked first (the earliest step won),
 above faults planted later, and it made a healthy run list culprits. These tests plant faults at more
 than one place and step and check that the fault ranks first, that the healthy run has no culprit, and
@@ -77,9 +77,9 @@ def healthy(batches) -> debug.DoctorReport:
 def test_healthy_run_has_no_culprit(healthy, tmp_path):
     assert healthy.healthy and healthy.kind == "none", healthy.summary
     assert healthy.culprits == [] and healthy.recommendations == []
-    # the stale step-1 gradient scale is there, and reported as a note
-    early = [c for c in healthy.notes if c.operand == "grad" and c.step == 1]
-    assert early, [(c.layer, c.operand, c.step) for c in healthy.notes]
+    # the stale early gradient scales are there, and reported as notes
+    early = [c for c in healthy.notes if c.operand == "grad" and c.step <= 2]
+    assert early, [(c.layer, c.operand, c.step, c.score) for c in healthy.notes]
     assert "noted, none with a loss effect" in healthy.summary
     text = healthy.save(tmp_path / "report").read_text()
     assert text.startswith("# fp8kit doctor: healthy") and "## Culprits" not in text and "## Notes" in text
@@ -97,7 +97,7 @@ def test_a_planted_fault_ranks_first(batches, healthy, module, start, expected):
     rep = run(batches, outlier(module, start))
     assert not rep.healthy, rep.summary
     top = rep.culprits[0]
-    assert (top.layer, top.operand, top.step) == expected, [(c.layer, c.operand, c.step, c.score) for c in rep.culprits]
+    assert (top.layer, top.operand, top.step) == expected, [(c.layer, c.operand, c.step) for c in rep.culprits[:5]]
     # a clear departure: further past its threshold than anything the healthy run notes
     assert top.score > max(c.score for c in healthy.notes)
     # the early stale-scale readings of the healthy run do not come before the fault
