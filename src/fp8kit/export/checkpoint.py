@@ -82,6 +82,9 @@ def save_pretrained(
     cfg = hf_config_dict(model)
     out = check_export_dir(out_dir, overwrite)
     tensors = kept_tensors(model, list(qlayers))
+    for name in kv:  # each format names the k/v scales its own way
+        tensors.pop(f"{name}.k_scale", None)
+        tensors.pop(f"{name}.v_scale", None)
     extra = None
     if format == "compressed-tensors":
         qtensors, qc = ct_tensors(model, qlayers, next(iter(qlayers.values())).scheme, ignore, kv)
