@@ -120,7 +120,7 @@ def one_scheme(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"quantize writes one model, so it takes one scheme: {_scheme_names()} (compare takes several, or all)"
         )
-    return _check_scheme(text)
+    return "fp8-block" if text.strip().lower() == "fp8-block" else _check_scheme(text)
 
 
 def scheme_list(text: str) -> str:
@@ -269,6 +269,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .train.loop import defaults_for, parse_recipes
     from .train.report import summary_markdown
 
+    if args.export_format:
+        from .export import check_train_export
+
+        try:
+            check_train_export(parse_recipes(args.recipe), args.export_format, args.out, args.model != "demo")
+        except ValueError as err:
+            raise UsageError(f"--export-format: {err}") from None
     settings = defaults_for(args.model)
     for key in ("steps", "batch_size", "seq_len", "lr", "eval_interval", "ckpt_interval"):
         if getattr(args, key) is not None:
@@ -306,6 +313,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     print()
     print(summary_markdown(summary))
     print(f"wrote {cfg.out}/summary.json, summary.md, loss.png, metrics.jsonl and checkpoints in {cfg.out}/ckpt")
+    if args.export_format and int(os.environ.get("RANK", "0")) == 0:
+        from .train.serving import export_runs
+
+        for path in export_runs(cfg.out, args.export_format, [f"fp8-{r}" for r in cfg.recipes]):
+            print(f"wrote the {args.export_format} serving checkpoint {path}")
     return 0
 
 
@@ -335,12 +347,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from .export import check_export_dir, save_pretrained
+    from .export import check_export_dir, check_scheme_format, save_pretrained
 
+    try:
+        check_scheme_format(args.scheme, args.format)
+    except ValueError as err:
+        raise UsageError(f"--format: {err}") from None
     try:
         check_export_dir(args.out, args.overwrite)
     except ValueError as err:
         raise UsageError(f"--out {err}") from None
+    if args.scheme == "fp8-block":  # no calibration: 128x128 weight tiles, dynamic activations
+        from .export import quantize_block
+        from .models.pretrained import load_pretrained_lm
+
+        model, tokenizer = load_pretrained_lm(args.model)
+        out = save_pretrained(quantize_block(model), args.out, tokenizer, format=args.format, overwrite=args.overwrite)
+        print(f"{model.ptq_report}\nwrote the {args.format} export to {out}")
+        return 0
     from .compare import quantize_pretrained
 
     model, tokenizer, corpus = quantize_pretrained(
@@ -356,9 +380,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         smooth=args.smooth,
         norm_tweak=args.norm_tweak,
     )
-    out = save_pretrained(model, args.out, tokenizer, overwrite=args.overwrite)
+    out = save_pretrained(model, args.out, tokenizer, format=args.format, overwrite=args.overwrite)
     print(model.ptq_report)
-    print(f"calibrated on {corpus.name}; wrote the compressed-tensors export to {out} (vLLM: LLM(model={str(out)!r}))")
+    print(f"calibrated on {corpus.name}; wrote the {args.format} export to {out} (vLLM: LLM(model={str(out)!r}))")
     return 0
 
 
@@ -501,6 +525,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", default=TRAIN_OUT, help="run folder")
     t.add_argument("--resume", action="store_true", help="continue the runs in --out from their checkpoints")
     t.add_argument(
+        "--export-format",
+        default=None,
+        help="after training, write each FP8 run's serving checkpoint (its trained scales) to OUT/serving/<run> in "
+        "this format: compressed-tensors, modelopt or fp8-block (--model smollm2 or DIR)",
+    )
+    t.add_argument(
         "--eval-interval",
         type=positive_int,
         default=None,
@@ -611,6 +641,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="fp8|fp8-dynamic|int8-smoothquant|int8-weight-only; fp8+kv: FP8 KV",
     )
     q.add_argument("--out", required=True, help="new (or empty) folder for the Hugging Face / vLLM checkpoint")
+    q.add_argument(
+        "--format",
+        default="compressed-tensors",
+        help="compressed-tensors (vLLM, transformers), modelopt (TensorRT-LLM, vLLM, SGLang) or fp8-block "
+        "(--scheme fp8-block; vLLM, SGLang, transformers) (default: compressed-tensors)",
+    )
     q.add_argument(
         "--text", type=text_file, default=None, help="calibrate on this UTF-8 text instead of the shipped corpus"
     )

@@ -21,7 +21,7 @@ from .block_linear import BlockQuantLinear
 from .checkpoint import dequantized_model, load_pretrained, save_pretrained
 from .common import MANIFEST, ExportError, check_export_dir
 from .compressed_tensors import QUANT_METHOD, pack_int8, quantization_config, unpack_int8
-from .serve import quantize_block, serving_model
+from .serve import check_train_export, quantize_block, serving_model
 from .support import FORMATS, check_scheme_format, formats_for
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "ExportError",
     "check_export_dir",
     "check_scheme_format",
+    "check_train_export",
     "dequantized_model",
     "formats_for",
     "load_pretrained",

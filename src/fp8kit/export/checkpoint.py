@@ -124,7 +124,11 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.
     from ..ptq.quantize import PTQReport
 
     report = PTQReport(scheme, quantized=names, kv_cache=kv)
-    report.skipped = {n: "not quantized in the checkpoint" for n, m in model.named_modules() if type(m) is nn.Linear}
+    report.skipped = {
+        n: "not quantized in the checkpoint"
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and not isinstance(m, FP8Linear)
+    }
     object.__setattr__(model, "ptq_report", report)
     return model.eval()
 

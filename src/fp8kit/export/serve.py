@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -24,9 +25,14 @@ from .block_linear import BlockQuantLinear
 from .common import ExportError, replace_module
 from .support import BLOCK_SCHEME
 
-__all__ = ["quantize_block", "serving_layers", "serving_model"]
+__all__ = ["check_train_export", "quantize_block", "serving_layers", "serving_model"]
 
 _SCHEME_OF_RECIPE = {"delayed": "fp8", "rowwise": "fp8-dynamic", "current": "fp8-dynamic", "block": BLOCK_SCHEME}
+
+
+def _high_precision(m: nn.Module) -> bool:
+    """A Linear layer left in high precision (``nn.Linear``, or a subclass such as ``BF16Linear``)."""
+    return isinstance(m, nn.Linear) and not isinstance(m, FP8Linear)
 
 
 def _history_amax(layer: FP8Linear) -> float:
@@ -70,7 +76,7 @@ def serving_layers(model: nn.Module) -> tuple[str, dict[str, nn.Module], list[st
                 layers[name] = QuantLinear.from_linear(m, scheme, input_amax=_history_amax(m))
             else:
                 layers[name] = QuantLinear.from_linear(m, scheme)
-    kept = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    kept = [n for n, m in model.named_modules() if _high_precision(m)]
     return scheme, layers, kept
 
 
@@ -78,7 +84,7 @@ def _report(model: nn.Module, scheme: str, names: list[str], why: str) -> None:
     from ..ptq.quantize import PTQReport
 
     report = PTQReport(scheme, quantized=list(names))
-    report.skipped = {n: why for n, m in model.named_modules() if type(m) is nn.Linear}
+    report.skipped = {n: why for n, m in model.named_modules() if _high_precision(m)}
     object.__setattr__(model, "ptq_report", report)
 
 
@@ -109,3 +115,24 @@ def quantize_block(model: nn.Module, module_filter: Callable[[str, nn.Module], b
             replace_module(model, name, BlockQuantLinear.from_linear(model.get_submodule(name)))
     _report(model, BLOCK_SCHEME, names, "kept in high precision")
     return model.eval()
+
+
+def check_train_export(recipes: list[str], fmt: str, out: str | Path, hf_model: bool) -> list[Path]:
+    """Validate ``fp8kit train --export-format FMT`` before training: each FP8 recipe's serving scheme fits
+    ``fmt``, the model is a Hugging Face one, and ``OUT/serving/fp8-<recipe>`` can be written. Returns
+    those folders; raises ``ValueError`` (one line naming the fix)."""
+    from .common import check_export_dir
+    from .support import check_scheme_format
+
+    if not hf_model:
+        raise ValueError("--export-format writes a Hugging Face checkpoint: give --model smollm2 or a local directory")
+    folders = []
+    for recipe in recipes:
+        if recipe not in _SCHEME_OF_RECIPE:
+            raise ValueError(f"the {recipe} recipe has no serving format: train delayed, current, rowwise or block")
+        try:
+            check_scheme_format(_SCHEME_OF_RECIPE[recipe], fmt)
+        except ValueError as err:
+            raise ValueError(f"recipe {recipe} trains the {_SCHEME_OF_RECIPE[recipe]} scheme: {err}") from None
+        folders.append(check_export_dir(Path(out) / "serving" / f"fp8-{recipe}"))
+    return folders
