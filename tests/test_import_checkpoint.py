@@ -113,3 +113,21 @@ def test_fp8_in_fp8_out_through_the_cli(local_model, tmp_path, capsys):
     with torch.no_grad():
         assert torch.isfinite(load_pretrained(serving)(x).logits).all()
     fp8kit.export.check_scheme_format("fp8-block", "modelopt")  # the block scheme also fits ModelOpt's format
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "modelopt"])
+def test_dequantized_model_holds_the_checkpoints_exact_weights(fmt, tmp_path):
+    from fp8kit import ptq
+    from fp8kit.export import dequantized_model, save_pretrained
+    from tests.test_export_modelopt import llama
+
+    x = torch.randint(0, 320, (2, 16))
+    q = ptq.quantize(llama(), "fp8", lambda m: m(x))
+    plain = dequantized_model(save_pretrained(q, tmp_path / fmt, format=fmt))
+    assert "quantization_config" not in plain.config.to_dict()
+    for n, m in q.named_modules():
+        if isinstance(m, ptq.QuantLinear):
+            assert type(plain.get_submodule(n)) is torch.nn.Linear
+            assert torch.equal(plain.get_submodule(n).weight, m.dequantized_weight()), n
+    fp8kit.convert(plain, "delayed")  # a starting point for FP8 fine-tuning
+    assert sum(isinstance(m, fp8kit.nn.Linear) for m in plain.modules()) == 14

@@ -638,7 +638,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--scheme",
         type=one_scheme,
         required=True,
-        help="fp8|fp8-dynamic|int8-smoothquant|int8-weight-only; fp8+kv: FP8 KV",
+        help="fp8|fp8-dynamic|int8-smoothquant|int8-weight-only|fp8-block; fp8+kv: FP8 KV",
     )
     q.add_argument("--out", required=True, help="new (or empty) folder for the Hugging Face / vLLM checkpoint")
     q.add_argument(
