@@ -239,3 +239,6 @@ def test_block_linear_matches_a_deepseek_style_reference():
         out = q(x)
     assert rel(out, ref) < 1e-6
     assert 1e-3 < rel(ref, lin(x).detach()) < 0.05  # the E4M3 rounding is there, and only that
+    q.weight_scale_inv.mul_(2)  # the cached float32 weight follows in-place changes
+    with torch.no_grad():
+        assert rel(q(x) - lin.bias.detach(), 2 * (out - lin.bias.detach())) < 1e-6

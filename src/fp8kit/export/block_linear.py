@@ -39,6 +39,7 @@ class BlockQuantLinear(nn.Module):
         self.register_buffer("weight_scale_inv", torch.ones(tiles))
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
         self.dynamic_activations = True
+        self._cache: tuple | None = None  # (weight, version, scale_inv, version, float32 weight)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, block: int = BLOCK, power_of_two: bool = False) -> BlockQuantLinear:
@@ -60,6 +61,17 @@ class BlockQuantLinear(nn.Module):
         s = _expand(self.weight_scale_inv.float(), self.out_features, self.in_features, self.block)
         return (self.weight.float() * s).to(dtype)
 
+    def _apply(self, fn, *args, **kwargs):
+        self._cache = None  # .to(device/dtype): drop the float32 copy of the old weight
+        return super()._apply(fn, *args, **kwargs)
+
+    def _compute_weight(self) -> torch.Tensor:
+        """``dequantized_weight()``, cached until the codes or the scales change (exact either way)."""
+        w, s, c = self.weight, self.weight_scale_inv, self._cache
+        if c is None or c[0] is not w or c[1] != w._version or c[2] is not s or c[3] != s._version:
+            self._cache = c = (w, w._version, s, s._version, self.dequantized_weight())
+        return c[4]
+
     def quantize_input(self, x2: torch.Tensor) -> torch.Tensor:
         """A 2-D input rounded to E4M3 per 1x``block`` group (``scale_inv = amax / 448``), dequantized."""
         return quantize(x2.float(), E4M3, (1, self.block), nonfinite="propagate").dequantize(torch.float32)
@@ -69,7 +81,7 @@ class BlockQuantLinear(nn.Module):
             raise ValueError(f"BlockQuantLinear expects inputs with last dim {self.in_features}, got {tuple(x.shape)}")
         x2 = x.reshape(-1, self.in_features)
         xd = self.quantize_input(x2) if self.dynamic_activations else x2.float()
-        out = xd @ self.dequantized_weight().t()
+        out = xd @ self._compute_weight().t()
         if self.bias is not None:
             out = out + self.bias
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
