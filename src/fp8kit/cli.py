@@ -281,6 +281,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         seed=args.seed,
         model_size=args.model_size,
         model=args.model,
+        arch=args.arch,
         compile=args.compile,
         out=args.out,
         resume=args.resume,
@@ -494,6 +495,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
     t.add_argument("--seed", type=int, default=0, help="seed of the weights and of the batch order")
     t.add_argument("--model-size", type=model_size, default="small", help="size of the demo model: tiny|small|base")
+    t.add_argument(
+        "--arch",
+        choices=("dense", "moe"),
+        default="dense",
+        help="demo model: dense (Llama) or moe (Qwen3-MoE, 8 experts, top-2; router load balance reported)",
+    )
     t.add_argument(
         "--text", type=text_file, default=None, help="train on this UTF-8 text file instead of the shipped corpus"
     )
