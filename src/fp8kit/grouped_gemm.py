@@ -115,7 +115,8 @@ def _grouped_mm_fake(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> to
     return a.new_empty(offs.shape[0], a.shape[0], b.shape[1])
 
 
-_OP = None
+_OP = torch.library.custom_op("fp8kit::grouped_mm", _grouped_mm_impl, mutates_args=())
+_OP.register_fake(_grouped_mm_fake)
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -124,10 +125,6 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     ``a`` ``(P, K)`` and ``b`` ``(E, K, N)`` give ``(P, N)``; ``a`` ``(N, P)`` and ``b`` ``(P, K)``
     give ``(E, N, K)`` (groups along P). Not differentiable (the FP8 layers call it in their forward and
     backward)."""
-    global _OP
-    if _OP is None:
-        _OP = torch.library.custom_op("fp8kit::grouped_mm", _grouped_mm_impl, mutates_args=())
-        _OP.register_fake(_grouped_mm_fake)
     return _OP(a, b, offs)
 
 
@@ -172,6 +169,13 @@ class GroupedWeight:
             self.orig_dtype,
             self.is_mx,
         )
+
+    def row_scales(self) -> torch.Tensor:
+        """``(E, R)`` per-row multipliers (``(E, 1)`` for one scale per expert); needs one tile along C."""
+        s = self.scale_inv[:, :, 0]
+        if s.shape[1] == 1:
+            return s
+        return s.repeat_interleave(self.block[0], dim=1)[:, : self.data.shape[1]]
 
     @property
     def scales_factor_out(self) -> bool:
@@ -278,7 +282,7 @@ def grouped_gemm(
     gdt = _gemm_dtype(out_dtype)
     if factor:
         acc = grouped_mm(_values(x.data, x.fmt, gdt, x.values), _values(w.data, w.fmt, gdt).transpose(1, 2), offs)
-        sw = w.scale_inv.reshape(w.data.shape[0], -1)[group_ids]  # (P, N) or (P, 1)
+        sw = w.row_scales()[group_ids]  # (P, N) or (P, 1)
         return (acc.float() * _row_scales(x) * sw).to(out_dtype)
     return grouped_mm(x.dequantize(gdt), w.dequantize(gdt).transpose(1, 2), offs).to(out_dtype)
 
@@ -325,7 +329,7 @@ def _try_scaled_grouped_mm(
         _fallback("row-wise", f"K={k}, N={n} are not multiples of 16")
         return None
     sa = x.scale_inv.reshape(-1).float().expand(p).contiguous() if x.scales.numel() == 1 else x.scale_inv.reshape(-1)
-    sb = w.scale_inv.reshape(e, -1).float().expand(e, n).contiguous()
+    sb = w.row_scales().float().expand(e, n).contiguous()
     try:
         out = fn(
             x.data.contiguous(),

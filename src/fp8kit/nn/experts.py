@@ -62,11 +62,18 @@ from ..grouped_gemm import (
 )
 from ..recipes import DelayedScaling, Recipe
 from ..scaling import compute_scale
-from ..tensor import QuantizedTensor, quantize, tensor_amax
+from ..tensor import QuantizedTensor, quantize, quantize_with_transpose, tensor_amax
 from .autocast import fp8_enabled, recipe_override
 from .linear import _BACKEND, FP8_STATE_KEYS, _knobs, _track_cache
 
-__all__ = ["FP8Experts", "convert_experts", "experts_why_not", "fp8_experts_forward", "is_experts_module"]
+__all__ = [
+    "FP8Experts",
+    "convert_experts",
+    "experts_why_not",
+    "fp8_experts_forward",
+    "grouped_linear",
+    "is_experts_module",
+]
 
 PROJECTIONS = ("gate_up", "down")
 _EXPERT_STATE_KEYS = ("fp8_tokens_per_expert",)
@@ -148,6 +155,22 @@ class FP8Experts:
             return q
         return quantize(x, fmt, recipe.granularity_for(role), nonfinite="propagate", backend=backend, **_knobs(recipe))
 
+    def quantize_both_ways(
+        self, xp: torch.Tensor, p: int, role: str, recipe: Recipe, group_ids: torch.Tensor
+    ) -> tuple[QuantizedTensor, QuantizedTensor | GroupColumns]:
+        """``(xp along K, xp.T along the tokens)``: for 1x128 / MX tiles from one fused kernel that reads
+        ``xp`` once (as ``Linear`` does; inductor also fails to fuse two separate casts of one input)."""
+        if recipe.kind in ("block", "mxfp8"):
+            return quantize_with_transpose(
+                xp,
+                recipe.format_for(role),
+                recipe.granularity_for(role),
+                nonfinite="propagate",
+                backend=_BACKEND["name"],
+                **_knobs(recipe),
+            )
+        return self.quantize_activation(xp, p, role, recipe), self.quantize_along_tokens(xp, role, recipe, group_ids)
+
     def quantize_along_tokens(
         self, xp: torch.Tensor, role: str, recipe: Recipe, group_ids: torch.Tensor
     ) -> QuantizedTensor | GroupColumns:
@@ -227,7 +250,7 @@ class FP8Experts:
         rolled = torch.roll(hist, 1, dims=-1)
         rolled[..., 0] = pending.clamp_min(0)
         hist.copy_(torch.where(has[..., None], rolled, hist))
-        self.fp8_seen += has.to(torch.int64)
+        self.fp8_seen.add_(has.to(torch.int64))
         ref = hist.amax(dim=-1) if recipe.amax_compute_algo == "max" else hist[..., 0]
         prev = self.fp8_scale
         fwd = compute_scale(ref, E4M3, recipe.margin, previous=prev)
@@ -351,19 +374,17 @@ class _GroupedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, offs, group_ids, dest, module: FP8Experts, p: int, recipe: Recipe, rows: int):  # type: ignore[override]
         xp = _pad(x, dest, rows)
-        xq = module.quantize_activation(xp, p, "input", recipe)
+        saved_x: Any = None
+        if ctx.needs_input_grad[1] and module.save_fp8_activations and not recipe.per_tensor:
+            xq, saved_x = module.quantize_both_ways(xp, p, "input", recipe, group_ids)
+        else:
+            xq = module.quantize_activation(xp, p, "input", recipe)
+            if ctx.needs_input_grad[1]:
+                saved_x = xq if module.save_fp8_activations else xp
         wq, wq_t = module.fp8_expert_weights(p, recipe)
         out = grouped_gemm(xq, wq, offs, group_ids, x.dtype, kind="forward")
         if dest is not None:
             out = out[dest]
-        saved_x: Any = None
-        if ctx.needs_input_grad[1]:
-            if not module.save_fp8_activations:
-                saved_x = xp
-            elif recipe.per_tensor:
-                saved_x = xq
-            else:
-                saved_x = module.quantize_along_tokens(xp, "input", recipe, group_ids)
         x_tensors, ctx.x_meta = _pack(saved_x)
         w_tensors, ctx.w_meta = _pack(wq_t)
         ctx.num_saved_activations = len(x_tensors)
@@ -384,7 +405,11 @@ class _GroupedLinearFn(torch.autograd.Function):
         offs, group_ids, *rest = saved[nx + nw :]
         dest = rest[0] if rest else None
         gp = _pad(grad_out.contiguous(), dest, ctx.rows)
-        gq = module.quantize_activation(gp, ctx.p, "grad", recipe)
+        g_tok: Any = None
+        if ctx.needs_input_grad[1] and not recipe.per_tensor:
+            gq, g_tok = module.quantize_both_ways(gp, ctx.p, "grad", recipe, group_ids)
+        else:
+            gq = module.quantize_activation(gp, ctx.p, "grad", recipe)
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = grouped_gemm(gq, wq_t, offs, group_ids, ctx.x_dtype, kind="dgrad")
@@ -398,7 +423,6 @@ class _GroupedLinearFn(torch.autograd.Function):
                 else:
                     x_tok = module.quantize_activation(saved_x, ctx.p, "input", recipe).t()
             else:
-                g_tok = module.quantize_along_tokens(gp, "grad", recipe, group_ids)
                 x_tok = (
                     saved_x
                     if not isinstance(saved_x, torch.Tensor)
@@ -421,6 +445,23 @@ def _fallback_forward(module: nn.Module):
     return ALL_EXPERTS_FUNCTIONS.get_interface("grouped_mm" if name in (None, "eager", "fp8kit") else name, original)
 
 
+def grouped_linear(
+    x: torch.Tensor,
+    module: FP8Experts,
+    projection: int,
+    expert_ids_sorted: torch.Tensor,
+    recipe: Recipe | None = None,
+) -> torch.Tensor:
+    """One FP8 expert projection: ``out[j] = x[j] @ W[e_j].T`` for tokens ``x`` ``(S, K)`` sorted by expert
+    (``expert_ids_sorted`` ``(S,)``, ascending), ``W`` the module's projection ``0`` (gate_up / up) or ``1``
+    (down) as ``(E, N, K)``; differentiable in ``x`` and the weight. No bias."""
+    recipe = recipe or module.active_recipe()
+    counts, offs, group_ids, dest, rows = routing_plan(expert_ids_sorted, module.num_experts, _alignment(recipe))
+    with torch.no_grad():
+        module.fp8_tokens_per_expert.copy_(counts)
+    return _GroupedLinearFn.apply(x, module.fp8_param(projection), offs, group_ids, dest, module, projection, recipe, rows)
+
+
 def fp8_experts_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
@@ -441,8 +482,7 @@ def fp8_experts_forward(
     counts, offs, group_ids, dest, rows = routing_plan(expert_ids_g, self.num_experts, _alignment(recipe))
     with torch.no_grad():
         self.fp8_tokens_per_expert.copy_(counts)
-    plan = (offs, group_ids, dest, self, 0, recipe, rows)
-    proj = _GroupedLinearFn.apply(x, self.fp8_param(0), *plan)
+    proj = _GroupedLinearFn.apply(x, self.fp8_param(0), offs, group_ids, dest, self, 0, recipe, rows)
     if self.has_bias:
         bias = self.gate_up_proj_bias if self.has_gate else self.up_proj_bias
         proj = proj + bias[expert_ids_g].to(proj.dtype)
