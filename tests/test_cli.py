@@ -10,14 +10,15 @@ import fp8kit.compare
 import fp8kit.debug
 import fp8kit.models.pretrained
 import fp8kit.train
+import fp8kit.train.evaluate
 import fp8kit.train.loop
 from fp8kit.cli import main
 
 WORK = [
     (fp8kit.train, "run_comparison"),
     (fp8kit.train.loop, "build_base"),
-    (fp8kit.train.loop, "evaluate_checkpoint"),
-    (fp8kit.train.loop, "evaluate_pretrained"),
+    (fp8kit.train.evaluate, "evaluate_checkpoint"),
+    (fp8kit.train.evaluate, "evaluate_pretrained"),
     (fp8kit.models.pretrained, "load_pretrained_lm"),
     (fp8kit.compare, "quantize_pretrained"),
     (fp8kit.compare, "compare_schemes"),
@@ -238,7 +239,7 @@ def test_eval_without_options_evaluates_every_train_run(sandbox, monkeypatch, ca
         (runs / run / "latest").write_text("step-000010")
     seen = []
     monkeypatch.setattr(
-        fp8kit.train.loop,
+        fp8kit.train.evaluate,
         "evaluate_checkpoint",
         lambda path, text=None, batches=32: (
             seen.append((path.name, batches))
@@ -248,3 +249,48 @@ def test_eval_without_options_evaluates_every_train_run(sandbox, monkeypatch, ca
     assert main(["eval"]) == 0
     assert seen == [("bf16", 32), ("fp8-delayed", 32)]
     assert "fp8-delayed (step 10)" in capsys.readouterr().out
+
+
+# ---- fp8kit train --nproc N: the same command line, re-run under torchrun ---------------------------------
+TINY_TRAIN = ["train", "--model-size", "tiny", "--batch-size", "4", "--seq-len", "16", "--steps", "2", "--out", "fresh"]
+
+
+def test_train_nproc_reruns_the_same_command_under_torchrun(sandbox, monkeypatch):
+    import subprocess
+    import sys
+
+    launched = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd, env: launched.append((cmd, env)) or 0)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = snapshot(sandbox)
+    argv = [*TINY_TRAIN, "--nproc", "2", "--fsdp"]
+    assert main(argv) == 0  # the parent only launches: run_comparison (stubbed to raise) is not called
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    assert [cmd for cmd, _ in launched] == [[*torchrun, "-m", "fp8kit.cli", "--", *argv]]
+    assert int(launched[0][1]["OMP_NUM_THREADS"]) >= 1
+    assert main([*TINY_TRAIN, "--nproc", "3"]) == 2  # 4 sequences do not split over 3: refused, nothing launched
+    assert main([*TINY_TRAIN, "--nproc", "2", "--resume"]) == 2
+    assert len(launched) == 1 and snapshot(sandbox) == before
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_torchrun_worker_runs_the_command_as_one_rank(sandbox, monkeypatch, capsys, rank):
+    import subprocess
+
+    import fp8kit.train.report
+
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(subprocess, "call", lambda *a, **k: pytest.fail("a worker launched again"))
+    monkeypatch.setattr(fp8kit.train, "run_comparison", lambda cfg: {"nproc": cfg.nproc})
+    monkeypatch.setattr(fp8kit.train.report, "summary_markdown", lambda summary: f"| summary {summary} |")
+    assert main([*TINY_TRAIN, "--nproc", "2"]) == 0
+    assert ("| summary {'nproc': 2} |" in capsys.readouterr().out) == (rank == 0)  # rank 0 speaks for the job
+
+    def fail(cfg):
+        raise ValueError("--lr 5 diverged: lower --lr")
+
+    monkeypatch.setattr(fp8kit.train, "run_comparison", fail)
+    assert main([*TINY_TRAIN, "--nproc", "2"]) == 2  # every rank ends with exit code 2 ...
+    err = capsys.readouterr().err
+    assert err == ("fp8kit train: error: --lr 5 diverged: lower --lr\n" if rank == 0 else "")  # ... one says why

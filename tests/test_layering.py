@@ -18,10 +18,20 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path, top_level_only: bool = False) -> set[str]:
-    """fp8kit modules ``path`` imports (relative imports resolved), optionally only at module level."""
-    name = module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+def resolve(node: ast.ImportFrom, module: str, path: Path) -> str:
+    """The absolute name of the module a ``from ... import`` statement in ``module`` (file ``path``) reads."""
+    if not node.level:
+        return node.module or ""
+    base = (module if path.name == "__init__.py" else module.rpartition(".")[0]).split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports(path: Path, top_level_only: bool = False, module: str | None = None) -> set[str]:
+    """fp8kit modules ``path`` imports (relative imports resolved; ``module``: its name, by default from its
+    place under ``SRC``): every import statement, those inside functions (deferred) included, or with
+    ``top_level_only`` those at module level only."""
+    name = module or module_name(path)
     tree = ast.parse(path.read_text())
     nodes = tree.body if top_level_only else list(ast.walk(tree))
     found: set[str] = set()
@@ -29,12 +39,7 @@ def imports(path: Path, top_level_only: bool = False) -> set[str]:
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("fp8kit")}
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
+            mod = resolve(node, name, path)
             if mod.startswith("fp8kit"):
                 found.add(mod)
                 found |= {f"{mod}.{a.name}" for a in node.names}  # `from . import nn` imports a submodule
@@ -57,6 +62,8 @@ def under(module: str, *packages: str) -> bool:
         ("debug", ("train", "data", "models", "compare", "cli", "ptq", "export")),
         ("evaluation", ("train", "data", "models", "compare", "cli", "ptq", "debug", "nn")),
         ("export", ("train", "data", "models", "compare", "cli", "debug")),
+        ("distributed", ("train", "data", "models", "compare", "cli", "debug", "ptq", "export", "optim")),
+        ("train", ("cli",)),
     ],
 )
 def test_a_lower_layer_never_imports_a_higher_one(layer, forbidden):
@@ -68,6 +75,13 @@ def test_a_lower_layer_never_imports_a_higher_one(layer, forbidden):
         if under(imp, *forbidden)
     }
     assert not bad, f"{layer} imports from a higher layer: {sorted(bad)}"
+
+
+def test_only_the_cli_imports_the_cli():
+    importers = {
+        mod for mod, path in FILES.items() if not under(mod, "cli") and any(under(i, "cli") for i in imports(path))
+    }
+    assert not importers, f"the command line is the top floor; imported by {sorted(importers)}"
 
 
 def test_doctor_and_report_do_not_import_each_other():
@@ -107,19 +121,86 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
-# Deferred (in-function) cycles that are known and accepted, with the reason. Module-level cycles: none.
-KNOWN_DEFERRED_CYCLES = [
-    ["fp8kit.cli", "fp8kit.distributed.launch"],  # each torchrun worker re-enters `fp8kit train`'s command
-]
-
-
 def test_no_import_cycles_even_through_deferred_imports():
     top = {mod: imports(path, top_level_only=True) - {mod} for mod, path in FILES.items()}
     assert import_cycles(top) == []
-    graph = {mod: imports(path) - {mod} for mod, path in FILES.items()}
-    assert [c for c in import_cycles(graph) if c not in KNOWN_DEFERRED_CYCLES] == []
+    graph = {mod: imports(path) - {mod} for mod, path in FILES.items()}  # function-level imports too
+    assert import_cycles(graph) == []
     graph["fp8kit.debug.report"].add("fp8kit.debug.doctor")  # the old cycle is found
     assert ["fp8kit.debug.doctor", "fp8kit.debug.report"] in import_cycles(graph)
+
+
+def test_a_cycle_closed_by_a_function_level_import_is_found(tmp_path):
+    # the launcher once imported the CLI back inside its worker function (`from ..cli import cmd_train`)
+    (tmp_path / "cli.py").write_text("from .distributed.launch import launch\n")
+    (tmp_path / "launch.py").write_text("def worker():\n    from ..cli import cmd_train\n")
+    cli, launch = "fp8kit.cli", "fp8kit.distributed.launch"
+    assert imports(tmp_path / "launch.py", top_level_only=True, module=launch) == set()
+    graph = {cli: imports(tmp_path / "cli.py", module=cli), launch: imports(tmp_path / "launch.py", module=launch)}
+    assert graph == {cli: {launch}, launch: {cli}}
+    assert import_cycles(graph) == [[cli, launch]]
+
+
+def package_of(module: str) -> str:
+    """The room a module lives in: ``fp8kit.<package>`` (a top-level module is its own room)."""
+    return ".".join(module.split(".")[:2])
+
+
+def private_names_reached(path: Path, module: str | None = None) -> set[tuple[str, str]]:
+    """``(module, name)`` for each ``_private`` name of another package that ``path`` uses: imported by name
+    (``from ..nn.linear import _knobs``) or read from an imported module (``linear._knobs``)."""
+    name = module or module_name(path)
+    home = package_of(name)
+    modules = set(FILES)
+    bound: dict[str, str] = {}  # local name -> fp8kit module it is bound to
+    found: set[tuple[str, str]] = set()
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            mod = resolve(node, name, path)
+            for a in node.names:
+                if f"{mod}.{a.name}" in modules:  # `from ..train import loop`: a module, used below
+                    bound[a.asname or a.name] = f"{mod}.{a.name}"
+                elif is_private(a.name) and mod.startswith("fp8kit") and package_of(mod) != home:
+                    found.add((mod, a.name))
+        elif isinstance(node, ast.Import):
+            bound |= {a.asname: a.name for a in node.names if a.asname and a.name in modules}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and is_private(node.attr):
+            mod = bound.get(node.value.id)
+            if mod is not None and package_of(mod) != home:
+                found.add((mod, node.attr))
+    return found
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+# Private names reached across packages that are known, with the reason they are not public yet.
+KNOWN_PRIVATE_REACHES = {
+    # debug.stats re-quantizes as the layer does; to become public in nn/linear.py with the GEMM-floor work
+    "fp8kit.debug.stats": {("fp8kit.nn.linear", "_knobs")},
+}
+
+
+def test_no_module_reaches_a_private_name_of_another_package():
+    reached = {mod: private_names_reached(path) for mod, path in FILES.items()}
+    bad = {mod: found - KNOWN_PRIVATE_REACHES.get(mod, set()) for mod, found in reached.items()}
+    bad = {m: f for m, f in bad.items() if f}
+    assert not bad, f"make these public where they are used across packages: {bad}"
+    assert all(reached[mod] >= known for mod, known in KNOWN_PRIVATE_REACHES.items())  # drop a fixed entry
+
+
+def test_the_private_name_check_sees_both_forms(tmp_path):
+    # what the launcher once did, and the same reach through a module
+    code = "def check():\n    from ..train.loop import _check_resumable\n    from ..train import loop\n    loop._prepare_out\n"
+    (tmp_path / "launch.py").write_text(code)
+    assert private_names_reached(tmp_path / "launch.py", module="fp8kit.distributed.launch") == {
+        ("fp8kit.train.loop", "_check_resumable"),
+        ("fp8kit.train.loop", "_prepare_out"),
+    }
+    assert private_names_reached(tmp_path / "launch.py", module="fp8kit.train.checkpoint") == set()  # same room
 
 
 def run_python(code: str, *flags: str) -> subprocess.CompletedProcess:

@@ -20,6 +20,7 @@ from ..distributed.runtime import (
     context_from_env,
     current_context,
     in_torchrun,
+    planned_world_size,
     sharded_memory_bytes,
 )
 from ..evaluation import evaluate, loss_of
@@ -28,10 +29,17 @@ from ..nn import compile as compile_fp8
 from ..nn import convert, saved_activation_bytes, to_bf16_gemms
 from ..nn.memory import persistent_bytes
 from ..recipes import RECIPE_NAMES, recipe_from_name
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, load_run_checkpoint, save_run_checkpoint
+from .checkpoint import CheckpointError, latest_checkpoint, load_run_checkpoint, save_run_checkpoint
 from .load_balance import RouterStats
 
-__all__ = ["TrainConfig", "evaluate_checkpoint", "parse_recipes", "run_comparison"]
+__all__ = [
+    "TrainConfig",
+    "check_config",
+    "check_resumable",
+    "parse_recipes",
+    "run_comparison",
+    "run_names",
+]
 
 
 @dataclass
@@ -308,34 +316,15 @@ def run_comparison(cfg: TrainConfig) -> dict[str, Any]:
     """Run bf16 and each FP8 recipe; write metrics, plot, summaries and checkpoints under ``cfg.out``."""
     from .report import write_reports
 
-    names = ["bf16"] + [f"fp8-{r}" for r in parse_recipes(",".join(cfg.recipes))]
-    for key in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches", "eval_interval", "ckpt_interval"):
-        if getattr(cfg, key) < 1:
-            raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(cfg, key)}")
-    if not cfg.lr > 0:
-        raise ValueError(f"--lr must be > 0, got {cfg.lr}")
-    if cfg.arch not in ARCHS:
-        raise ValueError(f"--arch must be one of {', '.join(ARCHS)}, got {cfg.arch!r}")
-    if cfg.arch != "dense" and cfg.model != "demo":
-        raise ValueError(f"--arch {cfg.arch} builds the demo model: leave out --model {cfg.model}")
-    if cfg.optimizer not in OPTIMIZERS or cfg.master_weights not in MASTER_WEIGHTS:
-        raise ValueError(
-            f"--optimizer must be one of {', '.join(OPTIMIZERS)} and --master-weights one of "
-            f"{', '.join(MASTER_WEIGHTS)}; got {cfg.optimizer!r}, {cfg.master_weights!r}"
-        )
-    if cfg.master_weights == "bf16" and cfg.optimizer != "fp8-adamw":
-        raise ValueError("--master-weights bf16 needs --optimizer fp8-adamw (torch AdamW rounds BF16 updates away)")
-    world = cfg.nproc if not in_torchrun() else int(os.environ["WORLD_SIZE"])
-    check_parallel_settings(cfg.batch_size, world, cfg.fsdp, cfg.optimizer)
+    check_config(cfg)
     if cfg.nproc > 1 and not in_torchrun():
         raise ValueError(f"nproc={cfg.nproc} needs torchrun: run `fp8kit train --nproc {cfg.nproc}` (it launches it)")
+    names = run_names(cfg)
     dctx = context_from_env(cfg.fsdp)  # under torchrun: joins the process group
     base, tokenizer = build_base(cfg)
     corpus = load_corpus(cfg.text, tokenizer)
     corpus.check_fits(cfg.seq_len)
     out = Path(cfg.out)
-    if cfg.resume:
-        _check_resumable(out, names, cfg)
     if dctx.is_main:  # only rank 0 writes files
         _prepare_out(out)
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
@@ -362,9 +351,40 @@ def run_comparison(cfg: TrainConfig) -> dict[str, Any]:
     return summary
 
 
-def _check_resumable(out: Path, names: list[str], cfg: TrainConfig) -> None:
-    """Validate every checkpoint of a run folder before anything is written (clear errors, no damage)."""
-    from ..distributed.runtime import planned_world_size
+def run_names(cfg: TrainConfig) -> list[str]:
+    """The runs of a comparison: ``bf16`` (the baseline), then ``fp8-<recipe>`` for each recipe."""
+    return ["bf16"] + [f"fp8-{r}" for r in parse_recipes(",".join(cfg.recipes))]
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Every check of ``cfg`` that needs neither model nor data, so that a bad setting ends the run before
+    anything is built, launched or written: a one-line ``ValueError`` (``CheckpointError`` for ``--resume``)
+    that names the fix. ``run_comparison`` calls it first; ``fp8kit train`` before it launches ``--nproc``."""
+    run_names(cfg)  # the recipes
+    for key in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches", "eval_interval", "ckpt_interval"):
+        if getattr(cfg, key) < 1:
+            raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(cfg, key)}")
+    if not cfg.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {cfg.lr}")
+    if cfg.arch not in ARCHS:
+        raise ValueError(f"--arch must be one of {', '.join(ARCHS)}, got {cfg.arch!r}")
+    if cfg.arch != "dense" and cfg.model != "demo":
+        raise ValueError(f"--arch {cfg.arch} builds the demo model: leave out --model {cfg.model}")
+    if cfg.optimizer not in OPTIMIZERS or cfg.master_weights not in MASTER_WEIGHTS:
+        raise ValueError(
+            f"--optimizer must be one of {', '.join(OPTIMIZERS)} and --master-weights one of "
+            f"{', '.join(MASTER_WEIGHTS)}; got {cfg.optimizer!r}, {cfg.master_weights!r}"
+        )
+    if cfg.master_weights == "bf16" and cfg.optimizer != "fp8-adamw":
+        raise ValueError("--master-weights bf16 needs --optimizer fp8-adamw (torch AdamW rounds BF16 updates away)")
+    check_parallel_settings(cfg.batch_size, planned_world_size(cfg.nproc), cfg.fsdp, cfg.optimizer)
+    if cfg.resume:
+        check_resumable(Path(cfg.out), run_names(cfg), cfg)
+
+
+def check_resumable(out: Path, names: list[str], cfg: TrainConfig) -> None:
+    """Validate every checkpoint of the runs ``names`` in the run folder ``out`` against ``cfg`` before
+    anything is written (one-line ``CheckpointError``, no damage)."""
     from .checkpoint import check_world_size, read_info
 
     if not (out / "config.json").is_file():
@@ -379,50 +399,6 @@ def _check_resumable(out: Path, names: list[str], cfg: TrainConfig) -> None:
         for key, val in want.items():
             if info.get(key, {"model": "demo", "arch": "dense"}.get(key)) != val:
                 raise CheckpointError(f"--resume: checkpoint {path} is for {key}={info.get(key)!r}, not {val!r}")
-
-
-def evaluate_checkpoint(checkpoint: str | Path, text: str | None = None, batches: int = 32) -> dict[str, Any]:
-    """Held-out loss and perplexity of a ``fp8kit train`` checkpoint (a run folder or ``ckpt/<run>``)."""
-    from .checkpoint import read_info
-
-    path = Path(checkpoint)
-    found = latest_checkpoint(path)
-    if found is None and (path / "model.safetensors").is_file():
-        found = path
-    if found is None:
-        raise CheckpointError(f"no fp8kit checkpoint in {path} (give a run's ckpt/<run> folder)")
-    info = read_info(found)
-    missing = [k for k in ("run", "model_size", "seed", "seq_len", "batch_size") if k not in info]
-    if missing:
-        raise CheckpointError(f"checkpoint {found} lacks {', '.join(missing)}: not written by fp8kit train")
-    cfg = TrainConfig(
-        model_size=info["model_size"],
-        model=info.get("model", "demo"),
-        arch=info.get("arch", "dense"),
-        seed=info["seed"],
-        seq_len=info["seq_len"],
-        batch_size=info["batch_size"],
-        text=text,
-    )
-    base, tokenizer = build_base(cfg)
-    corpus = load_corpus(text, tokenizer)
-    corpus.check_fits(cfg.seq_len)
-    model = make_model(base, cfg, info["run"])
-    step, _ = load_checkpoint(found, model)
-    loss = evaluate(model, corpus.val_batches(batches, cfg.batch_size, cfg.seq_len, cfg.seed))
-    return {"run": info["run"], "step": step, "val_loss": loss, "val_ppl": math.exp(loss), "corpus": corpus.name}
-
-
-def evaluate_pretrained(
-    model_name: str, text: str | None = None, batches: int = 16, batch_size: int = 4, seq_len: int = 128, seed: int = 0
-) -> dict[str, Any]:
-    """Held-out loss and perplexity of a pretrained model as shipped (FP32 weights, no FP8)."""
-    cfg = TrainConfig(model=model_name, seed=seed, seq_len=seq_len, batch_size=batch_size, text=text)
-    model, tokenizer = build_base(cfg)
-    corpus = load_corpus(text, tokenizer)
-    corpus.check_fits(seq_len)
-    loss = evaluate(model, corpus.val_batches(batches, batch_size, seq_len, seed))
-    return {"run": model_name, "step": 0, "val_loss": loss, "val_ppl": math.exp(loss), "corpus": corpus.name}
 
 
 def unigram_entropy(ids: torch.Tensor) -> float:

@@ -1,0 +1,152 @@
+"""What every ``fp8kit`` subcommand shares: the parser that ends bad arguments in one line (exit code 2),
+the help formatter, argument types that name the fix, and the check of a run folder before it is written.
+
+Every argument is checked before any model is loaded or any data is read: a bad value ends the command at
+once with a one-line ``fp8kit <command>: error: ...`` that names the fix, and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+TRAIN_OUT = "runs/fp8kit-train"
+PRETRAINED_MODELS = ("smollm2",)
+
+
+class UsageError(ValueError):
+    """A bad command-line argument, found before any work started (exit code 2)."""
+
+
+# Errors a command reports as one line ``fp8kit <command>: error: ...`` with exit code 2 (no traceback).
+USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, ImportError, FloatingPointError, OSError)
+
+
+# ---- parser ----------------------------------------------------------------------------------------------
+class Parser(argparse.ArgumentParser):
+    """Bad arguments end in one line, ``fp8kit <command>: error: ...`` (exit code 2), as every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Shows each option's default, unless it is unset (None/False) or the help text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if unset or "default" in text or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def add_overwrite(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--overwrite", action="store_true", help=f"replace {what} in --out that fp8kit did not write")
+
+
+# ---- argument types: each raises ArgumentTypeError with the fix, so argparse reports it (exit 2) --------
+def at_least(minimum: int) -> Callable[[str], int]:
+    """A whole number >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = at_least(1)
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def model_size(text: str) -> str:
+    """A size of the demo model (``fp8kit train``, ``fp8kit doctor``)."""
+    from ..models.llama import MODEL_SIZES
+
+    if text not in MODEL_SIZES:
+        raise argparse.ArgumentTypeError(f"unknown size {text!r}; accepted: {', '.join(MODEL_SIZES)}")
+    return text
+
+
+def model(allow_demo: bool, demo_hint: str = "") -> Callable[[str], str]:
+    """``--model``: a pretrained model's name, a local Hugging Face folder, or (if allowed) ``demo``."""
+
+    def parse(text: str) -> str:
+        if text == "demo" and allow_demo:
+            return text
+        if text == "demo":
+            raise argparse.ArgumentTypeError(
+                "the demo model is trained from scratch and has no pretrained weights: "
+                f"give {' or '.join(PRETRAINED_MODELS)}, or a local Hugging Face model folder{demo_hint}"
+            )
+        if text in PRETRAINED_MODELS:
+            return text
+        path = Path(text)
+        if not (path / "config.json").is_file():
+            known = ", ".join((["demo"] if allow_demo else []) + list(PRETRAINED_MODELS))
+            what = "a folder without config.json" if path.is_dir() else "not an existing folder"
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is {what}: give {known}, or a local Hugging Face model folder (with config.json)"
+            )
+        return text
+
+    return parse
+
+
+def text_file(text: str) -> str:
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"file not found: {text!r} (give a UTF-8 text file)")
+    return text
+
+
+# ---- output folders ------------------------------------------------------------------------------------
+def check_run_dir(out: str, writes: tuple[str, ...], signature: tuple[str, tuple[str, ...]], overwrite: bool) -> Path:
+    """Validate a run folder that a command writes ``writes`` into (other files in it are never touched).
+
+    Refused: a file; a folder where a file of ``writes`` exists that an earlier run of the same command did
+    not write (``signature``: a JSON file and keys it holds), unless ``overwrite``; an unwritable location.
+    """
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--out {out} is a file, not a folder: give a folder path (new, or an earlier run's)")
+    if path.is_dir() and not overwrite:
+        clash = [w for w in writes if (path / w).exists()]
+        if clash and not _written_by_fp8kit(path / signature[0], signature[1]):
+            raise UsageError(
+                f"--out {out} already holds {', '.join(clash)}, which fp8kit did not write: "
+                "give a new folder, or pass --overwrite to replace those files"
+            )
+    parent = path.absolute()
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out} is not writable ({parent} is not a writable folder): choose another folder")
+    return path
+
+
+def _written_by_fp8kit(path: Path, keys: tuple[str, ...]) -> bool:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and all(k in data for k in keys)

@@ -1,0 +1,80 @@
+"""``fp8kit eval``: held-out loss and perplexity of ``fp8kit train`` checkpoints or of a pretrained model."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ._common import PRETRAINED_MODELS, TRAIN_OUT, UsageError, model, positive_int, text_file
+
+NAME = "eval"
+SUMMARY = "held-out perplexity of fp8kit train checkpoints or of a pretrained model"
+DESCRIPTION = f"Held-out loss and perplexity. With no option: every run that `fp8kit train` wrote to {TRAIN_OUT}."
+
+
+def existing_path(text: str) -> str:
+    if not Path(text).exists():
+        raise argparse.ArgumentTypeError(
+            f"no fp8kit checkpoint at {text!r} (it does not exist): give a run's ckpt/<run> folder"
+        )
+    return text
+
+
+def add_arguments(e: argparse.ArgumentParser) -> None:
+    e.add_argument(
+        "--checkpoint",
+        type=existing_path,
+        default=None,
+        help=f"a run folder of fp8kit train, one of its ckpt/<run> folders, or a step-* folder (default {TRAIN_OUT})",
+    )
+    e.add_argument(
+        "--model",
+        type=model(allow_demo=False, demo_hint="; for a trained demo run give --checkpoint"),
+        default=None,
+        help="smollm2 or a local Hugging Face directory",
+    )
+    e.add_argument(
+        "--text", type=text_file, default=None, help="evaluate on this text's held-out split instead of the corpus"
+    )
+    e.add_argument(
+        "--eval-batches",
+        type=positive_int,
+        default=None,
+        help="held-out batches (default 32 for a checkpoint; 8 for a pretrained model, as fp8kit train uses)",
+    )
+    e.add_argument("--batches", dest="eval_batches", type=positive_int, help=argparse.SUPPRESS)  # older name
+
+
+def checkpoints_in(path: Path) -> list[Path]:
+    """``ckpt/<run>`` folders to evaluate: ``path`` itself, or every run of a ``fp8kit train`` folder."""
+    from ..train.checkpoint import latest_checkpoint
+
+    if latest_checkpoint(path) is not None or (path / "model.safetensors").is_file():
+        return [path]
+    runs = sorted(p for p in (path / "ckpt").glob("*") if p.is_dir()) if (path / "ckpt").is_dir() else []
+    return [r for r in runs if latest_checkpoint(r) is not None]
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.model is not None and args.checkpoint is not None:
+        raise UsageError("give --checkpoint (a trained run) or --model (a pretrained model), not both")
+    if args.model is None:
+        where = Path(args.checkpoint or TRAIN_OUT)
+        runs = checkpoints_in(where)
+        if not runs:
+            raise UsageError(
+                f"no fp8kit checkpoint in {where}: run `fp8kit train` first, or give --checkpoint "
+                f"(a run's ckpt/<run> folder) or --model {'|'.join(PRETRAINED_MODELS)}|DIR"
+            )
+    from ..train.evaluate import evaluate_checkpoint, evaluate_pretrained
+
+    if args.model is not None:
+        results = [evaluate_pretrained(args.model, text=args.text, batches=args.eval_batches or 8)]
+    else:
+        results = [evaluate_checkpoint(r, text=args.text, batches=args.eval_batches or 32) for r in runs]
+    for res in results:
+        print(
+            f"{res['run']} (step {res['step']}) on the held-out split of {res['corpus']}: "
+            f"loss {res['val_loss']:.4f} nats/token, perplexity {res['val_ppl']:.3f}"
+        )
+    return 0

@@ -1,0 +1,65 @@
+"""``fp8kit quantize``: post-training quantization of a pretrained causal LM, written as a
+compressed-tensors export (vLLM and transformers load it)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ._common import UsageError, add_overwrite, model, text_file
+from ._ptq_options import (
+    MODEL_HELP,
+    add_calibration_options,
+    add_ptq_switches,
+    check_scheme,
+    ptq_settings,
+    scheme_names,
+)
+
+NAME = "quantize"
+SUMMARY = "post-training quantization, written as a compressed-tensors export"
+DESCRIPTION = (
+    "Calibrate a pretrained causal LM on the shipped corpus (or --text), quantize it with one scheme and "
+    "write a compressed-tensors folder that vLLM and transformers load."
+)
+
+
+def one_scheme(text: str) -> str:
+    """One PTQ scheme (quantize writes one model)."""
+    if "," in text or text.strip().lower() == "all":
+        raise argparse.ArgumentTypeError(
+            f"quantize writes one model, so it takes one scheme: {scheme_names()} (compare takes several, or all)"
+        )
+    return check_scheme(text)
+
+
+def add_arguments(q: argparse.ArgumentParser) -> None:
+    q.add_argument("--model", type=model(allow_demo=False), default="smollm2", help=MODEL_HELP)
+    q.add_argument(
+        "--scheme",
+        type=one_scheme,
+        required=True,
+        help="fp8|fp8-dynamic|int8-smoothquant|int8-weight-only; fp8+kv: FP8 KV",
+    )
+    q.add_argument("--out", required=True, help="new (or empty) folder for the Hugging Face / vLLM checkpoint")
+    q.add_argument(
+        "--text", type=text_file, default=None, help="calibrate on this UTF-8 text instead of the shipped corpus"
+    )
+    add_calibration_options(q)
+    add_ptq_switches(q, "the N layers whose quantization alone worsens the model most on calibration data")
+    add_overwrite(q, "a folder")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..export import check_export_dir, save_pretrained
+
+    try:
+        check_export_dir(args.out, args.overwrite)
+    except ValueError as err:
+        raise UsageError(f"--out {err}") from None
+    from ..compare import quantize_pretrained
+
+    model, tokenizer, corpus = quantize_pretrained(args.model, args.scheme, text=args.text, **ptq_settings(args))
+    out = save_pretrained(model, args.out, tokenizer, overwrite=args.overwrite)
+    print(model.ptq_report)
+    print(f"calibrated on {corpus.name}; wrote the compressed-tensors export to {out} (vLLM: LLM(model={str(out)!r}))")
+    return 0

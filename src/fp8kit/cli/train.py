@@ -1,0 +1,198 @@
+"""``fp8kit train``: the demo Llama (or a pretrained model) in BF16 and FP8 recipes side by side.
+
+``--nproc N`` re-runs this same command line on N local processes through torchrun
+(``distributed.launch``); each worker, started under torchrun, runs as one rank and does not launch again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ._common import (
+    TRAIN_OUT,
+    USER_ERRORS,
+    UsageError,
+    add_overwrite,
+    at_least,
+    check_run_dir,
+    model,
+    model_size,
+    positive_float,
+    positive_int,
+    text_file,
+)
+
+if TYPE_CHECKING:
+    from ..train import TrainConfig
+
+NAME = "train"
+SUMMARY = "train a small Llama in BF16 and FP8 side by side on the shipped corpus"
+DESCRIPTION = (
+    "Train the same model from the same weights and batches in BF16 and in each FP8 recipe, then write "
+    "a loss plot, a summary table and checkpoints to --out."
+)
+WRITES = ("config.json", "metrics.jsonl", "summary.json", "summary.md", "loss.png", "ckpt")
+SIGNATURE = ("config.json", ("recipes", "model_size", "eval_interval"))
+
+
+def recipe_list(text: str) -> str:
+    """``all`` or a comma list of recipe names."""
+    from ..recipes import RECIPE_NAMES, recipe_from_name
+
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if text.strip().lower() == "all":
+        return "all"
+    if not names:
+        raise argparse.ArgumentTypeError(f"give a recipe: {', '.join(RECIPE_NAMES)}, all, or a comma list")
+    for n in names:
+        try:
+            recipe_from_name(n)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"unknown recipe {n!r}; accepted: {', '.join(RECIPE_NAMES)}, all, or a comma list"
+            ) from None
+    return text
+
+
+def add_arguments(t: argparse.ArgumentParser) -> None:
+    t.add_argument(
+        "--recipe", default="delayed", type=recipe_list, help="delayed|current|rowwise|block|mxfp8|all, or a comma list"
+    )
+    t.add_argument(
+        "--model",
+        default="demo",
+        type=model(allow_demo=True),
+        help="demo (a small Llama trained from scratch), smollm2 (fine-tune the shipped SmolLM2-135M), "
+        "or a local Hugging Face causal-LM directory",
+    )
+    t.add_argument(
+        "--steps", type=positive_int, default=None, help="optimizer steps (default 200; 20 when fine-tuning)"
+    )
+    t.add_argument(
+        "--batch-size", type=positive_int, default=None, help="sequences per micro-batch (default 16; 4 fine-tuning)"
+    )
+    t.add_argument("--seq-len", type=at_least(2), default=None, help="tokens per sequence (default 128)")
+    t.add_argument(
+        "--lr", type=positive_float, default=None, help="peak learning rate (default 2e-3; 5e-5 fine-tuning)"
+    )
+    t.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
+    t.add_argument("--seed", type=int, default=0, help="seed of the weights and of the batch order")
+    t.add_argument("--model-size", type=model_size, default="small", help="size of the demo model: tiny|small|base")
+    t.add_argument(
+        "--arch",
+        choices=("dense", "moe"),
+        default="dense",
+        help="demo model: dense (Llama) or moe (Qwen3-MoE, 8 experts, top-2; router load balance reported)",
+    )
+    t.add_argument(
+        "--text", type=text_file, default=None, help="train on this UTF-8 text file instead of the shipped corpus"
+    )
+    t.add_argument("--compile", action="store_true", help="torch.compile the model")
+    t.add_argument("--out", default=TRAIN_OUT, help="run folder")
+    t.add_argument("--resume", action="store_true", help="continue the runs in --out from their checkpoints")
+    t.add_argument(
+        "--eval-interval",
+        type=positive_int,
+        default=None,
+        help="steps between held-out evaluations (default 100; the last step when fine-tuning)",
+    )
+    t.add_argument(
+        "--ckpt-interval",
+        type=positive_int,
+        default=None,
+        help="steps between checkpoints (default 100; the last step when fine-tuning)",
+    )
+    t.add_argument("--no-progress", action="store_true", help="no progress bars")
+    t.add_argument(
+        "--optimizer",
+        choices=("adamw", "fp8-adamw"),
+        default="adamw",
+        help="optimizer of the FP8 runs: adamw (torch, FP32 moments) or fp8-adamw (fp8kit.optim.AdamW, FP8 "
+        "moments, ~2 bytes/param); the bf16 baseline always uses torch AdamW (default: adamw)",
+    )
+    t.add_argument(
+        "--master-weights",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="precision of the FP8 runs' parameters: fp32, or bf16 updated with stochastic rounding "
+        "(needs --optimizer fp8-adamw) (default: fp32)",
+    )
+    t.add_argument(
+        "--nproc",
+        type=positive_int,
+        default=1,
+        help="processes on this machine (launched through torchrun; CPU, gloo); --batch-size stays the global "
+        "batch, split evenly across them; only rank 0 writes files. Several machines: docs/distributed.md",
+    )
+    t.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="with --nproc N >= 2: shard parameters, gradients and optimizer state with FSDP2 instead of DDP",
+    )
+    add_overwrite(t, "files")
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    """The ``TrainConfig`` of the parsed options: unset ones take the defaults of ``--model``."""
+    from ..train import TrainConfig
+    from ..train.loop import defaults_for, parse_recipes
+
+    settings = defaults_for(args.model)
+    for key in ("steps", "batch_size", "seq_len", "lr", "eval_interval", "ckpt_interval"):
+        if getattr(args, key) is not None:
+            settings[key] = getattr(args, key)
+    settings.setdefault("eval_interval", 100 if args.model == "demo" else settings["steps"])
+    settings.setdefault("ckpt_interval", 100 if args.model == "demo" else settings["steps"])
+    return TrainConfig(
+        recipes=parse_recipes(args.recipe),
+        grad_accum=args.grad_accum,
+        seed=args.seed,
+        model_size=args.model_size,
+        model=args.model,
+        arch=args.arch,
+        compile=args.compile,
+        out=args.out,
+        resume=args.resume,
+        text=args.text,
+        progress=not args.no_progress,
+        optimizer=args.optimizer,
+        master_weights=args.master_weights,
+        nproc=args.nproc,
+        fsdp=args.fsdp,
+        **settings,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    check_run_dir(args.out, WRITES, SIGNATURE, args.overwrite)
+    if args.resume and not (Path(args.out) / "config.json").is_file():
+        raise UsageError(f"--resume: {args.out} holds no fp8kit training run: give the --out of an earlier run")
+    cfg = train_config(args)
+
+    from ..distributed.launch import launch, should_launch, torchrun_worker
+    from ..train import check_config, run_comparison
+    from ..train.report import summary_markdown
+
+    check_config(cfg)  # what N processes cannot take is refused here, before any process starts
+    if should_launch(cfg.nproc):  # --nproc N: this same command on N processes; each runs as one rank
+        return launch(cfg.nproc, "fp8kit.cli", args.argv)
+    with torchrun_worker() as rank:  # ranks > 0 print nothing: rank 0 speaks for the job
+        try:
+            summary = run_comparison(cfg)
+        except KeyboardInterrupt:
+            print(
+                f"\ninterrupted: checkpoints are in {cfg.out}/ckpt; continue with --out {cfg.out} --resume",
+                file=sys.stderr,
+            )
+            return 130
+        except USER_ERRORS:
+            if rank:
+                return 2
+            raise
+        print()
+        print(summary_markdown(summary))
+        print(f"wrote {cfg.out}/summary.json, summary.md, loss.png, metrics.jsonl and checkpoints in {cfg.out}/ckpt")
+    return 0

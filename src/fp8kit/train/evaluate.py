@@ -1,0 +1,57 @@
+"""``fp8kit eval``: held-out loss and perplexity of a ``fp8kit train`` checkpoint, or of a pretrained model
+as shipped, on the held-out split of the shipped corpus (or of ``text``)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from ..data import load_corpus
+from ..evaluation import evaluate
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_info
+from .loop import TrainConfig, build_base, make_model
+
+__all__ = ["evaluate_checkpoint", "evaluate_pretrained"]
+
+
+def evaluate_checkpoint(checkpoint: str | Path, text: str | None = None, batches: int = 32) -> dict[str, Any]:
+    """Held-out loss and perplexity of a ``fp8kit train`` checkpoint (a run folder or ``ckpt/<run>``)."""
+    path = Path(checkpoint)
+    found = latest_checkpoint(path)
+    if found is None and (path / "model.safetensors").is_file():
+        found = path
+    if found is None:
+        raise CheckpointError(f"no fp8kit checkpoint in {path} (give a run's ckpt/<run> folder)")
+    info = read_info(found)
+    missing = [k for k in ("run", "model_size", "seed", "seq_len", "batch_size") if k not in info]
+    if missing:
+        raise CheckpointError(f"checkpoint {found} lacks {', '.join(missing)}: not written by fp8kit train")
+    cfg = TrainConfig(
+        model_size=info["model_size"],
+        model=info.get("model", "demo"),
+        arch=info.get("arch", "dense"),
+        seed=info["seed"],
+        seq_len=info["seq_len"],
+        batch_size=info["batch_size"],
+        text=text,
+    )
+    base, tokenizer = build_base(cfg)
+    corpus = load_corpus(text, tokenizer)
+    corpus.check_fits(cfg.seq_len)
+    model = make_model(base, cfg, info["run"])
+    step, _ = load_checkpoint(found, model)
+    loss = evaluate(model, corpus.val_batches(batches, cfg.batch_size, cfg.seq_len, cfg.seed))
+    return {"run": info["run"], "step": step, "val_loss": loss, "val_ppl": math.exp(loss), "corpus": corpus.name}
+
+
+def evaluate_pretrained(
+    model_name: str, text: str | None = None, batches: int = 16, batch_size: int = 4, seq_len: int = 128, seed: int = 0
+) -> dict[str, Any]:
+    """Held-out loss and perplexity of a pretrained model as shipped (FP32 weights, no FP8)."""
+    cfg = TrainConfig(model=model_name, seed=seed, seq_len=seq_len, batch_size=batch_size, text=text)
+    model, tokenizer = build_base(cfg)
+    corpus = load_corpus(text, tokenizer)
+    corpus.check_fits(seq_len)
+    loss = evaluate(model, corpus.val_batches(batches, batch_size, seq_len, seed))
+    return {"run": model_name, "step": 0, "val_loss": loss, "val_ppl": math.exp(loss), "corpus": corpus.name}
