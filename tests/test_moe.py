@@ -151,7 +151,9 @@ def routed_inputs(seed: int = 0):
     w = torch.randn(E, 2 * INTER, H, generator=gen) * 0.05
     w *= torch.tensor([1.0, 8.0, 0.125, 2.0]).reshape(E, 1, 1)
     w[:, :128, 128:] *= 8.0
-    g = torch.randn(s, 2 * INTER, generator=gen) * torch.exp2(torch.randint(-2, 3, (1, 2 * INTER), generator=gen).float())
+    g = torch.randn(s, 2 * INTER, generator=gen) * torch.exp2(
+        torch.randint(-2, 3, (1, 2 * INTER), generator=gen).float()
+    )
     return ids, x, w, g, sizes
 
 
@@ -304,7 +306,9 @@ def test_zero_token_experts_and_delayed_histories():
     assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
     for p in (module.gate_up_proj, module.down_proj):
         assert torch.isfinite(p.grad).all()
-        assert torch.equal(p.grad[1], torch.zeros_like(p.grad[1])) and torch.equal(p.grad[3], torch.zeros_like(p.grad[3]))
+        assert torch.equal(p.grad[1], torch.zeros_like(p.grad[1])) and torch.equal(
+            p.grad[3], torch.zeros_like(p.grad[3])
+        )
         assert p.grad[0].abs().sum() > 0
     hist = module.fp8_amax_history
     assert float(hist[0, 0, 0]) == float(x.detach().abs().max())  # layer-wide input amax of the real tokens
@@ -322,7 +326,9 @@ def test_zero_token_experts_and_delayed_histories():
 @pytest.mark.parametrize("kind", ["delayed", "block"])
 def test_compiled_matches_eager_without_graph_breaks(kind):
     """fullgraph=True (a graph break raises); two routings of different group sizes reuse one graph; the
-    compiled output and gradients equal eager's bit for bit, and the delayed state advances alike."""
+    compiled output and gradients equal eager's up to float32 rounding of the fused element-wise ops
+    between the GEMMs (the SiLU gate: an ulp there can flip an FP8 code of the next operand, so the
+    gradients are compared by SQNR, far above FP8 noise), and the delayed state advances alike."""
     gen = torch.Generator().manual_seed(5)
     w1 = torch.randn(E, 2 * INTER, H, generator=gen) * 0.05
     w2 = torch.randn(E, H, INTER, generator=gen) * 0.05
@@ -347,8 +353,8 @@ def test_compiled_matches_eager_without_graph_breaks(kind):
             outs.append((y.detach(), xr.grad, mod.gate_up_proj.grad.clone(), mod.down_proj.grad.clone()))
             mod.zero_grad()
             mod.release_fp8_weights()  # as an optimizer step does (compiled graphs keep no weight cache)
-        for a, b in zip(*outs, strict=True):
-            assert torch.equal(a, b)
+        for what, a, b in zip(("output", "input grad", "gate_up grad", "down grad"), *outs, strict=True):
+            assert sqnr_db(a, b) > 50, f"{what}: SQNR {sqnr_db(a, b):.1f} dB"
     assert len(frames) == 1
     if kind == "delayed":
         assert torch.equal(eager.fp8_amax_history, compiled_module.fp8_amax_history)
@@ -428,3 +434,18 @@ def test_hf_save_and_from_pretrained_restore_fp8_experts(tmp_path):
     assert torch.equal(a.fp8_amax_history, b.fp8_amax_history)
     model.eval(), loaded.eval()
     assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+def test_inspector_reports_each_expert():
+    """Per-expert weight amax / underflow / SQNR and tokens routed, through the inspector."""
+    model = fp8kit.convert(tiny_model("qwen3_moe"), "current")
+    ids = torch.randint(0, 128, (2, 12))
+    with fp8kit.debug.inspect(model, tensorboard=False) as insp:
+        model(ids)
+    rows = [r for r in insp.table() if ".experts." in r["layer"]]
+    assert len(rows) == 2 * 2 * 8  # layers x projections x experts
+    layer0 = [r for r in rows if r["layer"].startswith("model.layers.0.mlp.experts.gate_up[")]
+    assert sum(r["tokens_routed"] for r in layer0) == 2 * 12 * 2
+    w = model.model.layers[0].mlp.experts.gate_up_proj[3]
+    r3 = next(r for r in layer0 if r["layer"].endswith("[3]"))
+    assert r3["amax"] == float(w.abs().max()) and 25 < r3["sqnr_db"] < 40

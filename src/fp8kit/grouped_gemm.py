@@ -119,6 +119,30 @@ _OP = torch.library.custom_op("fp8kit::grouped_mm", _grouped_mm_impl, mutates_ar
 _OP.register_fake(_grouped_mm_fake)
 
 
+def _dequantize_impl(
+    codes: torch.Tensor, scale_inv: torch.Tensor, br: int, bc: int, dtype: torch.dtype
+) -> torch.Tensor:
+    r, c = codes.shape[-2:]
+    s = scale_inv.repeat_interleave(br, -2)[..., :r, :].repeat_interleave(bc, -1)[..., :c]
+    return (codes.float() * s).to(dtype).contiguous()
+
+
+def _dequantize_fake(
+    codes: torch.Tensor, scale_inv: torch.Tensor, br: int, bc: int, dtype: torch.dtype
+) -> torch.Tensor:
+    return codes.new_empty(codes.shape, dtype=dtype)
+
+
+_DEQ = torch.library.custom_op("fp8kit::dequantize_tiles", _dequantize_impl, mutates_args=())
+_DEQ.register_fake(_dequantize_fake)
+
+
+def _dequantize(q: QuantizedTensor | GroupedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """Tile-scaled operand as ``dtype`` values, in an op opaque to inductor (whose CPU loop-split pass
+    fails on the 1x128 dequantizations of one tensor in both orientations that a weight gradient has)."""
+    return _DEQ(q.data, q.scale_inv.float(), q.block[0], q.block[1], dtype)
+
+
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm(a, b, offs=offs)`` for any float dtype, traceable by ``torch.compile``.
 
@@ -154,10 +178,7 @@ class GroupedWeight:
         return e8m0_decode(self.scales) if self.scales.dtype == torch.uint8 else self.scales
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        e, r, c = self.data.shape
-        br, bc = self.block
-        s = self.scale_inv.repeat_interleave(br, 1)[:, :r].repeat_interleave(bc, 2)[:, :, :c]
-        return (self.data.float() * s).to(dtype)
+        return _dequantize_impl(self.data, self.scale_inv.float(), self.block[0], self.block[1], dtype)
 
     def transpose(self) -> GroupedWeight:
         """``(E, C, R)``: per-expert transposes (tiles transpose with them; no requantization)."""
@@ -284,7 +305,7 @@ def grouped_gemm(
         acc = grouped_mm(_values(x.data, x.fmt, gdt, x.values), _values(w.data, w.fmt, gdt).transpose(1, 2), offs)
         sw = w.row_scales()[group_ids]  # (P, N) or (P, 1)
         return (acc.float() * _row_scales(x) * sw).to(out_dtype)
-    return grouped_mm(x.dequantize(gdt), w.dequantize(gdt).transpose(1, 2), offs).to(out_dtype)
+    return grouped_mm(_dequantize(x, gdt), _dequantize(w, gdt).transpose(1, 2), offs).to(out_dtype)
 
 
 def grouped_gemm_wgrad(
@@ -307,7 +328,7 @@ def grouped_gemm_wgrad(
         return (acc.float() * (a.scale_inv * b.scale_inv).reshape(())).to(out_dtype)
     if a.data.is_cuda:
         _fallback(f"wgrad {a.block}x{b.block}", "tile-scaled grouped weight-gradient GEMMs have no native kernel wired")
-    return grouped_mm(a.dequantize(gdt), b.dequantize(gdt).t(), offs).to(out_dtype)
+    return grouped_mm(_dequantize(a, gdt), _dequantize(b, gdt).t(), offs).to(out_dtype)
 
 
 def _try_scaled_grouped_mm(

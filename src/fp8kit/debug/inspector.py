@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..nn.experts import FP8Experts
 from ..nn.linear import Linear as FP8Linear
 from ..recipes import DelayedScaling, Recipe, recipe_from_name
 from .stats import ROLES, operand_stats
@@ -52,7 +53,10 @@ class Inspector:
         self.layers = {
             n: m for n, m in model.named_modules() if isinstance(m, FP8Linear) and (wanted is None or n in wanted)
         }
-        if not self.layers:
+        self.experts = {
+            n: m for n, m in model.named_modules() if isinstance(m, FP8Experts) and (wanted is None or n in wanted)
+        }
+        if not self.layers and not self.experts:
             raise ValueError(
                 "the model has no FP8 layers to inspect: convert it first (fp8kit.convert(model, recipe))"
                 + (" or fix the layer names given" if layers is not None else "")
@@ -84,6 +88,8 @@ class Inspector:
                     self._tb = None
         for name, m in self.layers.items():
             self._hooks.append(m.register_forward_pre_hook(self._on_forward(name)))
+        for name, m in self.experts.items():
+            self._hooks.append(m.register_forward_hook(self._on_experts(name)))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -147,6 +153,27 @@ class Inspector:
                     handle.remove()
 
                 handle = m.register_forward_hook(on_out)
+
+        return hook
+
+    def _on_experts(self, name: str):
+        """MoE experts: per expert and projection, the weight's figures and the tokens routed to it
+        (layer ``"{name}.{projection}[{expert}]"``, operand ``"weight"``)."""
+
+        def hook(m: FP8Experts, args: tuple[Any, ...], out: Any) -> None:
+            if not self.active:
+                return
+            for stats in m.expert_stats():
+                layer = f"{name}.{stats.pop('projection')}[{stats.pop('expert')}]"
+                rec = {"step": self.current_step, "layer": layer, "operand": "weight", "recipe": "actual"}
+                rec.update(recipe_kind=m.active_recipe().kind, **stats)
+                self.records.append(rec)
+                if self._jsonl is not None:
+                    self._jsonl.write(json.dumps(rec) + "\n")
+                if self._tb is not None:
+                    for key in ("amax", "underflow_pct", "sqnr_db", "tokens_routed"):
+                        if stats[key] == stats[key] and abs(stats[key]) != float("inf"):
+                            self._tb.add_scalar(f"{layer}/weight/{key}", stats[key], self.current_step)
 
         return hook
 

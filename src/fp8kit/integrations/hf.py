@@ -67,7 +67,9 @@ def fp8_state_keys(model: nn.Module) -> list[str]:
         if isinstance(module, Linear):
             keys += [f"{name}.{k}" for k in module.state_dict(keep_vars=True) if k not in ("weight", "bias")]
         elif isinstance(module, FP8Experts):
-            keys += [f"{name}.{k}" for k in module.state_dict(keep_vars=True) if k.startswith("fp8_") or k == "_extra_state"]
+            keys += [
+                f"{name}.{k}" for k in module.state_dict(keep_vars=True) if k.startswith("fp8_") or k == "_extra_state"
+            ]
     return keys
 
 

@@ -156,20 +156,29 @@ class FP8Experts:
         return quantize(x, fmt, recipe.granularity_for(role), nonfinite="propagate", backend=backend, **_knobs(recipe))
 
     def quantize_both_ways(
-        self, xp: torch.Tensor, p: int, role: str, recipe: Recipe, group_ids: torch.Tensor
+        self,
+        x: torch.Tensor,
+        dest: torch.Tensor | None,
+        rows: int,
+        p: int,
+        role: str,
+        recipe: Recipe,
+        group_ids: torch.Tensor,
     ) -> tuple[QuantizedTensor, QuantizedTensor | GroupColumns]:
-        """``(xp along K, xp.T along the tokens)``: for 1x128 / MX tiles from one fused kernel that reads
-        ``xp`` once (as ``Linear`` does; inductor also fails to fuse two separate casts of one input)."""
-        if recipe.kind in ("block", "mxfp8"):
-            return quantize_with_transpose(
-                xp,
-                recipe.format_for(role),
-                recipe.granularity_for(role),
-                nonfinite="propagate",
-                backend=_BACKEND["name"],
-                **_knobs(recipe),
+        """``(padded x along K, its transpose along the tokens)`` for the tile recipes. Eager: one fused
+        kernel reads ``x`` once (as ``Linear`` does). Compiled: the transpose is padded on its own, so
+        that inductor does not fuse the two casts (its CPU loop-split pass asserts on that pair)."""
+        xp = _pad(x, dest, rows)
+        if recipe.kind not in ("block", "mxfp8"):
+            return self.quantize_activation(xp, p, role, recipe), self.quantize_along_tokens(
+                xp, role, recipe, group_ids
             )
-        return self.quantize_activation(xp, p, role, recipe), self.quantize_along_tokens(xp, role, recipe, group_ids)
+        fmt, gran = recipe.format_for(role), recipe.granularity_for(role)
+        kw = {"nonfinite": "propagate", "backend": _BACKEND["name"], **_knobs(recipe)}
+        if not torch.compiler.is_compiling():
+            return quantize_with_transpose(xp, fmt, gran, **kw)
+        xpt = x.t().contiguous() if dest is None else x.new_zeros(x.shape[1], rows).index_copy(1, dest, x.t())
+        return quantize(xp, fmt, gran, **kw), quantize(xpt, fmt, gran, **kw)
 
     def quantize_along_tokens(
         self, xp: torch.Tensor, role: str, recipe: Recipe, group_ids: torch.Tensor
@@ -258,6 +267,26 @@ class FP8Experts:
         grad_slot = torch.arange(prev.shape[1], device=prev.device) == 1
         self.fp8_scale.copy_(torch.where(has, torch.where(grad_slot, bwd, fwd), prev))
         pending.copy_(torch.where(has, torch.full_like(pending, -1.0), pending))
+
+    @torch.no_grad()
+    def expert_stats(self) -> list[dict[str, Any]]:
+        """Per expert and projection: tokens routed in the last forward and the FP8 figures of its weight
+        under the module's recipe (``fp8kit.debug.stats.operand_stats``: amax, underflow, SQNR, ...)."""
+        from ..debug.stats import operand_stats
+
+        recipe = self.active_recipe()
+        tokens = self.fp8_tokens_per_expert.tolist()
+        out = []
+        for p, proj in enumerate(PROJECTIONS):
+            w = self.fp8_param(p).detach()
+            w = w.transpose(1, 2) if self.is_transposed else w
+            for e in range(self.num_experts):
+                scale = None
+                if isinstance(recipe, DelayedScaling) and recipe is self.recipe and bool(self.fp8_seen[p, 2 + e] > 0):
+                    scale = self.fp8_scale[p, 2 + e].clone()
+                stats = operand_stats(w[e], "weight", recipe, scale)
+                out.append({"projection": proj, "expert": e, "tokens_routed": tokens[e], **stats})
+        return out
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def get_extra_state(self) -> torch.Tensor:
@@ -373,11 +402,11 @@ def _unpack(tensors: tuple[torch.Tensor, ...], meta: Any) -> Any:
 class _GroupedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, offs, group_ids, dest, module: FP8Experts, p: int, recipe: Recipe, rows: int):  # type: ignore[override]
-        xp = _pad(x, dest, rows)
         saved_x: Any = None
         if ctx.needs_input_grad[1] and module.save_fp8_activations and not recipe.per_tensor:
-            xq, saved_x = module.quantize_both_ways(xp, p, "input", recipe, group_ids)
+            xq, saved_x = module.quantize_both_ways(x, dest, rows, p, "input", recipe, group_ids)
         else:
+            xp = _pad(x, dest, rows)
             xq = module.quantize_activation(xp, p, "input", recipe)
             if ctx.needs_input_grad[1]:
                 saved_x = xq if module.save_fp8_activations else xp
@@ -404,12 +433,12 @@ class _GroupedLinearFn(torch.autograd.Function):
         wq_t = _unpack(saved[nx : nx + nw], ctx.w_meta)
         offs, group_ids, *rest = saved[nx + nw :]
         dest = rest[0] if rest else None
-        gp = _pad(grad_out.contiguous(), dest, ctx.rows)
+        g = grad_out.contiguous()
         g_tok: Any = None
         if ctx.needs_input_grad[1] and not recipe.per_tensor:
-            gq, g_tok = module.quantize_both_ways(gp, ctx.p, "grad", recipe, group_ids)
+            gq, g_tok = module.quantize_both_ways(g, dest, ctx.rows, ctx.p, "grad", recipe, group_ids)
         else:
-            gq = module.quantize_activation(gp, ctx.p, "grad", recipe)
+            gq = module.quantize_activation(_pad(g, dest, ctx.rows), ctx.p, "grad", recipe)
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = grouped_gemm(gq, wq_t, offs, group_ids, ctx.x_dtype, kind="dgrad")
@@ -459,7 +488,9 @@ def grouped_linear(
     counts, offs, group_ids, dest, rows = routing_plan(expert_ids_sorted, module.num_experts, _alignment(recipe))
     with torch.no_grad():
         module.fp8_tokens_per_expert.copy_(counts)
-    return _GroupedLinearFn.apply(x, module.fp8_param(projection), offs, group_ids, dest, module, projection, recipe, rows)
+    return _GroupedLinearFn.apply(
+        x, module.fp8_param(projection), offs, group_ids, dest, module, projection, recipe, rows
+    )
 
 
 def fp8_experts_forward(
