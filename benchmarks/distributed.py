@@ -14,6 +14,16 @@ gives each rank's optimizer-state bytes (its local shards), and per parameter of
 
     python benchmarks/distributed.py                      # small Llama, 2 processes, 6 steps
     python benchmarks/distributed.py --size tiny --steps 3
+
+``--mode tp``: tensor + sequence parallelism (``fp8kit.distributed.tensor_parallel``) over the processes,
+on a stack of pre-norm residual MLP blocks in BF16 (``--hidden``, ``--blocks``; FFN 4x), FP8 delayed
+GEMMs in both runs: the sequence-parallel activation all-gather in BF16 (``fp8_all_gather=False``)
+against FP8 (1-byte codes, agreed scale), reduce-scatters in BF16 in both. Bytes per collective call
+(each rank's contribution) and the median step time, runs interleaved step by step.
+
+    python benchmarks/distributed.py --mode tp
+    torchrun --standalone --nproc-per-node 8 benchmarks/distributed.py --mode tp --hidden 4096 --seq-len 8192
+        # GPUs: NCCL, one process per GPU (written for it, not run here)
 """
 
 from __future__ import annotations
@@ -147,6 +157,143 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     dist.destroy_process_group()
 
 
+def _mlp_stack(hidden: int, blocks: int) -> torch.nn.Module:
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class MLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1, self.w3 = nn.Linear(hidden, 4 * hidden), nn.Linear(hidden, 4 * hidden)
+            self.w2 = nn.Linear(4 * hidden, hidden)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([MLP() for _ in range(blocks)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = x + block(F.rms_norm(x, (hidden,)))
+            return x
+
+    torch.manual_seed(0)
+    return Stack()
+
+
+def _tp_worker(rank: int, world: int, port: int | None, args: argparse.Namespace, out: str) -> None:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from fp8kit.distributed import enable_fp8_distributed
+    from fp8kit.distributed.tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+    from fp8kit.nn import convert
+
+    cuda = port is None and torch.cuda.is_available()  # under torchrun on GPUs: NCCL
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl")
+    elif port is None:
+        dist.init_process_group("gloo")
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    _count_bytes()
+    mesh = init_device_mesh(device.type, (world,))
+    runs = {}
+    for name, fp8_gather in (("bf16", False), ("fp8", True)):
+        model = convert(_mlp_stack(args.hidden, args.blocks), "delayed").to(device, torch.bfloat16)
+        plan = {}
+        for i in range(args.blocks):
+            plan[f"blocks.{i}"] = PrepareFloat8ModuleInput(input_layouts=Shard(1))
+            plan[f"blocks.{i}.w1"] = Float8ColwiseParallel(fp8_all_gather=fp8_gather)
+            plan[f"blocks.{i}.w3"] = Float8ColwiseParallel(fp8_all_gather=fp8_gather)
+            plan[f"blocks.{i}.w2"] = Float8RowwiseParallel(output_layouts=Shard(1))
+        model = enable_fp8_distributed(parallelize_module(model, mesh, plan))
+        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    per = args.seq_len // world
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    calls: dict[str, dict[str, list[int]]] = {name: {} for name in runs}
+    real_gather = dist.all_gather_into_tensor
+    for step in range(args.warmup + args.steps):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(args.batch_size, args.seq_len, args.hidden, generator=g).to(device, torch.bfloat16)
+        x = x[:, rank * per : (rank + 1) * per]
+        for name, (model, opt) in runs.items():
+            sizes: dict[str, list[int]] = {"forward": [], "backward": []}
+            phase = {"now": "forward"}
+
+            def sized(out, inp, *a, _sizes=sizes, _phase=phase, **k):
+                _sizes[_phase["now"]].append(inp.numel() * inp.element_size())
+                return real_gather(out, inp, *a, **k)
+
+            dist.all_gather_into_tensor = sized
+            _BYTES.update(all_gather=0, reduce_scatter=0)
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = F.mse_loss(model(x).float(), x.float())
+            phase["now"] = "backward"  # the gradient all-gathers of the row-parallel reduce-scatters (BF16)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            dist.all_gather_into_tensor = real_gather
+            if step >= args.warmup:
+                times[name].append(dt)
+                calls[name] = {
+                    "all_gather": sizes["forward"],
+                    "grad_all_gather": sizes["backward"],
+                    "reduce_scatter_bytes": [_BYTES["reduce_scatter"]],
+                }
+    if rank == 0:
+        res = {name: {"step_s_median": statistics.median(times[name]), **calls[name]} for name in runs}
+        if out:
+            Path(out).write_text(json.dumps(res))
+        else:  # started by torchrun
+            _print_tp(res, args, "GPUs (NCCL)" if cuda else "processes (gloo)")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _print_tp(res: dict, args: argparse.Namespace, where: str = "CPU processes (gloo)") -> None:
+    bf16, fp8 = res["bf16"], res["fp8"]
+    print(
+        f"TP + SP, {args.nproc} {where}, {args.blocks} residual MLP blocks, hidden {args.hidden} "
+        f"(FFN {4 * args.hidden}), BF16, FP8 delayed GEMMs, batch {args.batch_size} x {args.seq_len} tokens, "
+        f"{args.steps} timed steps after {args.warmup}; torch {torch.__version__}"
+    )
+    print()
+    print(
+        "| run | SP activation all-gathers/step | bytes/call/rank | gradient all-gather bytes/step/rank "
+        "| reduce-scatter bytes/step/rank | step s (median) |"
+    )
+    print("|---|---|---|---|---|---|")
+    for name, r in (("BF16 activation gather", bf16), ("FP8 activation gather", fp8)):
+        ag = r["all_gather"]
+        print(
+            f"| {name} | {len(ag)} | {statistics.median(ag):.0f} | {sum(r['grad_all_gather'])} | "
+            f"{r['reduce_scatter_bytes'][0]} | {r['step_s_median']:.3f} |"
+        )
+    print()
+    print(
+        f"FP8 / BF16 SP activation all-gather bytes: {sum(fp8['all_gather']) / sum(bf16['all_gather']):.3f}x "
+        f"(target <= 0.55x); step time: {fp8['step_s_median'] / bf16['step_s_median']:.2f}x"
+    )
+
+
 def main() -> None:
     import torch.multiprocessing as mp
 
@@ -157,14 +304,25 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=4, help="timed steps")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--mode", choices=("fsdp", "tp"), default="fsdp")
+    p.add_argument("--hidden", type=int, default=256, help="--mode tp: hidden size")
+    p.add_argument("--blocks", type=int, default=4, help="--mode tp: MLP blocks")
     args = p.parse_args()
+    if args.mode == "tp" and "RANK" in os.environ:  # started by torchrun: this process is one rank
+        args.nproc = int(os.environ["WORLD_SIZE"])
+        _tp_worker(int(os.environ["RANK"]), args.nproc, None, args, "")
+        return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.json")
-        mp.start_processes(_worker, args=(args.nproc, port, args, out), nprocs=args.nproc, start_method="spawn")
+        worker = _tp_worker if args.mode == "tp" else _worker
+        mp.start_processes(worker, args=(args.nproc, port, args, out), nprocs=args.nproc, start_method="spawn")
         res = json.loads(Path(out).read_text())
+    if args.mode == "tp":
+        _print_tp(res, args)
+        return
     bf16, fp8, fp8_opt = res["bf16"], res["fp8"], res["fp8-adamw"]
     print(
         f"FSDP2, {args.nproc} CPU processes (gloo), demo Llama '{args.size}', global batch {args.batch_size} x "

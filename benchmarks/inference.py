@@ -1,10 +1,14 @@
-"""PTQ inference throughput: prefill and decode tokens/s of a Llama-shaped model, BF16 vs fp8kit PTQ schemes.
+"""PTQ inference throughput and weight memory: tokens/s and resident bytes per weight, BF16 vs fp8kit PTQ.
 
 One run, side by side: a ``transformers`` ``LlamaForCausalLM`` with random weights in bfloat16, and one
 copy per scheme quantized with ``fp8kit.ptq.quantize(model, scheme, forward_loop)`` (random calibration
-tokens). Measurements are interleaved (every model once per round, median over rounds) so that a shared
-machine's load hits all rows alike; ratios are to BF16 in the same run. The table also names the GEMM
-kernel each scheme's ``QuantLinear`` layers ran (``fp8kit.ptq.linear.select_kernel``).
+tokens), each on the default lean weights (8-bit codes decoded tile by tile in the GEMM) and, where its
+layers run the GEMM on codes (``codes_mm``), once more with ``weight_cache="cached"`` (a decoded copy kept
+beside the codes). Measurements are interleaved (every model once per round, median over rounds) so
+that a shared machine's load hits all rows alike; ratios are to BF16 in the same run. The table also
+names the GEMM kernel each scheme's ``QuantLinear`` layers ran (``fp8kit.gemm.choose_kernel``) and the
+resident bytes per weight of the decoder's linear layers after the runs (``fp8kit.ptq.resident_bytes``:
+every tensor the layers hold, codes, scales, bias and caches; ``lm_head`` excluded).
 
 * prefill: ``model(ids)`` on ``batch x prompt`` tokens, tokens/s = batch * prompt / time;
 * decode: ``new`` single-token steps on a KV cache after the prompt, tokens/s = batch * new / time.
@@ -47,6 +51,19 @@ def build(size: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
     return model.to(dtype).eval()
 
 
+def bytes_per_weight(model: torch.nn.Module) -> float:
+    """Resident bytes per weight of the decoder's linear layers (``nn.Linear`` or ``QuantLinear``; not
+    ``lm_head``), counted from the tensors they hold (``fp8kit.ptq.resident_bytes``)."""
+    from fp8kit.ptq import QuantLinear, resident_bytes
+
+    held, weights = 0, 0
+    for name, m in model.named_modules():
+        if isinstance(m, (torch.nn.Linear, QuantLinear)) and not name.endswith("lm_head"):
+            held += resident_bytes(m)
+            weights += m.in_features * m.out_features
+    return held / max(weights, 1)
+
+
 def kernels_used(model: torch.nn.Module, dtype: torch.dtype, device: str) -> str:
     from fp8kit.ptq import QuantLinear
 
@@ -87,6 +104,8 @@ def decode_time(model, ids: torch.Tensor, new: int) -> float:
 def _candidates(o: dict[str, torch.Tensor]) -> dict:
     """The CPU GEMMs ``QuantLinear`` can choose from, on prepared operands ``o`` (codes only: the scales
     and the activation quantization are the same for all and not timed)."""
+    from fp8kit.gemm import codes_mm
+
     one = torch.ones(())
     return {
         "bf16 GEMM (BF16 model)": lambda: o["xf"].bfloat16() @ o["wbf"].t(),
@@ -94,9 +113,11 @@ def _candidates(o: dict[str, torch.Tensor]) -> dict:
         "fp8: _scaled_mm": lambda: torch._scaled_mm(o["x8"], o["w8"].t(), one, one, out_dtype=torch.float32),
         "fp8: fp32, cached codes": lambda: o["x8"].float() @ o["w8f"].t(),
         "fp8: bf16, cached codes": lambda: o["x8"].bfloat16() @ o["w8b"].t(),
+        "fp8: bf16, lean tiles": lambda: codes_mm(o["x8"].bfloat16(), o["w8"]),
         "int8: fp32 upcast (old path)": lambda: o["xi"].float() @ o["wi"].float().t(),
         "int8: _int_mm": lambda: torch._int_mm(o["xi"], o["wi"].t()),
         "int8: bf16, cached codes": lambda: o["xi"].bfloat16() @ o["wib"].t(),
+        "int8: bf16, lean tiles": lambda: codes_mm(o["xi"].bfloat16(), o["wi"]),
     }
 
 
@@ -143,6 +164,7 @@ def main() -> None:
     p.add_argument("--old", action="store_true", help="add an fp8 row on the FP32-upcast reference path (before)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's default)")
     p.add_argument("--gemm", action="store_true", help="CPU only: time the candidate 8-bit GEMMs per shape instead")
+    p.add_argument("--no-cached", action="store_true", help="skip the weight_cache='cached' rows (lean only)")
     args = p.parse_args()
     if args.threads is not None:
         if args.threads < 1:
@@ -183,6 +205,8 @@ def main() -> None:
         t = time.perf_counter()
         models[scheme] = fp8kit.ptq.quantize(copy.deepcopy(base), scheme, forward_loop)
         print(f"quantized {scheme} in {time.perf_counter() - t:.1f} s", flush=True)
+        if "codes_mm" in kernels_used(models[scheme], dtype, args.device) and not args.no_cached:
+            models[f"{scheme} cached"] = fp8kit.ptq.set_weight_cache(copy.deepcopy(models[scheme]), "cached")
     if args.old and "fp8" in models:
         models["fp8 (old path)"] = copy.deepcopy(models["fp8"])
         for m in models["fp8 (old path)"].modules():
@@ -208,25 +232,27 @@ def main() -> None:
             for n, m in models.items():
                 pre[n].append(prefill_time(m, ids))
                 dec[n].append(decode_time(m, ids, new))
-        for n in models:
+        for n, m in models.items():
             tp = batch * prompt / statistics.median(pre[n])
             td = batch * new / statistics.median(dec[n])
-            rows.append((batch, n, tp, td))
-        ref = {r[1]: r for r in rows if r[0] == batch}["bf16"]
-        for b, n, tp, td in rows[-len(models) :]:
-            print(
-                f"| {b:>5} | {n:<17} | {tp:>12,.0f} | {tp / ref[2]:>5.2f}x | {td:>10,.1f} | {td / ref[3]:>5.2f}x "
-                f"| {kernels[n]} |",
-                flush=True,
-            )
+            rows.append((batch, n, tp, td, bytes_per_weight(m)))
+        for row in rows[-len(models) :]:
+            print(_row(row, rows, kernels), flush=True)
     print()
-    print("| batch | model             | prefill tok/s | vs BF16 | decode tok/s | vs BF16 | QuantLinear kernels |")
-    print("|------:|-------------------|--------------:|--------:|-------------:|--------:|---------------------|")
-    for b, n, tp, td in rows:
-        ref = next(r for r in rows if r[0] == b and r[1] == "bf16")
-        print(
-            f"| {b} | {n} | {tp:,.0f} | {tp / ref[2]:.2f}x | {td:,.1f} | {td / ref[3]:.2f}x | {kernels[n]} |",
-        )
+    print("| batch | model | prefill tok/s | vs BF16 | decode tok/s | vs BF16 | bytes/weight | vs BF16 | kernels |")
+    print("|------:|---|---:|---:|---:|---:|---:|---:|---|")
+    for row in rows:
+        print(_row(row, rows, kernels))
+
+
+def _row(row: tuple, rows: list[tuple], kernels: dict[str, str]) -> str:
+    """One table row with its ratios to the BF16 row of the same batch."""
+    b, n, tp, td, bpw = row
+    ref = next(r for r in rows if r[0] == b and r[1] == "bf16")
+    return (
+        f"| {b} | {n} | {tp:,.0f} | {tp / ref[2]:.2f}x | {td:,.1f} | {td / ref[3]:.2f}x "
+        f"| {bpw:.2f} | {bpw / ref[4]:.2f}x | {kernels[n]} |"
+    )
 
 
 if __name__ == "__main__":

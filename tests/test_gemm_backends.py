@@ -7,27 +7,59 @@ import torch
 
 import fp8kit
 from fp8kit import gemm
+from fp8kit.gemm import probe
 
 
 @pytest.fixture
 def cpu_backend():
-    saved = dict(gemm._CPU_BACKEND)
+    saved = dict(probe._CPU_BACKEND)
 
     def use(name: str) -> None:
-        gemm._CPU_BACKEND["name"] = name
+        probe._CPU_BACKEND["name"] = name
 
     yield use
-    gemm._CPU_BACKEND.clear()
-    gemm._CPU_BACKEND.update(saved)
+    probe._CPU_BACKEND.clear()
+    probe._CPU_BACKEND.update(saved)
 
 
 def test_cpu_backend_follows_the_cpu_features():
     assert gemm.choose_cpu_backend({"avx2", "fma"}) == "fp32"
     assert gemm.choose_cpu_backend({"avx2", "avx512_bf16"}) == "bf16"
     assert gemm.choose_cpu_backend({"amx_bf16", "amx_tile"}) == "bf16"
-    assert gemm.cpu_gemm_backend() == gemm.choose_cpu_backend(gemm._cpu_flags())
+    assert gemm.cpu_gemm_backend() == gemm.choose_cpu_backend(probe._cpu_flags())
     with pytest.raises(ValueError, match="'fp32' or 'bf16'"):
         gemm.set_cpu_gemm_backend("scaled_mm")
+
+
+def test_int8_backend_follows_the_cpu_features():
+    """One probe for training and inference: INT8 x INT8 through _int_mm only with 8-bit dot products."""
+    assert gemm.choose_cpu_int8_backend({"avx2", "fma"}) == "float"
+    for flag in ("avx512_vnni", "avx_vnni", "amx_int8"):
+        assert gemm.choose_cpu_int8_backend({"avx2", flag}) == "int_mm"
+    assert gemm.cpu_int8_backend() == gemm.choose_cpu_int8_backend(probe._cpu_flags())
+    with pytest.raises(ValueError, match="'int_mm' or 'float'"):
+        gemm.set_cpu_int8_backend("vnni")
+    # the inference kernel choice reads the same probe (no timing): INT8 W8A8 on CPU
+    saved = dict(probe._CPU_BACKEND)
+    try:
+        for backend, kernel in (("int_mm", "int_mm"), ("float", "codes_mm")):
+            gemm.set_cpu_int8_backend(backend)
+            assert gemm.choose_kernel(torch.int8, True, "tensor", "cpu", torch.float32, 64, 64).name == kernel
+    finally:
+        probe._CPU_BACKEND.update(saved)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_codes_gives_every_code_exactly(dtype):
+    """The floor's decode (FP8 through the integer-operation kernel, INT8 by conversion) equals torch's
+    conversion on all 256 codes of each format, bit for bit (NaN where the format has NaN)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    for code_dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8):
+        got = gemm.decode_codes(codes.view(code_dtype).reshape(16, 16), dtype).reshape(-1)
+        want = codes.view(code_dtype).to(dtype)
+        assert got.dtype == dtype and torch.equal(got.isnan(), want.isnan())
+        bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+        assert torch.equal(got.nan_to_num(0.0).view(bits), want.nan_to_num(0.0).view(bits))
 
 
 @pytest.mark.compiled

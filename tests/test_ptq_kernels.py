@@ -14,9 +14,11 @@ import pytest
 import torch
 import torch.nn as nn
 
+import fp8kit.gemm.codes as gemm_codes
 from fp8kit import E4M3, INT8
 from fp8kit.formats import cast_reference
-from fp8kit.ptq import QuantLinear
+from fp8kit.gemm import probe
+from fp8kit.ptq import QuantLinear, resident_bytes, set_weight_cache
 from fp8kit.ptq.linear import KernelChoice, dequant_scale, select_kernel
 
 SCHEMES = ["fp8", "fp8-dynamic", "int8-smoothquant", "int8-weight-only"]
@@ -92,10 +94,12 @@ def test_all_zero_rows_get_a_finite_scale_and_zero_output(fmt):
         assert torch.isfinite(out).all() and not out[:, 3].any() and not out[2].any()
 
 
+@pytest.mark.parametrize("cache", ["lean", "cached"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_cpu_kernels_equal_the_reference(scheme, dtype):
+def test_cpu_kernels_equal_the_reference(scheme, dtype, cache, small_tiles):
     q = _layer(scheme)
+    q.weight_cache = cache
     for m in (1, 7, 33):
         x = _inputs(m, q.in_features, dtype).reshape(1, m, -1)
         ref = q._forward_reference(x)
@@ -142,13 +146,13 @@ def test_int_mm_accumulator_is_bit_exact_and_output_equals_reference():
 def test_compiled_epilogue_for_large_outputs_equals_the_reference():
     """Outputs of at least ``COMPILE_MIN_ELEMENTS`` get the torch.compile'd scale/bias epilogue (one fused
     loop; it may contract multiply-add into an FMA, one FP32 rounding fewer than the reference)."""
-    from fp8kit.ptq import linear as ptq_linear
+    from fp8kit.gemm import scaled
 
     q = _layer("int8-smoothquant", k=64, n=256)
-    x = _inputs(ptq_linear.COMPILE_MIN_ELEMENTS // 256, 64, torch.float32)
+    x = _inputs(scaled.COMPILE_MIN_ELEMENTS // 256, 64, torch.float32)
     q.kernel = "int_mm"
     out = q(x)
-    assert ptq_linear._COMPILE["enabled"], "the epilogue failed to compile"
+    assert scaled.use_compiled(scaled.COMPILE_MIN_ELEMENTS), "the epilogue failed to compile"
     diff = (out.double() - q._forward_reference(x).double()).abs()
     assert (diff <= _bound(q, x, 2.0**-23)).all()
 
@@ -170,7 +174,7 @@ def test_cpu_selection_is_logged_and_matches_reference(caplog, monkeypatch):
 
 def test_codes_cache_follows_the_weight():
     q = _layer("fp8")
-    q.kernel = "codes_mm"
+    q.kernel, q.weight_cache = "codes_mm", "cached"
     x = _inputs(4, q.in_features, torch.float32)
     q(x)
     other = _layer("fp8")
@@ -209,6 +213,134 @@ def test_a_failing_kernel_falls_back_to_the_reference(monkeypatch, caplog):
     q.kernel = "int_mm"  # forced kernels raise instead of falling back
     with pytest.raises(RuntimeError, match="no kernel image"):
         q(x)
+
+
+# -- lean (codes-only) vs cached weights on CPU ----------------------------------------------------------
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Lean tiles of 16 rows for K = 96 (layers of 80-88 rows: several tiles, a ragged last one)."""
+    monkeypatch.setattr(gemm_codes, "TILE_ELEMENTS", 96 * 16)
+
+
+@pytest.fixture
+def float_int8(monkeypatch):
+    """INT8 W8A8 through the float GEMM on codes (what a CPU without VNNI runs) instead of _int_mm."""
+    monkeypatch.setitem(probe._CPU_BACKEND, "int8", "float")
+
+
+def _held(obj, seen: set[int]) -> int:
+    """Storage bytes of every tensor in ``obj`` (a module's ``vars``, recursively), each storage once."""
+    if isinstance(obj, torch.Tensor):
+        st = obj.untyped_storage()
+        if st.data_ptr() in seen:
+            return 0
+        seen.add(st.data_ptr())
+        return st.nbytes()
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_held(o, seen) for o in obj)
+    return 0
+
+
+def _integer_layer(scheme: str, k: int = 96, n: int = 88) -> tuple[QuantLinear, torch.Tensor]:
+    """A layer and an input whose products and sums are all exact in FP32 and bfloat16 in any order:
+    integer codes |c| <= 14, power-of-two scales, activations quantized to integer codes (static scale 1;
+    per token: every row's amax is 14, scale 2**-5, codes 32 * x). Every kernel then gives the reference
+    bit for bit, so a misplaced tile, a wrong decode or a wrong scale shows as inequality."""
+    g = torch.Generator().manual_seed(3)
+    q = QuantLinear.from_linear(nn.Linear(k, n, bias=False), scheme, input_amax=127.0)
+    codes = torch.randint(-14, 15, (n, k), generator=g).float()
+    q.weight = codes.to(q.scheme.weight_format.dtype)
+    scale = torch.exp2(torch.randint(-4, 3, q.weight_scale.shape, generator=g).float())
+    q.weight_scale = scale
+    if q.input_scale is not None:
+        q.input_scale = torch.ones(1)
+    x = torch.randint(-14, 15, (9, k), generator=g).float()
+    x[:, 0] = 14.0
+    return q, x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_lean_equals_cached_bit_for_bit_on_exact_sums(scheme, dtype, small_tiles, float_int8):
+    q, x = _integer_layer(scheme)
+    x = x.to(dtype)
+    q.kernel = "codes_mm"
+    ref = q._forward_reference(x)
+    q.weight_cache = "lean"
+    lean = q(x)
+    q.weight_cache = "cached"
+    cached = q(x)
+    assert torch.equal(lean, cached) and torch.equal(lean, ref)
+    assert ref.abs().max() > 0
+    # the same layer with one tile's codes negated differs: the comparison sees every tile
+    q.weight_cache = "lean"
+    q.weight = torch.cat([q.weight[:80], (-q.weight[80:].float()).to(q.weight.dtype)])
+    assert not torch.equal(q(x)[:, 80:], lean[:, 80:]) and torch.equal(q(x)[:, :80], lean[:, :80])
+
+
+def test_lean_tiles_bound_the_transient(small_tiles, monkeypatch):
+    """The lean GEMM decodes at most ``TILE_ELEMENTS`` weights at a time, in whole rows, covering all rows."""
+    q = _layer("fp8", k=96, n=88)
+    sizes: list[int] = []
+    real = gemm_codes.decode_codes
+
+    def spy(codes, dtype):
+        sizes.append(codes.shape[0])
+        assert codes.numel() <= gemm_codes.TILE_ELEMENTS and codes.shape[1] == 96
+        return real(codes, dtype)
+
+    monkeypatch.setattr(gemm_codes, "decode_codes", spy)
+    q(_inputs(4, 96, torch.bfloat16))
+    assert sizes == [16, 16, 16, 16, 16, 8]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_lean_weights_cost_about_one_byte_each(scheme, float_int8):
+    """Counted from the tensors the layer actually holds after forwards (codes, scales, bias, caches):
+    lean <= 1.1 bytes per weight; cached keeps a bfloat16 (bfloat16 inputs on a bfloat16 CPU backend) or
+    float32 copy beside the codes, >= 3 bytes per weight; switching back to lean releases it."""
+    k, n = 256, 192
+    q = _layer(scheme, k=k, n=n)
+    x = _inputs(5, k, torch.bfloat16)
+    q(x)
+    held = _held(vars(q), set())
+    assert held == resident_bytes(q)
+    assert held / (k * n) <= 1.1, held / (k * n)
+    q.weight_cache = "cached"
+    q.kernel = "codes_mm"
+    out = q(x)
+    cached = _held(vars(q), set())
+    assert cached == resident_bytes(q) and cached / (k * n) >= 3.0
+    q.weight_cache = "lean"
+    assert torch.equal(q(x), out) and _held(vars(q), set()) == held
+
+
+def test_weight_cache_setting_and_bad_value():
+    model = nn.Sequential(_layer("fp8"), nn.ReLU(), _layer("int8-weight-only", k=80, n=96))
+    assert {m.weight_cache for m in model if isinstance(m, QuantLinear)} == {"lean"}
+    set_weight_cache(model, "cached")
+    assert {m.weight_cache for m in model if isinstance(m, QuantLinear)} == {"cached"}
+    assert "weight_cache=cached" in repr(model[0])
+    with pytest.raises(ValueError, match="lean, cached"):
+        set_weight_cache(model, "fp32")
+    model[0].weight_cache = "big"
+    with pytest.raises(ValueError, match="lean, cached"):
+        model(_inputs(2, 96, torch.float32))
+
+
+@pytest.mark.compiled
+def test_compiled_lean_model_has_no_graph_break(small_tiles):
+    """torch.compile(fullgraph=True) over lean QuantLinear layers (several tiles each) compiles one graph
+    (a graph break would raise) and gives the eager result."""
+    for scheme in SCHEMES:
+        torch._dynamo.reset()
+        model = nn.Sequential(_layer(scheme, k=96, n=96), nn.ReLU(), _layer(scheme, k=96, n=40))
+        x = _inputs(3, 96, torch.float32)
+        assert torch.equal(torch.compile(model, fullgraph=True)(x), model(x)), scheme
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -47,6 +47,7 @@ __all__ = [
     "delayed_layers",
     "enable_fp8_distributed",
     "fp8_layers",
+    "record_pending_amax",
     "reset_collective_counts",
     "scaling_state",
     "sync_scaling",
@@ -82,6 +83,15 @@ def delayed_layers(model: nn.Module) -> list[nn.Module]:
         for m in fp8_layers(model)
         if isinstance(m.recipe, DelayedScaling) and isinstance(getattr(m, "fp8_amax_pending", None), torch.Tensor)
     ]
+
+
+@torch.no_grad()
+def record_pending_amax(layer: nn.Module, role: int, amax: torch.Tensor) -> None:
+    """Fold ``amax`` (float32 scalar) into a delayed layer's pending amax of operand ``role`` (0 input, 1 weight,
+    2 grad) by MAX; a non-finite amax is dropped, as the layer itself does. The next sync reduces it."""
+    pending = layer.fp8_amax_pending[role]
+    amax = amax.reshape(()).float()
+    layer.fp8_amax_pending[role] = torch.where(torch.isfinite(amax), torch.maximum(pending, amax), pending)
 
 
 class AmaxAllReduce:

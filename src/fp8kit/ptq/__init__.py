@@ -4,7 +4,7 @@ from .awq import apply_awq
 from .calibrate import CALIBRATION_METHODS
 from .gptq import collect_hessians, gptq_linear, gptq_weight
 from .kv_cache import kv_cache_bytes
-from .linear import QuantLinear
+from .linear import QuantLinear, resident_bytes, set_weight_cache
 from .quantize import PTQReport, quantize
 from .schemes import SCHEMES, Scheme, get_scheme
 from .sensitivity import LayerScore, keep_filter, layer_sensitivity, rank_by_output_error
@@ -26,4 +26,6 @@ __all__ = [
     "layer_sensitivity",
     "quantize",
     "rank_by_output_error",
+    "resident_bytes",
+    "set_weight_cache",
 ]

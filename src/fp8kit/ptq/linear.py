@@ -6,28 +6,25 @@ Weights are held as ``float8_e4m3fn`` or ``int8`` codes with float32 dequant sca
 shape ``(1,)``, per token at run time, or not at all (weight-only). Weights and activations are
 quantized by ``fp8kit.quantize``, the one quantizer that training and debug use too.
 
-The GEMM runs on the exact codes and applies the scales to the high-precision accumulator. Which
-kernel does it is chosen per call from the device, the scheme, the layer's shape and the input dtype
-(``select_kernel``; the choice and its reason are logged once each on logger ``fp8kit.ptq``;
-``QuantLinear.kernel`` forces one):
+The GEMM runs on the exact codes and applies the scales to the high-precision accumulator, through
+fp8kit's one GEMM floor (``fp8kit.gemm.scaled``: ``choose_kernel`` picks the kernel per call from the
+device, the scheme, the layer's shape, the input dtype and the one CPU feature probe; the choice and
+its reason are logged once each on logger ``fp8kit.ptq``; ``QuantLinear.kernel`` forces one). On CUDA
+``torch._scaled_mm`` (FP8), ``torch._int_mm`` (INT8), a compiled dequant GEMM (weight-only); on CPU
+``torch._int_mm`` for INT8 W8A8 on CPUs with VNNI/AMX, else a bfloat16 (AVX512-BF16/AMX, bfloat16
+inputs) or float32 GEMM on the exact code values; ``_forward_reference`` (FP32 upcast) for anything
+else and as the oracle every kernel is tested against.
 
-* CUDA: FP8 W8A8 through ``torch._scaled_mm`` (per-tensor scales, or per-token x per-channel
-  scales with a bfloat16 output), INT8 W8A8 through ``torch._int_mm`` (int32 accumulation; ``M <= 16``
-  is zero-padded), weight-only INT8 through a ``torch.compile``-generated dequant GEMM.
-* CPU: INT8 W8A8 through ``torch._int_mm`` (exact int32 accumulation) when the one-time probe finds
-  it faster than FP32; FP8 W8A8 and weight-only INT8 through a GEMM on a cached copy of the exact
-  code values (bfloat16 for bfloat16 inputs on CPUs whose bfloat16 GEMM is faster, else float32).
-  The cache costs 2 (or 4) bytes per weight beside the 8-bit buffer; CPU ``torch._scaled_mm`` on
-  float8 and the per-call float8 -> float32 upcast were measured slower (``BENCHMARKS.md``).
-* Anything else (odd shapes, other dtypes, a kernel that raised once): ``_forward_reference``, the
-  FP32-upcast math every kernel is tested against.
-
-Operands of at least ``COMPILE_MIN_ELEMENTS`` elements use compiled kernels around the GEMM: the
-activation quantizer (``fp8kit.quantize(backend="compiled")``, bit-identical to eager) and one fused
-scale-bias-cast loop. ``use_fast_accum`` on CUDA keeps the FP8 tensor cores' partial sums in reduced
-precision between cuBLAS's FP32 promotions (the caveat DeepSeek-V3 reports for long K); inference
-forward GEMMs only, and the CUDA tests hold it to the reference within ``2**-8`` of the product
-magnitudes.
+Weight memory on CPU (``weight_cache``): ``"lean"`` (default) keeps only the 8-bit codes and scales
+resident, about 1 byte per weight, and decodes the weight tile by tile inside each GEMM (at most
+``fp8kit.gemm.TILE_ELEMENTS`` weights at a time); ``"cached"`` keeps a decoded copy of the codes
+beside them (+2 bytes per weight in bfloat16, +4 in float32) and saves the decode on every call, the
+faster choice for small batches where memory allows (``BENCHMARKS.md``). INT8 W8A8 on ``torch._int_mm``
+and every CUDA kernel read the codes directly and never cache. ``set_weight_cache(model, mode)`` sets
+every layer of a model; ``resident_bytes(module)`` counts what a module holds. Lean and cached feed
+the same exact values to the same GEMM, each output element one dot product over all of K, so they
+can differ only where the BLAS sums a narrower N in another order (bit-identical in every case checked
+on AVX-512 oneDNN/MKL); the tests assert bit-identity where any order is exact, the bound below otherwise.
 
 Equality with the reference (tests): INT8 x INT8 products summed in int32 are exact, so
 ``_int_mm``'s accumulator equals the reference accumulator bit for bit whenever the FP32 partial sums
@@ -43,75 +40,37 @@ tensor cores' reduced-precision partial sums.
 
 from __future__ import annotations
 
-import functools
 import logging
-import time
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from ..formats import Format
+from ..gemm.scaled import KERNELS, KernelChoice, choose_kernel, scaled_mm, use_compiled
 from ..scaling import dequant_scale
 from ..tensor import quantize as fp8_quantize
 from .schemes import Scheme, get_scheme
 
-__all__ = ["KERNELS", "KernelChoice", "QuantLinear", "dequant_scale", "select_kernel"]
+__all__ = [
+    "KERNELS",
+    "WEIGHT_CACHE_MODES",
+    "KernelChoice",
+    "QuantLinear",
+    "dequant_scale",
+    "resident_bytes",
+    "select_kernel",
+    "set_weight_cache",
+]
 
 log = logging.getLogger("fp8kit.ptq")
 
-KERNELS = ("reference", "scaled_mm", "scaled_mm_rowwise", "int_mm", "codes_mm", "dequant_mm_compiled")
-
-
-@dataclass(frozen=True)
-class KernelChoice:
-    """The GEMM a ``QuantLinear`` call runs and why (``name`` is one of ``KERNELS``)."""
-
-    name: str
-    reason: str
-    gemm_dtype: torch.dtype | None = None
-
-
-@functools.cache
-def _cpu_probe() -> dict[str, float]:
-    """Seconds per GEMM at ``(64, 1024) x (1024, 1024)`` in float32, bfloat16 and ``_int_mm`` (best of 5),
-    measured once per process on this CPU."""
-    m, k, n = 64, 1024, 1024
-    a, b = torch.randn(m, k), torch.randn(n, k)
-    ab, bb = a.bfloat16(), b.bfloat16()
-    ops = {"float32": (lambda: a @ b.t()), "bfloat16": (lambda: ab @ bb.t())}
-    if hasattr(torch, "_int_mm"):
-        ai, bi = torch.randint(-127, 128, (m, k), dtype=torch.int8), torch.randint(-127, 128, (n, k), dtype=torch.int8)
-        ops["int_mm"] = lambda: torch._int_mm(ai, bi.t())
-    out: dict[str, float] = {}
-    for name, fn in ops.items():
-        try:
-            fn()
-            best = float("inf")
-            for _ in range(5):
-                t0 = time.perf_counter()
-                fn()
-                best = min(best, time.perf_counter() - t0)
-            out[name] = best
-        except RuntimeError:
-            out[name] = float("inf")
-    cap = torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends, "cpu") else "unknown"
-    log.info(
-        "fp8kit.ptq CPU probe (%s): float32 %.2f ms, bfloat16 %.2f ms, _int_mm %.2f ms per 64x1024x1024 GEMM",
-        cap,
-        out["float32"] * 1e3,
-        out["bfloat16"] * 1e3,
-        out.get("int_mm", float("inf")) * 1e3,
-    )
-    return out
-
-
+WEIGHT_CACHE_MODES = ("lean", "cached")
 _LOGGED: set[tuple[str, str]] = set()
 
 
 def _log_choice(choice: KernelChoice, device: str) -> None:
     key = (device, choice.reason)
-    if key not in _LOGGED:
+    if key not in _LOGGED and not torch.compiler.is_compiling():  # logged by the first eager call
         _LOGGED.add(key)
         log.info("fp8kit.ptq %s kernel %s: %s", device, choice.name, choice.reason)
 
@@ -123,87 +82,55 @@ def select_kernel(
     in_features: int,
     out_features: int,
 ) -> KernelChoice:
-    """The GEMM for one call: inputs of ``x_dtype`` into a ``(out_features, in_features)``
-    layer of ``scheme`` on ``device``. Pure apart from the one-time CPU probe."""
+    """The GEMM for one call: inputs of ``x_dtype`` into a ``(out_features, in_features)`` layer of
+    ``scheme`` on ``device`` (``fp8kit.gemm.choose_kernel`` for the scheme's formats and strategies)."""
     scheme = get_scheme(scheme)
-    dev = torch.device(device).type
-    k, n = in_features, out_features
-    if dev == "cuda":
-        if scheme.act_format is None:
-            return KernelChoice("dequant_mm_compiled", "weight-only INT8: torch.compile dequant GEMM")
-        if scheme.is_fp8:
-            if not hasattr(torch, "_scaled_mm"):
-                return KernelChoice("reference", "this torch has no torch._scaled_mm")
-            if k % 16 or n % 16:
-                return KernelChoice("reference", f"torch._scaled_mm needs K, N multiples of 16 (got {k}, {n})")
-            per_row = scheme.act_strategy == "token" or scheme.weight_strategy == "channel"
-            if not per_row:
-                return KernelChoice("scaled_mm", "FP8 W8A8 per-tensor scales: torch._scaled_mm (fast accumulation)")
-            if x_dtype != torch.bfloat16:
-                return KernelChoice("reference", f"row-wise torch._scaled_mm writes bfloat16 only (input is {x_dtype})")
-            return KernelChoice("scaled_mm_rowwise", "FP8 W8A8 per-token x per-channel: row-wise torch._scaled_mm")
-        if not hasattr(torch, "_int_mm"):
-            return KernelChoice("reference", "this torch has no torch._int_mm")
-        if k % 8 or n % 8:
-            return KernelChoice("reference", f"torch._int_mm needs K, N multiples of 8 (got {k}, {n})")
-        return KernelChoice("int_mm", "INT8 W8A8: torch._int_mm, int32 accumulation (M <= 16 zero-padded)")
-    if dev != "cpu":
-        return KernelChoice("reference", f"no 8-bit kernel wired for device {dev!r}")
-    probe = _cpu_probe()
-    bf16 = x_dtype == torch.bfloat16 and probe["bfloat16"] < probe["float32"]
-    gemm_dtype = torch.bfloat16 if bf16 else torch.float32
-    what = "bfloat16 (faster than float32 on this CPU)" if bf16 else "float32"
-    if scheme.act_format is not None and not scheme.is_fp8:
-        if probe.get("int_mm", float("inf")) < probe["float32"]:
-            return KernelChoice("int_mm", "INT8 W8A8: torch._int_mm (exact int32 accumulation, faster than float32)")
-    if scheme.act_format is None:
-        return KernelChoice("codes_mm", f"weight-only INT8: {what} GEMM on cached codes, scales after", gemm_dtype)
-    return KernelChoice("codes_mm", f"{scheme.weight_format.name} W8A8: {what} GEMM on cached exact codes", gemm_dtype)
+    return choose_kernel(
+        scheme.weight_format.dtype,
+        scheme.weight_strategy == "channel",
+        scheme.act_strategy if scheme.act_format is not None else None,
+        device,
+        x_dtype,
+        in_features,
+        out_features,
+    )
 
 
-def _dequant_mm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    return (x @ w.to(x.dtype).t()).float() * s
+def _held_tensors(obj: object):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _held_tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _held_tensors(item)
 
 
-def _convert(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return codes.to(dtype)
+def resident_bytes(module: nn.Module) -> int:
+    """Bytes of the distinct tensor storages that ``module`` and its submodules hold: parameters,
+    buffers and any tensor kept as an attribute (e.g. a ``QuantLinear``'s decoded weight cache)."""
+    seen: set[int] = set()
+    total = 0
+    for m in module.modules():
+        for t in _held_tensors(list(vars(m).values())):
+            if t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
 
 
-def _finish(
-    acc: torch.Tensor, sx: torch.Tensor | None, ws: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
-) -> torch.Tensor:
-    """``acc * sx * ws (+ bias)`` in float32, in the reference's order, returned in ``dtype``."""
-    out = acc.float() * sx * ws if sx is not None else acc.float() * ws
-    if bias is not None:
-        out = out + bias
-    return out.to(dtype)
-
-
-def _add_bias(out: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    return (out.float() + bias if bias is not None else out).to(dtype)
-
-
-COMPILE_MIN_ELEMENTS = 1 << 16  # smaller operands run eagerly: no compile time, no compiled-call overhead
-_COMPILE = {"enabled": True}
-
-
-@functools.cache
-def _compiled(name: str):
-    fn = {"dequant_mm": _dequant_mm, "convert": _convert, "finish": _finish}[name]
-    return torch.compile(fn, dynamic=True)
-
-
-def _run(name: str, *args):
-    """``name``'s function compiled (one fused loop on CPU, one Triton kernel on CUDA) for large operands,
-    eager otherwise; a compile failure is logged once and the eager function used from then on."""
-    eager = {"dequant_mm": _dequant_mm, "convert": _convert, "finish": _finish}[name]
-    if _COMPILE["enabled"] and args[0].numel() >= COMPILE_MIN_ELEMENTS and not torch.compiler.is_compiling():
-        try:
-            return _compiled(name)(*args)
-        except Exception as err:  # no C++ compiler / Triton: same math, eagerly
-            _COMPILE["enabled"] = False
-            log.warning("fp8kit.ptq: torch.compile unavailable for the GEMM epilogue (%s); running eagerly", err)
-    return eager(*args)
+def set_weight_cache(model: nn.Module, mode: str) -> nn.Module:
+    """Set ``weight_cache`` (``"lean"`` or ``"cached"``) on every ``QuantLinear`` of ``model``; returns it."""
+    if mode not in WEIGHT_CACHE_MODES:
+        raise ValueError(f"weight_cache must be one of {', '.join(WEIGHT_CACHE_MODES)}; got {mode!r}")
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.weight_cache = mode
+    return model
 
 
 class QuantLinear(nn.Module):
@@ -222,6 +149,7 @@ class QuantLinear(nn.Module):
             self.input_scale = None
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
         self.kernel: str | None = None  # set to a name in KERNELS to force a kernel (tests, benchmarks)
+        self.weight_cache = "lean"  # or "cached": keep the decoded codes for the CPU GEMM (see module doc)
         self._cache: tuple[torch.Tensor, int, torch.Tensor] | None = None
         self._failed: set[str] = set()
 
@@ -255,7 +183,8 @@ class QuantLinear(nn.Module):
         return (self.weight.float() * self.weight_scale.reshape(-1, 1)).to(dtype)
 
     def weight_bytes(self) -> int:
-        """Bytes of the stored weight codes and scales (the bias and the CPU compute cache not counted)."""
+        """Bytes of the stored weight codes and scales (the bias and the CPU compute cache not counted;
+        ``resident_bytes(layer)`` counts everything the layer holds)."""
         return self.weight.numel() * self.weight.element_size() + self.weight_scale.numel() * 4
 
     # -- activations -------------------------------------------------------------------------------
@@ -266,7 +195,7 @@ class QuantLinear(nn.Module):
         fmt: Format = self.scheme.act_format
         # compiled kernel (bit-identical to eager) for large inputs; row tiles keep one compiled graph per
         # in_features (a static scalar scale is broadcast to every row: the per-tensor codes exactly)
-        backend = "compiled" if _COMPILE["enabled"] and x2.numel() >= COMPILE_MIN_ELEMENTS else "eager"
+        backend = "compiled" if use_compiled(x2.numel()) else "eager"
         if self.scheme.act_strategy == "tensor":
             mult = 1.0 / self.input_scale
             qt = fp8_quantize(x2, fmt, "row", scale=mult, nonfinite="propagate", check_scale=False, backend=backend)
@@ -311,51 +240,23 @@ class QuantLinear(nn.Module):
         w = self.weight  # the cache holds the weight itself, so its identity and version name it safely
         c = self._cache
         if c is None or c[0] is not w or c[1] != w._version or c[2].dtype != dtype:
+            self._cache = None  # free the old copy before making the new one
             self._cache = c = (w, w._version, w.to(dtype))
         return c[2]
 
-    def _gemm(self, name: str, x2: torch.Tensor, gemm_dtype: torch.dtype | None) -> torch.Tensor:
-        """``x2 @ W^T`` (dequantized, bias added) with kernel ``name``, shape ``(M, out)``, in ``x2.dtype``."""
-        ws, bias, dtype = self.weight_scale.reshape(1, -1), self.bias, x2.dtype
-        if name == "dequant_mm_compiled":
-            return _add_bias(_compiled("dequant_mm")(x2, self.weight, ws), bias, dtype)
-        if name == "codes_mm" and self.scheme.act_format is None:
-            return _run("finish", x2.to(gemm_dtype) @ self._codes(gemm_dtype).t(), None, ws, bias, dtype)
+    def _gemm(self, choice: KernelChoice, x2: torch.Tensor) -> torch.Tensor:
+        """``x2 @ W^T`` (dequantized, bias added) with kernel ``choice``, shape ``(M, out)``, in ``x2.dtype``."""
+        if self.weight_cache not in WEIGHT_CACHE_MODES:
+            raise ValueError(f"weight_cache must be one of {', '.join(WEIGHT_CACHE_MODES)}; got {self.weight_cache!r}")
+        cached = None
+        if choice.name == "codes_mm" and self.weight_cache == "cached":
+            cached = self._codes(choice.gemm_dtype)
+        elif self._cache is not None:
+            self._cache = None  # switched to lean (or another kernel): release the copy
+        if self.scheme.act_format is None:
+            return scaled_mm(choice, x2, self.weight, self.weight_scale, None, self.bias, x2.dtype, cached)
         xq, sx = self.quantize_input(x2)
-        sx2 = sx.reshape(-1, 1)
-        if name == "int_mm":
-            m = xq.shape[0]
-            pad = 32 - m if (m <= 16 and xq.is_cuda) else 0
-            if pad:
-                xq = torch.nn.functional.pad(xq, (0, 0, 0, pad))
-            acc = torch._int_mm(xq, self.weight.t())
-            return _run("finish", acc[:m] if pad else acc, sx2, ws, bias, dtype)
-        if name == "codes_mm":
-            acc = _run("convert", xq, gemm_dtype) @ self._codes(gemm_dtype).t()
-            return _run("finish", acc, sx2, ws, bias, dtype)
-        if name == "scaled_mm":
-            out_dtype = dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
-            out = torch._scaled_mm(
-                xq,
-                self.weight.t(),
-                scale_a=sx.float().reshape(()),
-                scale_b=self.weight_scale.float().reshape(()),
-                out_dtype=out_dtype,
-                use_fast_accum=True,
-            )
-        elif name == "scaled_mm_rowwise":
-            m, n = xq.shape[0], self.out_features
-            out = torch._scaled_mm(
-                xq,
-                self.weight.t(),
-                scale_a=sx.float().reshape(-1, 1).expand(m, 1).contiguous(),
-                scale_b=self.weight_scale.float().reshape(1, -1).expand(1, n).contiguous(),
-                out_dtype=torch.bfloat16,
-                use_fast_accum=True,
-            )
-        else:
-            raise ValueError(f"unknown QuantLinear kernel {name!r}; accepted: {', '.join(KERNELS)}")
-        return _add_bias(out, bias, dtype)
+        return scaled_mm(choice, xq, self.weight, self.weight_scale, sx, self.bias, x2.dtype, cached)
 
     def kernel_for(self, x: torch.Tensor) -> KernelChoice:
         """The kernel ``forward(x)`` runs (``self.kernel`` forces one)."""
@@ -381,7 +282,7 @@ class QuantLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         try:
-            out = self._gemm(choice.name, x2, choice.gemm_dtype).reshape(*shape[:-1], self.out_features)
+            out = self._gemm(choice, x2).reshape(*shape[:-1], self.out_features)
         except (RuntimeError, TypeError) as err:  # an unsupported GPU or shape: remember, say why, use the reference
             if self.kernel is not None:
                 raise
@@ -391,4 +292,7 @@ class QuantLinear(nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}, "
+            f"weight_cache={self.weight_cache}"
+        )

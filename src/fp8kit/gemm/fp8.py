@@ -1,4 +1,4 @@
-"""One FP8 GEMM entry point: ``C = dequant(a) @ dequant(b).T`` with FP32 accumulation.
+"""The training GEMM on ``QuantizedTensor`` operands: ``C = dequant(a) @ dequant(b).T`` with FP32 accumulation.
 
 Both operands are ``QuantizedTensor`` s quantized along their last dim, the reduction dim ``K``:
 ``a`` is ``(M, K)``, ``b`` is ``(N, K)``.
@@ -14,13 +14,13 @@ native bfloat16 (AVX2) run bfloat16 GEMMs tens of times slower; the result is th
 * Block and MX scales vary along ``K``: each operand is dequantized tile by tile first (exact when the
   scales are powers of two, as MX and the default block recipe use) and then multiplied.
 
-CPU backend: chosen once per process from the CPU's features and logged (``cpu_gemm_backend()``,
-``set_cpu_gemm_backend()``): on CPUs with native bfloat16 (AVX512-BF16, AMX) GEMMs with bfloat16
+CPU backend: chosen once per process from the CPU's features and logged (``gemm.probe``:
+``cpu_gemm_backend()``, ``set_cpu_gemm_backend()``): on CPUs with native bfloat16 (AVX512-BF16, AMX) GEMMs with bfloat16
 outputs run as bf16 GEMMs on the exact FP8 values (FP32 accumulation inside oneDNN); elsewhere, and
 for FP32 outputs, the FP32 upcast above. The operands reach the GEMM as exact values without a
 table gather: inside compiled graphs the quantizer computes them beside the cast
 (``QuantizedTensor.values``, ``kernels.round_bits``); saved codes, and eager mode, decode with integer
-operations (``kernels.decode_fp8``), vectorized by inductor.
+operations (``gemm.codes.decode_codes``), vectorized by inductor.
 
 CUDA: one native FP8 GEMM per recipe, with the scales applied inside the kernel:
 
@@ -42,21 +42,14 @@ import logging
 
 import torch
 
-from .kernels import decode_fp8
-from .tensor import QuantizedTensor
+from ..tensor import QuantizedTensor
+from .codes import decode_codes
+from .probe import cpu_gemm_backend
 
-__all__ = [
-    "choose_cpu_backend",
-    "cpu_gemm_backend",
-    "fp8_gemm",
-    "native_gemm_fallbacks",
-    "scales_factor_out",
-    "set_cpu_gemm_backend",
-]
+__all__ = ["fp8_gemm", "native_gemm_fallbacks", "scales_factor_out"]
 
 log = logging.getLogger("fp8kit")
 _FALLBACKS: dict[str, str] = {}  # kind -> reason the native CUDA GEMM was not used (logged once)
-_CPU_BACKEND: dict[str, str] = {}  # "name" -> "fp32" | "scaled_mm", decided by the first CPU GEMM
 
 
 def native_gemm_fallbacks() -> dict[str, str]:
@@ -221,71 +214,13 @@ def _relative_error(out: torch.Tensor, a: QuantizedTensor, b: QuantizedTensor) -
     return torch.compiler.disable(measure)()
 
 
-def _cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where that file does not exist)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def choose_cpu_backend(flags: frozenset[str] | set[str]) -> str:
-    """How FP8 GEMMs run on a CPU with these feature flags.
-
-    * ``"bf16"`` on CPUs with native bfloat16 dot products (AVX512-BF16 or AMX-BF16): FP8 values are
-      exact in bfloat16, oneDNN's bf16 GEMM accumulates in FP32, so for bfloat16 outputs it computes
-      what an FP8 tensor core does (one rounding of the FP32 sum to bf16); FP32 outputs still take the
-      upcast.
-    * ``"fp32"`` elsewhere (AVX2): codes upcast to FP32 and multiplied in FP32 (bf16 GEMMs there are
-      tens of times slower).
-
-    A rule on features rather than a timing probe: timing depends on the machine's load, and a choice
-    that changed between processes would change results, breaking bit-exact resume."""
-    return "bf16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "fp32"
-
-
-# Decided at import (reading /proc/cpuinfo takes about a millisecond), so that graphs never trace it.
-_CPU_BACKEND["name"] = choose_cpu_backend(_cpu_flags())
-_LOGGED: list[bool] = []
-
-
-def _cpu_backend() -> str:
-    if not _LOGGED and not torch.compiler.is_compiling():
-        _LOGGED.append(True)
-        log.info(
-            "fp8kit: CPU FP8 GEMM backend %s (capability %s)",
-            _CPU_BACKEND["name"],
-            torch.backends.cpu.get_cpu_capability(),
-        )
-    return _CPU_BACKEND["name"]
-
-
-def set_cpu_gemm_backend(name: str) -> None:
-    """Override the CPU FP8 GEMM backend: ``"fp32"`` (upcast) or ``"bf16"`` (native bf16 GEMMs for
-    bfloat16 outputs)."""
-    if name not in ("fp32", "bf16"):
-        raise ValueError(f"CPU GEMM backend must be 'fp32' or 'bf16', got {name!r}")
-    _CPU_BACKEND["name"] = name
-
-
-def cpu_gemm_backend() -> str:
-    """The CPU FP8 GEMM backend this process uses (``"fp32"`` or ``"bf16"``)."""
-    return _cpu_backend()
-
-
 def _decode(q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
     """FP8 (or INT8) codes as ``dtype`` values, exactly: the values the quantizer computed beside the
-    cast where it did (compiled CPU graphs), else ``kernels.decode_fp8`` (vectorized integer
+    cast where it did (compiled CPU graphs), else ``decode_codes`` (vectorized integer
     operations; compiled on its own in eager mode, fused into the graph when compiling)."""
     if q.values is not None:
         return q.values.to(dtype)
-    if q.data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return q.data.to(dtype)
-    return decode_fp8(q.data, q.fmt, dtype)
+    return decode_codes(q.data, dtype)
 
 
 def fp8_gemm(
@@ -306,7 +241,7 @@ def fp8_gemm(
             return out
         acc = torch.matmul(a.dequantize(torch.bfloat16), b.dequantize(torch.bfloat16).t()).float()
         return acc.to(out_dtype)
-    gemm_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 and _cpu_backend() == "bf16" else torch.float32
+    gemm_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 and cpu_gemm_backend() == "bf16" else torch.float32
     if factor:
         acc = torch.matmul(_decode(a, gemm_dtype), _decode(b, gemm_dtype).t())
         sa, sb = _row_scales(a), _row_scales(b).reshape(1, -1)
