@@ -89,14 +89,20 @@ def main() -> None:
         for dtype in (torch.float32, torch.bfloat16):
             name = f"{impl} {'fp32' if dtype == torch.float32 else 'bf16'}"
             rows.append((name, step_time(experts(args, impl, dtype).to(dev), inputs(dtype), args.reps)))
+            print(f"  {name}: {rows[-1][1] * 1e3:.1f} ms", flush=True)
     base = min(s for n, s in rows if n.startswith("grouped_mm"))
     for recipe in args.recipes.split(","):
         for dtype, label in ((torch.float32, "fp32 weights"), (torch.bfloat16, "bf16")):
             holder = fp8kit.convert(torch.nn.Sequential(experts(args, "grouped_mm", dtype).to(dev)), recipe)
             rows.append((f"fp8kit {recipe} ({label})", step_time(holder[0], inputs(dtype), args.reps)))
+            print(f"  {rows[-1][0]}: {rows[-1][1] * 1e3:.1f} ms", flush=True)
     print(f"{'implementation':32s} {'step ms':>9s} {'x faster grouped_mm':>20s}")
     for name, sec in rows:
         print(f"{name:32s} {sec * 1e3:9.1f} {sec / base:20.2f}")
+    from fp8kit.grouped_gemm import grouped_gemm_fallbacks
+
+    for kind, why in grouped_gemm_fallbacks().items():
+        print(f"fallback {kind}: {why}")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from ..nn.linear import Linear as FP8Linear
 from ..recipes import DelayedScaling, Recipe, recipe_from_name
 from .stats import ROLES, operand_stats
 
-__all__ = ["Inspector", "inspect"]
+__all__ = ["Inspector", "expert_stats", "inspect"]
 
 
 class Inspector:
@@ -163,7 +163,7 @@ class Inspector:
         def hook(m: FP8Experts, args: tuple[Any, ...], out: Any) -> None:
             if not self.active:
                 return
-            for stats in m.expert_stats():
+            for stats in expert_stats(m):
                 layer = f"{name}.{stats.pop('projection')}[{stats.pop('expert')}]"
                 rec = {"step": self.current_step, "layer": layer, "operand": "weight", "recipe": "actual"}
                 rec.update(recipe_kind=m.active_recipe().kind, **stats)
@@ -183,6 +183,25 @@ class Inspector:
             return []
         step = self.records[-1]["step"] if step is None else step
         return [r for r in self.records if r["step"] == step and r["recipe"] == recipe]
+
+
+@torch.no_grad()
+def expert_stats(module: FP8Experts) -> list[dict[str, Any]]:
+    """Per expert and projection of an FP8 experts module: tokens routed in its last forward and the FP8
+    figures of the expert's weight under the module's recipe (``operand_stats``: amax, underflow, SQNR)."""
+    recipe = module.active_recipe()
+    tokens = module.fp8_tokens_per_expert.tolist()
+    out = []
+    for p, proj in enumerate(("gate_up", "down")):
+        w = module.fp8_param(p).detach()
+        w = w.transpose(1, 2) if module.is_transposed else w
+        for e in range(module.num_experts):
+            scale = None
+            if isinstance(recipe, DelayedScaling) and recipe is module.recipe and bool(module.fp8_seen[p, 2 + e] > 0):
+                scale = module.fp8_scale[p, 2 + e].clone()
+            stats = operand_stats(w[e], "weight", recipe, scale)
+            out.append({"projection": proj, "expert": e, "tokens_routed": tokens[e], **stats})
+    return out
 
 
 def inspect(model: nn.Module, **kwargs: Any) -> Inspector:
