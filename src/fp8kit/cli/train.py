@@ -94,6 +94,12 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
     t.add_argument("--out", default=TRAIN_OUT, help="run folder")
     t.add_argument("--resume", action="store_true", help="continue the runs in --out from their checkpoints")
     t.add_argument(
+        "--export-format",
+        default=None,
+        help="after training, write each FP8 run's serving checkpoint (its trained scales) to OUT/serving/<run> in "
+        "this format: compressed-tensors, modelopt or fp8-block (--model smollm2 or DIR)",
+    )
+    t.add_argument(
         "--eval-interval",
         type=positive_int,
         default=None,
@@ -171,6 +177,13 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and not (Path(args.out) / "config.json").is_file():
         raise UsageError(f"--resume: {args.out} holds no fp8kit training run: give the --out of an earlier run")
     cfg = train_config(args)
+    if args.export_format:
+        from ..export import check_train_export
+
+        try:
+            check_train_export(cfg.recipes, args.export_format, cfg.out, cfg.model != "demo")
+        except ValueError as err:
+            raise UsageError(f"--export-format: {err}") from None
 
     from ..distributed.launch import launch, should_launch, torchrun_worker
     from ..train import check_config, run_comparison
@@ -195,4 +208,9 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(summary_markdown(summary))
         print(f"wrote {cfg.out}/summary.json, summary.md, loss.png, metrics.jsonl and checkpoints in {cfg.out}/ckpt")
+        if args.export_format and not rank:
+            from ..train.serving import export_runs
+
+            for path in export_runs(cfg.out, args.export_format, [f"fp8-{r}" for r in cfg.recipes]):
+                print(f"wrote the {args.export_format} serving checkpoint {path}")
     return 0

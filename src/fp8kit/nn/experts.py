@@ -20,8 +20,8 @@ What shares a scale (per-tensor recipes, delayed and current):
   normed hidden state, and its gradient), so their range is a property of the layer; one scale is
   updated every step whatever the routing (a per-expert delayed history would go stale for experts that
   rarely receive tokens, and an expert with no token would have nothing to record); and the GEMM's
-  activation scale stays a scalar (Transformer Engine's ``GroupedLinear`` instead keeps one quantizer per
-  GEMM; the per-token recipes below give per-token resolution where it matters).
+  activation scale stays a scalar (per-expert activation scales are a possible refinement; the per-token
+  recipes below already give per-token resolution).
 
 Row-wise, block and MXFP8 activations are scaled per token / 1x128 / 1x32 along the hidden dim, never
 across tokens. Their weight-gradient operands are quantized along the token dim, and those scales must
