@@ -82,6 +82,12 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
     t.add_argument("--seed", type=int, default=0, help="seed of the weights and of the batch order")
     t.add_argument("--model-size", type=model_size, default="small", help="size of the demo model: tiny|small|base")
     t.add_argument(
+        "--arch",
+        choices=("dense", "moe"),
+        default="dense",
+        help="demo model: dense (Llama) or moe (Qwen3-MoE, 8 experts, top-2; router load balance reported)",
+    )
+    t.add_argument(
         "--text", type=text_file, default=None, help="train on this UTF-8 text file instead of the shipped corpus"
     )
     t.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -152,6 +158,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         seed=args.seed,
         model_size=args.model_size,
         model=args.model,
+        arch=args.arch,
         compile=args.compile,
         out=args.out,
         resume=args.resume,
