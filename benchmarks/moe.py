@@ -99,7 +99,7 @@ def main() -> None:
     print(f"{'implementation':32s} {'step ms':>9s} {'x faster grouped_mm':>20s}")
     for name, sec in rows:
         print(f"{name:32s} {sec * 1e3:9.1f} {sec / base:20.2f}")
-    from fp8kit.grouped_gemm import grouped_gemm_fallbacks
+    from fp8kit.gemm.grouped import grouped_gemm_fallbacks
 
     for kind, why in grouped_gemm_fallbacks().items():
         print(f"fallback {kind}: {why}")

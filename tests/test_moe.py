@@ -18,7 +18,7 @@ from safetensors.torch import load, save
 from test_numerics_exact import KINDS, assert_matches, ref_operand
 
 import fp8kit
-from fp8kit.grouped_gemm import grouped_gemm_counts
+from fp8kit.gemm.grouped import grouped_gemm_counts
 from fp8kit.nn.experts import FP8Experts, grouped_linear
 from tests.conftest import sqnr_db
 

@@ -7,7 +7,7 @@ Since transformers 5 an MoE layer's experts are one module with 3-D parameters (
 ``FP8Experts`` in place (its class gains this mixin; object, parameters, hooks and attributes stay) and
 points the model's ``config._experts_implementation`` at ``"fp8kit"`` (``integrations.hf_experts``), whose
 forward is ``fp8_experts_forward`` below: the routed tokens are sorted by expert, and each projection is
-three grouped GEMMs on FP8 operands (``fp8kit.grouped_gemm``): forward, input gradient and weight
+three grouped GEMMs on FP8 operands (``fp8kit.gemm.grouped``): forward, input gradient and weight
 gradient, E4M3 x E4M3 forward and E5M2 gradients under the hybrid format, FP32 accumulation. The router
 is not touched (high precision, as DeepSeek-V3 keeps it).
 
@@ -56,7 +56,7 @@ import torch
 import torch.nn as nn
 
 from ..formats import E4M3
-from ..grouped_gemm import (
+from ..gemm.grouped import (
     GroupColumns,
     GroupedWeight,
     grouped_gemm,

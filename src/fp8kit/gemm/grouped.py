@@ -40,11 +40,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import Format, cast, e8m0_decode
-from .gemm import cpu_gemm_backend
-from .kernels import decode_fp8
-from .scaling import compute_scale
-from .tensor import QuantizedTensor, quantize
+from ..formats import Format, cast, e8m0_decode
+from ..kernels import decode_fp8
+from ..scaling import compute_scale
+from ..tensor import QuantizedTensor, quantize
+from .probe import cpu_gemm_backend
 
 __all__ = [
     "GroupColumns",
