@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared run for a CUDA machine, within 8 minutes: the GPU tests, then the GPU benchmarks (quantize
-# kernels, MLP GEMM level at d=4096/8192, the ~1B Llama step, PTQ inference), each under its own timeout.
+# kernels, MLP GEMM level at d=4096/8192, the ~1B Llama step, PTQ inference, the MoE experts layer), each under its own timeout.
 # Writes logs under ${OUT:-gpu-results}/ for BENCHMARKS.md. Needs torch with CUDA plus fp8kit's test
 # dependencies; without an installed fp8kit it runs from src/. Wheels in .whl/ (e.g. torchao for the
 # comparison row) are installed to /tmp/site first, for machines that cannot reach a package index.
@@ -26,3 +26,7 @@ timeout 150 $py benchmarks/linear.py --shapes 4096x8192,8192x8192 --no-eager --r
 timeout 120 $py benchmarks/llama_step.py --size 1b --batch 4 --seq 2048 --steps 5 --recipes current,rowwise,block \
     2>&1 | tee "$out/llama_step.log"
 timeout 60 $py benchmarks/inference.py --device cuda --size 1b 2>&1 | tee "$out/inference.log"
+# MoE experts layer at d=4096-class shapes (issue 22: row-wise FP8 >= 1.2x the BF16 grouped_mm step); the
+# log names any grouped GEMM that fell back to dequantized bf16 operands
+timeout 90 $py benchmarks/moe.py --device cuda --experts 16 --topk 2 --d 4096 --inter 1536 --tokens 8192 \
+    --recipes rowwise,current,block,mxfp8 --reps 10 2>&1 | tee "$out/moe.log"

@@ -6,7 +6,10 @@ any change of the numerics makes two otherwise identical runs drift apart); and 
 Prints the relative gap of each run's final validation loss to the BF16 run of its seed, then the mean
 and standard deviation over seeds.
 
-    python benchmarks/train_seeds.py [--recipes block,delayed] [--seeds 0,1,2] [--steps 200] [--lr 2e-3]
+    python benchmarks/train_seeds.py [--arch dense|moe] [--recipes block,delayed] [--seeds 0,1,2] [--steps 200] [--lr 2e-3]
+
+``--arch moe`` runs the Qwen3-MoE demo of ``fp8kit train --arch moe`` and adds each run's router load balance
+on the validation batches (max/mean expert load, worst layer).
 """
 
 from __future__ import annotations
@@ -34,13 +37,14 @@ def nudge_one_weight(model: torch.nn.Module) -> torch.nn.Module:
     return out
 
 
-def final_val_loss(run: str, cfg: TrainConfig, corpus, model: torch.nn.Module, out: Path) -> float:
-    """Train ``model`` as run ``run`` ("bf16" or "fp8-<recipe>") in folder ``out``; its final val loss."""
-    return train_run(run, cfg, corpus, model, out, MetricsLog(out.with_suffix(".jsonl")))["val_loss"]
+def final_results(run: str, cfg: TrainConfig, corpus, model: torch.nn.Module, out: Path) -> dict:
+    """Train ``model`` as run ``run`` ("bf16" or "fp8-<recipe>") in folder ``out``; its results (``train_run``)."""
+    return train_run(run, cfg, corpus, model, out, MetricsLog(out.with_suffix(".jsonl")))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", choices=("dense", "moe"), default="dense", help="demo model, as fp8kit train --arch")
     ap.add_argument("--recipes", default="block,delayed")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=TrainConfig.steps)
@@ -50,26 +54,30 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     print(f"# {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print(
-        f"# demo Llama 'small', {args.steps} steps, lr {args.lr:g}, else `fp8kit train`'s defaults; gap = val loss / bf16's - 1"
+        f"# demo {'Qwen3-MoE' if args.arch == 'moe' else 'Llama'} 'small', {args.steps} steps, lr {args.lr:g}, else `fp8kit train`'s defaults; gap = val loss / bf16's - 1"
     )
     names = ["bf16 (1 weight +1 ulp)"] + [f"fp8-{r}" for r in recipes]
     gaps: dict[str, list[float]] = {n: [] for n in names}
     print(f"{'seed':>4} {'bf16 val loss':>14} " + " ".join(f"{n:>24}" for n in names), flush=True)
     for seed in seeds:
-        cfg = TrainConfig(steps=args.steps, lr=args.lr, seed=seed, progress=False)
+        cfg = TrainConfig(steps=args.steps, lr=args.lr, seed=seed, progress=False, arch=args.arch)
         base, tokenizer = build_base(cfg)
         corpus = load_corpus(None, tokenizer)
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
-            ref = final_val_loss("bf16", cfg, corpus, base, Path(tmp) / "bf16")
+            res = {"bf16": final_results("bf16", cfg, corpus, base, Path(tmp) / "bf16")}
             nudged = nudge_one_weight(base)
-            vals = {"bf16 (1 weight +1 ulp)": final_val_loss("bf16", cfg, corpus, nudged, Path(tmp) / "nudged")}
+            res["bf16 (1 weight +1 ulp)"] = final_results("bf16", cfg, corpus, nudged, Path(tmp) / "nudged")
             for r in recipes:
-                vals[f"fp8-{r}"] = final_val_loss(f"fp8-{r}", cfg, corpus, base, Path(tmp) / r)
+                res[f"fp8-{r}"] = final_results(f"fp8-{r}", cfg, corpus, base, Path(tmp) / r)
+        ref = res["bf16"]["val_loss"]
         for n in names:
-            gaps[n].append(vals[n] / ref - 1)
+            gaps[n].append(res[n]["val_loss"] / ref - 1)
         cells = " ".join(f"{100 * gaps[n][-1]:>+23.2f}%" for n in names)
         print(f"{seed:>4} {ref:>14.4f} {cells}   ({time.perf_counter() - t0:.0f} s)", flush=True)
+        if "router" in res["bf16"]:  # MoE: the busiest expert's load / the mean load, worst layer (1.00 = balanced)
+            loads = " ".join(f"{res[n]['router']['max_over_mean']:>24.2f}" for n in names)
+            print(f"{'':>4} {'max/mean load':>14} {loads}  (bf16 {res['bf16']['router']['max_over_mean']:.2f})")
     mean = " ".join(f"{100 * statistics.mean(gaps[n]):>+23.2f}%" for n in names)
     print(f"{'mean':>4} {'':>14} {mean}")
     if len(seeds) > 1:

@@ -24,6 +24,23 @@ def tiny_llama_config(**overrides):
     return LlamaConfig(**{**base, **overrides})
 
 
+def save_local_llama(root, text: str, **overrides):
+    """A tiny Llama and a word-level tokenizer trained on ``text``, saved as the Hugging Face folder
+    ``root / "model"``; ``text`` is written to ``root / "text.txt"``."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([text], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(tiny_llama_config(vocab_size=len(fast), **overrides)).save_pretrained(root / "model")
+    fast.save_pretrained(root / "model")
+    (root / "text.txt").write_text(text)
+    return root
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "compiled: FP8 modules use the default compiled quantize kernels (torch.compile) in this test"

@@ -131,7 +131,7 @@ def test_corrupted_or_foreign_directories(base, batches, tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (foreign / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ExportError, match="not a compressed-tensors export"):
+    with pytest.raises(ExportError, match="not a compressed-tensors, modelopt or fp8-block checkpoint"):
         load_pretrained(foreign)
     # pickled weights only: refused, never unpickled
     cfg["quantization_config"] = json.loads((out / "config.json").read_text())["quantization_config"]

@@ -6,10 +6,9 @@ import json
 import math
 
 import pytest
-import torch
 
 from fp8kit.cli import main
-from tests.conftest import tiny_llama_config
+from tests.conftest import save_local_llama
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -23,26 +22,15 @@ TEXT = (
 @pytest.fixture(scope="module")
 def local_model(tmp_path_factory):
     """A tiny Llama with tied embeddings and a word-level tokenizer, saved as a Hugging Face directory."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    root = tmp_path_factory.mktemp("hf")
-    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator([TEXT], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
-    cfg = tiny_llama_config(
-        vocab_size=len(fast),
+    return save_local_llama(
+        tmp_path_factory.mktemp("hf"),
+        TEXT,
         hidden_size=32,
         intermediate_size=64,
         num_attention_heads=2,
         num_key_value_heads=1,
         tie_word_embeddings=True,
     )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(root / "model")
-    fast.save_pretrained(root / "model")
-    (root / "text.txt").write_text(TEXT)
-    return root
 
 
 def test_train_eval_quantize_compare_on_a_local_model(local_model, tmp_path, capsys):

@@ -71,9 +71,10 @@ def run(args: argparse.Namespace) -> int:
         f"fp8kit doctor ({recipe.kind} vs bf16, {report.steps} steps): "
         f"{'healthy' if report.healthy else report.kind} - {report.summary}"
     )
-    label = "anomaly (no loss effect)" if report.healthy else "culprit"
     for c in report.culprits[:5]:
-        print(f"  {label}: {c.layer} {c.operand} from step {c.step}: {c.reason}")
+        print(f"  culprit: {c.layer} {c.operand} from step {c.step}: {c.reason}")
+    for c in report.notes[: 3 if report.culprits else 5]:
+        print(f"  note (no loss effect or marginal): {c.layer} {c.operand} from step {c.step}: {c.reason}")
     for i, r in enumerate(report.recommendations[:3], 1):
         print(f"  fix {i}: {r.action}")
     if report.applied:

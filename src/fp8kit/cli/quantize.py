@@ -1,5 +1,5 @@
 """``fp8kit quantize``: post-training quantization of a pretrained causal LM, written as a
-compressed-tensors export (vLLM and transformers load it)."""
+compressed-tensors, ModelOpt or block-FP8 checkpoint (``--format``)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def one_scheme(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"quantize writes one model, so it takes one scheme: {scheme_names()} (compare takes several, or all)"
         )
-    return check_scheme(text)
+    return "fp8-block" if text.strip().lower() == "fp8-block" else check_scheme(text)
 
 
 def add_arguments(q: argparse.ArgumentParser) -> None:
@@ -38,9 +38,15 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
         "--scheme",
         type=one_scheme,
         required=True,
-        help="fp8|fp8-dynamic|int8-smoothquant|int8-weight-only; fp8+kv: FP8 KV",
+        help="fp8|fp8-dynamic|int8-smoothquant|int8-weight-only|fp8-block; fp8+kv: FP8 KV",
     )
     q.add_argument("--out", required=True, help="new (or empty) folder for the Hugging Face / vLLM checkpoint")
+    q.add_argument(
+        "--format",
+        default="compressed-tensors",
+        help="compressed-tensors (vLLM, transformers), modelopt (TensorRT-LLM, vLLM, SGLang) or fp8-block "
+        "(--scheme fp8-block; vLLM, SGLang, transformers) (default: compressed-tensors)",
+    )
     q.add_argument(
         "--text", type=text_file, default=None, help="calibrate on this UTF-8 text instead of the shipped corpus"
     )
@@ -50,16 +56,28 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..export import check_export_dir, save_pretrained
+    from ..export import check_export_dir, check_scheme_format, save_pretrained
 
+    try:
+        check_scheme_format(args.scheme, args.format)
+    except ValueError as err:
+        raise UsageError(f"--format: {err}") from None
     try:
         check_export_dir(args.out, args.overwrite)
     except ValueError as err:
         raise UsageError(f"--out {err}") from None
+    if args.scheme == "fp8-block":  # no calibration: 128x128 weight tiles, dynamic activations
+        from ..export import quantize_block
+        from ..models.pretrained import load_pretrained_lm
+
+        model, tokenizer = load_pretrained_lm(args.model)
+        out = save_pretrained(quantize_block(model), args.out, tokenizer, format=args.format, overwrite=args.overwrite)
+        print(f"{model.ptq_report}\nwrote the {args.format} export to {out}")
+        return 0
     from ..compare import quantize_pretrained
 
     model, tokenizer, corpus = quantize_pretrained(args.model, args.scheme, text=args.text, **ptq_settings(args))
-    out = save_pretrained(model, args.out, tokenizer, overwrite=args.overwrite)
+    out = save_pretrained(model, args.out, tokenizer, format=args.format, overwrite=args.overwrite)
     print(model.ptq_report)
-    print(f"calibrated on {corpus.name}; wrote the compressed-tensors export to {out} (vLLM: LLM(model={str(out)!r}))")
+    print(f"calibrated on {corpus.name}; wrote the {args.format} export to {out} (vLLM: LLM(model={str(out)!r}))")
     return 0

@@ -82,11 +82,23 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
     t.add_argument("--seed", type=int, default=0, help="seed of the weights and of the batch order")
     t.add_argument("--model-size", type=model_size, default="small", help="size of the demo model: tiny|small|base")
     t.add_argument(
+        "--arch",
+        choices=("dense", "moe"),
+        default="dense",
+        help="demo model: dense (Llama) or moe (Qwen3-MoE, 8 experts, top-2; router load balance reported)",
+    )
+    t.add_argument(
         "--text", type=text_file, default=None, help="train on this UTF-8 text file instead of the shipped corpus"
     )
     t.add_argument("--compile", action="store_true", help="torch.compile the model")
     t.add_argument("--out", default=TRAIN_OUT, help="run folder")
     t.add_argument("--resume", action="store_true", help="continue the runs in --out from their checkpoints")
+    t.add_argument(
+        "--export-format",
+        default=None,
+        help="after training, write each FP8 run's serving checkpoint (its trained scales) to OUT/serving/<run> in "
+        "this format: compressed-tensors, modelopt or fp8-block (--model smollm2 or DIR)",
+    )
     t.add_argument(
         "--eval-interval",
         type=positive_int,
@@ -146,6 +158,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         seed=args.seed,
         model_size=args.model_size,
         model=args.model,
+        arch=args.arch,
         compile=args.compile,
         out=args.out,
         resume=args.resume,
@@ -164,6 +177,13 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and not (Path(args.out) / "config.json").is_file():
         raise UsageError(f"--resume: {args.out} holds no fp8kit training run: give the --out of an earlier run")
     cfg = train_config(args)
+    if args.export_format:
+        from ..export import check_train_export
+
+        try:
+            check_train_export(cfg.recipes, args.export_format, cfg.out, cfg.model != "demo")
+        except ValueError as err:
+            raise UsageError(f"--export-format: {err}") from None
 
     from ..distributed.launch import launch, should_launch, torchrun_worker
     from ..train import check_config, run_comparison
@@ -188,4 +208,9 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(summary_markdown(summary))
         print(f"wrote {cfg.out}/summary.json, summary.md, loss.png, metrics.jsonl and checkpoints in {cfg.out}/ckpt")
+        if args.export_format and not rank:
+            from ..train.serving import export_runs
+
+            for path in export_runs(cfg.out, args.export_format, [f"fp8-{r}" for r in cfg.recipes]):
+                print(f"wrote the {args.export_format} serving checkpoint {path}")
     return 0

@@ -3,18 +3,20 @@
 Both copies of the model start from the same weights and see the same batches with the same
 optimizer. Every step the doctor records the two losses, each converted layer's output error of FP8
 relative to BF16 (propagated through the network), the weight-gradient error, and the inspector's
-per-operand statistics of the FP8 copy (local: what quantizing that operand did). It then sorts the
-problem into NVIDIA's three kinds, names the culprits and ranks fixes:
+per-operand statistics of the FP8 copy (local: what quantizing that operand did). The diagnosis
+(``fp8kit.debug.diagnosis``) then sorts the problem into NVIDIA's three kinds, names the culprits and
+ranks fixes:
 
 * ``spike``: the FP8 loss jumps (robust z-score); if BF16 spikes at the same step it is not FP8's fault;
 * ``divergence``: FP8 loss becomes non-finite or leaves BF16 (> ``divergence_tol``); early divergence
   points at a software bug (e.g. a wrong scale), later divergence at numerics;
 * ``gap``: FP8 trains but its final loss stays above BF16's by more than ``gap_tol``.
 
-Culprits are (layer, operand, first step) where an operand's SQNR drops ``drop_db`` below its own
-history, where it falls under ``floor_db``, or where saturation or underflow appears; the earliest
-step comes first and, within a step, the layer that runs first. The run is ``healthy`` when the loss
-shows none of the three problems; anomalies without a loss effect are still listed, and fixes are
+Culprits are operands whose readings depart from their own clean history (SQNR ``drop_db`` below it),
+fall under ``floor_db``, or saturate or underflow, ranked by severity times persistence (dB past the
+threshold summed over the steps past it). The run is ``healthy`` when the loss shows none of the three
+problems: then it has no culprits, and its departures are listed as ``notes``, as are, in any run, the
+departures that score under ``marginal_db`` (a reading at the edge of a threshold). Fixes are
 recommended only for a problem.
 """
 
@@ -23,7 +25,6 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,7 +36,8 @@ import torch.nn as nn
 from ..nn import convert, to_bf16_gemms
 from ..nn.linear import Linear as FP8Linear
 from ..recipes import CurrentScaling, DelayedScaling, Recipe, recipe_from_name
-from .detectors import NaNDetector, SpikeDetector
+from .detectors import NaNDetector
+from .diagnosis import Culprit, Recommendation, diagnose, final_gap, recommend
 from .inspector import Inspector
 
 __all__ = ["DEFAULT_LR", "DEFAULT_STEPS", "Culprit", "DoctorReport", "Recommendation", "default_loss", "doctor"]
@@ -45,26 +47,10 @@ DEFAULT_LR = 2e-3  # AdamW learning rate: the demo model's peak rate in ``fp8kit
 
 
 @dataclass
-class Culprit:
-    layer: str
-    operand: str
-    step: int
-    reason: str
-    severity: float  # dB of SQNR lost (or an equivalent), larger is worse
-
-
-@dataclass
-class Recommendation:
-    action: str
-    fix: dict[str, Any]  # {"type": "bf16_layers", "layers": [...]} | {"type": "recipe", "recipe": "..."} | ...
-    why: str
-
-
-@dataclass
 class DoctorReport:
     healthy: bool
     kind: str
-    culprits: list[Culprit]
+    culprits: list[Culprit]  # most suspect first; empty in a healthy run
     recommendations: list[Recommendation]
     summary: str
     recipe: str
@@ -76,6 +62,7 @@ class DoctorReport:
     first_nonfinite: dict[str, Any] | None = None
     spikes: dict[str, list[int]] = field(default_factory=dict)
     applied: dict[str, Any] | None = None
+    notes: list[Culprit] = field(default_factory=list)  # departures without a loss effect, or marginal ones
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -201,161 +188,6 @@ def _train_pair(
     }
 
 
-def _find_culprits(stats: list[dict[str, Any]], order: list[str], drop_db: float, floor_db: float) -> list[Culprit]:
-    series: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for r in stats:
-        if r["recipe"] == "actual":
-            series.setdefault((r["layer"], r["operand"]), []).append(r)
-    found: list[Culprit] = []
-    for (layer, operand), recs in series.items():
-        recs.sort(key=lambda r: r["step"])
-        for i, r in enumerate(recs):
-            prev = [p["sqnr_db"] for p in recs[max(0, i - 10) : i] if math.isfinite(p["sqnr_db"])]
-            sq = r["sqnr_db"]
-            reason, severity = None, 0.0
-            sat = r["saturation_pct"]
-            prev_sat = statistics.median([p["saturation_pct"] for p in recs[max(0, i - 10) : i]]) if i else 0.0
-            prev_uf = statistics.median([p["underflow_pct"] for p in recs[max(0, i - 10) : i]]) if i else 0.0
-            if r.get("nonfinite", 0):
-                reason, severity = "non-finite values", 100.0
-            elif len(prev) >= 3 and sq < statistics.median(prev) - drop_db:
-                reason, severity = (
-                    f"SQNR fell {statistics.median(prev) - sq:.1f} dB to {sq:.1f} dB",
-                    statistics.median(prev) - sq,
-                )
-            elif sq < floor_db:
-                reason, severity = f"SQNR {sq:.1f} dB is below {floor_db:.0f} dB", floor_db - sq
-            elif sat > 5.0 and sat > 10 * prev_sat:
-                reason, severity = f"{sat:.2f}% of values saturate", sat
-            elif r["underflow_pct"] > 20 and r["underflow_pct"] > 5 * max(prev_uf, 1.0):
-                reason, severity = (
-                    f"{r['underflow_pct']:.1f}% of non-zero values underflow to zero",
-                    r["underflow_pct"] / 5,
-                )
-            if reason is None:
-                continue
-            details = [f"saturation {sat:.2f}%", f"underflow {r['underflow_pct']:.1f}%"]
-            if "staleness" in r:
-                details.append(f"amax/scale-amax {r['staleness']:.3g}")
-            found.append(Culprit(layer, operand, r["step"], f"{reason} ({', '.join(details)})", float(severity)))
-            break  # the first anomaly of this operand
-    rank = {n: i for i, n in enumerate(order)}
-    # within a step: forward operands in execution order, then gradients in backward (reverse) order
-    found.sort(
-        key=lambda c: (
-            c.step,
-            c.operand == "grad",
-            (-1 if c.operand == "grad" else 1) * rank.get(c.layer, len(rank)),
-            -c.severity,
-        )
-    )
-    return found
-
-
-def _final_gap(losses: dict[str, list[float]]) -> float:
-    """FP8 over BF16 loss, relative, on the mean of the last fifth of the steps."""
-    lf, lr = losses["fp8"], losses["bf16"]
-    tail = max(1, len(lr) // 5)
-    mean_f, mean_r = sum(lf[-tail:]) / tail, sum(lr[-tail:]) / tail
-    return (mean_f - mean_r) / abs(mean_r) if mean_r else math.inf
-
-
-def _classify(run: dict[str, Any], gap_tol: float, divergence_tol: float, spike_z: float) -> tuple[str, str, dict]:
-    lf, lr = run["losses"]["fp8"], run["losses"]["bf16"]
-    n = len(lr)
-    spikes: dict[str, list[int]] = {}
-    for key, series in (("fp8", lf), ("bf16", lr)):
-        det = SpikeDetector(window=20, threshold=spike_z, min_history=min(5, max(3, n // 4)))
-        spikes[key] = [s.step - 1 for s in (det.update(v) for v in series) if s is not None]
-    gap = _final_gap(run["losses"])
-    bad_ref = next((i for i, v in enumerate(lr) if not math.isfinite(v)), None)
-    if bad_ref is not None:
-        return "divergence", f"BF16 too becomes non-finite at step {bad_ref}: not FP8's fault", spikes
-    if run["stopped"] is not None or not math.isfinite(gap) or gap > divergence_tol:
-        step = (
-            run["stopped"]
-            if run["stopped"] is not None
-            else next((i for i in range(n) if (lf[i] - lr[i]) / abs(lr[i]) > divergence_tol), n - 1)
-        )
-        when = "early" if step < max(3, n // 10) else "late"
-        hint = "points at a software bug (a wrong scale or format)" if when == "early" else "points at numerics"
-        return "divergence", f"FP8 diverges from BF16 at step {step} ({when}: {hint})", spikes
-    fp8_only = [s for s in spikes["fp8"] if not any(abs(s - b) <= 1 for b in spikes["bf16"])]
-    if spikes["fp8"]:
-        if fp8_only:
-            return "spike", f"FP8 loss spikes at steps {fp8_only} that BF16 does not have", spikes
-        return "spike", f"loss spikes at steps {spikes['fp8']} in BF16 too: not FP8's fault (data or LR)", spikes
-    if gap > gap_tol:
-        return "gap", f"FP8 ends {100 * gap:.2f}% above BF16 (tolerance {100 * gap_tol:.1f}%)", spikes
-    return "none", f"FP8 tracks BF16 (final gap {100 * gap:+.2f}%)", spikes
-
-
-def _recommend(culprits: list[Culprit], recipe: Recipe, fp8_layers: list[str]) -> list[Recommendation]:
-    recs: list[Recommendation] = []
-    outside = [c for c in culprits if c.layer not in fp8_layers]
-    if outside:
-        c = outside[0]
-        recs.append(
-            Recommendation(
-                f"look at {c.layer!r} ({c.operand}, step {c.step}): it is not an FP8 layer, so its {c.reason} "
-                "comes from the model or the data, not from FP8",
-                {"type": "manual"},
-                "the first anomaly appears outside the converted layers",
-            )
-        )
-    culprits = [c for c in culprits if c.layer in fp8_layers]
-    if not culprits:
-        return recs
-    top = culprits[0]
-    layers = list(dict.fromkeys(c.layer for c in culprits[:3]))
-    recs.append(
-        Recommendation(
-            f"keep {', '.join(layers)} in BF16: fp8kit.convert(model, recipe, module_filter=lambda n, m: n not in "
-            f"{layers!r})",
-            {"type": "bf16_layers", "layers": layers},
-            f"{top.layer} {top.operand}: {top.reason}",
-        )
-    )
-    stale = "amax/scale-amax" in top.reason and ("saturate" in top.reason or "fell" in top.reason)
-    if isinstance(recipe, DelayedScaling):
-        recs.append(
-            Recommendation(
-                "switch to current scaling (fp8kit.CurrentScaling()): the scale follows this step's amax",
-                {"type": "recipe", "recipe": "current"},
-                "delayed scaling reuses an amax history that a sudden change outgrows"
-                if stale
-                else "a per-step scale removes stale-scale saturation",
-            )
-        )
-    if "underflow" in top.reason or "fell" in top.reason:
-        recs.append(
-            Recommendation(
-                "use block scaling (fp8kit.BlockScaling(): 1x128 activation tiles) so an outlier channel "
-                "sets the scale of its own tiles only",
-                {"type": "recipe", "recipe": "block"},
-                "one large channel stretches a per-tensor range and pushes the rest toward underflow",
-            )
-        )
-    if top.operand == "input" and top.layer.endswith(("down_proj", "fc2", "w2")):
-        recs.append(
-            Recommendation(
-                "smooth the outlier channel before quantizing (Smooth-SwiGLU: per-channel scale on the "
-                "SwiGLU output folded into the down projection)",
-                {"type": "manual"},
-                "SwiGLU outputs grow outlier channels late in training (Fishman et al., 2024)",
-            )
-        )
-    if isinstance(recipe, DelayedScaling):
-        recs.append(
-            Recommendation(
-                f"shorten the amax history (amax_history_len=16 instead of {recipe.amax_history_len}) or add margin=1",
-                {"type": "recipe", "recipe": "delayed", "amax_history_len": 16, "margin": 1},
-                "a shorter window adapts faster; a margin leaves headroom above the amax",
-            )
-        )
-    return recs
-
-
 def _fix_kwargs(fix: dict[str, Any], recipe: Recipe, module_filter):
     if fix["type"] == "bf16_layers":
         skip = set(fix["layers"])
@@ -390,6 +222,7 @@ def doctor(
     drop_db: float = 10.0,
     floor_db: float = 12.0,
     spike_z: float = 8.0,
+    marginal_db: float = 3.0,
     seed: int = 0,
 ) -> DoctorReport:
     """Diagnose FP8 training of ``model`` (a high-precision module; copied, never modified).
@@ -401,35 +234,40 @@ def doctor(
         module_filter: as in ``fp8kit.convert``.
         prepare_fp8: called once on the converted FP8 copy before training (to attach hooks).
         apply: re-run with the top recommended fix and store the outcome in ``report.applied``.
+        gap_tol, divergence_tol: relative loss excess of FP8 over BF16 that makes a gap, a divergence.
+        drop_db, floor_db: an operand departs when its SQNR falls ``drop_db`` below its own clean
+            history or under ``floor_db``.
+        marginal_db: a departure scoring less (dB past the threshold summed over its steps) is a note.
+        spike_z: robust z-score of a loss spike.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    if marginal_db < 0:
+        raise ValueError(f"marginal_db must be >= 0 (dB past a threshold), got {marginal_db}")
     recipe = recipe_from_name(recipe) if isinstance(recipe, str) else (recipe or DelayedScaling())
     data = list(itertools.islice(itertools.cycle(list(batches)), steps)) if steps else []
     if not data:
         raise ValueError("doctor: no batches given")
     loss_fn = loss_fn or default_loss
+    limits = {
+        "gap_tol": gap_tol,
+        "divergence_tol": divergence_tol,
+        "spike_z": spike_z,
+        "drop_db": drop_db,
+        "floor_db": floor_db,
+        "marginal_db": marginal_db,
+    }
     run = _train_pair(model, data, recipe, loss_fn, lr, module_filter, prepare_fp8, seed)
-    kind, summary, spikes = _classify(run, gap_tol, divergence_tol, spike_z)
-    culprits = _find_culprits(run["stats"], run["order"], drop_db, floor_db)
-    if run["first_nonfinite"] is not None and not any(c.reason == "non-finite values" for c in culprits):
-        f = run["first_nonfinite"]
-        culprits.insert(0, Culprit(f["layer"], f["operand"], f["step"], "first non-finite value", 100.0))
-    # fixes are recommended for problems the loss shows; anomalies without a loss effect (e.g. a delayed
-    # scale one step stale while activations grow early in training) are listed but do not alarm
-    recs = _recommend(culprits, recipe, run["names"]) if kind != "none" else []
-    if kind == "none":
-        summary += (
-            f"; {len(culprits)} transient numerics anomalies logged, none with a loss effect"
-            if culprits
-            else "; no layer shows a numerics anomaly"
-        )
+    found = diagnose(run, **limits)
+    # fixes are recommended for problems the loss shows; departures without a loss effect (e.g. a delayed
+    # scale one step stale while gradients grow after the first update) are notes and do not alarm
+    recs = recommend(found.culprits, recipe, run["names"]) if found.kind != "none" else []
     report = DoctorReport(
-        healthy=kind == "none",
-        kind=kind,
-        culprits=culprits,
+        healthy=found.kind == "none",
+        kind=found.kind,
+        culprits=found.culprits,
         recommendations=recs,
-        summary=summary,
+        summary=found.summary,
         recipe=recipe.kind,
         steps=len(run["losses"]["fp8"]),
         losses=run["losses"],
@@ -437,22 +275,22 @@ def doctor(
         grad_error=run["grad_error"],
         stats=run["stats"],
         first_nonfinite=run["first_nonfinite"],
-        spikes=spikes,
+        spikes=found.spikes,
+        notes=found.notes,
     )
     if apply and recs:
         top = next((r for r in recs if r.fix["type"] != "manual"), None)
         if top is not None:
             new_recipe, new_filter = _fix_kwargs(top.fix, recipe, module_filter)
             rerun = _train_pair(model, data, new_recipe, loss_fn, lr, new_filter, prepare_fp8, seed)
-            kind2, summary2, _ = _classify(rerun, gap_tol, divergence_tol, spike_z)
-            culprits2 = _find_culprits(rerun["stats"], rerun["order"], drop_db, floor_db)
+            after = diagnose(rerun, **limits)
             report.applied = {
                 "fix": top.action,
-                "gap_before": _final_gap(run["losses"]),
-                "gap_after": _final_gap(rerun["losses"]),
-                "kind_after": kind2,
-                "summary_after": summary2,
-                "culprits_after": [asdict(c) for c in culprits2[:5]],
+                "gap_before": final_gap(run["losses"]),
+                "gap_after": final_gap(rerun["losses"]),
+                "kind_after": after.kind,
+                "summary_after": after.summary,
+                "culprits_after": [asdict(c) for c in after.culprits[:5]],
                 "losses_after": rerun["losses"],
             }
     return report

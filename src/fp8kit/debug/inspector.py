@@ -24,11 +24,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..nn.experts import FP8Experts
 from ..nn.linear import Linear as FP8Linear
 from ..recipes import DelayedScaling, Recipe, recipe_from_name
 from .stats import ROLES, operand_stats
 
-__all__ = ["Inspector", "inspect"]
+__all__ = ["Inspector", "expert_stats", "inspect"]
 
 
 class Inspector:
@@ -52,7 +53,10 @@ class Inspector:
         self.layers = {
             n: m for n, m in model.named_modules() if isinstance(m, FP8Linear) and (wanted is None or n in wanted)
         }
-        if not self.layers:
+        self.experts = {
+            n: m for n, m in model.named_modules() if isinstance(m, FP8Experts) and (wanted is None or n in wanted)
+        }
+        if not self.layers and not self.experts:
             raise ValueError(
                 "the model has no FP8 layers to inspect: convert it first (fp8kit.convert(model, recipe))"
                 + (" or fix the layer names given" if layers is not None else "")
@@ -84,6 +88,8 @@ class Inspector:
                     self._tb = None
         for name, m in self.layers.items():
             self._hooks.append(m.register_forward_pre_hook(self._on_forward(name)))
+        for name, m in self.experts.items():
+            self._hooks.append(m.register_forward_hook(self._on_experts(name)))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -150,12 +156,52 @@ class Inspector:
 
         return hook
 
+    def _on_experts(self, name: str):
+        """MoE experts: per expert and projection, the weight's figures and the tokens routed to it
+        (layer ``"{name}.{projection}[{expert}]"``, operand ``"weight"``)."""
+
+        def hook(m: FP8Experts, args: tuple[Any, ...], out: Any) -> None:
+            if not self.active:
+                return
+            for stats in expert_stats(m):
+                layer = f"{name}.{stats.pop('projection')}[{stats.pop('expert')}]"
+                rec = {"step": self.current_step, "layer": layer, "operand": "weight", "recipe": "actual"}
+                rec.update(recipe_kind=m.active_recipe().kind, **stats)
+                self.records.append(rec)
+                if self._jsonl is not None:
+                    self._jsonl.write(json.dumps(rec) + "\n")
+                if self._tb is not None:
+                    for key in ("amax", "underflow_pct", "sqnr_db", "tokens_routed"):
+                        if stats[key] == stats[key] and abs(stats[key]) != float("inf"):
+                            self._tb.add_scalar(f"{layer}/weight/{key}", stats[key], self.current_step)
+
+        return hook
+
     def table(self, step: int | None = None, recipe: str = "actual") -> list[dict[str, Any]]:
         """The records of one step (default: the last one recorded) for ``recipe``."""
         if not self.records:
             return []
         step = self.records[-1]["step"] if step is None else step
         return [r for r in self.records if r["step"] == step and r["recipe"] == recipe]
+
+
+@torch.no_grad()
+def expert_stats(module: FP8Experts) -> list[dict[str, Any]]:
+    """Per expert and projection of an FP8 experts module: tokens routed in its last forward and the FP8
+    figures of the expert's weight under the module's recipe (``operand_stats``: amax, underflow, SQNR)."""
+    recipe = module.active_recipe()
+    tokens = module.fp8_tokens_per_expert.tolist()
+    out = []
+    for p, proj in enumerate(("gate_up", "down")):
+        w = module.fp8_param(p).detach()
+        w = w.transpose(1, 2) if module.is_transposed else w
+        for e in range(module.num_experts):
+            scale = None
+            if isinstance(recipe, DelayedScaling) and recipe is module.recipe and bool(module.fp8_seen[p, 2 + e] > 0):
+                scale = module.fp8_scale[p, 2 + e].clone()
+            stats = operand_stats(w[e], "weight", recipe, scale)
+            out.append({"projection": proj, "expert": e, "tokens_routed": tokens[e], **stats})
+    return out
 
 
 def inspect(model: nn.Module, **kwargs: Any) -> Inspector:

@@ -22,6 +22,7 @@ def _view(result: Mapping[str, Any]) -> SimpleNamespace:
     rep = SimpleNamespace(**result)
     rep.culprits = [SimpleNamespace(**c) for c in result.get("culprits", [])]
     rep.recommendations = [SimpleNamespace(**r) for r in result.get("recommendations", [])]
+    rep.notes = [SimpleNamespace(**c) for c in result.get("notes", [])]
     return rep
 
 
@@ -40,15 +41,14 @@ def report_markdown(result: Mapping[str, Any]) -> str:
     if rep.first_nonfinite:
         f = rep.first_nonfinite
         lines += [f"**First non-finite value:** {f['operand']} of `{f['layer']}` at step {f['step']}.", ""]
-    if rep.culprits:
-        lines += [
-            "## Culprits (most suspect first)",
-            "",
-            "| layer | operand | first step | what happened |",
-            "|---|---|---|---|",
-        ]
-        lines += [f"| `{c.layer}` | {c.operand} | {c.step} | {c.reason} |" for c in rep.culprits[:15]]
-        lines.append("")
+    for title, rows in (
+        ("Culprits (most suspect first: dB past a threshold, summed over the steps past it)", rep.culprits),
+        ("Notes (departures without a loss effect, or at the edge of a threshold)", rep.notes),
+    ):
+        if rows:
+            lines += [f"## {title}", "", _TABLE_HEAD, "|---|---|---|---|---|---|"]
+            lines += [_row(c) for c in rows[:15]]
+            lines.append("")
     if rep.recommendations:
         lines += ["## Recommendations (ranked)", ""]
         lines += [f"{i}. {r.action}. *Why:* {r.why}." for i, r in enumerate(rep.recommendations, 1)]
@@ -73,6 +73,13 @@ def report_markdown(result: Mapping[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+_TABLE_HEAD = "| layer | operand | first step | steps past | score (dB x steps) | what happened |"
+
+
+def _row(c: SimpleNamespace) -> str:
+    return f"| `{c.layer}` | {c.operand} | {c.step} | {c.steps} | {c.score:.1f} | {c.reason} |"
 
 
 def _matrix(

@@ -8,7 +8,9 @@
   per-tensor / per-row scales: FP8 and INT8 W8A8, weight-only INT8 (``fp8kit.ptq.QuantLinear``).
 * ``codes``: ``codes_mm``, the CPU GEMM on 8-bit codes: lean (tiles decoded per call, codes-only
   resident) or on a cached decoded copy.
-* grouped GEMMs (MoE experts) belong here as ``grouped``, on the same probe and decode.
+* ``grouped``: ``grouped_gemm`` / ``grouped_gemm_wgrad``, the MoE experts' FP8 grouped GEMMs (one
+  ``torch._grouped_mm`` over all experts on CPU, ``torch._scaled_grouped_mm`` on CUDA), on the same probe
+  and decode; imported on use (``fp8kit.gemm.grouped``), as it registers custom ops.
 """
 
 from .codes import TILE_ELEMENTS, codes_mm, decode_codes

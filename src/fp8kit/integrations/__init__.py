@@ -3,6 +3,6 @@
 Importing it is light: ``transformers`` is imported only inside the functions that need it.
 """
 
-from . import hf
+from . import hf, hf_experts
 
-__all__ = ["hf"]
+__all__ = ["hf", "hf_experts"]

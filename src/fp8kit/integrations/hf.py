@@ -26,12 +26,14 @@ from typing import Any
 import torch.nn as nn
 
 from ..nn.convert import convert as _convert
+from ..nn.experts import FP8Experts
 from ..nn.linear import Linear
 from ..recipes import Recipe, recipe_from_name
 
 __all__ = ["CONFIG_KEY", "convert", "fp8_state_keys", "from_pretrained"]
 
 CONFIG_KEY = "fp8kit"
+_FP8_MODULES = (Linear, FP8Experts)
 _FP8_KEY_PATTERNS = (r"\.fp8_[A-Za-z0-9_]+$", r"\._extra_state$")
 
 
@@ -43,8 +45,8 @@ def convert(
     if config is None:
         raise TypeError("fp8kit.integrations.hf.convert takes a Hugging Face model (with .config); use fp8kit.convert")
     _convert(model, recipe, save_fp8_activations=save_fp8_activations, **kwargs)
-    layers = [n for n, m in model.named_modules() if isinstance(m, Linear)]
-    recipes = {m.recipe for m in model.modules() if isinstance(m, Linear)}
+    layers = [n for n, m in model.named_modules() if isinstance(m, _FP8_MODULES)]
+    recipes = {m.recipe for m in model.modules() if isinstance(m, _FP8_MODULES)}
     if len(recipes) > 1:
         raise ValueError("the model's FP8 layers use different recipes; the Hugging Face note holds one recipe")
     if layers:
@@ -64,6 +66,10 @@ def fp8_state_keys(model: nn.Module) -> list[str]:
     for name, module in model.named_modules():
         if isinstance(module, Linear):
             keys += [f"{name}.{k}" for k in module.state_dict(keep_vars=True) if k not in ("weight", "bias")]
+        elif isinstance(module, FP8Experts):
+            keys += [
+                f"{name}.{k}" for k in module.state_dict(keep_vars=True) if k.startswith("fp8_") or k == "_extra_state"
+            ]
     return keys
 
 

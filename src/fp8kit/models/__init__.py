@@ -1,5 +1,5 @@
-"""Demo models: a small Llama-style decoder built with ``transformers``."""
+"""Demo models: a small Llama-style decoder and a small Qwen3-MoE, built with ``transformers``."""
 
-from .llama import MODEL_SIZES, build_llama
+from .llama import ARCHS, MODEL_SIZES, build_demo, build_llama, build_qwen3_moe
 
-__all__ = ["MODEL_SIZES", "build_llama"]
+__all__ = ["ARCHS", "MODEL_SIZES", "build_demo", "build_llama", "build_qwen3_moe"]

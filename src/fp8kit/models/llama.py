@@ -1,4 +1,5 @@
-"""A small Llama decoder (RMSNorm, RoPE, SwiGLU) from ``transformers``' ``LlamaForCausalLM``."""
+"""Demo decoders from ``transformers``: a small Llama (RMSNorm, RoPE, SwiGLU) and a small Qwen3-MoE
+(the same attention and sizes, each MLP replaced by routed SwiGLU experts)."""
 
 from __future__ import annotations
 
@@ -10,18 +11,34 @@ MODEL_SIZES = {
     "small": (192, 4, 6, 512),
     "base": (384, 6, 6, 1024),
 }
+# The MoE demo (``--arch moe``): MODEL_SIZES' attention; each MLP becomes MOE_EXPERTS SwiGLU experts of
+# width intermediate / 4 (a multiple of 16), MOE_TOP_K per token: per token the active expert width is half
+# the dense MLP's, the expert parameters twice its parameters.
+MOE_EXPERTS = 8
+MOE_TOP_K = 2
+MOE_AUX_LOSS_COEF = 1e-3  # Qwen3-MoE's router_aux_loss_coef (Switch-Transformer load-balancing loss)
+ARCHS = ("dense", "moe")
+
+
+def _transformers():  # noqa: ANN202
+    try:
+        import transformers
+    except ImportError as err:  # pragma: no cover
+        raise ImportError("fp8kit train needs transformers: pip install 'fp8kit[train]'") from err
+    return transformers
+
+
+def _size(size: str) -> tuple[int, int, int, int]:
+    if size not in MODEL_SIZES:
+        raise ValueError(f"unknown model size {size!r}; accepted: {', '.join(MODEL_SIZES)}")
+    return MODEL_SIZES[size]
 
 
 def build_llama(size: str = "small", vocab_size: int = 256, max_seq_len: int = 512, seed: int = 0) -> torch.nn.Module:
     """A freshly initialised ``LlamaForCausalLM`` of one of ``MODEL_SIZES`` (seeded)."""
-    try:
-        from transformers import LlamaConfig, LlamaForCausalLM
-    except ImportError as err:  # pragma: no cover
-        raise ImportError("fp8kit train needs transformers: pip install 'fp8kit[train]'") from err
-    if size not in MODEL_SIZES:
-        raise ValueError(f"unknown model size {size!r}; accepted: {', '.join(MODEL_SIZES)}")
-    hidden, layers, heads, inter = MODEL_SIZES[size]
-    cfg = LlamaConfig(
+    tf = _transformers()
+    hidden, layers, heads, inter = _size(size)
+    cfg = tf.LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=inter,
@@ -34,4 +51,46 @@ def build_llama(size: str = "small", vocab_size: int = 256, max_seq_len: int = 5
         attn_implementation="sdpa",
     )
     torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg)
+    return tf.LlamaForCausalLM(cfg)
+
+
+def build_qwen3_moe(
+    size: str = "small", vocab_size: int = 256, max_seq_len: int = 512, seed: int = 0
+) -> torch.nn.Module:
+    """A freshly initialised ``Qwen3MoeForCausalLM`` (seeded): ``MODEL_SIZES[size]``'s attention, every
+    layer's MLP a sparse block of ``MOE_EXPERTS`` experts, top-``MOE_TOP_K`` routing with normalised
+    weights, and the router's load-balancing loss returned as ``output.aux_loss`` (``output_router_logits``
+    on; ``output.router_logits`` holds each layer's ``(tokens, experts)`` router logits)."""
+    tf = _transformers()
+    hidden, layers, heads, inter = _size(size)
+    cfg = tf.Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=inter,  # unused: every layer is sparse (decoder_sparse_step 1)
+        moe_intermediate_size=inter // 4,
+        num_experts=MOE_EXPERTS,
+        num_experts_per_tok=MOE_TOP_K,
+        norm_topk_prob=True,
+        router_aux_loss_coef=MOE_AUX_LOSS_COEF,
+        output_router_logits=True,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=max_seq_len,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    return tf.Qwen3MoeForCausalLM(cfg)
+
+
+def build_demo(
+    arch: str = "dense", size: str = "small", vocab_size: int = 256, max_seq_len: int = 512, seed: int = 0
+) -> torch.nn.Module:
+    """The demo decoder of ``fp8kit train --arch``: ``dense`` (Llama) or ``moe`` (Qwen3-MoE)."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown --arch {arch!r}; accepted: {', '.join(ARCHS)}")
+    build = build_llama if arch == "dense" else build_qwen3_moe
+    return build(size, vocab_size=vocab_size, max_seq_len=max_seq_len, seed=seed)

@@ -10,6 +10,7 @@ load writes a plain Hugging Face directory (safetensors) under ``$FP8KIT_CACHE``
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 from pathlib import Path
@@ -100,5 +101,10 @@ def load_pretrained_lm(name_or_path: str, dtype: torch.dtype = torch.float32) ->
 
     path = pretrained_dir(name_or_path)
     tok = AutoTokenizer.from_pretrained(path)
+    qc = json.loads((path / "config.json").read_text()).get("quantization_config")
+    if isinstance(qc, dict) and qc.get("quant_method") in ("compressed-tensors", "modelopt", "fp8"):
+        from ..export import dequantized_model  # an FP8/INT8 checkpoint: its weights, dequantized exactly
+
+        return dequantized_model(path, dtype), HFTokenizer(tok)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model, HFTokenizer(tok)

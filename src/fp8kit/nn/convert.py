@@ -7,6 +7,12 @@ every attribute a user or library set on it stay as they were. Two kinds of inst
 (``layer.forward = layer.forward``), and accelerate's ``_old_forward`` (``add_hook_to_module``). A
 layer whose forward cannot be followed, or whose weight is computed by ``torch.nn.utils.parametrize``,
 is left in high precision and listed in the report with the reason.
+
+Mixture-of-Experts: a ``transformers`` experts module (3-D expert weights, forward chosen through
+``ExpertsInterface``) is converted in place to ``fp8kit.nn.experts.FP8Experts`` (per-expert FP8 scaling
+state, grouped FP8 GEMMs) and its config switched to the ``"fp8kit"`` experts implementation. The
+router beside it stays in high precision and is listed in the report. Experts built from separate
+``nn.Linear`` modules convert as dense layers.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from ..recipes import DelayedScaling, Recipe, recipe_from_name
+from .experts import convert_experts, experts_why_not, is_experts_module
 from .linear import Linear
 
 __all__ = ["ConversionReport", "convert", "convert_layer", "default_module_filter"]
@@ -32,13 +39,19 @@ _LORA_ADAPTER = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vecto
 
 @dataclass
 class ConversionReport:
-    """What ``convert`` did: qualified names converted, and skipped names with the reason."""
+    """What ``convert`` did: qualified names converted, and skipped names with the reason.
+
+    ``experts`` lists the converted MoE experts modules (also in ``converted``), each holding
+    ``num_experts`` x 2 expert GEMM weights; routers kept in high precision are in ``skipped``."""
 
     converted: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    experts: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"fp8kit.convert: {len(self.converted)} layer(s) converted, {len(self.skipped)} skipped"]
+        if self.experts:
+            lines.append(f"  MoE experts in FP8 (grouped GEMMs): {', '.join(self.experts)}")
         lines += [f"  skipped {name}: {why}" for name, why in self.skipped.items()]
         return "\n".join(lines)
 
@@ -182,8 +195,13 @@ def convert(
         )
     report = ConversionReport()
     default = default_module_filter(model)
+    experts = _convert_experts(model, recipe, module_filter, save_fp8_activations, report)
+    routers = _routers(model, experts)
     targets: list[tuple[str, nn.Linear]] = []
     for name, module in model.named_modules():
+        if name in routers:
+            report.skipped[name] = routers[name]
+            continue
         parametrized = isinstance(module, nn.Linear) and hasattr(module, "parametrizations")
         if type(module) is not nn.Linear and not parametrized:
             continue
@@ -202,3 +220,51 @@ def convert(
     object.__setattr__(model, "fp8_conversion_report", report)
     (print if verbose else log.info)(str(report))
     return model
+
+
+_ROUTER = "MoE router (kept in high precision, as DeepSeek-V3 does: routing decisions are sensitive to rounding)"
+
+
+def _convert_experts(
+    model: nn.Module,
+    recipe: Recipe,
+    module_filter: Callable[[str, nn.Module], bool] | None,
+    save_fp8_activations: bool,
+    report: ConversionReport,
+) -> list[tuple[str, nn.Module]]:
+    """Convert the ``transformers`` experts modules of ``model``; returns all of them (converted or not)."""
+    found = [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
+    if not found:
+        return found
+    from ..integrations.hf_experts import use_fp8_experts
+
+    chosen = []
+    for name, module in found:
+        excluded = module_filter is not None and not module_filter(name, module)
+        reason = "excluded by module_filter" if excluded else experts_why_not(module, HARDWARE_MULTIPLE)
+        if reason:
+            report.skipped[name] = reason
+        else:
+            chosen.append((name, module))
+    if chosen:
+        use_fp8_experts([m for _, m in found])
+    for name, module in chosen:
+        convert_experts(module, recipe, save_fp8_activations=save_fp8_activations, name=name)
+        report.converted.append(name)
+        report.experts.append(name)
+    return found
+
+
+def _routers(model: nn.Module, experts: list[tuple[str, nn.Module]]) -> dict[str, str]:
+    """The routers beside experts modules: siblings whose weight has one row per expert."""
+    out = {}
+    for name, module in experts:
+        parent_name = name.rpartition(".")[0]
+        parent = model.get_submodule(parent_name) if parent_name else model
+        for child_name, child in parent.named_children():
+            weight = getattr(child, "weight", None)
+            if child is module or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+                continue
+            if weight.shape[0] == module.num_experts:
+                out[f"{parent_name}.{child_name}" if parent_name else child_name] = _ROUTER
+    return out

@@ -334,8 +334,9 @@ def _release_stale_caches(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
     (``torch.optim.AdamW(fused=True)``, Trainer's default) update weights without bumping it."""
     params = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for layer in list(_CACHED):
-        if layer._weight_cache is None or id(layer.weight) in params:
-            layer._weight_cache = None
+        weights = layer.fp8_cached_weights() if hasattr(layer, "fp8_cached_weights") else (layer.weight,)
+        if not layer._weight_cache or any(id(w) in params for w in weights):
+            layer.release_fp8_weights()
             _CACHED.discard(layer)
 
 

@@ -113,6 +113,7 @@ def persistent_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
                     out[cat] += _storage_bytes([val], seen)
     for module in model.modules():
         cache = getattr(module, "_weight_cache", None)
-        if cache is not None:
-            out["fp8_weight_cache"] += _storage_bytes(_tensors_of(list(cache[1:])), seen)
+        # a Linear holds one (key, *FP8 copies) tuple; FP8 experts one per weight, in a dict
+        for entry in cache.values() if isinstance(cache, dict) else [cache] if cache is not None else []:
+            out["fp8_weight_cache"] += _storage_bytes(_tensors_of(list(entry[1:])), seen)
     return out

@@ -30,6 +30,7 @@ def evaluate_checkpoint(checkpoint: str | Path, text: str | None = None, batches
     cfg = TrainConfig(
         model_size=info["model_size"],
         model=info.get("model", "demo"),
+        arch=info.get("arch", "dense"),
         seed=info["seed"],
         seq_len=info["seq_len"],
         batch_size=info["batch_size"],

@@ -24,12 +24,13 @@ from ..distributed.runtime import (
     sharded_memory_bytes,
 )
 from ..evaluation import evaluate, loss_of
-from ..models import build_llama
+from ..models import ARCHS, build_demo
 from ..nn import compile as compile_fp8
 from ..nn import convert, saved_activation_bytes, to_bf16_gemms
 from ..nn.memory import persistent_bytes
 from ..recipes import RECIPE_NAMES, recipe_from_name
 from .checkpoint import CheckpointError, latest_checkpoint, load_run_checkpoint, save_run_checkpoint
+from .load_balance import RouterStats
 
 __all__ = [
     "TrainConfig",
@@ -54,6 +55,7 @@ class TrainConfig:
     seed: int = 0
     model_size: str = "small"
     model: str = "demo"
+    arch: str = "dense"  # the demo model: dense (Llama) or moe (Qwen3-MoE, 8 experts, top-2)
     compile: bool = False
     out: str = "runs/fp8kit-train"
     resume: bool = False
@@ -108,7 +110,7 @@ def defaults_for(model: str) -> dict[str, Any]:
 def build_base(cfg: TrainConfig) -> tuple[torch.nn.Module, Any]:
     """The initial model every run starts from and its tokenizer (byte-level for the demo model)."""
     if cfg.model == "demo":
-        return build_llama(cfg.model_size, max_seq_len=max(cfg.seq_len, 64), seed=cfg.seed), ByteTokenizer()
+        return build_demo(cfg.arch, cfg.model_size, max_seq_len=max(cfg.seq_len, 64), seed=cfg.seed), ByteTokenizer()
     from ..models.pretrained import load_pretrained_lm
 
     return load_pretrained_lm(cfg.model)
@@ -200,6 +202,7 @@ def train_run(
         "run": run,
         "model_size": cfg.model_size,
         "model": cfg.model,
+        "arch": cfg.arch,
         "seed": cfg.seed,
         "seq_len": cfg.seq_len,
         "batch_size": cfg.batch_size,
@@ -215,8 +218,9 @@ def train_run(
     else:
         step_fn = train_model
     val = corpus.val_batches(cfg.eval_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
+    router = RouterStats.for_model(model)  # MoE: tokens routed per expert, logged beside the losses
     if start == 0:  # step 0: the held-out loss before training (the pretrained model's, when fine-tuning)
-        log.write({"run": run, "step": 0, "val_loss": evaluate(model, val)})
+        log.write({"run": run, "step": 0, **evaluate_with_routing(model, val, router)})
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
     bar = None
     if cfg.progress and dctx.is_main:
@@ -234,7 +238,7 @@ def train_run(
                 index = (step - 1) * cfg.grad_accum + micro
                 x, y = dctx.shard(*corpus.batch("train", index, cfg.batch_size, cfg.seq_len, cfg.seed))
                 with dctx.grad_sync(train_model, sync=micro == cfg.grad_accum - 1):  # one gradient reduction a step
-                    loss = loss_of(step_fn, x, y) / cfg.grad_accum
+                    loss = (loss_of(step_fn, x, y) if router is None else router.loss(step_fn, x, y)) / cfg.grad_accum
                     loss.backward()
                 total += loss.item()
             total = dctx.mean(total)  # the global batch's loss (equal shards: the mean of the ranks')
@@ -253,7 +257,9 @@ def train_run(
                 "tokens_per_s": tokens_per_step / dt,
             }
             if step % cfg.eval_interval == 0 or step == cfg.steps:
-                rec["val_loss"] = evaluate(model, val)
+                if router is not None:  # training steps since the last evaluation (all ranks' tokens)
+                    rec["router_train"] = router.summary(reduce=True)
+                rec.update(evaluate_with_routing(model, val, router))
             log.write(rec)
             if bar is not None:
                 bar.update(1)
@@ -272,9 +278,10 @@ def train_run(
     records = [r for r in log.read() if r["run"] == run and "loss" in r]
     last = records[-min(10, len(records)) :] if records else []
     # the last step's evaluation already measured the final model (unless it was interrupted and resumed)
-    val_loss = last[-1]["val_loss"] if last and last[-1]["step"] == cfg.steps and "val_loss" in last[-1] else None
-    if val_loss is None:
-        val_loss = evaluate(model, val)
+    final = last[-1] if last and last[-1]["step"] == cfg.steps and "val_loss" in last[-1] else None
+    if final is None:
+        final = evaluate_with_routing(model, val, router)
+    val_loss = final["val_loss"]
     x, _ = corpus.batch("train", 0, cfg.batch_size, cfg.seq_len, cfg.seed)
     mem = memory_bytes(model, opt, x) if not dctx.fsdp else sharded_memory_bytes(model, opt, x)  # FSDP2: per rank
     return {
@@ -288,7 +295,21 @@ def train_run(
         "memory": mem,
         "steps": cfg.steps,
         "train_time_s": train_time,
+        **({"router": final["router"], "router_train": final.get("router_train")} if router is not None else {}),
     }
+
+
+def evaluate_with_routing(
+    model: torch.nn.Module, val: list[tuple[torch.Tensor, torch.Tensor]], router: RouterStats | None
+) -> dict[str, Any]:
+    """``{"val_loss": ...}``, plus ``"router"``: the load balance on the held-out batches for an MoE model
+    (the same tokens in every run and at every evaluation, so the runs' routing compares directly)."""
+    if router is None:
+        return {"val_loss": evaluate(model, val)}
+    router.summary()  # start from zero (the training window was taken before)
+    with router.capture(model):
+        val_loss = evaluate(model, val)
+    return {"val_loss": val_loss, "router": router.summary()}
 
 
 def run_comparison(cfg: TrainConfig) -> dict[str, Any]:
@@ -320,6 +341,7 @@ def run_comparison(cfg: TrainConfig) -> dict[str, Any]:
         "runs": results,
         "corpus": corpus.name,
         "model": cfg.model_size if cfg.model == "demo" else cfg.model,
+        "arch": cfg.arch,
         "params": sum(p.numel() for p in base.parameters()),
         "unigram_entropy": unigram_entropy(corpus.train),
         "config": asdict(cfg),
@@ -344,6 +366,10 @@ def check_config(cfg: TrainConfig) -> None:
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(cfg, key)}")
     if not cfg.lr > 0:
         raise ValueError(f"--lr must be > 0, got {cfg.lr}")
+    if cfg.arch not in ARCHS:
+        raise ValueError(f"--arch must be one of {', '.join(ARCHS)}, got {cfg.arch!r}")
+    if cfg.arch != "dense" and cfg.model != "demo":
+        raise ValueError(f"--arch {cfg.arch} builds the demo model: leave out --model {cfg.model}")
     if cfg.optimizer not in OPTIMIZERS or cfg.master_weights not in MASTER_WEIGHTS:
         raise ValueError(
             f"--optimizer must be one of {', '.join(OPTIMIZERS)} and --master-weights one of "
@@ -369,9 +395,9 @@ def check_resumable(out: Path, names: list[str], cfg: TrainConfig) -> None:
             continue
         info = read_info(path)
         check_world_size(path, info, planned_world_size(cfg.nproc))
-        want = {"run": run, "model_size": cfg.model_size, "model": cfg.model, "seed": cfg.seed}
+        want = {"run": run, "model_size": cfg.model_size, "model": cfg.model, "arch": cfg.arch, "seed": cfg.seed}
         for key, val in want.items():
-            if info.get(key, "demo" if key == "model" else None) != val:
+            if info.get(key, {"model": "demo", "arch": "dense"}.get(key)) != val:
                 raise CheckpointError(f"--resume: checkpoint {path} is for {key}={info.get(key)!r}, not {val!r}")
 
 

@@ -17,7 +17,8 @@ def _atomic_write(path: Path, text: str) -> None:
 def summary_markdown(summary: dict[str, Any]) -> str:
     runs = summary["runs"]
     lines = [
-        f"# fp8kit train: {summary['model']} Llama ({summary['params'] / 1e6:.2f}M parameters) on {summary['corpus']}",
+        f"# fp8kit train: {summary['model']} {_arch_name(summary)} ({summary['params'] / 1e6:.2f}M parameters) "
+        f"on {summary['corpus']}",
         "",
         f"Unigram entropy of the corpus: {summary['unigram_entropy']:.3f} nats/token (a model that learns nothing).",
         "",
@@ -38,7 +39,36 @@ def summary_markdown(summary: dict[str, Any]) -> str:
             f"| {name} | {r['train_loss']:.4f} | {r['val_loss']:.4f} | {ppl} | {gap} | "
             f"{r['tokens_per_s']:,.0f} | {_memory_cells(r)} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _router_lines(runs)) + "\n"
+
+
+def _arch_name(summary: dict[str, Any]) -> str:
+    return "Qwen3-MoE" if summary.get("arch") == "moe" else "Llama"
+
+
+def _router_lines(runs: dict[str, Any]) -> list[str]:
+    """The MoE runs' router load balance (``train/load_balance.py``), one row per run."""
+    rows = [(name, r["router"], r.get("router_train") or {}) for name, r in runs.items() if r.get("router")]
+    if not rows:
+        return []
+    layers = len(rows[0][1]["layers"])
+    lines = [
+        "",
+        "Router load balance of the final model on the validation batches (the same tokens in every run); "
+        "load = tokens routed to an expert, max/mean 1.00 = balanced. Train loss = cross-entropy + "
+        "router_aux_loss_coef x aux loss; val loss is cross-entropy alone.",
+        "",
+        "| run | aux loss (val) | aux loss (train, last window) | max/mean load per layer | CV of loads per layer "
+        "| idle experts |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, val, train in rows:
+        worst = " ".join(f"{layer['max_over_mean']:.2f}" for layer in val["layers"])
+        cv = " ".join(f"{layer['cv']:.2f}" for layer in val["layers"])
+        aux_train = f"{train['aux_loss']:.4f}" if train else "—"
+        lines.append(f"| {name} | {val['aux_loss']:.4f} | {aux_train} | {worst} | {cv} | {val['idle_experts']} |")
+    lines.append(f"\n({layers} MoE layers, {len(rows[0][1]['layers'][0]['fractions'])} experts each.)")
+    return lines
 
 
 def _optimizer_line(cfg: dict[str, Any]) -> str:

@@ -1,0 +1,109 @@
+"""One MoE experts layer forward+backward: fp8kit (each recipe) vs transformers' ``grouped_mm`` and
+``eager`` experts implementations, side by side in one run.
+
+A Qwen3-MoE experts module (``E`` experts, top-``k`` routing, hidden ``d``, expert intermediate ``i``)
+over ``T`` tokens with a fixed random routing. High-precision rows: ``grouped_mm`` and ``eager`` in
+FP32, and in BF16 (weights and activations bfloat16; ``torch._grouped_mm`` ignores bf16 autocast on
+CPU, so the BF16 rows cast the module). fp8kit rows: the ``"fp8kit"`` experts implementation with FP32
+master weights. Median step time over ``--reps`` steps; ratios to the faster high-precision
+``grouped_mm`` step (issue 22's CPU target: <= 1.5x).
+
+    python benchmarks/moe.py [--experts 8 --topk 2 --d 1024 --inter 512 --tokens 2048] [--recipes delayed,rowwise]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+
+import torch
+
+import fp8kit
+from fp8kit.gemm import cpu_gemm_backend
+
+warnings.filterwarnings("ignore")
+
+
+def experts(args, impl: str, dtype: torch.dtype):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(hidden_size=args.d, moe_intermediate_size=args.inter, num_experts=args.experts)
+    cfg._experts_implementation = impl
+    module = Qwen3MoeExperts(cfg)
+    with torch.no_grad():
+        module.gate_up_proj.normal_(0, 0.02)
+        module.down_proj.normal_(0, 0.02)
+    return module.to(dtype)
+
+
+def step_time(module, inputs, reps: int) -> float:
+    x, idx, w, g = inputs
+
+    def step():
+        xr = x.clone().requires_grad_()
+        module(xr, idx, w).backward(g)
+
+    step()
+    step()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+        module.zero_grad(set_to_none=True)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--topk", type=int, default=2)
+    ap.add_argument("--d", type=int, default=1024)
+    ap.add_argument("--inter", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--recipes", default="delayed,current,rowwise,block,mxfp8")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    gen = torch.Generator().manual_seed(1)
+    t = args.tokens
+    scores = torch.rand(t, args.experts, generator=gen)
+    top_w, top_i = scores.topk(args.topk, dim=-1)
+    x = torch.randn(t, args.d, generator=gen)
+    g = torch.randn(t, args.d, generator=gen)
+
+    def inputs(dtype):
+        return x.to(dev, dtype), top_i.to(dev), (top_w / top_w.sum(-1, keepdim=True)).to(dev, dtype), g.to(dev, dtype)
+
+    print(
+        f"MoE experts layer: E={args.experts} top-{args.topk} d={args.d} i={args.inter} tokens={t} on {dev} "
+        f"(torch {torch.__version__}, CPU FP8 GEMM backend {cpu_gemm_backend()})"
+    )
+    rows = []
+    for impl in ("grouped_mm", "eager"):
+        for dtype in (torch.float32, torch.bfloat16):
+            name = f"{impl} {'fp32' if dtype == torch.float32 else 'bf16'}"
+            rows.append((name, step_time(experts(args, impl, dtype).to(dev), inputs(dtype), args.reps)))
+            print(f"  {name}: {rows[-1][1] * 1e3:.1f} ms", flush=True)
+    base = min(s for n, s in rows if n.startswith("grouped_mm"))
+    for recipe in args.recipes.split(","):
+        for dtype, label in ((torch.float32, "fp32 weights"), (torch.bfloat16, "bf16")):
+            holder = fp8kit.convert(torch.nn.Sequential(experts(args, "grouped_mm", dtype).to(dev)), recipe)
+            rows.append((f"fp8kit {recipe} ({label})", step_time(holder[0], inputs(dtype), args.reps)))
+            print(f"  {rows[-1][0]}: {rows[-1][1] * 1e3:.1f} ms", flush=True)
+    print(f"{'implementation':32s} {'step ms':>9s} {'x faster grouped_mm':>20s}")
+    for name, sec in rows:
+        print(f"{name:32s} {sec * 1e3:9.1f} {sec / base:20.2f}")
+    from fp8kit.gemm.grouped import grouped_gemm_fallbacks
+
+    for kind, why in grouped_gemm_fallbacks().items():
+        print(f"fallback {kind}: {why}")
+
+
+if __name__ == "__main__":
+    main()

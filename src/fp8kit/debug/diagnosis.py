@@ -1,0 +1,315 @@
+"""From the doctor's readings to a diagnosis: the kind of problem, the culprits ranked, the fixes.
+
+Pure functions over plain data (the inspector's per-step records and the two loss curves); the doctor
+(``fp8kit.debug.doctor``) runs the two copies and calls them.
+
+Culprits. Each (layer, operand) series is read step by step against three thresholds: SQNR more than
+``drop_db`` below the operand's own clean baseline (the median of its last readings that were not
+themselves departures, so a sustained fault stays measured against the level before it), SQNR under
+``floor_db``, and a surge of saturation (> 5% of values) or underflow (> 20% of non-zero values).
+A reading past a threshold counts by *how far* past it is, in dB (for the percentages, the ratio to
+the threshold in dB). An operand's departure is scored by severity times persistence: the dB past the
+threshold summed over the steps it stays past. Culprits are ranked by that score, so a sustained fault
+outranks a reading at the edge of a threshold whatever their steps. Departures of a similar score that
+start at the same step are one fault seen in several places (an outlier channel shows in the input of
+the layer after it and in the gradient of the layer before it): they are listed in execution order,
+origin first. A departure whose score stays under ``marginal_db`` is a note, not a culprit.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..recipes import DelayedScaling, Recipe
+from .detectors import SpikeDetector
+
+__all__ = [
+    "Culprit",
+    "Diagnosis",
+    "Recommendation",
+    "classify",
+    "diagnose",
+    "final_gap",
+    "find_departures",
+    "rank",
+    "recommend",
+]
+
+BASELINE_STEPS = 10  # clean readings an operand's SQNR baseline is the median of
+MIN_BASELINE = 3  # clean readings needed before a drop below the baseline counts
+SATURATION_PCT = 5.0  # % of values saturating that counts as a saturation surge (and 10x the baseline)
+UNDERFLOW_PCT = 20.0  # % of non-zero values underflowing that counts as an underflow surge (and 5x)
+EVENT_RATIO = 4.0  # departures starting at one step within this factor of the lead's score: one event
+NONFINITE_DB = 100.0  # what one step of non-finite values weighs, in dB past a threshold
+
+
+@dataclass
+class Culprit:
+    """One operand's departure: where it starts, how far past a threshold it goes and for how long."""
+
+    layer: str
+    operand: str
+    step: int  # first step past a threshold
+    reason: str
+    severity: float  # dB past the threshold at the worst step, larger is worse
+    steps: int = 1  # persistence: steps past a threshold, from ``step`` to the end of the run
+    score: float = 0.0  # ranking weight: the dB past the threshold summed over those steps
+
+
+@dataclass
+class Recommendation:
+    action: str
+    fix: dict[str, Any]  # {"type": "bf16_layers", "layers": [...]} | {"type": "recipe", "recipe": "..."} | ...
+    why: str
+
+
+def _db_past(value: float, threshold: float) -> float:
+    """How far ``value`` lies above ``threshold`` (both positive percentages), in dB."""
+    return 10 * math.log10(value / threshold)
+
+
+def _reading(
+    r: dict[str, Any], clean: list[dict[str, Any]], drop_db: float, floor_db: float
+) -> tuple[float, str] | None:
+    """``(dB past the threshold, what happened)`` if this record departs from its clean history, else None."""
+    if r.get("nonfinite", 0):
+        return NONFINITE_DB, "non-finite values"
+    found: list[tuple[float, str]] = []
+    sq = r["sqnr_db"]
+    base_sq = [p["sqnr_db"] for p in clean[-BASELINE_STEPS:] if math.isfinite(p["sqnr_db"])]
+    if len(base_sq) >= MIN_BASELINE and math.isfinite(sq):
+        base = statistics.median(base_sq)
+        if base - sq > drop_db:
+            found.append((base - sq - drop_db, f"SQNR fell {base - sq:.1f} dB to {sq:.1f} dB"))
+    if sq < floor_db:  # NaN (an all-zero tensor) compares False
+        found.append((floor_db - sq, f"SQNR {sq:.2f} dB is {floor_db - sq:.2f} dB below {floor_db:g} dB"))
+    recent = clean[-BASELINE_STEPS:]
+    sat, uf = r["saturation_pct"], r["underflow_pct"]
+    prev_sat = statistics.median([p["saturation_pct"] for p in recent]) if recent else 0.0
+    prev_uf = statistics.median([p["underflow_pct"] for p in recent]) if recent else 0.0
+    if sat > SATURATION_PCT and sat > 10 * prev_sat:
+        found.append((_db_past(sat, SATURATION_PCT), f"{sat:.2f}% of values saturate"))
+    if uf > UNDERFLOW_PCT and uf > 5 * max(prev_uf, 1.0):
+        found.append((_db_past(uf, UNDERFLOW_PCT), f"{uf:.1f}% of non-zero values underflow to zero"))
+    return max(found, key=lambda f: f[0]) if found else None
+
+
+def find_departures(stats: list[dict[str, Any]], drop_db: float, floor_db: float) -> list[Culprit]:
+    """Every operand that departs, scored (unranked): one ``Culprit`` per (layer, operand).
+
+    ``stats`` are the inspector's records; those of recipe ``"actual"`` are read.
+    """
+    series: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in stats:
+        if r["recipe"] == "actual":
+            series.setdefault((r["layer"], r["operand"]), []).append(r)
+    found: list[Culprit] = []
+    for (layer, operand), recs in series.items():
+        recs.sort(key=lambda r: r["step"])
+        clean: list[dict[str, Any]] = []
+        past: list[tuple[dict[str, Any], float, str]] = []
+        for r in recs:
+            reading = _reading(r, clean, drop_db, floor_db)
+            if reading is None:
+                clean.append(r)  # a departure never enters the baseline it is measured against
+            else:
+                past.append((r, *reading))
+        if not past:
+            continue
+        worst, severity, what = max(past, key=lambda p: p[1])
+        first = past[0][0]["step"]
+        span = recs[-1]["step"] - first + 1
+        details = [f"saturation {worst['saturation_pct']:.2f}%", f"underflow {worst['underflow_pct']:.1f}%"]
+        if "staleness" in worst:
+            details.append(f"amax/scale-amax {worst['staleness']:.3g}")
+        when = f"at step {worst['step']}" if len(past) == 1 else f"worst at step {worst['step']}"
+        reason = f"{what} ({', '.join(details)}); {when}, past a threshold in {len(past)} of {span} steps"
+        found.append(Culprit(layer, operand, first, reason, float(severity), len(past), float(sum(p[1] for p in past))))
+    return found
+
+
+def rank(departures: list[Culprit], order: list[str], marginal_db: float) -> tuple[list[Culprit], list[Culprit]]:
+    """``(culprits, notes)``: departures scoring at least ``marginal_db``, most suspect first, and the rest.
+
+    Non-finite values come first. Then the highest score (severity times persistence) leads an event:
+    the departures that start at the same step with a score within ``EVENT_RATIO`` of it are one fault
+    seen in several places, listed in execution order (forward operands as the layers of ``order`` run,
+    then gradients in backward order), so its origin comes first. The next event follows.
+    """
+    pos = {n: i for i, n in enumerate(order)}
+
+    def runs_at(c: Culprit) -> tuple:
+        at = pos.get(c.layer, len(pos))
+        return (c.step, c.operand == "grad", -at if c.operand == "grad" else at)
+
+    def nonfinite(c: Culprit) -> bool:
+        return c.reason.startswith("non-finite")
+
+    left = sorted(departures, key=lambda c: (not nonfinite(c), -c.score, *runs_at(c)))
+    ranked: list[Culprit] = []
+    while left:
+        lead = left[0]
+        event = [
+            c
+            for c in left
+            if c.step == lead.step and nonfinite(c) == nonfinite(lead) and c.score * EVENT_RATIO >= lead.score
+        ]
+        ranked += sorted(event, key=runs_at)
+        left = [c for c in left if c not in event]
+    return [c for c in ranked if c.score >= marginal_db], [c for c in ranked if c.score < marginal_db]
+
+
+def final_gap(losses: dict[str, list[float]]) -> float:
+    """FP8 over BF16 loss, relative, on the mean of the last fifth of the steps."""
+    lf, lr = losses["fp8"], losses["bf16"]
+    tail = max(1, len(lr) // 5)
+    mean_f, mean_r = sum(lf[-tail:]) / tail, sum(lr[-tail:]) / tail
+    return (mean_f - mean_r) / abs(mean_r) if mean_r else math.inf
+
+
+def classify(
+    losses: dict[str, list[float]], stopped: int | None, gap_tol: float, divergence_tol: float, spike_z: float
+) -> tuple[str, str, dict[str, list[int]]]:
+    """``(kind, summary, spikes)`` of the two loss curves: ``spike``, ``divergence``, ``gap`` or ``none``.
+
+    ``stopped`` is the step the FP8 run stopped at (its loss non-finite), else None.
+    """
+    lf, lr = losses["fp8"], losses["bf16"]
+    n = len(lr)
+    spikes: dict[str, list[int]] = {}
+    for key, series in (("fp8", lf), ("bf16", lr)):
+        det = SpikeDetector(window=20, threshold=spike_z, min_history=min(5, max(3, n // 4)))
+        spikes[key] = [s.step - 1 for s in (det.update(v) for v in series) if s is not None]
+    gap = final_gap(losses)
+    bad_ref = next((i for i, v in enumerate(lr) if not math.isfinite(v)), None)
+    if bad_ref is not None:
+        return "divergence", f"BF16 too becomes non-finite at step {bad_ref}: not FP8's fault", spikes
+    if stopped is not None or not math.isfinite(gap) or gap > divergence_tol:
+        step = (
+            stopped
+            if stopped is not None
+            else next((i for i in range(n) if (lf[i] - lr[i]) / abs(lr[i]) > divergence_tol), n - 1)
+        )
+        when = "early" if step < max(3, n // 10) else "late"
+        hint = "points at a software bug (a wrong scale or format)" if when == "early" else "points at numerics"
+        return "divergence", f"FP8 diverges from BF16 at step {step} ({when}: {hint})", spikes
+    fp8_only = [s for s in spikes["fp8"] if not any(abs(s - b) <= 1 for b in spikes["bf16"])]
+    if spikes["fp8"]:
+        if fp8_only:
+            return "spike", f"FP8 loss spikes at steps {fp8_only} that BF16 does not have", spikes
+        return "spike", f"loss spikes at steps {spikes['fp8']} in BF16 too: not FP8's fault (data or LR)", spikes
+    if gap > gap_tol:
+        return "gap", f"FP8 ends {100 * gap:.2f}% above BF16 (tolerance {100 * gap_tol:.1f}%)", spikes
+    return "none", f"FP8 tracks BF16 (final gap {100 * gap:+.2f}%)", spikes
+
+
+@dataclass
+class Diagnosis:
+    kind: str  # "spike" | "divergence" | "gap" | "none"
+    summary: str
+    spikes: dict[str, list[int]]  # loss spikes of "fp8" and "bf16" (steps)
+    culprits: list[Culprit]  # most suspect first; empty when the loss shows no problem
+    notes: list[Culprit]  # departures without a loss effect, or marginal ones
+
+
+def diagnose(
+    run: Mapping[str, Any],
+    *,
+    gap_tol: float,
+    divergence_tol: float,
+    spike_z: float,
+    drop_db: float,
+    floor_db: float,
+    marginal_db: float,
+) -> Diagnosis:
+    """The diagnosis of one doctor run: ``run`` holds ``losses``, ``stopped``, ``stats`` (the inspector's
+    records), ``order`` (layers in execution order) and ``first_nonfinite`` (the NaN detector's finding).
+    """
+    kind, summary, spikes = classify(run["losses"], run["stopped"], gap_tol, divergence_tol, spike_z)
+    culprits, notes = rank(find_departures(run["stats"], drop_db, floor_db), run["order"], marginal_db)
+    f = run["first_nonfinite"]
+    if f is not None and not (culprits and culprits[0].layer == f["layer"]):
+        # the NaN detector names where the first non-finite value appears, inside or outside FP8 layers
+        culprits.insert(0, Culprit(f["layer"], f["operand"], f["step"], "first non-finite value", NONFINITE_DB))
+    if kind == "none":  # the loss shows no problem: what departed is noted, nothing is a culprit
+        notes = sorted(culprits + notes, key=lambda c: -c.score)
+        culprits = []
+        summary += (
+            f"; {len(notes)} numerics departures noted, none with a loss effect"
+            if notes
+            else "; no layer shows a numerics anomaly"
+        )
+    return Diagnosis(kind, summary, spikes, culprits, notes)
+
+
+def recommend(culprits: list[Culprit], recipe: Recipe, fp8_layers: list[str]) -> list[Recommendation]:
+    """Ranked fixes for the top culprits (a culprit outside ``fp8_layers`` gets a manual look first)."""
+    recs: list[Recommendation] = []
+    outside = [c for c in culprits if c.layer not in fp8_layers]
+    if outside:
+        c = outside[0]
+        recs.append(
+            Recommendation(
+                f"look at {c.layer!r} ({c.operand}, step {c.step}): it is not an FP8 layer, so its {c.reason} "
+                "comes from the model or the data, not from FP8",
+                {"type": "manual"},
+                "the first anomaly appears outside the converted layers",
+            )
+        )
+    culprits = [c for c in culprits if c.layer in fp8_layers]
+    if not culprits:
+        return recs
+    top = culprits[0]
+    layers = list(dict.fromkeys(c.layer for c in culprits[:3]))
+    recs.append(
+        Recommendation(
+            f"keep {', '.join(layers)} in BF16: fp8kit.convert(model, recipe, module_filter=lambda n, m: n not in "
+            f"{layers!r})",
+            {"type": "bf16_layers", "layers": layers},
+            f"{top.layer} {top.operand}: {top.reason}",
+        )
+    )
+    stale = "amax/scale-amax" in top.reason and ("saturate" in top.reason or "fell" in top.reason)
+    if isinstance(recipe, DelayedScaling):
+        recs.append(
+            Recommendation(
+                "switch to current scaling (fp8kit.CurrentScaling()): the scale follows this step's amax",
+                {"type": "recipe", "recipe": "current"},
+                "delayed scaling reuses an amax history that a sudden change outgrows"
+                if stale
+                else "a per-step scale removes stale-scale saturation",
+            )
+        )
+    if "underflow" in top.reason or "fell" in top.reason:
+        recs.append(
+            Recommendation(
+                "use block scaling (fp8kit.BlockScaling(): 1x128 activation tiles) so an outlier channel "
+                "sets the scale of its own tiles only",
+                {"type": "recipe", "recipe": "block"},
+                "one large channel stretches a per-tensor range and pushes the rest toward underflow",
+            )
+        )
+    if top.operand == "input" and top.layer.endswith(("down_proj", "fc2", "w2")):
+        recs.append(
+            Recommendation(
+                "smooth the outlier channel before quantizing (Smooth-SwiGLU: per-channel scale on the "
+                "SwiGLU output folded into the down projection)",
+                {"type": "manual"},
+                "SwiGLU outputs grow outlier channels late in training (Fishman et al., 2024)",
+            )
+        )
+    if isinstance(recipe, DelayedScaling):
+        history, margin = min(16, recipe.amax_history_len), recipe.margin + 1
+        shorter = f"shorten the amax history (amax_history_len={history} instead of {recipe.amax_history_len}) and "
+        recs.append(
+            Recommendation(
+                f"{shorter if history < recipe.amax_history_len else ''}add margin={margin}",
+                {"type": "recipe", "recipe": "delayed", "amax_history_len": history, "margin": margin},
+                "a shorter window adapts faster; a margin leaves headroom above the amax",
+            )
+        )
+    return recs

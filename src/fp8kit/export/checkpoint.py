@@ -1,0 +1,150 @@
+"""``save_pretrained`` / ``load_pretrained``: one entry point over the three checkpoint formats."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..nn.linear import Linear as FP8Linear
+from ..ptq.linear import QuantLinear
+from .block_linear import BlockQuantLinear
+from .common import (
+    ExportError,
+    check_export_dir,
+    hf_config_dict,
+    kept_tensors,
+    read_config,
+    replace_module,
+    write_export,
+)
+from .compressed_tensors import QUANT_METHOD as CT_METHOD
+from .compressed_tensors import export_tensors as ct_tensors
+from .compressed_tensors import load as ct_load
+from .fp8_block import QUANT_METHOD as BLOCK_METHOD
+from .fp8_block import export_tensors as block_tensors
+from .fp8_block import load as block_load
+from .modelopt import QUANT_METHOD as MODELOPT_METHOD
+from .modelopt import export_tensors as modelopt_tensors
+from .modelopt import load as modelopt_load
+from .serve import serving_layers
+from .support import FORMATS, check_scheme_format
+
+__all__ = ["dequantized_model", "load_pretrained", "save_pretrained"]
+
+_READERS = {CT_METHOD: ct_load, MODELOPT_METHOD: modelopt_load, BLOCK_METHOD: block_load}
+
+
+def _kv_blocks(model: nn.Module) -> dict[str, nn.Module]:
+    return {
+        n: m
+        for n, m in model.named_modules()
+        if hasattr(m, "k_scale") and hasattr(m, "v_scale") and hasattr(m, "k_proj")
+    }
+
+
+def save_pretrained(
+    model: nn.Module,
+    out_dir: str | Path,
+    tokenizer: Any = None,
+    *,
+    format: str = "compressed-tensors",  # noqa: A002 - the name users know from the CLI (--format)
+    overwrite: bool = False,
+) -> Path:
+    """Write a quantized (or ``fp8kit.convert``-ed training) model as a Hugging Face checkpoint in ``format``.
+
+    The export is written into a temporary sibling folder and renamed into place, so ``out_dir`` is
+    either the complete new export or left as it was. An existing ``out_dir`` is replaced only if fp8kit
+    wrote everything in it (see ``check_export_dir``), or with ``overwrite=True``. A scheme the format
+    cannot carry raises ``ExportError`` naming the formats that can, before anything is written.
+    """
+    if format not in FORMATS:
+        raise ExportError(f"unknown checkpoint format {format!r}; accepted: {', '.join(FORMATS)}")
+    qlayers = {n: m for n, m in model.named_modules() if isinstance(m, (QuantLinear, BlockQuantLinear))}
+    report = getattr(model, "ptq_report", None)
+    if qlayers and report is not None:
+        scheme, ignore = report.scheme, list(report.skipped)
+        kv = _kv_blocks(model) if report.kv_cache else {}
+    elif any(isinstance(m, FP8Linear) for m in model.modules()):
+        scheme, qlayers, ignore = serving_layers(model)
+        kv = {}
+    else:
+        raise ExportError(
+            "save_pretrained takes a model quantized by fp8kit.ptq.quantize or converted for training by "
+            "fp8kit.convert (none of its layers are)"
+        )
+    try:
+        check_scheme_format(scheme + ("+kv" if kv else ""), format)
+    except ValueError as err:
+        raise ExportError(str(err)) from None
+    cfg = hf_config_dict(model)
+    out = check_export_dir(out_dir, overwrite)
+    tensors = kept_tensors(model, list(qlayers))
+    for name in kv:  # each format names the k/v scales its own way
+        tensors.pop(f"{name}.k_scale", None)
+        tensors.pop(f"{name}.v_scale", None)
+    extra = None
+    if format == "compressed-tensors":
+        qtensors, qc = ct_tensors(model, qlayers, next(iter(qlayers.values())).scheme, ignore, kv)
+    elif format == "modelopt":
+        qtensors, qc, extra = modelopt_tensors(model, qlayers, scheme, ignore, kv)
+    else:
+        qtensors, qc = block_tensors(model, qlayers, scheme, ignore, kv)
+    tensors.update(qtensors)
+    cfg["quantization_config"] = qc
+    return write_export(out, model, tensors, cfg, tokenizer, extra)
+
+
+def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Load a ``compressed-tensors``, ``modelopt`` or ``fp8-block`` checkpoint (fp8kit's or another
+    producer's) into fp8kit's inference layers (``QuantLinear``, ``BlockQuantLinear``, FP8 KV cache);
+    ``model.ptq_report`` says what was loaded."""
+    path = Path(path)
+    raw = read_config(path)
+    qc = raw.get("quantization_config")
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method not in _READERS:
+        raise ExportError(
+            f"{path} is not a compressed-tensors, modelopt or fp8-block checkpoint (quant_method {method!r})"
+        )
+    model, scheme, names, kv_scales, kv = _READERS[method](path, raw, dtype)
+    if kv:
+        from ..ptq.kv_cache import enable_fp8_kv
+
+        for name, m in enable_fp8_kv(model, "quantize").items():
+            for which in ("k", "v"):
+                key = next(
+                    (k for k in (f"{name}.{which}_scale", f"{name}.{which}_proj.{which}_scale") if k in kv_scales), None
+                )
+                if key is None:
+                    raise ExportError(f"{path}: the checkpoint has an FP8 KV cache but {name}.{which}_scale is missing")
+                m.register_buffer(f"{which}_scale", kv_scales[key].float().reshape(1))
+    from ..ptq.quantize import PTQReport
+
+    report = PTQReport(scheme, quantized=names, kv_cache=kv)
+    report.skipped = {
+        n: "not quantized in the checkpoint"
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and not isinstance(m, FP8Linear)
+    }
+    object.__setattr__(model, "ptq_report", report)
+    return model.eval()
+
+
+def dequantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The FP8 (or INT8) checkpoint at ``path`` (any format ``load_pretrained`` reads) as a plain model:
+    each quantized layer becomes an ``nn.Linear`` whose weight is ``code * scale`` (exact in float32)."""
+    model = load_pretrained(path, dtype=torch.float32)
+    for name, m in list(model.named_modules()):
+        if isinstance(m, (QuantLinear, BlockQuantLinear)):
+            lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+            with torch.no_grad():
+                lin.weight.copy_(m.dequantized_weight())
+                if m.bias is not None:
+                    lin.bias.copy_(m.bias)
+            replace_module(model, name, lin)
+    model.__dict__.pop("ptq_report", None)
+    model.config.__dict__.pop("quantization_config", None)
+    return model.to(dtype)

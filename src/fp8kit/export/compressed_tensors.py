@@ -1,0 +1,195 @@
+"""Save and load quantized models as Hugging Face directories in the compressed-tensors format.
+
+This is the format vLLM serves and ``transformers`` (with the ``compressed-tensors`` package) loads:
+``config.json`` carries a ``quantization_config`` with ``quant_method: "compressed-tensors"``, and
+the safetensors files hold, for each quantized ``Linear`` named ``NAME``:
+
+* ``float-quantized`` (FP8): ``NAME.weight`` (F8_E4M3), ``NAME.weight_scale`` (float32, ``(1,)`` per
+  tensor or ``(out, 1)`` per channel) and, for static activations, ``NAME.input_scale`` (``(1,)``);
+* ``int-quantized`` (INT8 W8A8): the same with an int8 ``NAME.weight``;
+* ``pack-quantized`` (INT8 weight-only): ``NAME.weight_packed`` (int32, four offset-by-128 bytes per
+  word, little-endian), ``NAME.weight_scale`` and ``NAME.weight_shape``.
+
+Scales are dequant multipliers (``amax / 448`` for E4M3, ``amax / 127`` for INT8). An FP8 KV cache adds
+``kv_cache_scheme`` and per-layer ``self_attn.k_scale`` / ``self_attn.v_scale``. Loading reads JSON and
+safetensors only (nothing is unpickled).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..ptq.linear import QuantLinear
+from ..ptq.schemes import SCHEMES, Scheme
+from .common import ExportError, load_rest, model_from_config, read_tensors, replace_module
+
+__all__ = ["QUANT_METHOD", "export_tensors", "load", "pack_int8", "quantization_config", "unpack_int8"]
+
+QUANT_METHOD = "compressed-tensors"
+
+
+def _args(scheme: Scheme, which: str) -> dict[str, Any] | None:
+    fmt = scheme.weight_format if which == "weights" else scheme.act_format
+    if fmt is None:
+        return None
+    strategy = scheme.weight_strategy if which == "weights" else scheme.act_strategy
+    dynamic = which != "weights" and strategy == "token"
+    return {
+        "num_bits": 8,
+        "type": "float" if fmt.kind == "float" else "int",
+        "symmetric": True,
+        "strategy": strategy,
+        "dynamic": dynamic,
+        "group_size": None,
+        "block_structure": None,
+        "actorder": None,
+        "observer": None if dynamic else "minmax",
+        "observer_kwargs": {},
+    }
+
+
+def quantization_config(scheme: Scheme, ignore: list[str], kv_cache: bool) -> dict[str, Any]:
+    """The ``quantization_config`` entry of ``config.json`` for ``scheme``."""
+    kv = None
+    if kv_cache:
+        kv = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}
+    return {
+        "quant_method": QUANT_METHOD,
+        "format": scheme.export_format,
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": _args(scheme, "weights"),
+                "input_activations": _args(scheme, "input"),
+                "output_activations": None,
+                "format": scheme.export_format,
+            }
+        },
+        "ignore": sorted(ignore),
+        "kv_cache_scheme": kv,
+        "sparsity_config": {},
+        "global_compression_ratio": None,
+        "producer": "fp8kit",
+    }
+
+
+def pack_int8(codes: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors ``pack-quantized`` for 8 bits: ``code + 128`` bytes, four per int32 word."""
+    rows, cols = codes.shape
+    u = (codes.to(torch.int16) + 128).to(torch.uint8)
+    pad = (-cols) % 4
+    if pad:
+        u = torch.nn.functional.pad(u, (0, pad))
+    return u.contiguous().view(torch.int32)
+
+
+def unpack_int8(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    """Inverse of ``pack_int8`` (little-endian bytes of each int32 word)."""
+    u = packed.contiguous().view(torch.uint8)[:, :cols]
+    return (u.to(torch.int16) - 128).to(torch.int8)
+
+
+def _matches(name: str, module: nn.Module, patterns: list[str]) -> bool:
+    for p in patterns:
+        if p.startswith("re:"):
+            if re.match(p[3:], name):
+                return True
+        elif p == type(module).__name__ or name == p or name.endswith(f".{p}"):
+            return True
+    return False
+
+
+def _scheme_of(group: dict[str, Any], fmt: str) -> Scheme:
+    w, a = group.get("weights"), group.get("input_activations")
+    if (
+        not w
+        or w.get("num_bits") != 8
+        or not w.get("symmetric", True)
+        or w.get("strategy") not in ("tensor", "channel")
+    ):
+        raise ExportError(f"unsupported weight quantization {w}: fp8kit loads 8-bit symmetric per-tensor/channel")
+    wtype = w.get("type")
+    for s in SCHEMES.values():
+        if (s.weight_format.kind == wtype) and s.export_format == fmt:
+            if a is None and s.act_format is None:
+                return s
+            if a is not None and s.act_format is not None and a.get("type") == s.act_format.kind:
+                strat = "token" if a.get("dynamic") else a.get("strategy")
+                if strat == s.act_strategy:
+                    return Scheme(
+                        s.name, s.weight_format, w["strategy"], s.act_format, strat, s.smooth, fmt, s.description
+                    )
+    raise ExportError(f"unsupported compressed-tensors scheme (format {fmt!r}, weights {w}, activations {a})")
+
+
+def export_tensors(
+    model: nn.Module, qlayers: dict[str, QuantLinear], scheme: Scheme, ignore: list[str], kv: dict[str, nn.Module]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The quantized layers' tensors, the attention blocks' k/v scales (``kv``: FP8 KV cache) and the
+    ``quantization_config``."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, q in qlayers.items():
+        if scheme.export_format == "pack-quantized":
+            tensors[f"{name}.weight_packed"] = pack_int8(q.weight)
+            tensors[f"{name}.weight_shape"] = torch.tensor([q.out_features, q.in_features])
+        else:
+            tensors[f"{name}.weight"] = q.weight.contiguous()
+        tensors[f"{name}.weight_scale"] = q.weight_scale.float().contiguous()
+        if q.input_scale is not None:
+            tensors[f"{name}.input_scale"] = q.input_scale.float().contiguous()
+        if q.bias is not None:
+            tensors[f"{name}.bias"] = q.bias.contiguous()
+    for name, m in kv.items():
+        tensors[f"{name}.k_scale"] = m.k_scale.float().reshape(1).contiguous()
+        tensors[f"{name}.v_scale"] = m.v_scale.float().reshape(1).contiguous()
+    return tensors, quantization_config(scheme, ignore, bool(kv))
+
+
+def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module, str, list[str], dict, bool]:
+    """A compressed-tensors directory (fp8kit's or another tool's) in ``QuantLinear``s: returns the model,
+    the scheme name, the quantized layer names, the k/v scales by attention block and whether the
+    export has an FP8 KV cache."""
+    qc = raw["quantization_config"]
+    fmt = qc.get("format")
+    groups = list((qc.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise ExportError(f"fp8kit loads exports with one config group, {path} has {len(groups)}")
+    scheme = _scheme_of(groups[0], fmt)
+    targets, ignore = groups[0].get("targets") or ["Linear"], qc.get("ignore") or []
+    model = model_from_config(path, raw, dtype)
+    tensors = read_tensors(path)
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and _matches(n, m, targets)]
+    names = [n for n in names if not _matches(n, model.get_submodule(n), ignore)]
+    for name in names:
+        lin = model.get_submodule(name)
+        q = QuantLinear(lin.in_features, lin.out_features, lin.bias is not None, scheme)
+        try:
+            if fmt == "pack-quantized":
+                q.weight = unpack_int8(tensors.pop(f"{name}.weight_packed"), lin.in_features)
+                tensors.pop(f"{name}.weight_shape", None)
+            else:
+                q.weight = tensors.pop(f"{name}.weight").to(scheme.weight_format.dtype)
+            q.weight_scale = tensors.pop(f"{name}.weight_scale").float().reshape(q.weight_scale.shape)
+            if scheme.static_activations:
+                q.input_scale = tensors.pop(f"{name}.input_scale").float().reshape(1)
+            if lin.bias is not None:
+                q.bias = tensors.pop(f"{name}.bias").float()
+        except KeyError as err:
+            raise ExportError(f"{path}: tensor {err.args[0]} is missing") from err
+        except RuntimeError as err:
+            raise ExportError(f"{path}: tensors of {name} have the wrong shape ({err})") from err
+        if tuple(q.weight.shape) != (lin.out_features, lin.in_features):
+            raise ExportError(
+                f"{path}: {name}.weight has shape {tuple(q.weight.shape)}, the model needs "
+                f"{(lin.out_features, lin.in_features)}"
+            )
+        replace_module(model, name, q)
+    kv_scales = {k: tensors.pop(k) for k in list(tensors) if k.endswith((".k_scale", ".v_scale"))}
+    load_rest(model, path, tensors, names, dtype)
+    return model, scheme.name, names, kv_scales, bool(qc.get("kv_cache_scheme"))

@@ -1,0 +1,86 @@
+"""The block-FP8 checkpoint (``quant_method: "fp8"``): DeepSeek-V3, Qwen3-*-FP8 and ``transformers``'
+``FineGrainedFP8Config``; served by vLLM, SGLang and ``transformers`` (on a CPU it dequantizes).
+
+``config.json`` carries ``quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic",
+"fmt": "e4m3", "weight_block_size": [128, 128], "modules_to_not_convert": [...]}``; for each quantized
+``Linear`` named ``NAME`` the safetensors hold ``NAME.weight`` (``float8_e4m3fn``, ``(out, in)``) and
+``NAME.weight_scale_inv`` (float32, ``(ceil(out / 128), ceil(in / 128))``): the dequant multiplier of each
+128x128 tile, ``real = code * weight_scale_inv`` (the name is DeepSeek's: the inverse of the quantizing
+scale). Activations are quantized at run time per 1x128 group (``activation_scheme: "dynamic"``).
+``transformers`` derives the tile from the shapes when it dequantizes, so it needs both dims to be
+multiples of 128; the serving GPUs' kernels handle ragged edge tiles.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .block_linear import BLOCK, BlockQuantLinear
+from .common import ExportError, load_rest, model_from_config, read_tensors, replace_module
+from .support import BLOCK_SCHEME
+
+__all__ = ["QUANT_METHOD", "export_tensors", "load", "quantization_config"]
+
+QUANT_METHOD = "fp8"
+
+
+def quantization_config(ignore: list[str], block: int = BLOCK) -> dict[str, Any]:
+    """``config.json``'s ``quantization_config`` for 128x128 (``block``) tiles and dynamic activations."""
+    return {
+        "quant_method": QUANT_METHOD,
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": [block, block],
+        "modules_to_not_convert": sorted(ignore),
+    }
+
+
+def export_tensors(
+    model: nn.Module, qlayers: dict[str, nn.Module], scheme: str, ignore: list[str], kv: dict[str, nn.Module]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The ``BlockQuantLinear`` layers' tensors and the ``quantization_config``."""
+    tensors: dict[str, torch.Tensor] = {}
+    blocks = {q.block for q in qlayers.values()}
+    if len(blocks) != 1:
+        raise ExportError(f"the fp8-block format has one weight_block_size; the layers use {sorted(blocks)}")
+    for name, q in qlayers.items():
+        tensors[f"{name}.weight"] = q.weight.contiguous()
+        tensors[f"{name}.weight_scale_inv"] = q.weight_scale_inv.float().contiguous()
+        if q.bias is not None:
+            tensors[f"{name}.bias"] = q.bias.contiguous()
+    return tensors, quantization_config(ignore, blocks.pop())
+
+
+def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module, str, list[str], dict, bool]:
+    """A block-FP8 checkpoint (fp8kit's, ``transformers``', DeepSeek's) in ``BlockQuantLinear`` layers
+    (dynamic 1x128 activations). Returns the model, the scheme name, the quantized layer names, no k/v
+    scales and ``False`` (the format has no KV-cache scales)."""
+    qc = raw["quantization_config"]
+    size = qc.get("weight_block_size")
+    if not (isinstance(size, list) and len(size) == 2 and size[0] == size[1] and isinstance(size[0], int)):
+        raise ExportError(f"{path}: weight_block_size {size!r} is not one fp8kit loads (square tiles, e.g. [128, 128])")
+    if qc.get("activation_scheme", "dynamic") != "dynamic" or qc.get("scale_fmt", "float") != "float":
+        raise ExportError(f"{path}: fp8kit loads dynamic activations with float32 block scales only")
+    block = size[0]
+    model = model_from_config(path, raw, dtype)
+    tensors = read_tensors(path)
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and f"{n}.weight_scale_inv" in tensors]
+    for name in names:
+        lin = model.get_submodule(name)
+        q = BlockQuantLinear(lin.in_features, lin.out_features, lin.bias is not None, block)
+        try:
+            q.weight = tensors.pop(f"{name}.weight").to(torch.float8_e4m3fn).reshape(q.weight.shape)
+            q.weight_scale_inv = tensors.pop(f"{name}.weight_scale_inv").float().reshape(q.weight_scale_inv.shape)
+            if lin.bias is not None:
+                q.bias = tensors.pop(f"{name}.bias").float()
+        except KeyError as err:
+            raise ExportError(f"{path}: tensor {err.args[0]} is missing") from err
+        except RuntimeError as err:
+            raise ExportError(f"{path}: tensors of {name} have the wrong shape ({err})") from err
+        replace_module(model, name, q)
+    load_rest(model, path, tensors, names, dtype)
+    return model, BLOCK_SCHEME, names, {}, False

@@ -1,0 +1,199 @@
+"""NVIDIA ModelOpt's unified Hugging Face checkpoint (``quant_method: "modelopt"``): what TensorRT-LLM
+builds engines from, and what vLLM and SGLang load.
+
+The layout follows what ``modelopt.torch.export.export_hf_checkpoint`` (ModelOpt 0.47) writes for the
+same model (the tests hold the two side by side). For each quantized ``Linear`` named ``NAME``:
+
+============================  =============================  ======================================
+fp8kit scheme                 ``quant_algo``                 tensors beside ``NAME.weight``
+============================  =============================  ======================================
+``fp8``                       ``FP8``                        ``weight_scale`` ``()``, ``input_scale`` ``()``
+``fp8-dynamic``               ``FP8_PER_CHANNEL_PER_TOKEN``  ``weight_scale`` ``(out,)``
+``int8-smoothquant``          ``W8A8_SQ_PER_CHANNEL``        ``weight_scale`` ``(out,)``, ``input_scale`` ``()``,
+                                                             ``pre_quant_scale`` ``(in,)``
+``int8-weight-only``          ``W8A16``                      ``weight_scale`` ``(out,)``
+``fp8-block``                 ``fp8_pb_wo``                  ``weight_scale`` ``(out/128, 1, in/128, 1)``
+============================  =============================  ======================================
+
+Weights are ``float8_e4m3fn`` (FP8) or ``int8``; every scale is a float32 dequant multiplier
+(``amax / 448``, ``amax / 127``). ``pre_quant_scale`` multiplies the input before it is quantized:
+fp8kit folds SmoothQuant into the preceding layer, so it writes ones. ``fp8_pb_wo`` is ModelOpt's only
+128x128-block FP8 format and is weight-only: serving keeps the activations in high precision. An FP8 KV
+cache adds ``ATTN.k_proj.k_scale`` and ``ATTN.v_proj.v_scale`` (``()``, ``amax / 448``).
+
+``hf_quant_config.json`` holds ``{"producer", "quantization": {"quant_algo", "kv_cache_quant_algo",
+"exclude_modules"}}`` and ``config.json``'s ``quantization_config`` the same in ModelOpt's
+compressed-tensors-like form (``config_groups`` for ``FP8`` only, ``ignore``, ``kv_cache_scheme``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..ptq.linear import QuantLinear
+from .block_linear import BlockQuantLinear
+from .common import ExportError, load_rest, model_from_config, read_tensors, replace_module
+from .support import BLOCK_SCHEME, MODELOPT_ALGOS
+
+__all__ = ["HF_QUANT_CONFIG", "QUANT_METHOD", "export_tensors", "hf_quant_config", "load", "quantization_config"]
+
+QUANT_METHOD = "modelopt"
+HF_QUANT_CONFIG = "hf_quant_config.json"
+_SCHEME_OF = {algo: scheme for scheme, algo in MODELOPT_ALGOS.items()}
+
+
+def _producer() -> dict[str, str]:
+    from .. import __version__
+
+    return {"name": "fp8kit", "version": __version__}
+
+
+def hf_quant_config(scheme: str, exclude: list[str], kv: bool) -> dict[str, Any]:
+    """``hf_quant_config.json`` (the file TensorRT-LLM reads)."""
+    return {
+        "producer": _producer(),
+        "quantization": {
+            "quant_algo": MODELOPT_ALGOS[scheme],
+            "kv_cache_quant_algo": "FP8" if kv else None,
+            "exclude_modules": sorted(exclude),
+        },
+    }
+
+
+def quantization_config(hf_quant: dict[str, Any]) -> dict[str, Any]:
+    """``config.json``'s ``quantization_config``, as ModelOpt derives it from ``hf_quant_config.json``."""
+    q = hf_quant["quantization"]
+    out: dict[str, Any] = {}
+    if q["quant_algo"] == "FP8":
+        fp8 = {"dynamic": False, "num_bits": 8, "type": "float"}
+        out["config_groups"] = {"group_0": {"input_activations": fp8, "weights": dict(fp8), "targets": ["Linear"]}}
+    out["ignore"] = list(q["exclude_modules"])
+    out["quant_algo"] = q["quant_algo"]
+    if q.get("kv_cache_quant_algo") == "FP8":
+        out["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
+    out["producer"] = hf_quant["producer"]
+    out["quant_method"] = QUANT_METHOD
+    return out
+
+
+def export_tensors(
+    model: nn.Module, qlayers: dict[str, nn.Module], scheme: str, ignore: list[str], kv: dict[str, nn.Module]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, dict[str, Any]]]:
+    """The quantized layers' tensors, ``config.json``'s ``quantization_config`` and the extra JSON files."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, q in qlayers.items():
+        tensors[f"{name}.weight"] = q.weight.contiguous()
+        if isinstance(q, BlockQuantLinear):
+            r, c = q.weight_scale_inv.shape
+            tensors[f"{name}.weight_scale"] = q.weight_scale_inv.float().reshape(r, 1, c, 1).contiguous()
+        elif q.scheme.weight_strategy == "channel":
+            tensors[f"{name}.weight_scale"] = q.weight_scale.float().reshape(-1).contiguous()
+        else:
+            tensors[f"{name}.weight_scale"] = q.weight_scale.float().reshape(()).contiguous()
+        if getattr(q, "input_scale", None) is not None:
+            tensors[f"{name}.input_scale"] = q.input_scale.float().reshape(()).contiguous()
+        if scheme == "int8-smoothquant":
+            tensors[f"{name}.pre_quant_scale"] = torch.ones(q.in_features)
+        if q.bias is not None:
+            tensors[f"{name}.bias"] = q.bias.contiguous()
+    for name, m in kv.items():
+        tensors[f"{name}.k_proj.k_scale"] = m.k_scale.float().reshape(()).contiguous()
+        tensors[f"{name}.v_proj.v_scale"] = m.v_scale.float().reshape(()).contiguous()
+    embeddings = [n for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    hf_quant = hf_quant_config(scheme, sorted(set(ignore) | set(embeddings)), bool(kv))
+    return tensors, quantization_config(hf_quant), {HF_QUANT_CONFIG: hf_quant}
+
+
+def _quant_section(path: Path, raw: dict[str, Any]) -> dict[str, Any]:
+    """``quant_algo``, ``kv_cache_quant_algo`` and ``exclude_modules``, from ``hf_quant_config.json`` when
+    present, else from ``config.json``'s ``quantization_config``."""
+    f = path / HF_QUANT_CONFIG
+    if f.is_file():
+        try:
+            return json.loads(f.read_text())["quantization"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ExportError(f"{f} is not a ModelOpt quantization config: {err}") from err
+    qc = raw["quantization_config"]
+    kv = qc.get("kv_cache_scheme")
+    return {
+        "quant_algo": qc.get("quant_algo"),
+        "kv_cache_quant_algo": "FP8" if isinstance(kv, dict) and kv.get("type") == "float" else kv,
+        "exclude_modules": qc.get("ignore") or [],
+    }
+
+
+def _excluded(name: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) or name.startswith(f"{p}.") for p in patterns)
+
+
+def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module, str, list[str], dict, bool]:
+    """A ModelOpt checkpoint (ModelOpt's own or fp8kit's) in ``QuantLinear`` / ``BlockQuantLinear``
+    layers, with the producer's semantics (``fp8_pb_wo`` is weight-only). Returns the model, the scheme
+    name, the quantized layer names, the k/v scale tensors and whether it has an FP8 KV cache."""
+    q = _quant_section(path, raw)
+    algo = q.get("quant_algo")
+    if algo not in _SCHEME_OF:
+        raise ExportError(f"{path}: ModelOpt quant_algo {algo!r} is not one fp8kit loads ({', '.join(_SCHEME_OF)})")
+    kv_algo = q.get("kv_cache_quant_algo")
+    if kv_algo not in (None, "FP8"):
+        raise ExportError(f"{path}: KV cache {kv_algo!r} is not one fp8kit loads (FP8 only)")
+    scheme = _SCHEME_OF[algo]
+    exclude = list(q.get("exclude_modules") or [])
+    model = model_from_config(path, raw, dtype)
+    tensors = read_tensors(path)
+    names = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and not _excluded(n, exclude) and f"{n}.weight" in tensors
+    ]
+    for name in names:
+        lin = model.get_submodule(name)
+        try:
+            new = _layer(tensors, name, lin, scheme)
+        except KeyError as err:
+            raise ExportError(f"{path}: tensor {err.args[0]} is missing") from err
+        except RuntimeError as err:
+            raise ExportError(f"{path}: tensors of {name} have the wrong shape ({err})") from err
+        if tuple(new.weight.shape) != (lin.out_features, lin.in_features):
+            raise ExportError(
+                f"{path}: {name}.weight has shape {tuple(new.weight.shape)}, the model needs "
+                f"{(lin.out_features, lin.in_features)}"
+            )
+        replace_module(model, name, new)
+    kv_scales = {k: tensors.pop(k) for k in list(tensors) if k.endswith((".k_proj.k_scale", ".v_proj.v_scale"))}
+    load_rest(model, path, tensors, names, dtype)
+    return model, scheme, names, kv_scales, kv_algo == "FP8"
+
+
+def _layer(tensors: dict[str, torch.Tensor], name: str, lin: nn.Linear, scheme: str) -> nn.Module:
+    weight = tensors.pop(f"{name}.weight")
+    scale = tensors.pop(f"{name}.weight_scale").float()
+    bias = tensors.pop(f"{name}.bias", None) if lin.bias is not None else None
+    if lin.bias is not None and bias is None:
+        raise KeyError(f"{name}.bias")
+    if scheme == BLOCK_SCHEME:
+        new: nn.Module = BlockQuantLinear(lin.in_features, lin.out_features, lin.bias is not None)
+        new.weight = weight.to(torch.float8_e4m3fn)
+        new.weight_scale_inv = scale.reshape(new.weight_scale_inv.shape)
+        new.dynamic_activations = False  # fp8_pb_wo: weight-only
+    else:
+        new = QuantLinear(lin.in_features, lin.out_features, lin.bias is not None, scheme)
+        new.weight = weight.to(new.scheme.weight_format.dtype)
+        new.weight_scale = scale.reshape(new.weight_scale.shape)
+        if new.scheme.static_activations:
+            new.input_scale = tensors.pop(f"{name}.input_scale").float().reshape(1)
+        pre = tensors.pop(f"{name}.pre_quant_scale", None)
+        if pre is not None and not torch.all(pre.float() == 1):
+            raise ExportError(
+                f"{name}.pre_quant_scale is not all ones: fp8kit loads SmoothQuant folded into the preceding "
+                "layer only (export with ModelOpt's smoothing folded, or use the compressed-tensors format)"
+            )
+    if bias is not None:
+        new.bias = bias.float()
+    return new

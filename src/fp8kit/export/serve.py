@@ -1,0 +1,138 @@
+"""From training (or a checkpoint) to serving layers and back, with no calibration pass.
+
+* ``serving_layers`` / ``serving_model``: a model converted by ``fp8kit.convert`` gets the inference
+  layers of the scheme its recipe trained: delayed scaling -> ``fp8`` (per-tensor weights; the static
+  input scale is the one the recipe's amax history gives, ``reduce(history) * 2**margin / 448``),
+  row-wise -> ``fp8-dynamic`` (per-channel weights, per-token activations), current scaling ->
+  ``fp8-dynamic`` (its dynamic activations at finer, per-token granularity), block -> ``fp8-block`` (the
+  recipe's own 128x128 weight tiles and power-of-two scales, dynamic 1x128 activations). MXFP8 has no
+  serving format here.
+* ``quantize_block``: post-training block FP8 (no calibration: 128x128 weight tiles, dynamic activations).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from ..nn.linear import Linear as FP8Linear
+from ..ptq.linear import QuantLinear
+from .block_linear import BlockQuantLinear
+from .common import ExportError, replace_module
+from .support import BLOCK_SCHEME
+
+__all__ = ["check_train_export", "quantize_block", "serving_layers", "serving_model"]
+
+_SCHEME_OF_RECIPE = {"delayed": "fp8", "rowwise": "fp8-dynamic", "current": "fp8-dynamic", "block": BLOCK_SCHEME}
+
+
+def _high_precision(m: nn.Module) -> bool:
+    """A Linear layer left in high precision (``nn.Linear``, or a subclass such as ``BF16Linear``)."""
+    return isinstance(m, nn.Linear) and not isinstance(m, FP8Linear)
+
+
+def _history_amax(layer: FP8Linear) -> float:
+    """The input amax delayed scaling would scale the next step with (``max`` or ``most_recent``), times
+    ``2**margin``."""
+    recipe = layer.recipe
+    if int(layer.fp8_seen[0]) == 0:
+        raise ExportError(
+            f"{layer.fp8_name} has no input amax history (it never ran a forward): train (or run) the "
+            "converted model before exporting it"
+        )
+    hist = layer.fp8_amax_history[0]
+    amax = hist.max() if recipe.amax_compute_algo == "max" else hist[0]
+    pending = layer.fp8_amax_pending[0]
+    if recipe.amax_compute_algo == "max" and pending >= 0:
+        amax = torch.maximum(amax, pending)
+    return float(amax) * 2.0**recipe.margin
+
+
+def serving_layers(model: nn.Module) -> tuple[str, dict[str, nn.Module], list[str]]:
+    """``(scheme, {name: inference layer}, names of the Linear layers left in high precision)`` for a
+    model converted by ``fp8kit.convert`` (the model itself is not changed)."""
+    trained = {n: m for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+    if not trained:
+        raise ExportError("serving_layers takes a model converted by fp8kit.convert (none of its layers are)")
+    kinds = {m.recipe.kind for m in trained.values()}
+    if len(kinds) != 1:
+        raise ExportError(f"the model mixes FP8 recipes ({', '.join(sorted(kinds))}); a checkpoint has one scheme")
+    kind = kinds.pop()
+    if kind not in _SCHEME_OF_RECIPE:
+        raise ExportError(
+            f"the {kind} recipe has no serving format in fp8kit; train with delayed, current, rowwise or block"
+        )
+    scheme = _SCHEME_OF_RECIPE[kind]
+    layers: dict[str, nn.Module] = {}
+    with torch.no_grad():
+        for name, m in trained.items():
+            if scheme == BLOCK_SCHEME:
+                layers[name] = BlockQuantLinear.from_linear(m, m.recipe.block_size, m.recipe.power_of_two)
+            elif scheme == "fp8":
+                layers[name] = QuantLinear.from_linear(m, scheme, input_amax=_history_amax(m))
+            else:
+                layers[name] = QuantLinear.from_linear(m, scheme)
+    kept = [n for n, m in model.named_modules() if _high_precision(m)]
+    return scheme, layers, kept
+
+
+def _report(model: nn.Module, scheme: str, names: list[str], why: str) -> None:
+    from ..ptq.quantize import PTQReport
+
+    report = PTQReport(scheme, quantized=list(names))
+    report.skipped = {n: why for n, m in model.named_modules() if _high_precision(m)}
+    object.__setattr__(model, "ptq_report", report)
+
+
+def serving_model(model: nn.Module, inplace: bool = False) -> nn.Module:
+    """The inference model of a ``fp8kit.convert``-ed training model (a copy unless ``inplace``): what
+    ``save_pretrained`` writes, to evaluate before exporting."""
+    model = model if inplace else copy.deepcopy(model)
+    scheme, layers, _ = serving_layers(model)
+    for name, layer in layers.items():
+        replace_module(model, name, layer)
+    _report(model, scheme, list(layers), "not converted to FP8 for training")
+    return model.eval()
+
+
+def quantize_block(model: nn.Module, module_filter: Callable[[str, nn.Module], bool] | None = None) -> nn.Module:
+    """Post-training block FP8 in place: eligible ``nn.Linear`` layers (default: ``fp8kit.convert``'s
+    filter, which keeps the output head) become ``BlockQuantLinear`` (128x128 weight tiles with
+    ``amax / 448`` scales, dynamic 1x128 activations); no calibration data needed."""
+    from ..nn.convert import default_module_filter
+
+    default = default_module_filter(model)
+    keep = module_filter or (lambda n, m: default(n, m) is None)
+    names = [n for n, m in model.named_modules() if type(m) is nn.Linear and keep(n, m)]
+    if not names:
+        raise ExportError("quantize_block found no eligible nn.Linear layer")
+    with torch.no_grad():
+        for name in names:
+            replace_module(model, name, BlockQuantLinear.from_linear(model.get_submodule(name)))
+    _report(model, BLOCK_SCHEME, names, "kept in high precision")
+    return model.eval()
+
+
+def check_train_export(recipes: list[str], fmt: str, out: str | Path, hf_model: bool) -> list[Path]:
+    """Validate ``fp8kit train --export-format FMT`` before training: each FP8 recipe's serving scheme fits
+    ``fmt``, the model is a Hugging Face one, and ``OUT/serving/fp8-<recipe>`` can be written. Returns
+    those folders; raises ``ValueError`` (one line naming the fix)."""
+    from .common import check_export_dir
+    from .support import check_scheme_format
+
+    if not hf_model:
+        raise ValueError("--export-format writes a Hugging Face checkpoint: give --model smollm2 or a local directory")
+    folders = []
+    for recipe in recipes:
+        if recipe not in _SCHEME_OF_RECIPE:
+            raise ValueError(f"the {recipe} recipe has no serving format: train delayed, current, rowwise or block")
+        try:
+            check_scheme_format(_SCHEME_OF_RECIPE[recipe], fmt)
+        except ValueError as err:
+            raise ValueError(f"recipe {recipe} trains the {_SCHEME_OF_RECIPE[recipe]} scheme: {err}") from None
+        folders.append(check_export_dir(Path(out) / "serving" / f"fp8-{recipe}"))
+    return folders

@@ -1,0 +1,367 @@
+"""Grouped FP8 GEMMs for Mixture-of-Experts layers: one GEMM per expert, launched as one grouped op.
+
+The tokens routed to the experts are sorted by expert into one ``(P, K)`` matrix whose rows ``[offs[e-1],
+offs[e])`` belong to expert ``e`` (``offs``: int32 cumulative row ends, as ``torch._grouped_mm`` takes;
+rows past ``offs[-1]`` are padding and their outputs are undefined). Expert weights are one 3-D operand
+``(E, N, K)``, quantized per expert (``GroupedWeight``: an expert's weight never shares a scale with
+another expert's). Three GEMMs:
+
+* ``grouped_gemm(x, w, offs, group_ids)``: ``out[rows of e] = x[rows of e] @ w[e].T`` (forward, and the
+  input gradient with ``w`` the transposed weights);
+* ``grouped_gemm_wgrad(a, b, offs)``: ``out[e] = a[:, rows of e] @ b[:, rows of e].T``, the weight
+  gradient, reducing over each expert's tokens. Its operands are quantized along the token dim, so
+  their scales must not cover two experts: per-tensor scales span the layer (see ``nn.experts``),
+  row-wise scales are per expert and column (``GroupColumns``), and 1x128 / MX 1x32 tiles are kept
+  inside one expert by padding each expert's group of rows to a multiple of the tile (DeepGEMM's
+  M-alignment; the padding rows are zeros).
+
+CPU: exact emulation as ``fp8kit.gemm`` does it (the FP8 values are exact in float32 and bfloat16;
+scales that do not vary along K are applied to the GEMM's result, tile scales by dequantizing the
+operands first) with one grouped GEMM, ``torch._grouped_mm`` with offsets, behind the custom op
+``fp8kit::grouped_mm`` (opaque to ``torch.compile``: inductor accepts only bfloat16 ``_grouped_mm``;
+no ``.item()`` or Python loop over experts; torch without a CPU ``_grouped_mm`` (< 2.9) loops inside the
+op). The GEMM dtype follows ``gemm.cpu_gemm_backend()`` (bfloat16 for bfloat16 outputs on CPUs with
+native bf16, else float32).
+
+CUDA: ``torch._scaled_grouped_mm`` with row-wise scales (per-tensor scales broadcast to rows) on SM90
+for per-tensor and row-wise recipes; other cases (block tiles, MXFP8, other GPUs, old torch) run
+``torch._grouped_mm`` on dequantized bf16 operands (exact for power-of-two scales) and log the reason
+once (``grouped_gemm_fallbacks()``).
+
+``grouped_gemm_counts()`` counts the FP8 grouped GEMMs run in eager mode by kind (``"forward"``,
+``"dgrad"``, ``"wgrad"``): tests use it to show that every expert GEMM ran in FP8.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from ..formats import Format, cast, e8m0_decode
+from ..kernels import decode_fp8
+from ..scaling import compute_scale
+from ..tensor import QuantizedTensor, quantize
+from .probe import cpu_gemm_backend
+
+__all__ = [
+    "GroupColumns",
+    "GroupedWeight",
+    "grouped_gemm",
+    "grouped_gemm_counts",
+    "grouped_gemm_fallbacks",
+    "grouped_gemm_wgrad",
+    "grouped_mm",
+    "quantize_experts",
+    "quantize_group_columns",
+]
+
+log = logging.getLogger("fp8kit")
+_COUNTS: Counter[str] = Counter()
+_FALLBACKS: dict[str, str] = {}
+
+
+def grouped_gemm_counts() -> dict[str, int]:
+    """FP8 grouped GEMMs run so far in this process (eager mode), by kind."""
+    return dict(_COUNTS)
+
+
+def grouped_gemm_fallbacks() -> dict[str, str]:
+    """Kinds of CUDA grouped GEMM that ran on dequantized bf16 operands, with the reason."""
+    return dict(_FALLBACKS)
+
+
+def _count(kind: str) -> None:
+    if not torch.compiler.is_compiling():
+        _COUNTS[kind] += 1
+
+
+def _fallback(kind: str, reason: str) -> None:
+    if kind not in _FALLBACKS:
+        _FALLBACKS[kind] = reason
+        log.warning("fp8kit: %s FP8 grouped GEMM falls back to dequantized bf16 operands: %s", kind, reason)
+
+
+# ---- the plain grouped GEMM (an opaque custom op) ------------------------------------------------------
+
+
+def _grouped_mm_impl(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    grouped = getattr(torch, "_grouped_mm", None)
+    if grouped is not None:
+        try:
+            return grouped(a, b, offs=offs)
+        except (RuntimeError, NotImplementedError):
+            pass  # no kernel for this device / dtype in this torch: the loop below
+    ends = offs.tolist()  # one sync, inside the opaque op only
+    starts = [0, *ends[:-1]]
+    if b.dim() == 3:  # (P, K) x (E, K, N) -> (P, N)
+        out = a.new_zeros(a.shape[0], b.shape[2])
+        for e, (s, t) in enumerate(zip(starts, ends, strict=True)):
+            if t > s:
+                out[s:t] = a[s:t] @ b[e]
+        return out
+    out = a.new_zeros(len(ends), a.shape[0], b.shape[1])  # (N, P) x (P, K) -> (E, N, K)
+    for e, (s, t) in enumerate(zip(starts, ends, strict=True)):
+        if t > s:
+            out[e] = a[:, s:t] @ b[s:t]
+    return out
+
+
+def _grouped_mm_fake(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if b.dim() == 3:
+        return a.new_empty(a.shape[0], b.shape[2])
+    return a.new_empty(offs.shape[0], a.shape[0], b.shape[1])
+
+
+_OP = torch.library.custom_op("fp8kit::grouped_mm", _grouped_mm_impl, mutates_args=())
+_OP.register_fake(_grouped_mm_fake)
+
+
+def _dequantize_impl(
+    codes: torch.Tensor, scale_inv: torch.Tensor, br: int, bc: int, dtype: torch.dtype
+) -> torch.Tensor:
+    r, c = codes.shape[-2:]
+    s = scale_inv.repeat_interleave(br, -2)[..., :r, :].repeat_interleave(bc, -1)[..., :c]
+    return (codes.float() * s).to(dtype).contiguous()
+
+
+def _dequantize_fake(
+    codes: torch.Tensor, scale_inv: torch.Tensor, br: int, bc: int, dtype: torch.dtype
+) -> torch.Tensor:
+    return codes.new_empty(codes.shape, dtype=dtype)
+
+
+_DEQ = torch.library.custom_op("fp8kit::dequantize_tiles", _dequantize_impl, mutates_args=())
+_DEQ.register_fake(_dequantize_fake)
+
+
+def _dequantize(q: QuantizedTensor | GroupedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """Tile-scaled operand as ``dtype`` values, in an op opaque to inductor (whose CPU loop-split pass
+    fails on the 1x128 dequantizations of one tensor in both orientations that a weight gradient has)."""
+    return _DEQ(q.data, q.scale_inv.float(), q.block[0], q.block[1], dtype)
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(a, b, offs=offs)`` for any float dtype, traceable by ``torch.compile``.
+
+    ``a`` ``(P, K)`` and ``b`` ``(E, K, N)`` give ``(P, N)``; ``a`` ``(N, P)`` and ``b`` ``(P, K)``
+    give ``(E, N, K)`` (groups along P). Not differentiable (the FP8 layers call it in their forward and
+    backward)."""
+    return _OP(a, b, offs)
+
+
+# ---- quantized operands ----------------------------------------------------------------------------
+
+
+@dataclass
+class GroupedWeight:
+    """Expert weights quantized per expert.
+
+    Attributes:
+        data: ``(E, R, C)`` FP8 codes, ``C`` the GEMM's reduction dim.
+        scales: ``(E, ceil(R/br), ceil(C/bc))`` per-tile dequantization multipliers (float32, or E8M0
+            uint8 codes for MX).
+        fmt, block, orig_dtype: element format, tile shape ``(br, bc)`` and the weight's dtype.
+    """
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    fmt: Format
+    block: tuple[int, int]
+    orig_dtype: torch.dtype
+    is_mx: bool = False
+
+    @property
+    def scale_inv(self) -> torch.Tensor:
+        return e8m0_decode(self.scales) if self.scales.dtype == torch.uint8 else self.scales
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return _dequantize_impl(self.data, self.scale_inv.float(), self.block[0], self.block[1], dtype)
+
+    def transpose(self) -> GroupedWeight:
+        """``(E, C, R)``: per-expert transposes (tiles transpose with them; no requantization)."""
+        return GroupedWeight(
+            self.data.transpose(1, 2),
+            self.scales.transpose(1, 2),
+            self.fmt,
+            self.block[::-1],
+            self.orig_dtype,
+            self.is_mx,
+        )
+
+    def row_scales(self) -> torch.Tensor:
+        """``(E, R)`` per-row multipliers (``(E, 1)`` for one scale per expert); needs one tile along C."""
+        s = self.scale_inv[:, :, 0]
+        if s.shape[1] == 1:
+            return s
+        return s.repeat_interleave(self.block[0], dim=1)[:, : self.data.shape[1]]
+
+    @property
+    def scales_factor_out(self) -> bool:
+        return self.block[1] >= self.data.shape[2]
+
+
+def quantize_experts(
+    w: torch.Tensor,
+    fmt: Format,
+    granularity: str | tuple[int, int],
+    *,
+    scale: torch.Tensor | None = None,
+    backend: str = "eager",
+    **knobs: object,
+) -> GroupedWeight:
+    """Quantize ``w`` ``(E, R, C)`` along C, each expert on its own: ``"tensor"`` (one scale per expert;
+    ``scale`` ``(E,)`` gives static ones), ``"row"``, ``"mx"`` or ``(br, bc)`` tiles (R is zero-padded per
+    expert to a multiple of ``br`` so that no tile covers two experts; zeros leave tile amaxes unchanged)."""
+    e, r, c = w.shape
+    kw = {"nonfinite": "propagate", "backend": backend, **knobs}
+    if granularity == "tensor":
+        if scale is not None:
+            kw["scale"], kw["check_scale"] = scale.reshape(e, 1), False
+        q = quantize(w.reshape(e * r, c), fmt, (r, c), **kw)
+        return GroupedWeight(q.data.reshape(e, r, c), q.scales.reshape(e, 1, 1), fmt, (r, c), w.dtype)
+    if granularity in ("row", "mx"):
+        q = quantize(w.reshape(e * r, c), fmt, granularity, **kw)
+        return GroupedWeight(
+            q.data.reshape(e, r, c), q.scales.reshape(e, r, -1), fmt, q.block, w.dtype, granularity == "mx"
+        )
+    br, bc = granularity  # type: ignore[misc]
+    pad = (-r) % br
+    wp = torch.nn.functional.pad(w, (0, 0, 0, pad)) if pad else w
+    q = quantize(wp.reshape(e * (r + pad), c), fmt, (br, bc), **kw)
+    data = q.data.reshape(e, r + pad, c)[:, :r]
+    return GroupedWeight(data, q.scales.reshape(e, (r + pad) // br, -1), fmt, (br, bc), w.dtype)
+
+
+@dataclass
+class GroupColumns:
+    """A ``(R, P)`` operand of the weight-gradient GEMM quantized with one scale per expert and row
+    (row-wise scaling along the token dim P, never across two experts' tokens).
+
+    ``data`` ``(R, P)`` FP8 codes; ``scale_inv`` ``(E, R)`` float32; ``amax`` ``(E, R)``."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    fmt: Format
+    amax: torch.Tensor
+
+
+def quantize_group_columns(x: torch.Tensor, group_ids: torch.Tensor, num_groups: int, fmt: Format) -> GroupColumns:
+    """Quantize ``x.T`` (``x`` is ``(P, R)``, rows grouped by ``group_ids``) with one scale per group and
+    column of ``x``: ``scale = fmt.max / amax`` (``compute_scale``), saturating round-to-nearest-even."""
+    p, r = x.shape
+    mag = x.detach().abs().float()
+    amax = mag.new_zeros(num_groups, r).scatter_reduce(0, group_ids.reshape(p, 1).expand(p, r), mag, "amax")
+    scale = compute_scale(amax, fmt)
+    data = cast(x.float() * scale[group_ids], fmt)
+    return GroupColumns(data.t(), (1.0 / scale).float(), fmt, amax)
+
+
+# ---- the GEMMs ---------------------------------------------------------------------------------------
+
+
+def _row_scales(q: QuantizedTensor) -> torch.Tensor:
+    s = q.scale_inv
+    return s.reshape(1, 1) if s.numel() == 1 else s.reshape(-1, 1)
+
+
+def _values(codes: torch.Tensor, fmt: Format, dtype: torch.dtype, values: torch.Tensor | None = None) -> torch.Tensor:
+    if values is not None:
+        return values.to(dtype)
+    return decode_fp8(codes, fmt, dtype)
+
+
+def _gemm_dtype(out_dtype: torch.dtype) -> torch.dtype:
+    return torch.bfloat16 if out_dtype == torch.bfloat16 and cpu_gemm_backend() == "bf16" else torch.float32
+
+
+def grouped_gemm(
+    x: QuantizedTensor,
+    w: GroupedWeight,
+    offs: torch.Tensor,
+    group_ids: torch.Tensor,
+    out_dtype: torch.dtype,
+    *,
+    kind: str = "forward",
+) -> torch.Tensor:
+    """``out[rows of e] = dequant(x)[rows of e] @ dequant(w[e]).T`` for ``x`` ``(P, K)`` quantized along K,
+    ``w`` ``(E, N, K)``; ``group_ids`` ``(P,)`` is each row's expert (padding rows: any valid id)."""
+    if not isinstance(x, QuantizedTensor) or not isinstance(w, GroupedWeight):
+        raise TypeError("grouped_gemm takes FP8 operands (QuantizedTensor, GroupedWeight)")
+    _count(kind)
+    factor = x.block[1] >= x.data.shape[1] and w.scales_factor_out
+    if x.data.is_cuda:
+        out = _try_scaled_grouped_mm(x, w, offs, out_dtype) if factor else None
+        if out is None:
+            if not factor:
+                _fallback(f"{x.block}x{w.block}", "tile-scaled grouped GEMMs have no native kernel wired in fp8kit")
+            xb, wb = x.dequantize(torch.bfloat16), w.dequantize(torch.bfloat16)
+            out = grouped_mm(xb, wb.transpose(1, 2), offs)
+        return out.to(out_dtype)
+    gdt = _gemm_dtype(out_dtype)
+    if factor:
+        acc = grouped_mm(_values(x.data, x.fmt, gdt, x.values), _values(w.data, w.fmt, gdt).transpose(1, 2), offs)
+        sw = w.row_scales()[group_ids]  # (P, N) or (P, 1)
+        return (acc.float() * _row_scales(x) * sw).to(out_dtype)
+    return grouped_mm(_dequantize(x, gdt), _dequantize(w, gdt).transpose(1, 2), offs).to(out_dtype)
+
+
+def grouped_gemm_wgrad(
+    a: QuantizedTensor | GroupColumns,
+    b: QuantizedTensor | GroupColumns,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``out[e] = dequant(a)[:, rows of e] @ dequant(b)[:, rows of e].T`` for ``a`` ``(N, P)`` and ``b``
+    ``(K, P)`` quantized along P (per tensor, per expert and row, or in tiles inside each expert)."""
+    _count("wgrad")
+    gdt = torch.bfloat16 if a.data.is_cuda else _gemm_dtype(out_dtype)
+    if isinstance(a, GroupColumns) and isinstance(b, GroupColumns):
+        acc = grouped_mm(_values(a.data, a.fmt, gdt), _values(b.data, b.fmt, gdt).t(), offs)
+        return (acc.float() * a.scale_inv[:, :, None] * b.scale_inv[:, None, :]).to(out_dtype)
+    if not isinstance(a, QuantizedTensor) or not isinstance(b, QuantizedTensor):
+        raise TypeError("grouped_gemm_wgrad takes two QuantizedTensor or two GroupColumns operands")
+    if a.scales.numel() == 1 and b.scales.numel() == 1:  # per-tensor: the scales factor out of every group
+        acc = grouped_mm(_values(a.data, a.fmt, gdt, a.values), _values(b.data, b.fmt, gdt, b.values).t(), offs)
+        return (acc.float() * (a.scale_inv * b.scale_inv).reshape(())).to(out_dtype)
+    if a.data.is_cuda:
+        _fallback(f"wgrad {a.block}x{b.block}", "tile-scaled grouped weight-gradient GEMMs have no native kernel wired")
+    return grouped_mm(_dequantize(a, gdt), _dequantize(b, gdt).t(), offs).to(out_dtype)
+
+
+def _try_scaled_grouped_mm(
+    x: QuantizedTensor, w: GroupedWeight, offs: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor | None:
+    """Row-wise ``torch._scaled_grouped_mm`` (SM90): per-row ``x`` scales and per-expert per-column ``w``
+    scales (per-tensor scales broadcast), bf16 output; None (reason logged) where it cannot run."""
+    fn = getattr(torch, "_scaled_grouped_mm", None)
+    if fn is None:
+        _fallback("row-wise", "this torch has no torch._scaled_grouped_mm")
+        return None
+    major = torch.cuda.get_device_capability(x.data.device)[0]
+    if major != 9:
+        _fallback("row-wise", f"torch._scaled_grouped_mm row-wise needs SM90; this GPU is SM{major}x")
+        return None
+    p, k = x.data.shape
+    e, n, _ = w.data.shape
+    if k % 16 or n % 16:
+        _fallback("row-wise", f"K={k}, N={n} are not multiples of 16")
+        return None
+    sa = x.scale_inv.reshape(-1).float().expand(p).contiguous() if x.scales.numel() == 1 else x.scale_inv.reshape(-1)
+    sb = w.row_scales().float().expand(e, n).contiguous()
+    try:
+        out = fn(
+            x.data.contiguous(),
+            w.data.transpose(1, 2),  # (E, K, N), column-major per expert as the kernel wants
+            sa.contiguous(),
+            sb,
+            offs=offs,
+            out_dtype=torch.bfloat16,
+            use_fast_accum=True,
+        )
+    except (RuntimeError, TypeError, ValueError) as err:
+        _fallback("row-wise", f"torch._scaled_grouped_mm refused: {err}")
+        return None
+    return out.to(out_dtype)

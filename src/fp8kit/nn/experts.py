@@ -1,0 +1,520 @@
+"""FP8 Mixture-of-Experts experts: the grouped expert GEMMs of a ``transformers`` experts module in FP8.
+
+Since transformers 5 an MoE layer's experts are one module with 3-D parameters (``gate_up_proj``
+``(E, 2I, H)`` or ``up_proj``, and ``down_proj`` ``(E, H, I)``; transposed, ``(E, in, out)``, where
+``is_transposed``; optional per-expert biases ``*_bias`` ``(E, out)``), whose forward is chosen through
+``transformers.integrations.moe.ExpertsInterface``. ``fp8kit.convert`` turns such a module into an
+``FP8Experts`` in place (its class gains this mixin; object, parameters, hooks and attributes stay) and
+points the model's ``config._experts_implementation`` at ``"fp8kit"`` (``integrations.hf_experts``), whose
+forward is ``fp8_experts_forward`` below: the routed tokens are sorted by expert, and each projection is
+three grouped GEMMs on FP8 operands (``fp8kit.gemm.grouped``): forward, input gradient and weight
+gradient, E4M3 x E4M3 forward and E5M2 gradients under the hybrid format, FP32 accumulation. The router
+is not touched (high precision, as DeepSeek-V3 keeps it).
+
+What shares a scale (per-tensor recipes, delayed and current):
+
+* weights: one scale per expert and projection (never shared across experts: experts drift apart in
+  training, and one large expert would flush another's small weights to zero);
+* activations (input and output gradient of each projection): one scale over all tokens routed in the
+  layer, as for the dense layer's input. The tokens reaching the experts are rows of one tensor (the
+  normed hidden state, and its gradient), so their range is a property of the layer; one scale is
+  updated every step whatever the routing (a per-expert delayed history would go stale for experts that
+  rarely receive tokens, and an expert with no token would have nothing to record); and the GEMM's
+  activation scale stays a scalar (per-expert activation scales are a possible refinement; the per-token
+  recipes below already give per-token resolution).
+
+Row-wise, block and MXFP8 activations are scaled per token / 1x128 / 1x32 along the hidden dim, never
+across tokens. Their weight-gradient operands are quantized along the token dim, and those scales must
+not cover two experts: row-wise uses one scale per expert and channel (``GroupColumns``); block (1x128)
+and MXFP8 (1x32) pad each expert's group of rows with zeros to a multiple of the tile (DeepGEMM's
+M-alignment), so that every tile holds one expert's tokens. The padding costs at most ``E * (tile - 1)``
+rows; it is built and dropped with index operations from the routing counts, with no host sync.
+
+An expert that receives no token is valid: its rows are empty, its GEMMs are empty groups, its weight
+gradient is zero; layer-wide activation amaxes are taken over the real tokens only (padding rows are
+zeros, which never raise an amax), so nothing pollutes the delayed-scaling history.
+
+``torch.compile`` (``fullgraph=True``, one graph whatever the routing) covers the per-tensor and row-wise
+recipes; block and MXFP8 experts raise under compile for now (inductor's CPU code gave wrong input
+gradients for their padded tile path, while ``aot_eager`` matched eager; not resolved).
+
+State (buffers; delayed scaling only, persistent): ``fp8_amax_history`` ``(2, 2 + E, history_len)``,
+``fp8_scale`` ``(2, 2 + E)``, ``fp8_seen`` and ``fp8_amax_pending`` of the same leading shape, indexed
+``[projection (gate_up/up, down), slot (0 input, 1 grad, 2 + e the weight of expert e)]``. Always
+(non-persistent): ``fp8_tokens_per_expert`` ``(E,)`` float32, the tokens routed to each expert in the
+last forward. The recipe is the module's extra state (JSON bytes), as for ``fp8kit.nn.Linear``. The FP8
+weights are cached per optimizer step as ``Linear`` does (eager mode).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..formats import E4M3
+from ..gemm.grouped import (
+    GroupColumns,
+    GroupedWeight,
+    grouped_gemm,
+    grouped_gemm_wgrad,
+    quantize_experts,
+    quantize_group_columns,
+)
+from ..recipes import DelayedScaling, Recipe
+from ..scaling import compute_scale
+from ..tensor import QuantizedTensor, quantize, quantize_with_transpose, tensor_amax
+from .autocast import fp8_enabled, recipe_override
+from .linear import _BACKEND, FP8_STATE_KEYS, _knobs, _track_cache
+
+__all__ = [
+    "FP8Experts",
+    "convert_experts",
+    "experts_why_not",
+    "fp8_experts_forward",
+    "grouped_linear",
+    "is_experts_module",
+]
+
+PROJECTIONS = ("gate_up", "down")
+_EXPERT_STATE_KEYS = ("fp8_tokens_per_expert",)
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """A ``transformers`` experts module dispatched through ``ExpertsInterface`` (3-D expert weights)."""
+    return (
+        hasattr(module, "has_gate")
+        and hasattr(module, "is_transposed")
+        and hasattr(module, "num_experts")
+        and isinstance(getattr(module, "down_proj", None), nn.Parameter)
+        and module.down_proj.dim() == 3
+    )
+
+
+def _first_weight(module: nn.Module) -> nn.Parameter:
+    return module.gate_up_proj if module.has_gate else module.up_proj
+
+
+def experts_why_not(module: nn.Module, multiple: int = 16) -> str | None:
+    """Reason an experts module cannot run in FP8 (or ``None``)."""
+    if getattr(module, "_is_expert_parallel", False):
+        return "expert-parallel experts (sharded routing with sentinel ids) are not supported by fp8kit yet"
+    dims = {*_first_weight(module).shape[1:], *module.down_proj.shape[1:]}
+    if any(d % multiple for d in dims):
+        return f"expert dims {sorted(dims)} are not multiples of {multiple} (FP8 tensor cores need them)"
+    return None
+
+
+class FP8Experts:
+    """Mixin that ``convert_experts`` puts in front of an experts module's class (see the module doc)."""
+
+    def _init_fp8(self, recipe: Recipe, save_fp8_activations: bool, name: str) -> None:
+        if not isinstance(recipe, Recipe):
+            raise TypeError(f"recipe must be an fp8kit recipe, got {recipe!r}")
+        self.recipe = recipe
+        self.save_fp8_activations = save_fp8_activations
+        self.fp8_name = name or type(self).__name__
+        self._weight_cache: dict[int, tuple[Any, ...]] = {}
+        self.defer_scaling_update = False
+        e = self.num_experts
+        dev = self.down_proj.device
+        for key in ("fp8_amax_history", "fp8_scale", "fp8_seen", "fp8_amax_pending", "fp8_tokens_per_expert"):
+            self._buffers.pop(key, None)
+        self.register_buffer("fp8_tokens_per_expert", torch.zeros(e, device=dev), persistent=False)
+        if isinstance(recipe, DelayedScaling):
+            n = recipe.amax_history_len
+            self.register_buffer("fp8_amax_history", torch.zeros(2, 2 + e, n, device=dev))
+            self.register_buffer("fp8_scale", torch.ones(2, 2 + e, device=dev))
+            self.register_buffer("fp8_seen", torch.zeros(2, 2 + e, dtype=torch.int64, device=dev))
+            self.register_buffer("fp8_amax_pending", torch.full((2, 2 + e), -1.0, device=dev))
+
+    def active_recipe(self) -> Recipe:
+        return recipe_override() or self.recipe
+
+    def fp8_param(self, p: int) -> nn.Parameter:
+        """The 3-D weight of projection ``p`` (0: gate_up / up, 1: down) as stored."""
+        return _first_weight(self) if p == 0 else self.down_proj
+
+    def fp8_cached_weights(self) -> tuple[nn.Parameter, ...]:
+        return (self.fp8_param(0), self.fp8_param(1))
+
+    # ---- scaling -------------------------------------------------------------------------------
+    def quantize_activation(self, x: torch.Tensor, p: int, role: str, recipe: Recipe) -> QuantizedTensor:
+        """Quantize the routed tokens ``x`` ``(P, K)`` of projection ``p`` along K (layer-wide per-tensor
+        scale, or the recipe's per-token tiles)."""
+        fmt = recipe.format_for(role)
+        backend = _BACKEND["name"]
+        if isinstance(recipe, DelayedScaling) and recipe is self.recipe:
+            i = 0 if role == "input" else 1
+            amax = tensor_amax(x)
+            scale = torch.where(
+                self.fp8_seen[p, i] > 0, self.fp8_scale[p, i], compute_scale(amax, fmt, recipe.margin, previous=1.0)
+            )
+            q = quantize(x, fmt, "tensor", scale=scale, nonfinite="propagate", backend=backend, check_scale=False)
+            if self.training:
+                self._record_amax(p, i, amax.reshape(1))
+            return q
+        return quantize(x, fmt, recipe.granularity_for(role), nonfinite="propagate", backend=backend, **_knobs(recipe))
+
+    def quantize_both_ways(
+        self,
+        x: torch.Tensor,
+        dest: torch.Tensor | None,
+        rows: int,
+        p: int,
+        role: str,
+        recipe: Recipe,
+        group_ids: torch.Tensor,
+    ) -> tuple[QuantizedTensor, QuantizedTensor | GroupColumns]:
+        """``(padded x along K, its transpose along the tokens)`` for the tile recipes. Eager: one fused
+        kernel reads ``x`` once (as ``Linear`` does). Compiled: the transpose is padded on its own, so
+        that inductor does not fuse the two casts (its CPU loop-split pass asserts on that pair)."""
+        xp = _pad(x, dest, rows)
+        if recipe.kind not in ("block", "mxfp8"):
+            return self.quantize_activation(xp, p, role, recipe), self.quantize_along_tokens(
+                xp, role, recipe, group_ids
+            )
+        fmt, gran = recipe.format_for(role), recipe.granularity_for(role)
+        kw = {"nonfinite": "propagate", "backend": _BACKEND["name"], **_knobs(recipe)}
+        if not torch.compiler.is_compiling():
+            return quantize_with_transpose(xp, fmt, gran, **kw)
+        xpt = x.t().contiguous() if dest is None else x.new_zeros(x.shape[1], rows).index_copy(1, dest, x.t())
+        return quantize(xp, fmt, gran, **kw), quantize(xpt, fmt, gran, **kw)
+
+    def quantize_along_tokens(
+        self, xp: torch.Tensor, role: str, recipe: Recipe, group_ids: torch.Tensor
+    ) -> QuantizedTensor | GroupColumns:
+        """``xp.T`` quantized along the token dim for the weight-gradient GEMM (tile recipes)."""
+        fmt = recipe.format_for(role)
+        if recipe.kind == "rowwise":
+            return quantize_group_columns(xp, group_ids, self.num_experts, fmt)
+        return quantize(
+            xp.t().contiguous(),
+            fmt,
+            recipe.granularity_for(role),
+            nonfinite="propagate",
+            backend=_BACKEND["name"],
+            **_knobs(recipe),
+        )
+
+    def fp8_expert_weights(self, p: int, recipe: Recipe) -> tuple[GroupedWeight, GroupedWeight]:
+        """``(W (E, N, K) along K, W^T (E, K, N) along N)`` per expert; cached in eager mode until the
+        weight changes."""
+        param = self.fp8_param(p)
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
+            key = (param._version, param.data_ptr(), recipe)
+            hit = self._weight_cache.get(p)
+            if hit is not None and hit[0] == key:
+                return hit[1], hit[2]
+        with torch.no_grad():
+            w = param.detach()
+            w = w.transpose(1, 2) if self.is_transposed else w
+            w = w.contiguous()
+            fmt = recipe.format_for("weight")
+            backend = _BACKEND["name"]
+            if isinstance(recipe, DelayedScaling) and recipe is self.recipe:
+                amax = w.abs().amax(dim=(1, 2)).float()
+                fresh = compute_scale(amax, fmt, recipe.margin, previous=1.0)
+                scale = torch.where(self.fp8_seen[p, 2:] > 0, self.fp8_scale[p, 2:], fresh)
+                wq = quantize_experts(w, fmt, "tensor", scale=scale, backend=backend)
+                if self.training:
+                    self._record_amax(p, slice(2, None), amax)
+            else:
+                gran = "tensor" if recipe.per_tensor else recipe.granularity_for("weight")
+                wq = quantize_experts(w, fmt, gran, backend=backend, **_knobs(recipe))
+            if recipe.per_tensor or recipe.kind == "block":
+                wq_t = wq.transpose()
+            else:
+                wq_t = quantize_experts(
+                    w.transpose(1, 2).contiguous(),
+                    fmt,
+                    recipe.granularity_for("weight"),
+                    backend=backend,
+                    **_knobs(recipe),
+                )
+        if not compiling:
+            self._weight_cache[p] = (key, wq, wq_t)
+            _track_cache(self)
+        return wq, wq_t
+
+    def release_fp8_weights(self) -> None:
+        self._weight_cache = {}
+
+    @torch.no_grad()
+    def _record_amax(self, p: int, slots: int | slice, amax: torch.Tensor) -> None:
+        pending = self.fp8_amax_pending[p, slots]
+        amax = amax.float().reshape(pending.shape)
+        self.fp8_amax_pending[p, slots] = torch.where(torch.isfinite(amax), torch.maximum(pending, amax), pending)
+        if not self.defer_scaling_update:
+            self.fold_amax_pending()
+
+    @torch.no_grad()
+    def fold_amax_pending(self) -> None:
+        """Move pending amaxes into the histories and recompute those scales (in place, no sync)."""
+        recipe = self.recipe
+        if not isinstance(recipe, DelayedScaling):
+            return
+        pending, hist = self.fp8_amax_pending, self.fp8_amax_history
+        has = pending >= 0
+        rolled = torch.roll(hist, 1, dims=-1)
+        rolled[..., 0] = pending.clamp_min(0)
+        hist.copy_(torch.where(has[..., None], rolled, hist))
+        self.fp8_seen.add_(has.to(torch.int64))
+        ref = hist.amax(dim=-1) if recipe.amax_compute_algo == "max" else hist[..., 0]
+        prev = self.fp8_scale
+        fwd = compute_scale(ref, E4M3, recipe.margin, previous=prev)
+        bwd = compute_scale(ref, recipe.format_for("grad"), recipe.margin, previous=prev)
+        grad_slot = torch.arange(prev.shape[1], device=prev.device) == 1
+        self.fp8_scale.copy_(torch.where(has, torch.where(grad_slot, bwd, fwd), prev))
+        pending.copy_(torch.where(has, torch.full_like(pending, -1.0), pending))
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.frombuffer(bytearray(self.recipe.to_json().encode()), dtype=torch.uint8).clone()
+
+    def set_extra_state(self, state: Any) -> None:
+        if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
+            raise ValueError(f"{self.fp8_name}: FP8 state in the checkpoint is not fp8kit's (expected a uint8 tensor)")
+        other = Recipe.from_json(bytes(state.cpu().tolist()).decode())
+        if other != self.recipe:
+            raise ValueError(
+                f"{self.fp8_name}: checkpoint was written with recipe {other} but this model uses {self.recipe}; "
+                "convert the model with the checkpoint's recipe, or load fp8kit.nn.strip_fp8_state(state_dict)"
+            )
+        self._weight_cache = {}
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        super()._load_from_state_dict(  # type: ignore[misc]
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        fresh = {prefix + k for k in FP8_STATE_KEYS}
+        missing_keys[:] = [k for k in missing_keys if k not in fresh]
+        self._weight_cache = {}
+
+
+@functools.cache
+def _fp8_class(cls: type) -> type:
+    return type(f"FP8{cls.__name__}", (FP8Experts, cls), {"__module__": __name__, "__qualname__": f"FP8{cls.__name__}"})
+
+
+def convert_experts(
+    module: nn.Module, recipe: Recipe, *, save_fp8_activations: bool = True, name: str = ""
+) -> nn.Module:
+    """Make an experts module compute in FP8, in place (class swap + FP8 state) and return it."""
+    if not is_experts_module(module):
+        raise TypeError(f"{name or type(module).__name__} is not a transformers experts module with 3-D weights")
+    if isinstance(module, FP8Experts):
+        return module
+    why = experts_why_not(module)
+    if why:
+        raise ValueError(f"cannot convert {name or 'these experts'} to FP8: {why}")
+    old = module.__class__
+    module.__class__ = _fp8_class(old)
+    try:
+        module._init_fp8(recipe, save_fp8_activations, name)  # type: ignore[attr-defined]
+    except BaseException:
+        module.__class__ = old
+        raise
+    return module
+
+
+# ---- routing ----------------------------------------------------------------------------------------
+
+
+def _alignment(recipe: Recipe) -> int:
+    """Rows each expert's group is padded to a multiple of (tiles along the token dim of the wgrad GEMM)."""
+    if recipe.kind == "block":
+        return recipe.block_size  # type: ignore[attr-defined]
+    if recipe.kind == "mxfp8":
+        return 32
+    return 1
+
+
+def routing_plan(expert_ids_sorted: torch.Tensor, num_experts: int, align: int):
+    """``(tokens per expert (E,) float32, offs (E,) int32, group id per row, dest rows or None, rows)``.
+
+    With ``align > 1`` the sorted token ``j`` of expert ``e`` goes to padded row ``dest[j]``; each
+    expert's group starts at a multiple of ``align`` and ``rows`` (static) bounds the padded total."""
+    s = expert_ids_sorted.numel()
+    dev = expert_ids_sorted.device
+    counts = torch.histc(expert_ids_sorted.float(), bins=num_experts, min=0, max=num_experts - 1)
+    if align == 1:
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        return counts, offs, expert_ids_sorted, None, s
+    n = counts.long()
+    padded = (n + align - 1) // align * align
+    ends, pends = torch.cumsum(n, 0), torch.cumsum(padded, 0)
+    dest = torch.arange(s, device=dev) - (ends - n)[expert_ids_sorted] + (pends - padded)[expert_ids_sorted]
+    rows = -(-(s + num_experts * (align - 1)) // align) * align
+    group_ids = torch.searchsorted(pends, torch.arange(rows, device=dev), right=True).clamp_max(num_experts - 1)
+    return counts, pends.to(torch.int32), group_ids, dest, rows
+
+
+def _pad(x: torch.Tensor, dest: torch.Tensor | None, rows: int) -> torch.Tensor:
+    if dest is None:
+        return x
+    return x.new_zeros(rows, x.shape[1]).index_copy(0, dest, x)
+
+
+def _pack(obj: Any) -> tuple[list[torch.Tensor], Any]:
+    """Split an operand (tensor, QuantizedTensor, GroupedWeight, GroupColumns or None) into tensors to
+    save for backward and the metadata that rebuilds it."""
+    if obj is None or isinstance(obj, torch.Tensor):
+        return ([] if obj is None else [obj]), None
+    names = [f.name for f in dataclasses.fields(obj) if isinstance(getattr(obj, f.name), torch.Tensor)]
+    if isinstance(obj, QuantizedTensor):
+        names = ["data", "scales"]  # values / amax are not needed in backward
+    other = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.name not in names}
+    if isinstance(obj, QuantizedTensor):
+        other.update(amax=None, values=None)
+    return [getattr(obj, n) for n in names], (type(obj), names, other)
+
+
+def _unpack(tensors: tuple[torch.Tensor, ...], meta: Any) -> Any:
+    if meta is None:
+        return tensors[0] if tensors else None
+    cls, names, other = meta
+    return cls(**dict(zip(names, tensors, strict=True)), **other)
+
+
+class _GroupedLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, offs, group_ids, dest, module: FP8Experts, p: int, recipe: Recipe, rows: int):  # type: ignore[override]
+        saved_x: Any = None
+        if ctx.needs_input_grad[1] and module.save_fp8_activations and not recipe.per_tensor:
+            xq, saved_x = module.quantize_both_ways(x, dest, rows, p, "input", recipe, group_ids)
+        else:
+            xp = _pad(x, dest, rows)
+            xq = module.quantize_activation(xp, p, "input", recipe)
+            if ctx.needs_input_grad[1]:
+                saved_x = xq if module.save_fp8_activations else xp
+        wq, wq_t = module.fp8_expert_weights(p, recipe)
+        out = grouped_gemm(xq, wq, offs, group_ids, x.dtype, kind="forward")
+        if dest is not None:
+            out = out[dest]
+        x_tensors, ctx.x_meta = _pack(saved_x)
+        w_tensors, ctx.w_meta = _pack(wq_t)
+        ctx.num_saved_activations = len(x_tensors)
+        ctx.num_weight = len(w_tensors)
+        ctx.save_for_backward(*x_tensors, *w_tensors, offs, group_ids, *([] if dest is None else [dest]))
+        ctx.module, ctx.p, ctx.recipe, ctx.rows = module, p, recipe, rows
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        module: FP8Experts = ctx.module
+        recipe: Recipe = ctx.recipe
+        saved = ctx.saved_tensors
+        nx, nw = ctx.num_saved_activations, ctx.num_weight
+        saved_x = _unpack(saved[:nx], ctx.x_meta)
+        wq_t = _unpack(saved[nx : nx + nw], ctx.w_meta)
+        offs, group_ids, *rest = saved[nx + nw :]
+        dest = rest[0] if rest else None
+        g = grad_out.contiguous()
+        g_tok: Any = None
+        if ctx.needs_input_grad[1] and not recipe.per_tensor:
+            gq, g_tok = module.quantize_both_ways(g, dest, ctx.rows, ctx.p, "grad", recipe, group_ids)
+        else:
+            gq = module.quantize_activation(_pad(g, dest, ctx.rows), ctx.p, "grad", recipe)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = grouped_gemm(gq, wq_t, offs, group_ids, ctx.x_dtype, kind="dgrad")
+            if dest is not None:
+                dx = dx[dest]
+        if ctx.needs_input_grad[1]:
+            if recipe.per_tensor:
+                g_tok = gq.t()
+                if isinstance(saved_x, QuantizedTensor):
+                    x_tok = saved_x.t()
+                else:
+                    x_tok = module.quantize_activation(saved_x, ctx.p, "input", recipe).t()
+            else:
+                x_tok = (
+                    saved_x
+                    if not isinstance(saved_x, torch.Tensor)
+                    else module.quantize_along_tokens(saved_x, "input", recipe, group_ids)
+                )
+            dw = grouped_gemm_wgrad(g_tok, x_tok, offs, ctx.w_dtype)
+            if module.is_transposed:
+                dw = dw.transpose(1, 2)
+        return dx, dw, None, None, None, None, None, None, None
+
+
+def _fallback_forward(module: nn.Module):
+    """The experts forward in use before conversion (unconverted modules, or FP8 disabled)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    original = getattr(type(module).forward, "__wrapped__", None)
+    name = getattr(module, "_fp8kit_fallback", "grouped_mm")
+    if name in (None, "eager") and original is not None:
+        return original
+    return ALL_EXPERTS_FUNCTIONS.get_interface("grouped_mm" if name in (None, "eager", "fp8kit") else name, original)
+
+
+def grouped_linear(
+    x: torch.Tensor,
+    module: FP8Experts,
+    projection: int,
+    expert_ids_sorted: torch.Tensor,
+    recipe: Recipe | None = None,
+) -> torch.Tensor:
+    """One FP8 expert projection: ``out[j] = x[j] @ W[e_j].T`` for tokens ``x`` ``(S, K)`` sorted by expert
+    (``expert_ids_sorted`` ``(S,)``, ascending), ``W`` the module's projection ``0`` (gate_up / up) or ``1``
+    (down) as ``(E, N, K)``; differentiable in ``x`` and the weight. No bias."""
+    recipe = recipe or module.active_recipe()
+    counts, offs, group_ids, dest, rows = routing_plan(expert_ids_sorted, module.num_experts, _alignment(recipe))
+    with torch.no_grad():
+        module.fp8_tokens_per_expert.copy_(counts)
+    return _GroupedLinearFn.apply(
+        x, module.fp8_param(projection), offs, group_ids, dest, module, projection, recipe, rows
+    )
+
+
+def fp8_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """The ``"fp8kit"`` experts implementation: ``grouped_mm_experts_forward`` with FP8 grouped GEMMs.
+
+    ``hidden_states`` ``(T, H)``, ``top_k_index`` / ``top_k_weights`` ``(T, k)``; returns ``(T, H)``."""
+    if not isinstance(self, FP8Experts) or not fp8_enabled():
+        return _fallback_forward(self)(self, hidden_states, top_k_index, top_k_weights)
+    if getattr(self, "_is_expert_parallel", False):
+        raise NotImplementedError(f"{self.fp8_name}: fp8kit experts do not support expert parallelism yet")
+    recipe = self.active_recipe()
+    if recipe.kind in ("block", "mxfp8") and torch.compiler.is_compiling():
+        raise NotImplementedError(
+            f"{self.fp8_name}: MoE experts with the {recipe.kind} recipe do not run under torch.compile yet "
+            "(inductor gives wrong input gradients for the padded tile path); run them eagerly, or use the "
+            "delayed, current or rowwise recipe"
+        )
+    num_top_k = top_k_index.size(-1)
+    num_tokens, hidden_dim = hidden_states.shape
+    expert_ids = top_k_index.reshape(-1)
+    sample_weights = top_k_weights.reshape(-1)
+    expert_ids_g, perm = torch.sort(expert_ids, stable=True)
+    x = hidden_states[perm // num_top_k]
+    counts, offs, group_ids, dest, rows = routing_plan(expert_ids_g, self.num_experts, _alignment(recipe))
+    with torch.no_grad():
+        self.fp8_tokens_per_expert.copy_(counts)
+    proj = _GroupedLinearFn.apply(x, self.fp8_param(0), offs, group_ids, dest, self, 0, recipe, rows)
+    if self.has_bias:
+        bias = self.gate_up_proj_bias if self.has_gate else self.up_proj_bias
+        proj = proj + bias[expert_ids_g].to(proj.dtype)
+    proj = self._apply_gate(proj) if self.has_gate else self.act_fn(proj)
+    proj = _GroupedLinearFn.apply(proj, self.down_proj, offs, group_ids, dest, self, 1, recipe, rows)
+    if self.has_bias:
+        proj = proj + self.down_proj_bias[expert_ids_g].to(proj.dtype)
+    if self.has_post_expert_norm:
+        proj = self.post_expert_norm(proj)
+    weighted = proj * sample_weights[perm].unsqueeze(-1).to(proj.dtype)
+    inv_perm = torch.empty_like(perm)
+    inv_perm[perm] = torch.arange(perm.numel(), device=perm.device)
+    out = weighted[inv_perm].view(num_tokens, num_top_k, hidden_dim).sum(dim=1)
+    return out.to(hidden_states.dtype)
