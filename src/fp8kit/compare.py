@@ -31,9 +31,9 @@ from .nn import to_bf16_gemms
 from .pretrained_ptq import (  # re-exported: the names `fp8kit compare` users and the CLI import from here
     DEFAULT_KEEP_BF16,
     DEFAULT_NORM_TWEAK,
-    _linear_weights,
     calibration_for,
     calibration_loop,
+    linear_weight_count,
     load_splits,
     ptq_settings,
     quantizable_layers,
@@ -209,7 +209,7 @@ def compare_schemes(
                 extra["norm_tweak"] = dataclasses.asdict(model.ptq_report.norm_tweak)
             if "kept_bf16" in extra:
                 kept = sum(base.get_submodule(n).weight.numel() for n in extra["kept_bf16"])
-                extra["kept_bf16_weight_fraction"] = kept / _linear_weights(base)
+                extra["kept_bf16_weight_fraction"] = kept / linear_weight_count(base)
         qtime = time.perf_counter() - t0
         losses[name] = {t: window_losses(model, w) for t, w in evals.items()}
         prefill, decode = time_per_token(model, prompt, new_tokens=16) if timing else (float("nan"), float("nan"))

@@ -25,6 +25,7 @@ __all__ = [
     "DEFAULT_NORM_TWEAK",
     "calibration_for",
     "calibration_loop",
+    "linear_weight_count",
     "load_splits",
     "ptq_settings",
     "quantizable_layers",
@@ -46,7 +47,7 @@ def quantizable_layers(model: nn.Module) -> int:
     return len(_quantizable(model))
 
 
-def _linear_weights(model: nn.Module) -> int:
+def linear_weight_count(model: nn.Module) -> int:
     """Weights of the Linear layers ``quantize`` quantizes by default."""
     return sum(m.weight.numel() for m in _quantizable(model))
 
