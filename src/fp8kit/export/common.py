@@ -13,6 +13,7 @@ import json
 import os
 import secrets
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +218,24 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
     """Put ``new`` in the place of the submodule ``name``."""
     parent, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, attr, new)
+
+
+def load_layer(model: nn.Module, path: Any, name: str, build: Callable[[nn.Linear], nn.Module]) -> None:
+    """Replace the ``nn.Linear`` ``name`` with ``build(linear)``, the layer made from a checkpoint's tensors;
+    a missing tensor or a wrong shape raises ``ExportError`` naming the checkpoint and the tensor."""
+    lin = model.get_submodule(name)
+    try:
+        new = build(lin)
+    except KeyError as err:
+        raise ExportError(f"{path}: tensor {err.args[0]} is missing") from err
+    except RuntimeError as err:
+        raise ExportError(f"{path}: tensors of {name} have the wrong shape ({err})") from err
+    if tuple(new.weight.shape) != (lin.out_features, lin.in_features):
+        raise ExportError(
+            f"{path}: {name}.weight has shape {tuple(new.weight.shape)}, the model needs "
+            f"{(lin.out_features, lin.in_features)}"
+        )
+    replace_module(model, name, new)
 
 
 def load_rest(model: nn.Module, path: Path, tensors: dict[str, torch.Tensor], replaced: list[str], dtype) -> None:

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from ..ptq.linear import QuantLinear
 from ..ptq.schemes import SCHEMES, Scheme
-from .common import ExportError, load_rest, model_from_config, read_tensors, replace_module
+from .common import ExportError, load_layer, load_rest, model_from_config, read_tensors
 
 __all__ = ["QUANT_METHOD", "export_tensors", "load", "pack_int8", "quantization_config", "unpack_int8"]
 
@@ -166,30 +166,22 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
     tensors = read_tensors(path)
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and _matches(n, m, targets)]
     names = [n for n in names if not _matches(n, model.get_submodule(n), ignore)]
-    for name in names:
-        lin = model.get_submodule(name)
+    def build(name: str, lin: nn.Linear) -> QuantLinear:
         q = QuantLinear(lin.in_features, lin.out_features, lin.bias is not None, scheme)
-        try:
-            if fmt == "pack-quantized":
-                q.weight = unpack_int8(tensors.pop(f"{name}.weight_packed"), lin.in_features)
-                tensors.pop(f"{name}.weight_shape", None)
-            else:
-                q.weight = tensors.pop(f"{name}.weight").to(scheme.weight_format.dtype)
-            q.weight_scale = tensors.pop(f"{name}.weight_scale").float().reshape(q.weight_scale.shape)
-            if scheme.static_activations:
-                q.input_scale = tensors.pop(f"{name}.input_scale").float().reshape(1)
-            if lin.bias is not None:
-                q.bias = tensors.pop(f"{name}.bias").float()
-        except KeyError as err:
-            raise ExportError(f"{path}: tensor {err.args[0]} is missing") from err
-        except RuntimeError as err:
-            raise ExportError(f"{path}: tensors of {name} have the wrong shape ({err})") from err
-        if tuple(q.weight.shape) != (lin.out_features, lin.in_features):
-            raise ExportError(
-                f"{path}: {name}.weight has shape {tuple(q.weight.shape)}, the model needs "
-                f"{(lin.out_features, lin.in_features)}"
-            )
-        replace_module(model, name, q)
+        if fmt == "pack-quantized":
+            q.weight = unpack_int8(tensors.pop(f"{name}.weight_packed"), lin.in_features)
+            tensors.pop(f"{name}.weight_shape", None)
+        else:
+            q.weight = tensors.pop(f"{name}.weight").to(scheme.weight_format.dtype)
+        q.weight_scale = tensors.pop(f"{name}.weight_scale").float().reshape(q.weight_scale.shape)
+        if scheme.static_activations:
+            q.input_scale = tensors.pop(f"{name}.input_scale").float().reshape(1)
+        if lin.bias is not None:
+            q.bias = tensors.pop(f"{name}.bias").float()
+        return q
+
+    for name in names:
+        load_layer(model, path, name, lambda lin, name=name: build(name, lin))
     kv_scales = {k: tensors.pop(k) for k in list(tensors) if k.endswith((".k_scale", ".v_scale"))}
     load_rest(model, path, tensors, names, dtype)
     return model, scheme.name, names, kv_scales, bool(qc.get("kv_cache_scheme"))

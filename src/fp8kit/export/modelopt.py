@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from ..ptq.linear import QuantLinear
 from .block_linear import BlockQuantLinear
-from .common import ExportError, load_rest, model_from_config, read_tensors, replace_module
+from .common import ExportError, load_layer, load_rest, model_from_config, read_tensors
 from .support import BLOCK_SCHEME, MODELOPT_ALGOS
 
 __all__ = ["HF_QUANT_CONFIG", "QUANT_METHOD", "export_tensors", "hf_quant_config", "load", "quantization_config"]
@@ -153,19 +153,7 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
         if isinstance(m, nn.Linear) and not _excluded(n, exclude) and f"{n}.weight" in tensors
     ]
     for name in names:
-        lin = model.get_submodule(name)
-        try:
-            new = _layer(tensors, name, lin, scheme)
-        except KeyError as err:
-            raise ExportError(f"{path}: tensor {err.args[0]} is missing") from err
-        except RuntimeError as err:
-            raise ExportError(f"{path}: tensors of {name} have the wrong shape ({err})") from err
-        if tuple(new.weight.shape) != (lin.out_features, lin.in_features):
-            raise ExportError(
-                f"{path}: {name}.weight has shape {tuple(new.weight.shape)}, the model needs "
-                f"{(lin.out_features, lin.in_features)}"
-            )
-        replace_module(model, name, new)
+        load_layer(model, path, name, lambda lin, name=name: _layer(tensors, name, lin, scheme))
     kv_scales = {k: tensors.pop(k) for k in list(tensors) if k.endswith((".k_proj.k_scale", ".v_proj.v_scale"))}
     load_rest(model, path, tensors, names, dtype)
     return model, scheme, names, kv_scales, kv_algo == "FP8"
