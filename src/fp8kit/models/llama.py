@@ -34,11 +34,10 @@ def _size(size: str) -> tuple[int, int, int, int]:
     return MODEL_SIZES[size]
 
 
-def build_llama(size: str = "small", vocab_size: int = 256, max_seq_len: int = 512, seed: int = 0) -> torch.nn.Module:
-    """A freshly initialised ``LlamaForCausalLM`` of one of ``MODEL_SIZES`` (seeded)."""
-    tf = _transformers()
+def _decoder_config(size: str, vocab_size: int, max_seq_len: int) -> dict:
+    """The settings both demo decoders share: ``MODEL_SIZES[size]``'s attention, byte vocabulary, untied head."""
     hidden, layers, heads, inter = _size(size)
-    cfg = tf.LlamaConfig(
+    return dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=inter,
@@ -50,6 +49,12 @@ def build_llama(size: str = "small", vocab_size: int = 256, max_seq_len: int = 5
         tie_word_embeddings=False,
         attn_implementation="sdpa",
     )
+
+
+def build_llama(size: str = "small", vocab_size: int = 256, max_seq_len: int = 512, seed: int = 0) -> torch.nn.Module:
+    """A freshly initialised ``LlamaForCausalLM`` of one of ``MODEL_SIZES`` (seeded)."""
+    tf = _transformers()
+    cfg = tf.LlamaConfig(**_decoder_config(size, vocab_size, max_seq_len))
     torch.manual_seed(seed)
     return tf.LlamaForCausalLM(cfg)
 
@@ -62,25 +67,16 @@ def build_qwen3_moe(
     weights, and the router's load-balancing loss returned as ``output.aux_loss`` (``output_router_logits``
     on; ``output.router_logits`` holds each layer's ``(tokens, experts)`` router logits)."""
     tf = _transformers()
-    hidden, layers, heads, inter = _size(size)
+    hidden, _, heads, inter = _size(size)
     cfg = tf.Qwen3MoeConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=inter,  # unused: every layer is sparse (decoder_sparse_step 1)
+        **_decoder_config(size, vocab_size, max_seq_len),  # intermediate_size unused: every layer is sparse
         moe_intermediate_size=inter // 4,
         num_experts=MOE_EXPERTS,
         num_experts_per_tok=MOE_TOP_K,
         norm_topk_prob=True,
         router_aux_loss_coef=MOE_AUX_LOSS_COEF,
         output_router_logits=True,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
         head_dim=hidden // heads,
-        max_position_embeddings=max_seq_len,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
     )
     torch.manual_seed(seed)
     return tf.Qwen3MoeForCausalLM(cfg)
