@@ -111,6 +111,10 @@ def experts_why_not(module: nn.Module, multiple: int = 16) -> str | None:
 class FP8Experts:
     """Mixin that ``convert_experts`` puts in front of an experts module's class (see the module doc)."""
 
+    # state slots (``fp8_scale[p, slots]`` ...) of this module's expert weights; expert parallelism
+    # (``fp8kit.distributed.expert_parallel``) narrows it to the slots of the experts a rank holds
+    fp8_weight_slots = slice(2, None)
+
     def _init_fp8(self, recipe: Recipe, save_fp8_activations: bool, name: str) -> None:
         if not isinstance(recipe, Recipe):
             raise TypeError(f"recipe must be an fp8kit recipe, got {recipe!r}")
@@ -219,10 +223,11 @@ class FP8Experts:
             if isinstance(recipe, DelayedScaling) and recipe is self.recipe:
                 amax = w.abs().amax(dim=(1, 2)).float()
                 fresh = compute_scale(amax, fmt, recipe.margin, previous=1.0)
-                scale = torch.where(self.fp8_seen[p, 2:] > 0, self.fp8_scale[p, 2:], fresh)
+                slots = self.fp8_weight_slots
+                scale = torch.where(self.fp8_seen[p, slots] > 0, self.fp8_scale[p, slots], fresh)
                 wq = quantize_experts(w, fmt, "tensor", scale=scale, backend=backend)
                 if self.training:
-                    self._record_amax(p, slice(2, None), amax)
+                    self._record_amax(p, slots, amax)
             else:
                 gran = "tensor" if recipe.per_tensor else recipe.granularity_for("weight")
                 wq = quantize_experts(w, fmt, gran, backend=backend, **_knobs(recipe))
