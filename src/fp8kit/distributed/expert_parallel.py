@@ -85,7 +85,7 @@ from ..nn.autocast import fp8_enabled
 from ..nn.experts import FP8Experts, _alignment, is_experts_module, routing_plan
 from ..nn.linear import _BACKEND, _knobs
 from ..recipes import DelayedScaling, Recipe
-from ..scaling import compute_scale
+from ..scaling import compute_scale, parse_granularity
 from ..tensor import QuantizedTensor, quantize, tensor_amax
 from .scaling import _COUNTS
 
@@ -211,7 +211,9 @@ class _Dispatch(torch.autograd.Function):
             return _all_to_all(x, out_splits, in_splits, group, "dispatch")
         fmt, gran, scale, kw = plan["fp8"]
         backend = _BACKEND["name"]
-        if scale is not None:
+        if x.shape[0] == 0:  # this rank sends no token (e.g. all its pairs dropped)
+            q = _empty_quantized(x, fmt, gran, scale)
+        elif scale is not None:
             q = quantize(x, fmt, "tensor", scale=scale, nonfinite="propagate", backend=backend, check_scale=False)
         else:
             q = quantize(x, fmt, gran, nonfinite="propagate", backend=backend, **kw)
@@ -262,6 +264,20 @@ def _rows(q: QuantizedTensor, index: torch.Tensor) -> QuantizedTensor:
     scales = q.scales[index] if per_row else q.scales
     block = q.block if per_row else (max(data.shape[0], 1), data.shape[1])
     return QuantizedTensor(data, scales, q.fmt, q.granularity, block, q.orig_dtype)
+
+
+def _empty_quantized(x: torch.Tensor, fmt: Any, gran: Any, scale: torch.Tensor | None) -> QuantizedTensor:
+    """The quantized form of ``x`` with zero rows (``quantize`` refuses empty tensors; under EP a rank may
+    send or receive no token and must still run every step's collectives)."""
+    granularity = parse_granularity("tensor" if scale is not None else gran)
+    k = x.shape[1]
+    data = x.new_empty(x.shape, dtype=fmt.dtype)
+    if granularity.kind == "tensor":
+        scales = (torch.ones(()) if scale is None else scale).reshape(1, 1).float().to(x.device)
+        return QuantizedTensor(data, scales, fmt, granularity, (1, k), x.dtype)
+    block = granularity.block_shape(1, k)
+    scales = x.new_zeros((0, -(-k // block[1])), dtype=torch.uint8 if granularity.is_mx else torch.float32)
+    return QuantizedTensor(data, scales, fmt, granularity, block, x.dtype)
 
 
 def _safe_amax(x: torch.Tensor) -> torch.Tensor:
@@ -354,6 +370,9 @@ class ExpertParallel:
         pinned = self._take_pinned(p, role)
         if pinned is not None:
             return pinned  # received in FP8: the GEMM operand as is
+        if self.ep_size > 1 and x.shape[0] == 0:  # no token reached this rank's experts
+            scale = self.agreed_scale(x, p, role, recipe) if recipe.per_tensor else None
+            return _empty_quantized(x, recipe.format_for(role), recipe.granularity_for(role), scale)
         if self.ep_size > 1 and recipe.per_tensor:
             scale = self.agreed_scale(x, p, role, recipe)
             return quantize(
