@@ -300,7 +300,7 @@ def _assert_follows(ranks: list[dict], ref: dict, recipe: str, world: int) -> No
                     continue  # re-quantized operand: bounded in test_rowwise_gate_up_weight_gradient
                 torch.testing.assert_close(g, want, rtol=1e-6, atol=1e-8)
         if recipe == "rowwise":  # step 2 starts from the update of the re-quantized gate/up weight gradient
-            assert got["losses"] == pytest.approx(ref["losses"], rel=1e-3)
+            assert got["losses"] == pytest.approx(ref["losses"], rel=1e-4)
             continue
         assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6)
         for mine, full in zip(got["weights"], ref["weights"], strict=True):
