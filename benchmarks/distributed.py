@@ -197,6 +197,23 @@ def _mlp_stack(hidden: int, blocks: int) -> torch.nn.Module:
     return Stack()
 
 
+def _init_process_group(rank: int, world: int, port: int | None) -> tuple[torch.device, bool]:
+    """Join the process group: NCCL under torchrun on GPUs, else gloo (torchrun's env, or our spawn's port)."""
+    import torch.distributed as dist
+
+    cuda = port is None and torch.cuda.is_available()  # under torchrun on GPUs: NCCL
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl")
+    elif port is None:
+        dist.init_process_group("gloo")
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    return device, cuda
+
+
 def _tp_worker(rank: int, world: int, port: int | None, args: argparse.Namespace, out: str) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -212,16 +229,7 @@ def _tp_worker(rank: int, world: int, port: int | None, args: argparse.Namespace
     )
     from fp8kit.nn import convert
 
-    cuda = port is None and torch.cuda.is_available()  # under torchrun on GPUs: NCCL
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl")
-    elif port is None:
-        dist.init_process_group("gloo")
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    device, cuda = _init_process_group(rank, world, port)
     _count_bytes()
     mesh = init_device_mesh(device.type, (world,))
     runs = {}
@@ -320,16 +328,7 @@ def _ep_worker(rank: int, world: int, port: int | None, args: argparse.Namespace
     from fp8kit.distributed.expert_parallel import expert_parallel_stats, parallelize_experts
     from fp8kit.nn import convert
 
-    cuda = port is None and torch.cuda.is_available()  # under torchrun on GPUs: NCCL
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl")
-    elif port is None:
-        dist.init_process_group("gloo")
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    device, cuda = _init_process_group(rank, world, port)
     if not cuda:  # the routed token counts change every step: eager kernels, no per-shape recompilation
         from fp8kit.kernels import set_compile_enabled
         from fp8kit.nn import set_quantize_backend

@@ -226,6 +226,10 @@ def _scenarios(mesh, rank: int, world: int) -> dict:
     part = slice(rank * BATCH, (rank + 1) * BATCH)
     recipes = RECIPES if world == 2 else ("current",)
     res: dict = {r: train(_ep_model(r, mesh), world, part, mesh.get_group()) for r in recipes}
+    if world == 2:  # the control: the same EP machinery without FP8
+        res["high_precision"] = train(_ep_model("current", mesh), world, part, mesh.get_group(), fp8=False)
+        sd = _ep_model("current", mesh).state_dict()["blocks.0.experts.down_proj"]
+        res["state_dict"] = (type(sd).__name__, str(sd.placements), list(sd.shape), list(sd.to_local().shape))
     res["capacity"] = _capacity_run(mesh, rank, world)
     experts = 6 if world == 4 else 5
     res["not_divisible"] = _error(lambda: parallelize_experts(make("current", num_experts=experts), mesh))
@@ -315,6 +319,16 @@ def test_ep2_follows_one_process(ep2, recipe):
 
 def test_ep4_follows_one_process(ep4):
     _assert_follows([rank["current"] for rank in ep4], _one_process("current", 4), "current", 4)
+
+
+def test_ep2_without_fp8_follows_one_process(ep2):
+    """The control: the same dispatch / combine machinery in high precision."""
+    _assert_follows([rank["high_precision"] for rank in ep2], _one_process("current", 2, fp8=False), "current", 2)
+
+
+def test_state_dict_says_which_experts_a_rank_holds(ep2):
+    # DTensor sharded along the experts: global shape (E, H, INTER), this rank's E / 2 experts
+    assert ep2[0]["state_dict"] == ("DTensor", "(Shard(dim=0),)", [E, H, INTER], [E // 2, H, INTER])
 
 
 def test_rowwise_gate_up_weight_gradient(ep2):

@@ -335,10 +335,17 @@ class ExpertParallel:
 
     # -- scale agreement (per-tensor recipes) --
     def _max_over_group(self, amax: torch.Tensor) -> torch.Tensor:
+        """MAX over the EP group, and over the data-parallel group of ``enable_fp8_distributed`` when it was
+        given another one (a (dp, ep) mesh: MAX over the row, then the column, is MAX over the mesh)."""
+        reducer = getattr(self, "amax_reduce", None)
+        if reducer is not None and reducer.group is None:  # the default group holds the EP group
+            return reducer(amax.detach().float()).reshape(())
         out = amax.detach().float().reshape(1).clone()
         if self.ep_group is not None:
             dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.ep_group)
             _COUNTS["ep_amax"] += 1
+        if reducer is not None and reducer.group is not self.ep_group:
+            out = reducer(out)
         return out.reshape(())
 
     def agreed_scale(self, x: torch.Tensor, p: int, role: str, recipe: Recipe) -> torch.Tensor:
