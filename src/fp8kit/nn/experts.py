@@ -118,7 +118,11 @@ class FP8Experts:
         self.save_fp8_activations = save_fp8_activations
         self.fp8_name = name or type(self).__name__
         self._weight_cache: dict[int, tuple[Any, ...]] = {}
+        # Under torch.distributed (``fp8kit.distributed.enable_fp8_distributed``): delayed scaling defers its
+        # history update to the per-step batched sync, and per-tensor current scaling MAX-reduces its
+        # activation amaxes over the ranks (the weights are whole, or gathered whole, on every rank).
         self.defer_scaling_update = False
+        self.amax_reduce: Any = None
         e = self.num_experts
         dev = self.down_proj.device
         for key in ("fp8_amax_history", "fp8_scale", "fp8_seen", "fp8_amax_pending", "fp8_tokens_per_expert"):
@@ -157,6 +161,10 @@ class FP8Experts:
             if self.training:
                 self._record_amax(p, i, amax.reshape(1))
             return q
+        if self.amax_reduce is not None and recipe.per_tensor:  # one scale from the global amax over ranks
+            amax = self.amax_reduce(tensor_amax(x))
+            scale = compute_scale(amax, fmt, getattr(recipe, "margin", 0), getattr(recipe, "power_of_two", False))
+            return quantize(x, fmt, "tensor", scale=scale, nonfinite="propagate", backend=backend, check_scale=False)
         return quantize(x, fmt, recipe.granularity_for(role), nonfinite="propagate", backend=backend, **_knobs(recipe))
 
     def quantize_both_ways(
