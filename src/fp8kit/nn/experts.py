@@ -103,7 +103,10 @@ def _first_weight(module: nn.Module) -> nn.Parameter:
 def experts_why_not(module: nn.Module, multiple: int = 16) -> str | None:
     """Reason an experts module cannot run in FP8 (or ``None``)."""
     if getattr(module, "_is_expert_parallel", False):
-        return "expert-parallel experts (sharded routing with sentinel ids) are not supported by fp8kit yet"
+        return (
+            "transformers' own expert parallelism (sharded routing with sentinel ids) is not supported; load the "
+            "model without it and use fp8kit.distributed.expert_parallel.parallelize_experts"
+        )
     dims = {*_first_weight(module).shape[1:], *module.down_proj.shape[1:]}
     if any(d % multiple for d in dims):
         return f"expert dims {sorted(dims)} are not multiples of {multiple} (FP8 tensor cores need them)"
@@ -536,7 +539,10 @@ def fp8_experts_forward(
     if not isinstance(self, FP8Experts) or not fp8_enabled():
         return _fallback_forward(self)(self, hidden_states, top_k_index, top_k_weights)
     if getattr(self, "_is_expert_parallel", False):
-        raise NotImplementedError(f"{self.fp8_name}: fp8kit experts do not support expert parallelism yet")
+        raise NotImplementedError(
+            f"{self.fp8_name}: transformers' own expert parallelism is not supported by fp8kit experts; use "
+            "fp8kit.distributed.expert_parallel.parallelize_experts"
+        )
     recipe = self.active_recipe()
     if recipe.kind in ("block", "mxfp8") and torch.compiler.is_compiling() and not _TILES_COMPILE[0]:
         raise NotImplementedError(
