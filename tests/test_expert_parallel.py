@@ -494,6 +494,7 @@ def test_experts_not_divisible_is_refused(ep2, ep4):
 
 
 def test_bad_arguments_name_the_fix():
+    import fp8kit
     from fp8kit.distributed.expert_parallel import parallelize_experts
 
     with pytest.raises(ValueError, match="capacity_factor must be a positive number"):
@@ -504,3 +505,8 @@ def test_bad_arguments_name_the_fix():
     parallelize_experts(model, None)
     with pytest.raises(ValueError, match="already expert-parallel"):
         parallelize_experts(model, None)
+    late = Net()
+    parallelize_experts(late, None)
+    fp8kit.convert(late, "current")
+    with pytest.raises(RuntimeError, match="call fp8kit.convert first, then parallelize_experts"):
+        late(torch.randn(1, 4, H))
