@@ -19,7 +19,8 @@ one process holding the concatenated batch (rank 0's tokens first):
   one-process FP8 one (SQNR within 1 dB) and >= 20 dB from the one-process FP8 gradient (a wrong scale
   or a token sent to the wrong expert gives ~0 dB).
 * dispatch bytes counted at the collective (``all_to_all_single`` intercepted, and fp8kit's own counter):
-  FP8 against the same BF16 model dispatching BF16: exactly ``pairs * (H + scale bytes)`` vs ``pairs * 2H``.
+  FP8 against the same BF16 model dispatching BF16: exactly ``pairs * (H + scale bytes)`` vs ``pairs * 2H``;
+  both BF16 models' outputs equal one process's bit for bit.
 * capacity: the drops per expert equal the count one process computes from the same routing, none is
   unaccounted for (dispatched + dropped = routed), and the outputs equal the one-process model with the
   same capacity, whose kept pairs are checked against an independent first-come-first-served reference.
@@ -183,11 +184,16 @@ def _dispatch_bytes(mesh, rank: int, world: int, recipe: str, fp8: bool) -> dict
     dist.all_to_all_single = counting
     try:
         with torch.no_grad():
-            model(batch(1, world)[0][rank * BATCH : (rank + 1) * BATCH].to(torch.bfloat16))
+            out = model(batch(1, world)[0][rank * BATCH : (rank + 1) * BATCH].to(torch.bfloat16))
     finally:
         dist.all_to_all_single = real
     counts = collective_counts()
-    return {"intercepted": seen, "dispatch": counts["ep_dispatch_bytes"], "combine": counts["ep_combine_bytes"]}
+    return {
+        "intercepted": seen,
+        "dispatch": counts["ep_dispatch_bytes"],
+        "combine": counts["ep_combine_bytes"],
+        "out": out,
+    }
 
 
 def _capacity_run(mesh, rank: int, world: int) -> dict:
@@ -409,7 +415,11 @@ SCALE_BYTES = {"current": 0, "rowwise": 4, "block": 4, "mxfp8": H // 32}  # per 
 @pytest.mark.parametrize("recipe", ["current", "rowwise", "block", "mxfp8"])
 def test_dispatch_moves_fp8_bytes(ep2, recipe):
     pairs = 2 * BATCH * SEQ * TOP_K  # two blocks; every routed pair of a rank is sent (no capacity)
-    for rank in ep2:
+    with torch.no_grad():  # the BF16 model in one process: the FP8 dispatch changes no output bit
+        one = make(recipe).to(torch.bfloat16)(batch(1, 2)[0].to(torch.bfloat16))
+    for r, rank in enumerate(ep2):
+        for run in ("fp8", "bf16"):
+            assert torch.equal(rank["bytes"][recipe][run]["out"], one[r * BATCH : (r + 1) * BATCH])
         fp8, bf16 = rank["bytes"][recipe]["fp8"], rank["bytes"][recipe]["bf16"]
         assert bf16["dispatch"] == pairs * H * 2
         assert fp8["dispatch"] == pairs * (H + SCALE_BYTES[recipe])  # codes + the scales of each row
