@@ -29,8 +29,9 @@ against FP8 (1-byte codes, agreed scale), reduce-scatters in BF16 in both. Bytes
 of pre-norm residual Qwen3-MoE sparse blocks in BF16 (``--hidden``, ``--blocks``, ``--experts``, top-2,
 expert FFN ``--hidden``), FP8 expert GEMMs (``--recipe``, default block: 1x128 tiles; eager quantize
 kernels on CPU, as the routed counts change every step) in both runs: the
-token dispatch in BF16 (``fp8_dispatch=False``) against FP8 (E4M3 codes + the recipe's per-token scales);
-combine and both backward all-to-alls in BF16 in both. Each rank holds ``--batch-size`` sequences.
+token dispatch in BF16 (``fp8_dispatch=False``) against FP8 (E4M3 codes + the recipe's per-token scales,
+and with it the combine's backward: the output gradients as FP8 codes + scales, row-wise excepted); the
+combine and the dispatch's backward in BF16 in both. Each rank holds ``--batch-size`` sequences.
 Bytes per all-to-all call (each rank's send buffer, counted at the collective) and the median step time,
 runs interleaved step by step.
 
@@ -395,9 +396,10 @@ def _print_ep(ranks: list[dict], args: argparse.Namespace, where: str = "CPU pro
     print()
     disp = {name: sum(r[name]["dispatch"][1] for r in ranks) for name in ("bf16", "fp8")}
     comb = {name: sum(r[name]["combine"][1] for r in ranks) for name in ("bf16", "fp8")}
+    grad = {name: sum(r[name]["combine_grad"][1] for r in ranks) for name in ("bf16", "fp8")}
     print(
         f"FP8 / BF16 dispatch bytes (all ranks): {disp['fp8'] / disp['bf16']:.3f}x (target <= 0.55x); combine: "
-        f"{comb['fp8'] / comb['bf16']:.3f}x; step time: {step['fp8'] / step['bf16']:.2f}x; "
+        f"{comb['fp8'] / comb['bf16']:.3f}x; combine backward: {grad['fp8'] / max(grad['bf16'], 1):.3f}x; step time: {step['fp8'] / step['bf16']:.2f}x; "
         f"dropped tokens: {ranks[0]['dropped']} (rank 0, no capacity set)"
     )
 

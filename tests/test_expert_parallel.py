@@ -183,16 +183,17 @@ def _dispatch_bytes(mesh, rank: int, world: int, recipe: str, fp8: bool) -> dict
     reset_collective_counts()
     dist.all_to_all_single = counting
     try:
-        with torch.no_grad():
-            out = model(batch(1, world)[0][rank * BATCH : (rank + 1) * BATCH].to(torch.bfloat16))
+        out = model(batch(1, world)[0][rank * BATCH : (rank + 1) * BATCH].to(torch.bfloat16))
     finally:
         dist.all_to_all_single = real
+    out.float().square().sum().backward()
     counts = collective_counts()
     return {
         "intercepted": seen,
         "dispatch": counts["ep_dispatch_bytes"],
         "combine": counts["ep_combine_bytes"],
-        "out": out,
+        "combine_grad": counts["ep_combine_grad_bytes"],
+        "out": out.detach(),
     }
 
 
@@ -359,7 +360,7 @@ def _assert_follows(ranks: list[dict], ref: dict, recipe: str, world: int) -> No
             for name, g in mine.items():
                 want = full[name][r * local : (r + 1) * local]
                 if recipe == "rowwise" and name == "gate_up_proj":
-                    continue  # re-quantized operand: bounded in test_rowwise_gate_up_weight_gradient
+                    continue  # re-quantized token-major operand: bounded in test_rowwise_gate_up_weight_gradient
                 torch.testing.assert_close(g, want, rtol=1e-6, atol=1e-8)
         if recipe == "rowwise":  # step 2 starts from the update of the re-quantized gate/up weight gradient
             assert got["losses"] == pytest.approx(ref["losses"], rel=1e-4)
@@ -397,7 +398,8 @@ def test_state_dict_says_which_experts_a_rank_holds(ep2):
 
 
 def test_rowwise_gate_up_weight_gradient(ep2):
-    """Row-wise: the gate/up weight gradient's token-major operand is re-quantized from the received codes."""
+    """Row-wise: the gate/up weight gradient's token-major operand is re-quantized from the received codes
+    (its output gradients travel in high precision: nothing re-quantized on the down projection)."""
     ref, exact = _one_process("rowwise", 2), _one_process("rowwise", 2, fp8=False)
     for r, rank in enumerate(ep2):
         rows = slice(r * E // 2, (r + 1) * E // 2)
@@ -425,6 +427,10 @@ def test_dispatch_moves_fp8_bytes(ep2, recipe):
         assert fp8["dispatch"] == pairs * (H + SCALE_BYTES[recipe])  # codes + the scales of each row
         assert fp8["dispatch"] <= 0.55 * bf16["dispatch"]
         assert fp8["combine"] == bf16["combine"]  # the combine stays BF16 (the rows a rank's experts received)
+        # its backward sends the output gradients of the same pairs to the expert ranks: in FP8 likewise, but
+        # in BF16 for row-wise (its arbitrary scales would re-round the down projection's E5M2 gradients)
+        assert bf16["combine_grad"] == bf16["dispatch"]
+        assert fp8["combine_grad"] == (bf16["dispatch"] if recipe == "rowwise" else fp8["dispatch"])
         for counted in (fp8, bf16):  # counted at the collective: (dispatch, combine) per block
             sent = counted["intercepted"]
             assert sent[0::2] == [counted["dispatch"] // 2] * 2 and sum(sent[1::2]) == counted["combine"]

@@ -45,12 +45,16 @@ One forward, on every rank (all collectives on the EP group, in the same order e
    routing weights are applied on the token's own rank, as in the one-process model, then the k outputs
    are summed in slot order).
 
-Backward: the combine's backward sends the output gradients to the expert ranks and the dispatch's
-backward sends the input gradients back, both in the model's dtype. Why high precision: the expert rank
-quantizes the received gradient exactly as the one-process model does (E5M2 under the hybrid format,
-with the agreed or per-token scale), so EP adds no rounding to the backward; sending FP8 gradients
-(DeepSeek-V3 does for the gradient before the down projection) would halve those bytes too, at the cost
-of a second rounding where the recipe's grad scale is not per token. Not done yet.
+Backward: the combine's backward sends the output gradients (routing weight applied) to the expert
+ranks **in FP8** where that adds no rounding to the one-process model (DeepSeek-V3 quantizes this
+gradient before its dispatch too): per-tensor recipes with the gradient scale agreed over the EP group
+(codes only), block (power-of-two scales, its default) and MXFP8 with the recipe's per-token gradient
+tiles; the received codes are the down projection's gradient operand as is, and its weight gradient's
+token-major operand is re-quantized from them (exact with power-of-two scales but for subnormals).
+Row-wise sends it in the model's dtype: its arbitrary scales would re-round the E5M2 gradient (2.2 dB of
+the down projection's weight-gradient SQNR lost in the tests). The dispatch's backward (the input
+gradients back to the tokens' ranks, DeepSeek-V3's "backward combine") stays in the model's dtype: it is
+summed into the residual stream's gradient, where a second FP8 rounding would be pure loss.
 
 Without FP8 (experts not converted, ``fp8kit.autocast(enabled=False)``, or ``fp8_dispatch=False``) the
 dispatch moves the model dtype: the BF16 baseline of ``benchmarks/distributed.py --mode ep``.
@@ -198,6 +202,29 @@ def capacity_keep(
     return torch.minimum((cap - before).clamp_min(0), counts)
 
 
+def _send_fp8(x: torch.Tensor, cast: tuple, out_splits: list[int], in_splits: list[int], group: Any, kind: str):
+    """Cast the rows of ``x`` to FP8 (``cast = (fmt, granularity, agreed scale or None, quantize knobs)``) and
+    exchange them in one ``uint8`` all-to-all: each row's codes, then its scales (per-token granularities;
+    an agreed per-tensor scale is the same on every rank and does not travel). Returns the received rows."""
+    fmt, gran, scale, kw = cast
+    backend = _BACKEND["name"]
+    if x.shape[0] == 0:  # this rank sends no row (e.g. all its pairs dropped)
+        q = _empty_quantized(x, fmt, gran, scale)
+    elif scale is not None:
+        q = quantize(x, fmt, "tensor", scale=scale, nonfinite="propagate", backend=backend, check_scale=False)
+    else:
+        q = quantize(x, fmt, gran, nonfinite="propagate", backend=backend, **kw)
+    codes = q.data.view(torch.uint8)
+    per_row = scale is None
+    scale_bytes = q.scales.contiguous().view(torch.uint8) if per_row else codes[:, :0]
+    payload = _all_to_all(torch.cat([codes, scale_bytes], dim=1), out_splits, in_splits, group, kind)
+    k = x.shape[1]
+    data = payload[:, :k].contiguous().view(q.data.dtype)
+    scales = payload[:, k:].contiguous().view(q.scales.dtype) if per_row else q.scales
+    block = q.block if per_row else (max(data.shape[0], 1), k)
+    return QuantizedTensor(data, scales, fmt, q.granularity, block, x.dtype)
+
+
 class _Dispatch(torch.autograd.Function):
     """Kept pairs' hidden states to their expert ranks (FP8 codes + scales when ``plan["fp8"]``, else the
     dtype of ``x``); returns the received rows in arrival order (dequantized). Backward: the gradient back
@@ -209,23 +236,7 @@ class _Dispatch(torch.autograd.Function):
         group, out_splits, in_splits = plan["group"], plan["recv"], plan["send"]
         if plan["fp8"] is None:
             return _all_to_all(x, out_splits, in_splits, group, "dispatch")
-        fmt, gran, scale, kw = plan["fp8"]
-        backend = _BACKEND["name"]
-        if x.shape[0] == 0:  # this rank sends no token (e.g. all its pairs dropped)
-            q = _empty_quantized(x, fmt, gran, scale)
-        elif scale is not None:
-            q = quantize(x, fmt, "tensor", scale=scale, nonfinite="propagate", backend=backend, check_scale=False)
-        else:
-            q = quantize(x, fmt, gran, nonfinite="propagate", backend=backend, **kw)
-        codes = q.data.view(torch.uint8)
-        per_row = scale is None  # per-token scales travel with their rows; an agreed scale does not travel
-        scale_bytes = q.scales.contiguous().view(torch.uint8) if per_row else codes[:, :0]
-        payload = _all_to_all(torch.cat([codes, scale_bytes], dim=1), out_splits, in_splits, group, "dispatch")
-        k = x.shape[1]
-        data = payload[:, :k].contiguous().view(q.data.dtype)
-        scales = payload[:, k:].contiguous().view(q.scales.dtype) if per_row else q.scales
-        block = q.block if per_row else (max(data.shape[0], 1), k)
-        plan["received"] = QuantizedTensor(data, scales, fmt, q.granularity, block, x.dtype)
+        plan["received"] = _send_fp8(x, plan["fp8"], out_splits, in_splits, group, "dispatch")
         return plan["received"].dequantize(x.dtype)
 
     @staticmethod
@@ -235,7 +246,10 @@ class _Dispatch(torch.autograd.Function):
 
 
 class _Combine(torch.autograd.Function):
-    """Expert outputs back to the tokens' ranks in the model's dtype; the gradient to the expert ranks."""
+    """Expert outputs back to the tokens' ranks in the model's dtype. Backward: the output gradient to the
+    expert ranks, in FP8 when ``plan["grad_fp8"]`` (the recipe's gradient format and per-token scales, or
+    the agreed per-tensor scale; the received codes become the down projection's gradient operand), else
+    in the model's dtype."""
 
     @staticmethod
     def forward(ctx, y, plan):  # type: ignore[override]
@@ -245,7 +259,16 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         plan = ctx.plan
-        return _all_to_all(grad, plan["recv"], plan["send"], plan["group"], "combine_grad"), None
+        if plan.get("grad_fp8") is None:
+            return _all_to_all(grad, plan["recv"], plan["send"], plan["group"], "combine_grad"), None
+        module, recipe = plan["module"], plan["grad_fp8"]
+        g = grad.contiguous()
+        fmt, gran = recipe.format_for("grad"), recipe.granularity_for("grad")
+        scale = module.agreed_scale(g.detach(), 1, "grad", recipe) if recipe.per_tensor else None
+        cast = (fmt, gran, scale, {} if recipe.per_tensor else _knobs(recipe))
+        received = _send_fp8(g, cast, plan["recv"], plan["send"], plan["group"], "combine_grad")
+        module._ep_pinned[(1, "grad")] = _pad_rows(_rows(received, plan["order"]), plan["dest"], plan["rows"])
+        return received.dequantize(grad.dtype), None
 
 
 def _pad_rows(q: QuantizedTensor, dest: torch.Tensor | None, rows: int) -> QuantizedTensor:
@@ -301,7 +324,9 @@ class ExpertParallel:
         self.ep_num_experts, self.ep_first_expert = total, rank * local
         self.ep_capacity_factor = capacity_factor
         self.ep_fp8_dispatch = fp8_dispatch
-        self._ep_pinned: tuple[int, QuantizedTensor] | None = None  # the received FP8 input, for projection 0
+        # received FP8 operands, by (projection, role): the first projection's input (forward) and the down
+        # projection's output gradient (backward), each consumed once by the grouped GEMMs
+        self._ep_pinned: dict[tuple[int, str], QuantizedTensor] = {}
         self._ep_seen: set[tuple[int, int]] = set()
         if mesh is not None and world > 1:
             for pname, p in list(self._parameters.items()):
@@ -368,10 +393,7 @@ class ExpertParallel:
         return scale
 
     def _take_pinned(self, p: int, role: str) -> QuantizedTensor | None:
-        if self._ep_pinned is None or p != self._ep_pinned[0] or role != "input":
-            return None
-        q, self._ep_pinned = self._ep_pinned[1], None
-        return q
+        return self._ep_pinned.pop((p, role), None)
 
     def quantize_activation(self, x: torch.Tensor, p: int, role: str, recipe: Recipe) -> QuantizedTensor:
         pinned = self._take_pinned(p, role)
@@ -412,7 +434,7 @@ class ExpertParallel:
             yield
         finally:
             self._parameters.update(saved)
-            self._ep_pinned = None
+            self._ep_pinned.pop((0, "input"), None)
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -466,7 +488,9 @@ class ExpertParallel:
             if "received" in plan:
                 q = _rows(plan["received"], order)
                 _, _, _, dest, rows = routing_plan(local_sorted, local, _alignment(recipe))
-                self._ep_pinned = (0, _pad_rows(q, dest, rows))
+                self._ep_pinned = {(0, "input"): _pad_rows(q, dest, rows)}
+                if _fp8_gradient_dispatch(self, recipe):
+                    plan.update(grad_fp8=recipe, module=self, order=order, dest=dest, rows=rows)
             ones = torch.ones(local_sorted.numel(), 1, dtype=top_k_weights.dtype, device=dev)
             y_local = super().forward(x_local, local_sorted[:, None], ones)  # type: ignore[misc]
         inverse = torch.empty_like(order)
@@ -479,6 +503,18 @@ class ExpertParallel:
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         super()._load_from_state_dict(*args, **kwargs)  # type: ignore[misc]
         self._ep_seen = set()
+
+
+def _fp8_gradient_dispatch(module: nn.Module, recipe: Recipe) -> bool:
+    """Whether the combine's backward sends the output gradients in FP8: where the expert rank's gradient
+    operands then equal one process's (per-tensor: the agreed scale, no re-quantization; power-of-two
+    tile scales, block's default and MXFP8: re-rounding the token-major operand is exact but for
+    subnormals). Row-wise scales are arbitrary: re-rounding E5M2 gradients cost 2.2 dB of the down
+    projection's weight-gradient SQNR in the tests, so row-wise sends them in the model's dtype. Never
+    with a post-expert norm (the gradient changes between the combine and the down projection)."""
+    if getattr(module, "has_post_expert_norm", False):
+        return False
+    return recipe.per_tensor or recipe.kind == "mxfp8" or (recipe.kind == "block" and recipe.power_of_two)
 
 
 @functools.cache
