@@ -147,20 +147,25 @@ def build_mesh(shape: MeshShape, device_type: str = "cpu") -> Any:
 def llama_tp_plan(block: nn.Module) -> dict[str, Any]:
     """The TP plan of one Llama-style decoder layer (``transformers`` names): q/k/v and gate/up column-wise
     (each rank its heads / MLP columns), o and down row-wise (all-reduce of the output, in high precision).
-    Only the projections ``block`` has are planned (an MoE layer's experts are left to EP)."""
+    ``fp8kit.nn.Linear`` layers get the FP8 styles, other linears (a BF16 baseline's) torch's own. Only the
+    projections ``block`` has are planned (an MoE layer's experts are left to EP)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from ..nn.linear import Linear
     from .tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
-    styles = {
-        "self_attn.q_proj": Float8ColwiseParallel,
-        "self_attn.k_proj": Float8ColwiseParallel,
-        "self_attn.v_proj": Float8ColwiseParallel,
-        "self_attn.o_proj": Float8RowwiseParallel,
-        "mlp.gate_proj": Float8ColwiseParallel,
-        "mlp.up_proj": Float8ColwiseParallel,
-        "mlp.down_proj": Float8RowwiseParallel,
-    }
-    names = {n for n, _ in block.named_modules()}
-    return {n: style() for n, style in styles.items() if n in names}
+    colwise = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+    rowwise = ("self_attn.o_proj", "mlp.down_proj")
+    modules = dict(block.named_modules())
+    plan: dict[str, Any] = {}
+    for name in colwise + rowwise:
+        if name in modules:
+            fp8 = type(modules[name]) is Linear
+            if name in colwise:
+                plan[name] = Float8ColwiseParallel() if fp8 else ColwiseParallel()
+            else:
+                plan[name] = Float8RowwiseParallel() if fp8 else RowwiseParallel()
+    return plan
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
