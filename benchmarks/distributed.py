@@ -305,7 +305,10 @@ def _mesh_worker(rank: int, world: int, port: int, args: argparse.Namespace, out
         kind = name.split("_")[0] + "_" + name.split("_")[1]  # all_gather | reduce_scatter | all_reduce
 
         def counting(*a, _real=real, _kind=kind, **k):
-            t = a[1] if _kind != "all_reduce" and len(a) > 1 else a[0] if a else k.get("tensor")
+            if _kind == "all_reduce":
+                t = a[0] if a else k["tensor"]
+            else:
+                t = a[1] if len(a) > 1 else k.get("input_tensor", k.get("input"))
             if t.numel() > 64:  # leave out scalar amax / loss reductions
                 sizes.setdefault(_kind, []).append(t.numel() * t.element_size())
             return _real(*a, **k)
@@ -365,7 +368,7 @@ def _print_mesh(res: dict, args: argparse.Namespace) -> None:
     print()
     print(
         "| run | dp all-gathers/step | bytes/step/rank | dp reduce-scatter bytes/step/rank | "
-        "tp all-reduces/step | bytes/step/rank | step s (median) |"
+        "all-reduces/step (tp, scaling sync) | bytes/step/rank | step s (median) |"
     )
     print("|---|---|---|---|---|---|---|")
     for name, r in (("BF16 weight all-gather", bf16), ("FP8 weight all-gather", fp8)):
