@@ -292,7 +292,7 @@ def test_sharded_fp8_optimizer_state_is_refused_on_another_mesh_shape():
     info = {"optimizer_shards": 4, "optimizer_mesh": [2, 2]}
     check_optimizer_shards("ckpt", info, 4, [2, 2])
     for mesh in ([4], [1, 4]):  # the same 4 ranks, other blocks per rank: refused, not silently misread
-        with pytest.raises(CheckpointError, match="same mesh"):
+        with pytest.raises(CheckpointError, match=r"4 ranks \(2x2 mesh\).* same 2x2 mesh \(same --tp, --fsdp\)"):
             check_optimizer_shards("ckpt", info, 4, mesh)
 
 
@@ -316,7 +316,9 @@ def test_dcp_checkpoint_of_2x2_reshards(mesh_result, shape):
         (["--nproc", "4", "--tp", "4", "--model-size", "small"], "divides 6"),
         (["--nproc", "2", "--tp", "2", "--recipe", "rowwise"], "rowwise"),
         (["--nproc", "2", "--tp", "2", "--model-size", "tiny", "--recipe", "block"], "multiple of 128"),
-        (["--nproc", "4", "--ep", "2"], "--arch moe"),
+        (["--nproc", "2", "--ep", "2"], "--arch moe"),
+        (["--nproc", "4", "--ep", "2", "--arch", "moe"], "use --nproc 2"),
+        (["--nproc", "2", "--ep", "2", "--arch", "moe", "--fsdp"], "no --fsdp"),
     ],
 )
 def test_cli_refuses_a_bad_mesh_before_starting_anything(tmp_path, capsys, monkeypatch, argv, fix):
@@ -338,6 +340,7 @@ def test_mesh_shapes_and_summary():
     from fp8kit.distributed.mesh import check_mesh
 
     assert check_mesh(4, tp=2, fsdp=True).describe() == {"shape": [2, 2], "dim_names": ["dp", "tp"], "fsdp": True}
-    assert check_mesh(8, tp=2, ep=2, fsdp=True).dim_names == ("dp", "ep", "tp")
+    assert check_mesh(4, tp=2, ep=2).dim_names == ("dp", "ep", "tp")
+    assert check_mesh(4, tp=2, ep=2).shape == (1, 2, 2)
     assert check_mesh(4).describe()["dim_names"] == ["dp"]
     assert check_mesh(4, tp=4).shape == (1, 4)

@@ -7,7 +7,8 @@ consecutive ranks, on one machine when ``tp`` divides the processes per machine)
 * ``tp``: tensor parallelism (``tensor_parallel.py``) of the attention and MLP projections; the ``tp``
   ranks of a group read the same batch.
 * ``ep``: expert parallelism of MoE experts (``expert_parallel.parallelize_experts``); ``dp x ep`` ranks
-  read distinct batch shards.
+  read distinct batch shards. For now with one ``dp`` row and no FSDP2: the parameters all EP ranks hold
+  are averaged by ``DistContext.reduce_expert_parallel_grads`` (one flat all-reduce per step).
 * ``dp``: data parallelism: FSDP2 (``fully_shard`` on ``mesh["dp"]``, FP8 weight all-gather on that dim)
   with ``fsdp``, else DDP (refused together with ``tp``: shard with ``--fsdp`` instead).
 
@@ -91,6 +92,11 @@ def check_mesh(nproc: int, tp: int = 1, ep: int = 1, fsdp: bool = False, batch_s
             f"{inner} (e.g. --nproc {fit}) or a --tp/--ep whose product divides {nproc}"
         )
     shape = MeshShape(nproc, tp, ep, fsdp)
+    if ep > 1 and (shape.dp > 1 or fsdp):
+        raise ValueError(
+            f"--ep {ep} runs on --nproc = --ep x --tp = {inner} processes without --fsdp for now (data-parallel rows "
+            f"or FSDP2 over the EP ranks are not supported yet): use --nproc {inner} and no --fsdp"
+        )
     if fsdp and shape.dp < 2:
         raise ValueError(
             "--fsdp shards over the data-parallel ranks, and "

@@ -74,6 +74,33 @@ class DistContext:
         per = x.shape[0] // data_world
         return x[data_rank * per : (data_rank + 1) * per], y[data_rank * per : (data_rank + 1) * per]
 
+    @torch.no_grad()
+    def reduce_expert_parallel_grads(self, model: nn.Module) -> None:
+        """With ``ep`` > 1 (and one ``dp`` row: ``check_mesh``), after the step's last backward: the ``ep``
+        ranks read different tokens, so every parameter they all hold (embeddings, attention, router, norms;
+        TP shards included) gets the mean of their gradients (one flat all-reduce over the EP group), and an
+        expert parameter (a ``DTensor`` on the EP mesh, ``expert_parallel``), whose gradient already sums
+        every EP rank's tokens, is divided by ``ep``: the gradients of the global batch's mean loss."""
+        if self.mesh is None or self.ep == 1:
+            return
+        from .fsdp import _shard
+
+        ep_mesh = self.mesh["ep"]
+        shared, experts = [], []
+        for p in model.parameters():
+            if p.grad is None:
+                continue
+            mesh = getattr(p, "device_mesh", None)
+            (experts if mesh is not None and "ep" in (mesh.mesh_dim_names or ()) else shared).append(_shard(p.grad))
+        for g in experts:
+            g.div_(self.ep)
+        if shared:
+            flat = torch.cat([g.reshape(-1).float() for g in shared])
+            dist.all_reduce(flat, group=ep_mesh.get_group())
+            flat.div_(self.ep)
+            for g, part in zip(shared, flat.split([g.numel() for g in shared]), strict=True):
+                g.copy_(part.view_as(g))
+
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_``, or for parameters on a 2-D mesh ``mesh.clip_grad_norm_``."""
         if self.mesh is not None:
@@ -194,16 +221,25 @@ def check_parallel_settings(
 
 
 def shard_model(model: nn.Module, fp8_all_gather: bool = False, mesh: Any = None, scale_group: Any = None) -> nn.Module:
-    """FSDP2 (``fully_shard``) each block (every item of an ``nn.ModuleList``), then the root; with
-    ``fp8_all_gather`` the weights of per-tensor FP8 layers are all-gathered in FP8 (``fsdp.py``).
+    """FSDP2 (``fully_shard``) each MoE experts module, each block (every item of an ``nn.ModuleList``), then
+    the root; with ``fp8_all_gather`` the weights of per-tensor FP8 layers are all-gathered in FP8
+    (``fsdp.py``). An experts module is its own FSDP2 unit (its all-gather, the bulk of an MoE block's
+    bytes, is issued on its own), sharded along the experts, or along dim 1 with fewer experts than ranks.
     ``mesh``: the 1-D data-parallel mesh to shard over (default: the world; ``mesh.py`` passes ``mesh["dp"]``
     of a 2-D mesh); ``scale_group``: the ranks whose amaxes the scaling sync reduces (default: the world)."""
     from torch.distributed.fsdp import fully_shard
 
-    from .fsdp import enable_fp8_all_gather, register_fp8_gather_hook
+    from ..nn.experts import is_experts_module
+    from .fsdp import enable_fp8_all_gather, experts_shard_placement, register_fp8_gather_hook
 
     if fp8_all_gather:
         enable_fp8_all_gather(model, None if mesh is None else mesh.get_group())
+    world = dist.get_world_size() if mesh is None else mesh.size()
+    for module in list(model.modules()):
+        if is_experts_module(module):
+            by_experts = all(p.shape[0] >= world for p in module.parameters())  # FSDP2's default Shard(0)
+            placement = {} if by_experts else {"shard_placement_fn": experts_shard_placement(world)}
+            fully_shard(module, mesh=mesh, **placement)
     for module in list(model.modules()):
         if isinstance(module, nn.ModuleList):
             for block in module:

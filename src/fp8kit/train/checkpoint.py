@@ -345,11 +345,14 @@ def check_optimizer_shards(path: str | Path, info: dict[str, Any], world: int, m
     shards = info.get("optimizer_shards", 1)
     saved = info.get("optimizer_mesh")
     if shards > 1 and (world != shards or (mesh is not None and saved is not None and list(mesh) != saved)):
-        layout = "x".join(map(str, saved)) + " mesh" if saved else f"{shards} ranks"
+        two_d = saved is not None and len(saved) > 1
+        shape = "x".join(map(str, saved or []))
+        target = f"{world} ranks" + (f" ({'x'.join(map(str, mesh))} mesh)" if mesh and len(mesh) > 1 else "")
+        fix = f"--nproc {shards} on the same {shape} mesh (same --tp, --fsdp)" if two_d else f"--nproc {shards} --fsdp"
         raise CheckpointError(
-            f"--resume: checkpoint {path} holds fp8kit.optim.AdamW state sharded over a {layout} (FSDP2/TP), "
-            f"which cannot be resharded to {'x'.join(map(str, mesh)) if mesh else world}; resume it on the same "
-            f"mesh (--nproc {shards} with the same --tp and --fsdp), or use --optimizer adamw, whose state reshards"
+            f"--resume: checkpoint {path} holds fp8kit.optim.AdamW state sharded over {shards} ranks "
+            f"({f'{shape} mesh' if two_d else 'FSDP2'}), which cannot be resharded to {target}; resume it with {fix}, "
+            "or use --optimizer adamw, whose state reshards"
         )
 
 

@@ -244,6 +244,7 @@ def train_run(
                     loss.backward()
                 total += loss.item()
             total = dctx.mean(total)  # the global batch's loss (equal shards: the mean of the ranks')
+            dctx.reduce_expert_parallel_grads(model)  # --ep: the EP ranks' gradients (no DDP/FSDP2 over them)
             if not math.isfinite(total):
                 raise FloatingPointError(f"{run}: loss became {total} at step {step}; lower --lr")
             dctx.clip_grad_norm_(model, 1.0)
