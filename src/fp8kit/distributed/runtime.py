@@ -56,8 +56,8 @@ class DistContext:
 
     @property
     def sharded(self) -> bool:
-        """Whether parameters are DTensor shards (FSDP2 or tensor parallelism): memory is counted per rank."""
-        return self.fsdp or self.tp > 1
+        """Whether parameters are DTensor shards (FSDP2, tensor or expert parallelism): memory is counted per rank."""
+        return self.fsdp or self.tp > 1 or self.ep > 1
 
     def describe_mesh(self) -> dict[str, Any]:
         """The run's mesh for its summary: ``{"shape": [...], "dim_names": [...], "fsdp": bool}``."""
