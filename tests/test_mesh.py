@@ -287,13 +287,18 @@ def test_sharded_fp8_optimizer_on_the_2d_mesh_follows_one_process(mesh_result):
 
 
 def test_sharded_fp8_optimizer_state_is_refused_on_another_mesh_shape():
+    from fp8kit.distributed.mesh import check_mesh
     from fp8kit.train.checkpoint import CheckpointError, check_optimizer_shards
 
-    info = {"optimizer_shards": 4, "optimizer_mesh": [2, 2]}
-    check_optimizer_shards("ckpt", info, 4, [2, 2])
-    for mesh in ([4], [1, 4]):  # the same 4 ranks, other blocks per rank: refused, not silently misread
-        with pytest.raises(CheckpointError, match=r"4 ranks \(2x2 mesh\).* same 2x2 mesh \(same --tp, --fsdp\)"):
-            check_optimizer_shards("ckpt", info, 4, mesh)
+    saved = check_mesh(4, tp=2, fsdp=True).layout()
+    assert saved == {"shape": [2, 2], "dim_names": ["dp", "tp"]}
+    info = {"optimizer_shards": 4, "optimizer_mesh": saved}
+    check_optimizer_shards("ckpt", info, 4, saved)
+    # the same 4 ranks, other blocks per rank: refused, not silently misread (4x1 and 1x4 differ too)
+    for other in (check_mesh(4, fsdp=True).layout(), check_mesh(4, tp=4).layout()):
+        with pytest.raises(CheckpointError, match=r"4 ranks \(2x2 \(dp x tp\) mesh\).* --nproc 4 on the same 2x2"):
+            check_optimizer_shards("ckpt", info, 4, other)
+    assert check_mesh(4, fsdp=True).layout() != check_mesh(4, tp=4).layout()
 
 
 @pytest.mark.parametrize("shape", ["4x1", "1x4"])

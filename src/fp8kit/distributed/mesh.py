@@ -39,6 +39,7 @@ __all__ = [
     "check_tp_model",
     "clip_grad_norm_",
     "llama_tp_plan",
+    "mesh_layout",
     "mesh_of",
     "parallelize_model",
 ]
@@ -72,6 +73,10 @@ class MeshShape:
     def data_parallel(self) -> int:
         """Ranks that read distinct batch shards (``dp x ep``; the ranks of a TP group share theirs)."""
         return self.dp * self.ep
+
+    def layout(self) -> dict[str, list]:
+        """The parameters' mesh as checkpoints record it (``mesh_layout``)."""
+        return _squeezed(self.shape, self.dim_names)
 
     def describe(self) -> dict[str, Any]:
         """The mesh as the run summary records it: ``{"shape": [...], "dim_names": [...], "fsdp": bool}``."""
@@ -234,6 +239,18 @@ def parallelize_model(model: nn.Module, mesh: Any, fsdp: bool = False, fp8_all_g
     if fsdp:
         shard_model(model, fp8_all_gather=fp8_all_gather, mesh=mesh["dp"], scale_group=whole)
     return model
+
+
+def _squeezed(shape: Any, names: Any) -> dict[str, list]:
+    kept = [(int(n), str(d)) for n, d in zip(shape, names, strict=True) if n > 1]
+    return {"shape": [n for n, _ in kept], "dim_names": [d for _, d in kept]}
+
+
+def mesh_layout(mesh: Any) -> dict[str, list]:
+    """``{"shape": [...], "dim_names": [...]}`` of a ``DeviceMesh`` without its size-1 dims (an unnamed 1-D
+    mesh, FSDP2's default, is ``dp``): equal for two runs exactly when their parameters are split alike."""
+    names = mesh.mesh_dim_names or (("dp",) if mesh.ndim == 1 else tuple(f"dim{i}" for i in range(mesh.ndim)))
+    return _squeezed(mesh.shape, names)
 
 
 def mesh_of(model: nn.Module) -> Any:

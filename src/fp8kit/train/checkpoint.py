@@ -249,7 +249,7 @@ def save_distributed_checkpoint(
     dcp.save(state, checkpoint_id=str(tmp / "dcp"))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     extra: dict[str, Any] = {"world_size": world, "dcp": True}
-    mesh = _mesh_shape(model)
+    mesh = _mesh_layout(model)
     if mesh is not None:
         extra["mesh"] = mesh
     shards = optimizer.state_shards() if hasattr(optimizer, "state_shards") else 1
@@ -286,7 +286,7 @@ def load_distributed_checkpoint(
     if not is_distributed_checkpoint(path):
         raise CheckpointError(f"checkpoint {path} has no DCP shards (dcp/.metadata missing)")
     if optimizer is not None:
-        check_optimizer_shards(path, info, _dist_world()[1], _mesh_shape(model))
+        check_optimizer_shards(path, info, _dist_world()[1], _mesh_layout(model))
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     else:
@@ -330,33 +330,38 @@ def load_run_checkpoint(
     return load_checkpoint(path, model, optimizer, expect)
 
 
-def _mesh_shape(model: torch.nn.Module) -> list[int] | None:
-    """Shape of the largest mesh ``model``'s parameters are laid out on (None: no DTensor parameter)."""
-    from ..distributed.mesh import mesh_of
+def _mesh_layout(model: torch.nn.Module) -> dict[str, list] | None:
+    """The largest mesh ``model``'s parameters are laid out on, as ``mesh.mesh_layout`` (None: no DTensor)."""
+    from ..distributed.mesh import mesh_layout, mesh_of
 
     mesh = mesh_of(model)
-    return None if mesh is None else list(mesh.shape)
+    return None if mesh is None else mesh_layout(mesh)
 
 
-def check_optimizer_shards(path: str | Path, info: dict[str, Any], world: int, mesh: list[int] | None = None) -> None:
+def _layout_text(layout: dict[str, list]) -> str:
+    return "x".join(map(str, layout["shape"])) + f" ({' x '.join(layout['dim_names'])}) mesh"
+
+
+def check_optimizer_shards(
+    path: str | Path, info: dict[str, Any], world: int, mesh: dict[str, list] | None = None
+) -> None:
     """Refuse to load the optimizer state of a checkpoint whose ``fp8kit.optim.AdamW`` state is sharded
-    (FSDP2, TP) over another number of ranks than ``world``, or another mesh shape than ``mesh`` (when
-    known): its per-rank FP8 blocks are not resharded."""
+    (FSDP2, TP, EP) over another number of ranks than ``world``, or another mesh layout than ``mesh``
+    (``mesh.mesh_layout``, when known): its per-rank FP8 blocks are not resharded."""
     shards = info.get("optimizer_shards", 1)
     saved = info.get("optimizer_mesh")
-    if shards > 1 and (world != shards or (mesh is not None and saved is not None and list(mesh) != saved)):
-        two_d = saved is not None and len(saved) > 1
-        shape = "x".join(map(str, saved or []))
-        target = f"{world} ranks" + (f" ({'x'.join(map(str, mesh))} mesh)" if mesh and len(mesh) > 1 else "")
-        fix = f"--nproc {shards} on the same {shape} mesh (same --tp, --fsdp)" if two_d else f"--nproc {shards} --fsdp"
+    if shards > 1 and (world != shards or (mesh is not None and saved is not None and mesh != saved)):
+        plain = saved is None or saved["dim_names"] == ["dp"]  # 1-D FSDP2: the message of issue 13
+        target = f"{world} ranks" + (f" ({_layout_text(mesh)})" if mesh else "")
+        fix = f"--nproc {shards} --fsdp" if plain else f"--nproc {shards} on the same {_layout_text(saved)}"
         raise CheckpointError(
             f"--resume: checkpoint {path} holds fp8kit.optim.AdamW state sharded over {shards} ranks "
-            f"({f'{shape} mesh' if two_d else 'FSDP2'}), which cannot be resharded to {target}; resume it with {fix}, "
-            "or use --optimizer adamw, whose state reshards"
+            f"({'FSDP2' if plain else _layout_text(saved)}), which cannot be resharded to {target}; resume it with "
+            f"{fix}, or use --optimizer adamw, whose state reshards"
         )
 
 
-def check_world_size(path: str | Path, info: dict[str, Any], world: int, mesh: list[int] | None = None) -> None:
+def check_world_size(path: str | Path, info: dict[str, Any], world: int, mesh: dict[str, list] | None = None) -> None:
     """Refuse to resume a single-process checkpoint (no DCP shards) on ``world > 1`` processes, or
     sharded FP8 optimizer state on another number of ranks or mesh shape (``check_optimizer_shards``)."""
     check_optimizer_shards(path, info, world, mesh)

@@ -424,7 +424,7 @@ def check_resumable(out: Path, names: list[str], cfg: TrainConfig) -> None:
 
     world = planned_world_size(cfg.nproc)
     planned = MeshShape(world, cfg.tp, cfg.ep, cfg.fsdp)
-    mesh = list(planned.shape) if cfg.tp * cfg.ep > 1 else [world] if cfg.fsdp else None  # the parameters' mesh
+    mesh = planned.layout() if cfg.tp * cfg.ep > 1 or cfg.fsdp else None  # the parameters' mesh (DDP: none)
     for run in names:
         path = latest_checkpoint(out / "ckpt" / run)
         if path is None:
