@@ -158,6 +158,24 @@ def _gather_bytes(rank: int, fp8: bool) -> list[int]:
     return counted
 
 
+def _ep_grads(rank: int) -> dict:
+    """``DistContext.reduce_expert_parallel_grads`` on a (dp 1, ep 2, tp 2) mesh: a parameter every EP rank
+    holds and an expert parameter (``Shard(0)`` on ``mesh["ep"]``), gradients that depend on the rank."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from fp8kit.distributed.mesh import build_mesh, check_mesh
+    from fp8kit.distributed.runtime import DistContext
+
+    mesh = build_mesh(check_mesh(WORLD, tp=2, ep=2))
+    model = torch.nn.Module()
+    model.shared = torch.nn.Parameter(torch.zeros(3))
+    model.expert = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 2), mesh["ep"], [Shard(0)]))
+    model.shared.grad = torch.full((3,), float(rank + 1))
+    model.expert.grad = distribute_tensor(torch.full((4, 2), 6.0), mesh["ep"], [Shard(0)])
+    DistContext(rank, WORLD, tp=2, ep=2, mesh=mesh).reduce_expert_parallel_grads(model)
+    return {"shared": model.shared.grad.tolist(), "expert": model.expert.grad.to_local().tolist()}
+
+
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
@@ -206,8 +224,15 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     fp8 = _Run(rank, 2, 2, kind="fp8-adamw", recipe="current")
     res["fp8_adamw_losses"] = [fp8.step(s) for s in range(1, STEPS + 1)]
     del fp8
+    res["ep_grads"] = _ep_grads(rank)
     res["bytes_fp8"] = _gather_bytes(rank, fp8=True)
     res["bytes_fp32"] = _gather_bytes(rank, fp8=False)
+    res["ep_grads"] = gather(res["ep_grads"])
+    # the one-process references, one per rank at once (the workers have paid their imports already)
+    refs = {0: ("adamw", "current"), 1: ("adamw", "delayed"), 2: ("fp8-adamw", "current")}
+    mine = one_process(*refs[rank]) if rank in refs else None
+    mine = None if mine is None else [mine[0], *({k: v.tolist() for k, v in d.items()} for d in mine[1:])]
+    res["one_process"] = dict(zip(["current", "delayed", "fp8-adamw"], gather(mine)[:3], strict=True))
     dist.barrier()
     if rank == 0:
         (Path(out) / "result.json").write_text(json.dumps(res))
@@ -219,6 +244,11 @@ def mesh_result(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("mesh")
     run_spawned(_worker, WORLD, out)
     return json.loads((out / "result.json").read_text())
+
+
+def _reference(mesh_result: dict, key: str) -> tuple[list[float], dict, dict]:
+    losses, final, init = mesh_result["one_process"][key]
+    return losses, {k: torch.tensor(v) for k, v in final.items()}, {k: torch.tensor(v) for k, v in init.items()}
 
 
 def _check_follows(ref, got_losses, got_weights, rel: float, update_rel: float) -> None:
@@ -237,7 +267,7 @@ def _check_follows(ref, got_losses, got_weights, rel: float, update_rel: float) 
 
 def test_fsdp_x_tp_2x2_follows_one_process_current_scaling(mesh_result):
     # every operand's scale is the one process's at every step: only float32 summation order differs
-    ref = one_process(recipe="current")
+    ref = _reference(mesh_result, "current")
     _check_follows(ref, mesh_result["current_losses"], mesh_result["current_weights"], 1e-6, 1e-5)
     assert mesh_result["current_scales_agree"]
 
@@ -251,7 +281,7 @@ def test_fsdp_x_tp_2x2_follows_one_process_delayed_scaling(mesh_result):
     # first updates turn into weight gaps of up to ~0.17 of the mean update (measured): bound 0.3. The
     # scales themselves are checked bit for bit (test_every_rank_uses_the_same_scales), and current
     # scaling, identical from step 1, is bounded tightly above.
-    _check_follows(one_process(), mesh_result["losses"], mesh_result["weights"], 5e-4, 0.3)
+    _check_follows(_reference(mesh_result, "delayed"), mesh_result["losses"], mesh_result["weights"], 5e-4, 0.3)
 
 
 def test_fsdp_x_tp_lays_weights_out_on_both_dims(mesh_result):
@@ -281,7 +311,7 @@ def test_sharded_fp8_optimizer_on_the_2d_mesh_follows_one_process(mesh_result):
     # differ from the whole tensor's in one process: other block scales, other moment codes (measured
     # 4.8e-5 on the third loss). Bound 1e-3 as under DDP / FSDP2 (test_distributed.py); a moment decoded
     # with another shard's scale or an update applied to the wrong elements is off by far more
-    ref = one_process("fp8-adamw", recipe="current")[0]
+    ref = mesh_result["one_process"]["fp8-adamw"][0]
     for r, g in zip(ref, mesh_result["fp8_adamw_losses"], strict=True):
         assert g == pytest.approx(r, rel=1e-3), (ref, mesh_result["fp8_adamw_losses"])
 
@@ -308,6 +338,16 @@ def test_dcp_checkpoint_of_2x2_reshards(mesh_result, shape):
     assert res["differ"] == [], res["differ"]
     assert "scaling" in res["exact"] and any(k.startswith("exp_avg.") for k in res["exact"])
     assert res["continued"] == pytest.approx(mesh_result["continued"], rel=1e-6)
+
+
+def test_expert_parallel_gradients_are_the_global_mean_losses(mesh_result):
+    # ranks 0..3 on (dp 1, ep 2, tp 2): EP groups {0, 2} and {1, 3}. A parameter every EP rank holds gets
+    # the mean of the group's gradients (rank + 1: 2 for {0, 2}, 3 for {1, 3}); an expert gradient, which
+    # already sums every EP rank's tokens, is divided by ep (6 -> 3)
+    grads = mesh_result["ep_grads"]
+    for rank, g in enumerate(grads):
+        assert g["shared"] == [2.0 + rank % 2] * 3, grads
+        assert g["expert"] == [[3.0, 3.0]] * 2, grads
 
 
 # ---- CLI validation: no process, no model ---------------------------------------------------------------
