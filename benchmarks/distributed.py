@@ -33,6 +33,19 @@ all-gathers, the dp gradient reduce-scatters and the tp all-reduces of the row-p
 median step time, runs interleaved step by step.
 
     python benchmarks/distributed.py --mode 2d --nproc 4 --tp 2
+
+``--mode ep``: expert parallelism (``fp8kit.distributed.expert_parallel``) over the processes, on a stack
+of pre-norm residual Qwen3-MoE sparse blocks in BF16 (``--hidden``, ``--blocks``, ``--experts``, top-2,
+expert FFN ``--hidden``), FP8 expert GEMMs (``--recipe``, default block: 1x128 tiles; eager quantize
+kernels on CPU, as the routed counts change every step) in both runs: the
+token dispatch in BF16 (``fp8_dispatch=False``) against FP8 (E4M3 codes + the recipe's per-token scales);
+combine and both backward all-to-alls in BF16 in both. Each rank holds ``--batch-size`` sequences.
+Bytes per all-to-all call (each rank's send buffer, counted at the collective) and the median step time,
+runs interleaved step by step.
+
+    python benchmarks/distributed.py --mode ep
+    torchrun --standalone --nproc-per-node 8 benchmarks/distributed.py --mode ep --hidden 4096 --experts 64
+        # GPUs: NCCL, one process per GPU (written for it, not run here)
 """
 
 from __future__ import annotations
@@ -193,6 +206,23 @@ def _mlp_stack(hidden: int, blocks: int) -> torch.nn.Module:
     return Stack()
 
 
+def _init_process_group(rank: int, world: int, port: int | None) -> tuple[torch.device, bool]:
+    """Join the process group: NCCL under torchrun on GPUs, else gloo (torchrun's env, or our spawn's port)."""
+    import torch.distributed as dist
+
+    cuda = port is None and torch.cuda.is_available()  # under torchrun on GPUs: NCCL
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl")
+    elif port is None:
+        dist.init_process_group("gloo")
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    return device, cuda
+
+
 def _tp_worker(rank: int, world: int, port: int | None, args: argparse.Namespace, out: str) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -208,16 +238,7 @@ def _tp_worker(rank: int, world: int, port: int | None, args: argparse.Namespace
     )
     from fp8kit.nn import convert
 
-    cuda = port is None and torch.cuda.is_available()  # under torchrun on GPUs: NCCL
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl")
-    elif port is None:
-        dist.init_process_group("gloo")
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    device, cuda = _init_process_group(rank, world, port)
     _count_bytes()
     mesh = init_device_mesh(device.type, (world,))
     runs = {}
@@ -356,6 +377,93 @@ def _mesh_worker(rank: int, world: int, port: int, args: argparse.Namespace, out
     dist.destroy_process_group()
 
 
+def _moe_stack(hidden: int, blocks: int, experts: int) -> torch.nn.Module:
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=hidden, num_experts=experts, num_experts_per_tok=2)
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Qwen3MoeSparseMoeBlock(cfg) for _ in range(blocks)])
+            with torch.no_grad():  # a bare block is not initialised by a PreTrainedModel
+                for b in self.blocks:
+                    b.gate.weight.normal_(0, 1 / hidden**0.5)
+                    b.experts.gate_up_proj.normal_(0, 1 / hidden**0.5)
+                    b.experts.down_proj.normal_(0, 1 / hidden**0.5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = x + block(F.rms_norm(x, (hidden,)))
+            return x
+
+    torch.manual_seed(0)
+    return Stack()
+
+
+_EP_KINDS = ("dispatch", "combine", "combine_grad", "dispatch_grad")
+
+
+def _ep_worker(rank: int, world: int, port: int | None, args: argparse.Namespace, out: str) -> None:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fp8kit.distributed import collective_counts, enable_fp8_distributed, reset_collective_counts
+    from fp8kit.distributed.expert_parallel import expert_parallel_stats, parallelize_experts
+    from fp8kit.nn import convert
+
+    device, cuda = _init_process_group(rank, world, port)
+    if not cuda:  # the routed token counts change every step: eager kernels, no per-shape recompilation
+        from fp8kit.kernels import set_compile_enabled
+        from fp8kit.nn import set_quantize_backend
+
+        set_quantize_backend("eager")
+        set_compile_enabled(False)
+    mesh = init_device_mesh(device.type, (world,))
+    runs = {}
+    for name, fp8_dispatch in (("bf16", False), ("fp8", True)):
+        model = convert(_moe_stack(args.hidden, args.blocks, args.experts), args.recipe).to(device, torch.bfloat16)
+        parallelize_experts(model, mesh, fp8_dispatch=fp8_dispatch)
+        enable_fp8_distributed(model)
+        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    calls: dict[str, dict[str, list[int]]] = {name: {} for name in runs}
+    for step in range(args.warmup + args.steps):
+        g = torch.Generator().manual_seed(step * world + rank)
+        x = torch.randn(args.batch_size, args.seq_len, args.hidden, generator=g).to(device, torch.bfloat16)
+        for name, (model, opt) in runs.items():
+            reset_collective_counts()
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = F.mse_loss(model(x).float(), x.float())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            if step >= args.warmup:
+                times[name].append(dt)
+                counts = collective_counts()
+                calls[name] = {k: [counts.get(f"ep_{k}", 0), counts.get(f"ep_{k}_bytes", 0)] for k in _EP_KINDS}
+    stats = {name: expert_parallel_stats(model) for name, (model, _) in runs.items()}
+    res = {name: {"step_s_median": statistics.median(times[name]), **calls[name]} for name in runs}
+    res["dropped"] = sum(sum(s["dropped"]) for run in stats.values() for s in run.values())
+    everyone = [None] * world
+    dist.all_gather_object(everyone, res)
+    if rank == 0:
+        if out:
+            Path(out).write_text(json.dumps(everyone))
+        else:  # started by torchrun
+            _print_ep(everyone, args, "GPUs (NCCL)" if cuda else "processes (gloo)")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _print_mesh(res: dict, args: argparse.Namespace) -> None:
     bf16, fp8 = res["bf16-gather"], res["fp8-gather"]
     mesh = res["mesh"]
@@ -381,6 +489,32 @@ def _print_mesh(res: dict, args: argparse.Namespace) -> None:
     )
     print(f"losses BF16 gather {[round(v, 4) for v in bf16['losses']]}")
     print(f"losses FP8 gather  {[round(v, 4) for v in fp8['losses']]}")
+
+
+def _print_ep(ranks: list[dict], args: argparse.Namespace, where: str = "CPU processes (gloo)") -> None:
+    print(
+        f"EP, {args.nproc} {where}, {args.blocks} residual Qwen3-MoE blocks, hidden {args.hidden}, {args.experts} "
+        f"experts top-2 (expert FFN {args.hidden}), BF16, FP8 {args.recipe} expert GEMMs, {args.batch_size} x "
+        f"{args.seq_len} tokens per rank, {args.steps} timed steps after {args.warmup}; torch {torch.__version__}"
+    )
+    print()
+    print(
+        "| run | " + " | ".join(f"{k} bytes/call (rank 0)" for k in _EP_KINDS) + " | step s (median, max over ranks) |"
+    )
+    print("|---|" + "---|" * (len(_EP_KINDS) + 1))
+    step = {name: max(r[name]["step_s_median"] for r in ranks) for name in ("bf16", "fp8")}
+    for name, label in (("bf16", "BF16 dispatch"), ("fp8", "FP8 dispatch")):
+        r = ranks[0][name]
+        cells = " | ".join(f"{r[k][1] / max(r[k][0], 1):.0f}" for k in _EP_KINDS)
+        print(f"| {label} | {cells} | {step[name]:.3f} |")
+    print()
+    disp = {name: sum(r[name]["dispatch"][1] for r in ranks) for name in ("bf16", "fp8")}
+    comb = {name: sum(r[name]["combine"][1] for r in ranks) for name in ("bf16", "fp8")}
+    print(
+        f"FP8 / BF16 dispatch bytes (all ranks): {disp['fp8'] / disp['bf16']:.3f}x (target <= 0.55x); combine: "
+        f"{comb['fp8'] / comb['bf16']:.3f}x; step time: {step['fp8'] / step['bf16']:.2f}x; "
+        f"dropped tokens: {ranks[0]['dropped']} (rank 0, no capacity set)"
+    )
 
 
 def _print_tp(res: dict, args: argparse.Namespace, where: str = "CPU processes (gloo)") -> None:
@@ -419,21 +553,24 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=4, help="timed steps")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--mode", choices=("fsdp", "tp", "2d"), default="fsdp")
+    p.add_argument("--mode", choices=("fsdp", "tp", "ep", "2d"), default="fsdp")
     p.add_argument("--tp", type=int, default=2, help="--mode 2d: tensor-parallel ranks per group")
-    p.add_argument("--hidden", type=int, default=256, help="--mode tp: hidden size")
-    p.add_argument("--blocks", type=int, default=4, help="--mode tp: MLP blocks")
+    p.add_argument("--hidden", type=int, default=256, help="--mode tp/ep: hidden size")
+    p.add_argument("--blocks", type=int, default=4, help="--mode tp/ep: MLP / MoE blocks")
+    p.add_argument("--experts", type=int, default=8, help="--mode ep: experts per block (top-2)")
+    p.add_argument("--recipe", default="block", help="--mode ep: FP8 recipe of the expert GEMMs")
     args = p.parse_args()
-    if args.mode == "tp" and "RANK" in os.environ:  # started by torchrun: this process is one rank
+    parallel = {"tp": _tp_worker, "ep": _ep_worker}
+    if args.mode in parallel and "RANK" in os.environ:  # started by torchrun: this process is one rank
         args.nproc = int(os.environ["WORLD_SIZE"])
-        _tp_worker(int(os.environ["RANK"]), args.nproc, None, args, "")
+        parallel[args.mode](int(os.environ["RANK"]), args.nproc, None, args, "")
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.json")
-        worker = {"tp": _tp_worker, "2d": _mesh_worker}.get(args.mode, _worker)
+        worker = {**parallel, "2d": _mesh_worker}.get(args.mode, _worker)
         mp.start_processes(worker, args=(args.nproc, port, args, out), nprocs=args.nproc, start_method="spawn")
         res = json.loads(Path(out).read_text())
     if args.mode == "tp":
@@ -441,6 +578,9 @@ def main() -> None:
         return
     if args.mode == "2d":
         _print_mesh(res, args)
+        return
+    if args.mode == "ep":
+        _print_ep(res, args)
         return
     bf16, fp8, fp8_opt = res["bf16"], res["fp8"], res["fp8-adamw"]
     print(
