@@ -20,9 +20,11 @@ from .common import (
     replace_module,
     write_export,
 )
+from ..ptq.experts import QuantExperts
 from .compressed_tensors import QUANT_METHOD as CT_METHOD
 from .compressed_tensors import export_tensors as ct_tensors
 from .compressed_tensors import load as ct_load
+from .experts import checkpoint_key, experts_naming
 from .fp8_block import QUANT_METHOD as BLOCK_METHOD
 from .fp8_block import export_tensors as block_tensors
 from .fp8_block import load as block_load
@@ -63,8 +65,9 @@ def save_pretrained(
     if format not in FORMATS:
         raise ExportError(f"unknown checkpoint format {format!r}; accepted: {', '.join(FORMATS)}")
     qlayers = {n: m for n, m in model.named_modules() if isinstance(m, (QuantLinear, BlockQuantLinear))}
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, QuantExperts)}
     report = getattr(model, "ptq_report", None)
-    if qlayers and report is not None:
+    if (qlayers or experts) and report is not None:
         scheme, ignore = report.scheme, list(report.skipped)
         kv = _kv_blocks(model) if report.kv_cache else {}
     elif any(isinstance(m, FP8Linear) for m in model.modules()):
@@ -79,15 +82,24 @@ def save_pretrained(
         check_scheme_format(scheme + ("+kv" if kv else ""), format)
     except ValueError as err:
         raise ExportError(str(err)) from None
+    if experts and format != "compressed-tensors":
+        raise ExportError(
+            f"the {format} export does not carry MoE experts yet: write --format compressed-tensors, or keep the "
+            "experts in high precision with module_filter"
+        )
+    block = experts_naming(model)[1] if experts else "mlp"
     cfg = hf_config_dict(model)
     out = check_export_dir(out_dir, overwrite)
-    tensors = kept_tensors(model, list(qlayers))
+    tensors = kept_tensors(model, [*qlayers, *experts])
     for name in kv:  # each format names the k/v scales its own way
         tensors.pop(f"{name}.k_scale", None)
         tensors.pop(f"{name}.v_scale", None)
     extra = None
     if format == "compressed-tensors":
-        qtensors, qc = ct_tensors(model, qlayers, next(iter(qlayers.values())).scheme, ignore, kv)
+        first = next(iter(qlayers.values()), None) or next(iter(experts.values()))
+        ignore = [checkpoint_key(n, block) for n in ignore]
+        qtensors, qc = ct_tensors(model, qlayers, first.scheme, ignore, kv, experts)
+        tensors = {checkpoint_key(k, block): v for k, v in tensors.items()}
     elif format == "modelopt":
         qtensors, qc, extra = modelopt_tensors(model, qlayers, scheme, ignore, kv)
     else:
@@ -123,7 +135,8 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.
                 m.register_buffer(f"{which}_scale", kv_scales[key].float().reshape(1))
     from ..ptq.quantize import PTQReport
 
-    report = PTQReport(scheme, quantized=names, kv_cache=kv)
+    experts = [n for n in names if isinstance(model.get_submodule(n), QuantExperts)]
+    report = PTQReport(scheme, quantized=[n for n in names if n not in experts], kv_cache=kv, experts=experts)
     report.skipped = {
         n: "not quantized in the checkpoint"
         for n, m in model.named_modules()
