@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from ..nn.linear import Linear as FP8Linear
+from ..ptq.experts import QuantExperts
 from ..ptq.linear import QuantLinear
 from .block_linear import BlockQuantLinear
 from .common import (
@@ -20,7 +21,6 @@ from .common import (
     replace_module,
     write_export,
 )
-from ..ptq.experts import QuantExperts
 from .compressed_tensors import QUANT_METHOD as CT_METHOD
 from .compressed_tensors import export_tensors as ct_tensors
 from .compressed_tensors import load as ct_load

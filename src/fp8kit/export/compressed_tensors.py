@@ -193,6 +193,7 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
     tensors = read_tensors(path)
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and _matches(n, m, targets)]
     names = [n for n in names if not _matches(n, model.get_submodule(n), ignore)]
+
     def build(name: str, lin: nn.Linear) -> QuantLinear:
         q = QuantLinear(lin.in_features, lin.out_features, lin.bias is not None, scheme)
         if fmt == "pack-quantized":
@@ -217,7 +218,9 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
         else:
             codes = tensors.pop(f"{key}.weight").to(scheme.weight_format.dtype)
         if tuple(codes.shape) != (out_features, in_features):
-            raise ExportError(f"{path}: {key} has shape {tuple(codes.shape)}, the model needs {(out_features, in_features)}")
+            raise ExportError(
+                f"{path}: {key} has shape {tuple(codes.shape)}, the model needs {(out_features, in_features)}"
+            )
         scale = tensors.pop(f"{key}.weight_scale").float()
         input_scale = tensors.pop(f"{key}.input_scale", None)
         return codes, scale, input_scale

@@ -215,7 +215,9 @@ class QuantExperts:
 
 @functools.cache
 def _quant_class(cls: type) -> type:
-    return type(f"Quant{cls.__name__}", (QuantExperts, cls), {"__module__": __name__, "__qualname__": f"Quant{cls.__name__}"})
+    return type(
+        f"Quant{cls.__name__}", (QuantExperts, cls), {"__module__": __name__, "__qualname__": f"Quant{cls.__name__}"}
+    )
 
 
 def _base_class(module: nn.Module) -> type:

@@ -219,7 +219,11 @@ def _select_layers(run: _Run) -> None:
             report.skipped[name] = "excluded by module_filter"
         parent = name.rpartition(".")[0]
         router = f"{parent}.gate" if parent else "gate"
-        if keep and router not in report.skipped and isinstance(getattr(model.get_submodule(parent), "gate", None), nn.Module):
+        if (
+            keep
+            and router not in report.skipped
+            and isinstance(getattr(model.get_submodule(parent), "gate", None), nn.Module)
+        ):
             report.skipped[router] = "MoE router (kept in high precision, as DeepSeek-V3 and llm-compressor do)"
     if run.experts and opts.norm_tweak:
         raise ValueError(
@@ -241,7 +245,9 @@ def _choose_data(run: _Run) -> None:
     if not opts.needs_data(scheme):
         return
     trained = _trained_input_amax(run.model, run.targets) if scheme.name == "fp8" else {}
-    if len(trained) == len(run.targets) and not (run.experts or opts.kv_cache or opts.gptq or opts.keep_bf16 or opts.norm_tweak):
+    if len(trained) == len(run.targets) and not (
+        run.experts or opts.kv_cache or opts.gptq or opts.keep_bf16 or opts.norm_tweak
+    ):
         run.amax = trained
         run.report.calibration = "trained delayed-scaling amax history"
         return
