@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from ..nn.linear import Linear as FP8Linear
-from ..ptq.experts import QuantExperts
+from ..ptq.experts import QuantExperts, dequantize_experts_module
 from ..ptq.linear import QuantLinear
 from .block_linear import BlockQuantLinear
 from .common import (
@@ -158,6 +158,9 @@ def dequantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -> n
                 if m.bias is not None:
                     lin.bias.copy_(m.bias)
             replace_module(model, name, lin)
+    for m in list(model.modules()):
+        if isinstance(m, QuantExperts):
+            dequantize_experts_module(m)
     model.__dict__.pop("ptq_report", None)
     model.config.__dict__.pop("quantization_config", None)
     return model.to(dtype)

@@ -282,9 +282,39 @@ def install_quant_experts(module: nn.Module, scheme: Scheme, tensors: dict[str, 
         module.register_buffer(key, t.to(device))
     module.scheme = scheme
     module.projections = projections
+    module._fp8kit_was_transposed = module.is_transposed
     module.is_transposed = False
     _dispatch_to_quant(module)
     _QUANTIZED.add(module)
+
+
+@torch.no_grad()
+def dequantize_experts_module(module: QuantExperts, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Undo ``install_quant_experts`` in place: the ``transformers`` experts module again, its 3-D
+    parameters ``codes * scale`` in their original layout (exact in float32), biases restored, and the
+    config's experts implementation back to the one it named before (when no other module is quantized)."""
+    params = {}
+    for p, proj in enumerate(module.projections):
+        w = module.dequantized_weight(p, dtype)
+        params[proj] = w.transpose(1, 2).contiguous() if module._fp8kit_was_transposed else w
+        bias = module._buffers.get(f"{proj}_bias")
+        if bias is not None:
+            params[f"{proj}_bias"] = bias.to(dtype)
+    for proj in module.projections:
+        for key in (proj, f"{proj}_weight_scale", f"{proj}_input_scale", f"{proj}_bias"):
+            module._buffers.pop(key, None)
+    module.__class__ = type(module).__bases__[1]
+    module.is_transposed = module.__dict__.pop("_fp8kit_was_transposed")
+    for key, t in params.items():
+        module.register_parameter(key, nn.Parameter(t))
+    for key in ("scheme", "projections"):
+        module.__dict__.pop(key, None)
+    _QUANTIZED.discard(module)
+    fallback = module.__dict__.pop("_fp8kit_ptq_fallback", None)
+    config = module.config
+    if not _quantized_sharing(module) and config._experts_implementation == IMPLEMENTATION:
+        config._experts_implementation = fallback or "grouped_mm"
+    return module
 
 
 def _dispatch_to_quant(module: nn.Module) -> None:
@@ -297,20 +327,18 @@ def _dispatch_to_quant(module: nn.Module) -> None:
     if config is None:
         raise ValueError(f"{type(module).__name__} has no .config: not an ExpertsInterface experts module")
     previous = config._experts_implementation
-    if previous != IMPLEMENTATION:
-        module._fp8kit_ptq_fallback = previous
-        config._experts_implementation = IMPLEMENTATION
+    if previous == IMPLEMENTATION:  # a sibling switched the shared config already: take its fallback
+        previous = next((m._fp8kit_ptq_fallback for m in _quantized_sharing(module)), None)
+    module._fp8kit_ptq_fallback = previous
+    config._experts_implementation = IMPLEMENTATION
 
 
 def _fallback(module: nn.Module) -> Callable[..., torch.Tensor]:
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     original = getattr(type(module).forward, "__wrapped__", None)
-    name = getattr(module, "_fp8kit_ptq_fallback", None)
-    if name is None:  # a module left in high precision: its sibling's fallback shares the config
-        name = next(
-            (m._fp8kit_ptq_fallback for m in _quantized_sharing(module) if hasattr(m, "_fp8kit_ptq_fallback")), None
-        )
+    # a module left in high precision: the implementation its config named before a sibling was quantized
+    name = next((m._fp8kit_ptq_fallback for m in _quantized_sharing(module)), None)
     if name in (None, "eager", IMPLEMENTATION) and original is not None:
         return original
     return ALL_EXPERTS_FUNCTIONS.get_interface(name, original)

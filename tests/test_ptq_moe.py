@@ -1,0 +1,240 @@
+"""PTQ and compressed-tensors export of MoE experts (``fp8kit.ptq.experts``, ``fp8kit.export.experts``).
+
+One experts layer is checked against a float64 reference built from ``fp8kit.cast`` (per-expert weight
+scales ``amax_e / fmt.max``, the shared static input scales), which catches a wrong or shared scale;
+whole tiny Qwen3-MoE / Mixtral models by counting what was quantized and by logit SQNR; calibration of
+an expert the router never picks; the export's per-expert tensor names and its reload through fp8kit and
+through ``transformers`` + ``compressed-tensors``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_moe import tiny_model
+
+from fp8kit.export import ExportError, dequantized_model, load_pretrained, save_pretrained
+from fp8kit.formats import E4M3, INT8, cast
+from fp8kit.nn.experts import is_experts_module
+from fp8kit.ptq import quantize
+from fp8kit.ptq.experts import IMPLEMENTATION, QuantExperts, quantize_experts_module
+from tests.conftest import sqnr_db
+
+SCHEMES = ["fp8", "fp8-dynamic", "int8-smoothquant", "int8-weight-only"]
+
+
+def _ids(seed: int = 0, batch: int = 4, seq: int = 16) -> torch.Tensor:
+    return torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _loop(ids: torch.Tensor):
+    return lambda m: [m(ids[i : i + 2]) for i in range(0, ids.shape[0], 2)]
+
+
+# ---- one experts layer against the float64 reference --------------------------------------------------
+
+
+def _q(x: torch.Tensor, amax: torch.Tensor, fmt) -> torch.Tensor:
+    """``x`` quantize-dequantized with dequant scale ``amax / fmt.max`` (float64; INT8 rounds half to even)."""
+    s = amax.double() / fmt.max
+    y = x.double() / s
+    codes = cast(y.float(), fmt).double() if fmt is E4M3 else torch.round(y).clamp(-127, 127)
+    return codes * s
+
+
+def _reference(module, x, idx, wts, scheme: str, in_amax: tuple[float, float] | None) -> torch.Tensor:
+    """The experts layer in float64 from the high-precision module: weights quantized per expert (per
+    tensor or per row), activations per tensor with ``in_amax`` or per token, top-k weighted sum."""
+    wfmt = E4M3 if scheme.startswith("fp8") else INT8
+    per_row = scheme != "fp8"
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for p_name, p in (("gate_up_proj", 0), ("down_proj", 1)):
+        w = getattr(module, p_name).detach().double()
+        amax = w.abs().amax(dim=2, keepdim=True) if per_row else w.abs().amax(dim=(1, 2), keepdim=True)
+        module.__dict__[f"_ref_{p}"] = _q(w, amax, wfmt)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            h = x[t].double()
+            for p in (0, 1):
+                if scheme in ("fp8", "int8-smoothquant"):
+                    h = _q(h, torch.tensor(in_amax[p]), wfmt)
+                elif scheme == "fp8-dynamic":
+                    h = _q(h, h.abs().max(), wfmt)
+                h = module.__dict__[f"_ref_{p}"][e] @ h
+                if p == 0:
+                    gate, up = h.chunk(2)
+                    h = torch.nn.functional.silu(gate) * up
+            out[t] += wts[t, j].double() * h
+    return out
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_one_experts_layer_matches_the_float64_reference(scheme):
+    """Per-expert weight scales and the shared input scales, exact up to FP32 accumulation; one expert's
+    scale doubled (a wrong scale) falls far below the threshold."""
+    model = tiny_model("qwen3_moe")
+    module = copy.deepcopy(model.model.layers[0].mlp.experts)
+    torch.manual_seed(1)
+    x = torch.randn(24, 64)
+    idx = torch.stack([torch.randperm(8)[:2] for _ in range(24)])
+    wts = torch.rand(24, 2)
+    idx[:3] = torch.tensor([5, 5]).new_tensor([5, 6])  # expert 5 gets extra tokens
+    in_amax = (float(x.abs().max()), 0.05) if scheme in ("fp8", "int8-smoothquant") else None
+    ref = _reference(module, x, idx, wts, scheme, in_amax)
+    quantize_experts_module(module, scheme, in_amax)
+    assert isinstance(module, QuantExperts) and module.config._experts_implementation == IMPLEMENTATION
+    out = module(x, idx, wts)
+    assert sqnr_db(ref, out) > 100  # the same codes and scales: FP32 accumulation order only
+    scale = module.weight_scale(0)
+    assert scale.shape == ((8, 1, 1) if scheme == "fp8" else (8, 64, 1))
+    assert len(set(scale.reshape(8, -1)[:, 0].tolist())) == 8  # experts' weights differ: so do their scales
+    with torch.no_grad():
+        scale[3] *= 2
+    assert sqnr_db(ref, module(x, idx, wts)) < 40
+
+
+# ---- whole models --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_every_expert_is_quantized_and_logits_stay_close(arch, scheme, monkeypatch):
+    model = tiny_model(arch).eval()
+    n_experts = sum(is_experts_module(m) for m in model.modules())
+    ids = _ids()
+    ref = model(ids).logits.detach()
+    q = quantize(copy.deepcopy(model), scheme, _loop(ids))
+    experts = [m for m in q.modules() if isinstance(m, QuantExperts)]
+    assert n_experts == 2 and len(experts) == n_experts == len(q.ptq_report.experts)
+    dtype = torch.float8_e4m3fn if scheme.startswith("fp8") else torch.int8
+    for m in experts:  # every expert's codes, no 3-D high-precision weight left
+        assert m.weight_codes(0).dtype == m.weight_codes(1).dtype == dtype
+        assert m.weight_codes(0).shape[0] == m.weight_codes(1).shape[0] == 8
+        assert not any(p.dim() == 3 for p in m.parameters())
+    assert sum("MoE router" in why for why in q.ptq_report.skipped.values()) == 2
+    calls = []
+    project = QuantExperts.project
+    monkeypatch.setattr(QuantExperts, "project", lambda self, *a: calls.append(1) or project(self, *a))
+    out = q(ids).logits
+    assert len(calls) == 2 * n_experts  # both projections of every layer ran on the codes
+    floor = {"fp8": 20, "fp8-dynamic": 20, "int8-smoothquant": 28, "int8-weight-only": 34}[scheme]
+    assert floor < sqnr_db(ref, out) < 80
+
+
+def _never_route_to(model, layer: int, expert: int) -> None:
+    """Make layer ``layer``'s router never pick ``expert`` (its logit set to -inf before top-k)."""
+    router = model.model.layers[layer].mlp.gate
+
+    def hook(mod, args, output):
+        logits = output[0].clone()
+        logits[:, expert] = float("-inf")
+        probs = torch.softmax(logits.float(), dim=-1)
+        top, idx = torch.topk(probs, mod.top_k, dim=-1)
+        return logits, top / top.sum(dim=-1, keepdim=True), idx
+
+    router.register_forward_hook(hook)
+
+
+def test_an_expert_the_router_never_picks_is_calibrated_on_all_tokens():
+    model = tiny_model("qwen3_moe").eval()
+    _never_route_to(model, 0, 3)
+    ids = _ids(1)
+    q = quantize(copy.deepcopy(model), "fp8", _loop(ids))
+    tokens = q.ptq_report.expert_tokens["model.layers.0.mlp.experts"]
+    assert tokens[3] == 0 and sum(tokens) == ids.numel() * 2 and min(tokens[:3] + tokens[4:]) > 0
+    assert "never routed: [3]" in str(q.ptq_report)
+    # the shared down_proj input scale is the max over all experts of act(gate_up(x)) over ALL tokens
+    hidden = []
+    layer = model.model.layers[0]
+    layer.mlp.register_forward_pre_hook(lambda m, a: hidden.append(a[0].reshape(-1, 64)))
+    with torch.no_grad():
+        _loop(ids)(model)
+    x = torch.cat(hidden)
+    w = layer.mlp.experts.gate_up_proj.detach()
+    gate, up = torch.matmul(x, w.transpose(1, 2)).chunk(2, dim=-1)
+    h = torch.nn.functional.silu(gate) * up  # (E, T, I)
+    per_expert = h.abs().amax(dim=(1, 2))
+    m = q.model.layers[0].mlp.experts
+    torch.testing.assert_close(m.down_proj_input_scale, (per_expert.max() / 448).reshape(1), rtol=1e-6, atol=0)
+    assert int(per_expert.argmax()) == 3 or per_expert[3] > 0  # expert 3 contributed a real range
+    assert torch.isfinite(m.weight_scale(0)[3]).all() and torch.isfinite(m.weight_scale(1)[3]).all()
+    assert torch.isfinite(q(ids).logits).all()
+
+
+def test_norm_tweak_refuses_experts_with_one_clear_error():
+    with pytest.raises(ValueError, match="norm_tweak does not handle MoE experts"):
+        quantize(tiny_model("qwen3_moe"), "fp8", _loop(_ids()), norm_tweak=2)
+
+
+# ---- export ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "arch, names",
+    [("qwen3_moe", ("mlp", "gate_proj", "up_proj", "down_proj")), ("mixtral", ("block_sparse_moe", "w1", "w3", "w2"))],
+)
+@pytest.mark.parametrize("scheme", ["fp8", "int8-weight-only"])
+def test_compressed_tensors_export_per_expert_names_and_reload(arch, names, scheme, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    ids = _ids()
+    q = quantize(tiny_model(arch).eval(), scheme, _loop(ids))
+    out = save_pretrained(q, tmp_path / "ckpt")
+    keys = set(load_file(str(out / "model.safetensors")))
+    block, *linears = names
+    weight = "weight" if scheme == "fp8" else "weight_packed"
+    expected = {
+        f"model.layers.{i}.{block}.experts.{e}.{n}.{weight}" for i in range(2) for e in range(8) for n in linears
+    }
+    assert expected <= keys and not any("gate_up_proj" in k for k in keys)
+    assert f"model.layers.0.{block}.gate.weight" in keys  # the router, high precision
+    if scheme == "fp8":  # one shared input scale written to every expert (vLLM keeps the max: the same)
+        s = {
+            float(
+                load_file(str(out / "model.safetensors"))[
+                    f"model.layers.0.{block}.experts.{e}.{linears[2]}.input_scale"
+                ]
+            )
+            for e in range(8)
+        }
+        assert len(s) == 1
+    ours = q(ids).logits
+    back = load_pretrained(out)
+    assert back.ptq_report.experts == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    torch.testing.assert_close(back(ids).logits, ours, rtol=0, atol=0)
+    # transformers + compressed-tensors: it folds each expert's weight_scale into a dense fused weight and
+    # drops the experts' input_scale (its MoE loader has no quantized-activation path), so its model is the
+    # weight-dequantized one: fp8kit's own logits for weight-only INT8, fp8kit's dequantized model otherwise
+    hf = AutoModelForCausalLM.from_pretrained(out, quantization_config=CompressedTensorsConfig(dequantize=True))
+    want = ours if scheme == "int8-weight-only" else dequantized_model(out)(ids).logits
+    torch.testing.assert_close(hf.eval()(ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_export_errors_name_the_fix(tmp_path):
+    ids = _ids()
+    q = quantize(tiny_model("qwen3_moe").eval(), "fp8", _loop(ids))
+    with pytest.raises(ExportError, match="does not carry MoE experts yet: write --format compressed-tensors"):
+        save_pretrained(q, tmp_path / "mo", format="modelopt")
+    g = quantize(tiny_model("gpt_oss").eval(), "fp8-dynamic")
+    with pytest.raises(ExportError, match="does not know how 'gpt_oss' checkpoints name their experts"):
+        save_pretrained(g, tmp_path / "g")
+    from safetensors.torch import load_file, save_file
+
+    out = save_pretrained(q, tmp_path / "ok")
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["model.layers.1.mlp.experts.2.down_proj.input_scale"] *= 4  # another producer's per-expert scales
+    del tensors["model.layers.0.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(ExportError, match="experts.5.up_proj.weight is missing"):
+        load_pretrained(out)
+    tensors["model.layers.0.mlp.experts.5.up_proj.weight"] = (
+        q.model.layers[0].mlp.experts.weight_codes(0)[5, 32:].clone()
+    )
+    save_file(tensors, str(out / "model.safetensors"))
+    back = load_pretrained(out)
+    shared = q.model.layers[1].mlp.experts.down_proj_input_scale
+    torch.testing.assert_close(back.model.layers[1].mlp.experts.down_proj_input_scale, shared * 4)  # the max
