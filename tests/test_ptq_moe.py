@@ -164,9 +164,21 @@ def test_an_expert_the_router_never_picks_is_calibrated_on_all_tokens():
     assert torch.isfinite(q(ids).logits).all()
 
 
-def test_norm_tweak_refuses_experts_with_one_clear_error():
-    with pytest.raises(ValueError, match="norm_tweak does not handle MoE experts"):
-        quantize(tiny_model("qwen3_moe"), "fp8", _loop(_ids()), norm_tweak=2)
+def test_norm_tweaking_and_keep_bf16_run_through_quantized_experts():
+    """The CLI's fp8 defaults (norm tweaking, most sensitive layers kept): the experts' straight-through
+    path carries gradients to the norms before them; the teacher runs the high-precision experts."""
+    model = tiny_model("qwen3_moe").eval()
+    ids = _ids(2)
+    q = quantize(copy.deepcopy(model), "fp8", _loop(ids), norm_tweak=3, keep_bf16=1)
+    t = q.ptq_report.norm_tweak
+    assert t is not None and t.steps == 3 and t.parameters > 0
+    assert all(isinstance(q.get_submodule(n), QuantExperts) for n in q.ptq_report.experts)
+    assert not any(isinstance(m, QuantExperts) for m in model.modules())  # the input model untouched
+    x = torch.randn(6, 64, requires_grad=True)
+    idx, wts = torch.tensor([[0, 1]] * 3 + [[2, 7]] * 3), torch.full((6, 2), 0.5)
+    q.model.layers[0].mlp.experts(x, idx, wts).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    assert torch.isfinite(q(ids).logits).all()
 
 
 # ---- export ------------------------------------------------------------------------------------------

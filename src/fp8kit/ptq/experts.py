@@ -194,6 +194,8 @@ class QuantExperts:
         GEMM on the code values (exact in float32 and bfloat16), scales applied to the accumulator."""
         from ..gemm.grouped import grouped_mm
 
+        if x.requires_grad and torch.is_grad_enabled():
+            return self._project_straight_through(p, x, offs, group_ids)
         gdt = torch.float32 if x.device.type == "cpu" else torch.bfloat16
         codes = self.weight_codes(p)
         ws = self.weight_scale(p).reshape(codes.shape[0], -1)[group_ids]  # (S, 1) or (S, out)
@@ -209,8 +211,40 @@ class QuantExperts:
             out = out + bias[group_ids].float()
         return out
 
+    def _project_straight_through(
+        self, p: int, x: torch.Tensor, offs: torch.Tensor, group_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """``project``'s value, differentiable in ``x`` (norm tweaking): the input quantizer passes the
+        gradient straight through, the weights are frozen. Inference never takes this path."""
+        if self.scheme.act_format is not None:
+            with torch.no_grad():
+                xq, sx = self.quantize_input(p, x.detach())
+                xd = (xq.float() * sx.reshape(-1, 1)).to(x.dtype)
+            x = x + (xd - x).detach()
+        out = _GroupedMatmul.apply(x.float(), self.dequantized_weight(p), offs)
+        bias = getattr(self, f"{self.projections[p]}_bias", None) if self.has_bias else None
+        return out if bias is None else out + bias[group_ids].float()
+
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, scheme={self.scheme.name}"
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    """``out[rows of e] = x[rows of e] @ w[e].T`` (``w`` ``(E, out, in)``, frozen), differentiable in ``x``."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs):  # type: ignore[override]
+        from ..gemm.grouped import grouped_mm
+
+        ctx.save_for_backward(w, offs)
+        return grouped_mm(x, w.transpose(1, 2).contiguous(), offs)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        from ..gemm.grouped import grouped_mm
+
+        w, offs = ctx.saved_tensors
+        return grouped_mm(grad.contiguous(), w.contiguous(), offs), None, None
 
 
 @functools.cache
@@ -230,11 +264,17 @@ def _base_class(module: nn.Module) -> type:
 
 @torch.no_grad()
 def quantize_experts_module(
-    module: nn.Module, scheme: Scheme | str, input_amax: tuple[float, float] | None = None, name: str = ""
+    module: nn.Module,
+    scheme: Scheme | str,
+    input_amax: tuple[float, float] | None = None,
+    name: str = "",
+    *,
+    copy: bool = False,
 ) -> nn.Module:
     """Quantize an experts module in place (class swap, 3-D parameters replaced by code and scale buffers)
     with per-expert weight scales; ``input_amax`` ``(gate_up, down)`` sets the shared static activation
-    scales (required by static schemes). Returns the module."""
+    scales (required by static schemes). ``copy``: leave ``module`` as it is and return a new quantized
+    module object (tensors not copied; ``fp8kit.ptq.quantize`` keeps the original as norm tweaking's teacher)."""
     scheme = get_scheme(scheme)
     what = name or type(module).__name__
     if getattr(module, "_is_expert_parallel", False):
@@ -254,8 +294,18 @@ def quantize_experts_module(
         bias = getattr(module, f"{proj}_bias", None)
         if bias is not None:
             new[f"{proj}_bias"] = bias.detach().float().clone()
+    if copy:
+        module = _shallow_copy(module)
     install_quant_experts(module, scheme, new)
     return module
+
+
+def _shallow_copy(module: nn.Module) -> nn.Module:
+    """A new module object with ``module``'s attributes, its own parameter/buffer/submodule dicts (tensors
+    and submodules shared), so that a class swap and new buffers leave ``module`` as it was."""
+    new = object.__new__(type(module))
+    new.__dict__ = {k: (dict(v) if isinstance(v, dict) else v) for k, v in module.__dict__.items()}
+    return new
 
 
 def quantize_codes(w: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor]:

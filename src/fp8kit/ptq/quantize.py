@@ -225,10 +225,6 @@ def _select_layers(run: _Run) -> None:
             and isinstance(getattr(model.get_submodule(parent), "gate", None), nn.Module)
         ):
             report.skipped[router] = "MoE router (kept in high precision, as DeepSeek-V3 and llm-compressor do)"
-    if run.experts and opts.norm_tweak:
-        raise ValueError(
-            "norm_tweak does not handle MoE experts yet: pass norm_tweak=0, or keep the experts out with module_filter"
-        )
     if not run.targets and not run.experts:
         raise ValueError(
             "no nn.Linear layer to quantize"
@@ -357,7 +353,11 @@ def _install(run: _Run) -> None:
         setattr(run.model.get_submodule(parent_name) if parent_name else run.model, attr, q)
         run.report.quantized.append(name)
     for name in run.experts:
-        quantize_experts_module(run.model.get_submodule(name), run.scheme, run.expert_amax.get(name), name)
+        original = run.model.get_submodule(name)
+        run.originals[name] = original
+        q = quantize_experts_module(original, run.scheme, run.expert_amax.get(name), name, copy=True)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(run.model.get_submodule(parent_name) if parent_name else run.model, attr, q)
         run.report.experts.append(name)
     run.report.input_amax = run.amax
 
@@ -369,7 +369,7 @@ def _tweak_norms(run: _Run) -> None:
     with run.progress.phase("norm tweak", steps, unit="step") as update:
         run.report.norm_tweak = tweak_norms(
             run.model,
-            {n: run.originals[n] for n in run.qmods},
+            {n: run.originals[n] for n in [*run.qmods, *run.experts]},
             run.forward_loop,
             steps,
             run.opts.norm_tweak_lr,
