@@ -10,6 +10,7 @@ through ``transformers`` + ``compressed-tensors``.
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -229,8 +230,12 @@ def test_compressed_tensors_export_per_expert_names_and_reload(arch, names, sche
 def test_export_errors_name_the_fix(tmp_path):
     ids = _ids()
     q = quantize(tiny_model("qwen3_moe").eval(), "fp8", _loop(ids))
-    with pytest.raises(ExportError, match="does not carry MoE experts yet: write --format compressed-tensors"):
-        save_pretrained(q, tmp_path / "mo", format="modelopt")
+    b = quantize(tiny_model("qwen3_moe").eval(), "fp8", _loop(ids))
+    b.ptq_report.scheme = "fp8-block"  # a block-scheme MoE model: no block-FP8 experts format yet
+    with pytest.raises(ExportError, match="fp8-block export does not carry MoE experts yet"):
+        save_pretrained(b, tmp_path / "blk", format="fp8-block")
+    with pytest.raises(ExportError, match="cannot carry scheme 'fp8'"):
+        save_pretrained(q, tmp_path / "blk2", format="fp8-block")
     g = quantize(tiny_model("gpt_oss").eval(), "fp8-dynamic")
     with pytest.raises(ExportError, match="does not know how 'gpt_oss' checkpoints name their experts"):
         save_pretrained(g, tmp_path / "g")
@@ -250,3 +255,36 @@ def test_export_errors_name_the_fix(tmp_path):
     back = load_pretrained(out)
     shared = q.model.layers[1].mlp.experts.down_proj_input_scale
     torch.testing.assert_close(back.model.layers[1].mlp.experts.down_proj_input_scale, shared * 4)  # the max
+
+
+@pytest.mark.parametrize(
+    "scheme, cfg",
+    [
+        ("fp8", "FP8_DEFAULT_CFG"),
+        ("fp8-dynamic", "FP8_PER_CHANNEL_PER_TOKEN_CFG"),
+        ("int8-weight-only", "INT8_WEIGHT_ONLY_CFG"),
+    ],
+)
+def test_modelopt_export_matches_modelopts_own_moe_export(scheme, cfg, tmp_path):
+    """ModelOpt 0.47 exports the same tiny Qwen3-MoE (its fused-experts plugin) with the same per-expert
+    key set, dtypes, shapes and hf_quant_config; each export imports into fp8kit with its producer's logits."""
+    mtq = pytest.importorskip("modelopt.torch.quantization")
+    from modelopt.torch.export import export_hf_checkpoint
+    from safetensors.torch import load_file
+
+    model = tiny_model("qwen3_moe").eval()
+    model.config.architectures = ["Qwen3MoeForCausalLM"]  # ModelOpt's export reads it
+    ids = _ids(3)
+    theirs = mtq.quantize(copy.deepcopy(model), getattr(mtq, cfg), _loop(ids))
+    with torch.no_grad():
+        their_logits = theirs(ids).logits
+    export_hf_checkpoint(theirs, dtype=torch.float32, export_dir=tmp_path / "mo")
+    ours = quantize(copy.deepcopy(model), scheme, _loop(ids))
+    out = save_pretrained(ours, tmp_path / "ours", format="modelopt")
+    a, b = load_file(str(tmp_path / "mo" / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert set(a) == set(b) and any(".experts.7.down_proj.weight" in k for k in a)
+    assert {k: (v.dtype, v.shape) for k, v in a.items()} == {k: (v.dtype, v.shape) for k, v in b.items()}
+    hq = [json.loads((d / "hf_quant_config.json").read_text())["quantization"] for d in (tmp_path / "mo", out)]
+    assert hq[0] == hq[1]
+    torch.testing.assert_close(load_pretrained(tmp_path / "mo")(ids).logits, their_logits, rtol=0, atol=2e-5)
+    torch.testing.assert_close(load_pretrained(out)(ids).logits, ours(ids).logits, rtol=0, atol=0)

@@ -82,26 +82,26 @@ def save_pretrained(
         check_scheme_format(scheme + ("+kv" if kv else ""), format)
     except ValueError as err:
         raise ExportError(str(err)) from None
-    if experts and format != "compressed-tensors":
+    if experts and format == "fp8-block":
         raise ExportError(
-            f"the {format} export does not carry MoE experts yet: write --format compressed-tensors, or keep the "
-            "experts in high precision with module_filter"
+            "the fp8-block export does not carry MoE experts yet: write --format compressed-tensors or modelopt, "
+            "or keep the experts in high precision with module_filter"
         )
-    block = experts_naming(model)[1] if experts else "mlp"
+    block = experts_naming(model)[1] if experts else "mlp"  # the MoE block's name on disk (Mixtral's differs)
+    ignore = [checkpoint_key(n, block) for n in ignore]
     cfg = hf_config_dict(model)
     out = check_export_dir(out_dir, overwrite)
     tensors = kept_tensors(model, [*qlayers, *experts])
     for name in kv:  # each format names the k/v scales its own way
         tensors.pop(f"{name}.k_scale", None)
         tensors.pop(f"{name}.v_scale", None)
+    tensors = {checkpoint_key(k, block): v for k, v in tensors.items()}
     extra = None
     if format == "compressed-tensors":
         first = next(iter(qlayers.values()), None) or next(iter(experts.values()))
-        ignore = [checkpoint_key(n, block) for n in ignore]
         qtensors, qc = ct_tensors(model, qlayers, first.scheme, ignore, kv, experts)
-        tensors = {checkpoint_key(k, block): v for k, v in tensors.items()}
     elif format == "modelopt":
-        qtensors, qc, extra = modelopt_tensors(model, qlayers, scheme, ignore, kv)
+        qtensors, qc, extra = modelopt_tensors(model, qlayers, scheme, ignore, kv, experts)
     else:
         qtensors, qc = block_tensors(model, qlayers, scheme, ignore, kv)
     tensors.update(qtensors)
