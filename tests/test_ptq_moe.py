@@ -288,3 +288,26 @@ def test_modelopt_export_matches_modelopts_own_moe_export(scheme, cfg, tmp_path)
     assert hq[0] == hq[1]
     torch.testing.assert_close(load_pretrained(tmp_path / "mo")(ids).logits, their_logits, rtol=0, atol=2e-5)
     torch.testing.assert_close(load_pretrained(out)(ids).logits, ours(ids).logits, rtol=0, atol=0)
+
+
+def test_quantize_takes_an_fp8kit_train_checkpoint_of_the_moe_demo(tmp_path):
+    """``fp8kit quantize --model runs/.../ckpt/bf16``: the demo MoE rebuilt from the checkpoint's settings
+    with its weights and byte tokens; the CLI's validator accepts the folder."""
+    from fp8kit.cli._common import model as model_arg
+    from fp8kit.models.llama import build_demo
+    from fp8kit.models.pretrained import load_pretrained_lm
+    from fp8kit.train.checkpoint import save_checkpoint
+
+    trained = build_demo("moe", "tiny", max_seq_len=64, seed=5)
+    with torch.no_grad():
+        trained.model.layers[0].mlp.experts.down_proj.mul_(1.5)  # not the seed's weights
+    info = {"run": "bf16", "model_size": "tiny", "seed": 5, "seq_len": 32, "batch_size": 2, "arch": "moe"}
+    save_checkpoint(tmp_path / "ckpt" / "bf16", trained, None, 7, info)
+    assert model_arg(allow_demo=False)(str(tmp_path / "ckpt" / "bf16")) == str(tmp_path / "ckpt" / "bf16")
+    loaded, tokenizer = load_pretrained_lm(str(tmp_path / "ckpt" / "bf16"))
+    ids = tokenizer.encode("In the beginning God created")[None]
+    torch.testing.assert_close(loaded(ids).logits, trained.eval()(ids).logits, rtol=0, atol=0)
+    q = quantize(loaded, "fp8", lambda m: m(ids))
+    assert (
+        len(q.ptq_report.experts) == 2 and sum(q.ptq_report.expert_tokens[q.ptq_report.experts[0]]) == ids.numel() * 2
+    )
