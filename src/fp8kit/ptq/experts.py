@@ -97,15 +97,19 @@ def _gate(module: nn.Module, proj: torch.Tensor) -> torch.Tensor:
 # ---- calibration -----------------------------------------------------------------------------------
 
 
-class ExpertsObserver:
-    """What calibration saw in one experts module: the tokens routed to each expert, the ``gate_up`` input
-    (all tokens, shared by all experts) and each expert's ``down_proj`` input over all tokens."""
+OBSERVE_ELEMENTS = 1 << 26  # the all-tokens-through-all-experts activations held at once (float32 values)
 
-    def __init__(self, name: str, num_experts: int, keep_rows: int = 0) -> None:
+
+class ExpertsObserver:
+    """What calibration saw in one experts module: the tokens routed to each expert, the first
+    projection's input (all tokens, shared by all experts) and each expert's ``down_proj`` input over
+    all tokens (computed, not routed: batched GEMMs over chunks of ``OBSERVE_ELEMENTS``)."""
+
+    def __init__(self, name: str, num_experts: int) -> None:
         self.name = name
         self.tokens = torch.zeros(num_experts, dtype=torch.int64)
-        self.first = InputObserver(f"{name}.{'gate_up_proj'}", keep_rows=keep_rows)
-        self.second = [InputObserver(f"{name}.down_proj[{e}]") for e in range(num_experts)]
+        self.first_input = InputObserver(f"{name} (experts input)")
+        self.down_inputs = [InputObserver(f"{name}.down_proj of expert {e}") for e in range(num_experts)]
 
     @torch.no_grad()
     def observe(self, module: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor) -> None:
@@ -113,32 +117,34 @@ class ExpertsObserver:
         routed = top_k_index.reshape(-1)
         routed = routed[(routed >= 0) & (routed < e)]
         self.tokens += torch.bincount(routed.cpu().long(), minlength=e)[:e]
-        x = x.detach().reshape(-1, x.shape[-1])
-        self.first.observe(x)
+        x = x.detach().reshape(-1, x.shape[-1]).float()
+        self.first_input.observe(x)
         first = experts_projections(module)[0]
         w = _weight_out_in(module, first)  # (E, out, in)
-        h = torch.matmul(x.float().unsqueeze(0), w.transpose(1, 2))  # (E, T, out): all tokens, all experts
         bias = getattr(module, f"{first}_bias", None) if module.has_bias else None
-        if bias is not None:
-            h = h + bias.detach().float().unsqueeze(1)
-        h = _gate(module, h)
-        for i, obs in enumerate(self.second):
-            obs.observe(h[i])
+        chunk = max(1, OBSERVE_ELEMENTS // max(1, x.shape[0] * w.shape[1]))
+        for start in range(0, e, chunk):
+            h = torch.matmul(x.unsqueeze(0), w[start : start + chunk].transpose(1, 2))  # (chunk, T, out)
+            if bias is not None:
+                h = h + bias[start : start + chunk].detach().float().unsqueeze(1)
+            h = _gate(module, h)
+            for i in range(h.shape[0]):
+                self.down_inputs[start + i].observe(h[i])
 
     def amax(self, fmt: Any, method: str, percentile: float) -> tuple[float, float]:
-        """``(gate_up input amax, down_proj input amax)``: the latter is the max over experts of each
-        expert's calibrated amax (the scale vLLM's fused-MoE loader would keep; see the module doc)."""
-        a0 = choose_amax(self.first, fmt, method, percentile)
-        per_expert = [choose_amax(o, fmt, method, percentile) for o in self.second if o.amax > 0]
+        """``(first projection's input amax, down_proj input amax)``: the latter is the max over experts of
+        each expert's calibrated amax (the scale vLLM's fused-MoE loader keeps; see the module doc)."""
+        a0 = choose_amax(self.first_input, fmt, method, percentile)
+        per_expert = [choose_amax(o, fmt, method, percentile) for o in self.down_inputs if o.amax > 0]
         if not per_expert:
             raise ValueError(f"{self.name}: every expert's down_proj input was zero during calibration")
         return a0, max(per_expert)
 
 
 @contextmanager
-def observe_experts(model: nn.Module, names: list[str], keep_rows: int = 0) -> Iterator[dict[str, ExpertsObserver]]:
+def observe_experts(model: nn.Module, names: list[str]) -> Iterator[dict[str, ExpertsObserver]]:
     """Observe the named experts modules while the block runs ``forward_loop`` (hooks removed on exit)."""
-    observers = {n: ExpertsObserver(n, model.get_submodule(n).num_experts, keep_rows) for n in names}
+    observers = {n: ExpertsObserver(n, model.get_submodule(n).num_experts) for n in names}
     hooks = []
     for n, obs in observers.items():
 

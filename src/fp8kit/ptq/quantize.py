@@ -1,4 +1,4 @@
-"""``fp8kit.ptq.quantize``: post-training quantization of a model's ``nn.Linear`` layers."""
+"""``fp8kit.ptq.quantize``: post-training quantization of a model's ``nn.Linear`` layers and MoE experts."""
 
 from __future__ import annotations
 
@@ -359,7 +359,10 @@ def _install(run: _Run) -> None:
         parent_name, _, attr = name.rpartition(".")
         setattr(run.model.get_submodule(parent_name) if parent_name else run.model, attr, q)
         run.report.experts.append(name)
-    run.report.input_amax = run.amax
+    run.report.input_amax = dict(run.amax)
+    for name, amaxes in run.expert_amax.items():  # the experts' shared static input amax per projection
+        projections = run.model.get_submodule(name).projections
+        run.report.input_amax.update({f"{name}.{p}": a for p, a in zip(projections, amaxes, strict=True)})
 
 
 def _tweak_norms(run: _Run) -> None:
@@ -469,7 +472,12 @@ def quantize(
     progress: bool | None = None,
     _originals: dict[str, nn.Module] | None = None,
 ) -> nn.Module:
-    """Quantize ``model``'s ``nn.Linear`` layers in place for inference and return it.
+    """Quantize ``model``'s ``nn.Linear`` layers and MoE experts in place for inference and return it.
+
+    ``transformers`` experts modules (3-D expert weights) become ``ptq.experts.QuantExperts`` with
+    per-expert weight scales; static calibration runs every token through every expert (the layer's
+    output stays the routed one) and ``ptq_report.expert_tokens`` counts the tokens routed to each. GPTQ
+    and AWQ apply to the ``nn.Linear`` layers; the experts round to nearest. Routers stay in high precision.
 
     Args:
         scheme: ``"fp8"``, ``"fp8-dynamic"``, ``"int8-smoothquant"`` or ``"int8-weight-only"``.
