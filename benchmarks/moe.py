@@ -4,9 +4,10 @@
 A Qwen3-MoE experts module (``E`` experts, top-``k`` routing, hidden ``d``, expert intermediate ``i``)
 over ``T`` tokens with a fixed random routing. High-precision rows: ``grouped_mm`` and ``eager`` in
 FP32, and in BF16 (weights and activations bfloat16; ``torch._grouped_mm`` ignores bf16 autocast on
-CPU, so the BF16 rows cast the module). fp8kit rows: the ``"fp8kit"`` experts implementation with FP32
-master weights. Median step time over ``--reps`` steps; ratios to the faster high-precision
-``grouped_mm`` step (issue 22's CPU target: <= 1.5x).
+CPU, so the BF16 rows cast the module), and fp8kit's BF16 baseline (``nn.to_bf16_gemms``: FP32 weights,
+bf16-rounded GEMM operands, FP32 accumulation, as ``fp8kit train``'s bf16 run). fp8kit rows: the ``"fp8kit"`` experts implementation with FP32
+master weights. Median step time over ``--reps`` steps; ratios to the fastest high-precision step of
+``grouped_mm`` and the BF16 baseline (issue 22's CPU target: <= 1.5x).
 
     python benchmarks/moe.py [--experts 8 --topk 2 --d 1024 --inter 512 --tokens 2048] [--recipes delayed,rowwise]
 """
@@ -90,13 +91,25 @@ def main() -> None:
             name = f"{impl} {'fp32' if dtype == torch.float32 else 'bf16'}"
             rows.append((name, step_time(experts(args, impl, dtype).to(dev), inputs(dtype), args.reps)))
             print(f"  {name}: {rows[-1][1] * 1e3:.1f} ms", flush=True)
-    base = min(s for n, s in rows if n.startswith("grouped_mm"))
+    from fp8kit.nn import to_bf16_gemms
+
+    name = "bf16 baseline (to_bf16_gemms)"
+    rows.append(
+        (
+            name,
+            step_time(
+                to_bf16_gemms(experts(args, "grouped_mm", torch.float32)).to(dev), inputs(torch.float32), args.reps
+            ),
+        )
+    )
+    print(f"  {name}: {rows[-1][1] * 1e3:.1f} ms", flush=True)
+    base = min(s for n, s in rows if n.startswith(("grouped_mm", "bf16 baseline")))
     for recipe in args.recipes.split(","):
         for dtype, label in ((torch.float32, "fp32 weights"), (torch.bfloat16, "bf16")):
             holder = fp8kit.convert(torch.nn.Sequential(experts(args, "grouped_mm", dtype).to(dev)), recipe)
             rows.append((f"fp8kit {recipe} ({label})", step_time(holder[0], inputs(dtype), args.reps)))
             print(f"  {rows[-1][0]}: {rows[-1][1] * 1e3:.1f} ms", flush=True)
-    print(f"{'implementation':32s} {'step ms':>9s} {'x faster grouped_mm':>20s}")
+    print(f"{'implementation':32s} {'step ms':>9s} {'x fastest high-prec.':>20s}")
     for name, sec in rows:
         print(f"{name:32s} {sec * 1e3:9.1f} {sec / base:20.2f}")
     from fp8kit.gemm.grouped import grouped_gemm_fallbacks

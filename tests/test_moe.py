@@ -437,15 +437,74 @@ def test_hf_save_and_from_pretrained_restore_fp8_experts(tmp_path):
 
 
 def test_inspector_reports_each_expert():
-    """Per-expert weight amax / underflow / SQNR and tokens routed, through the inspector."""
+    """Per-expert weight and routed-token amax / underflow / SQNR and tokens routed, through the inspector,
+    named ``{experts module}[{expert}].{weight}``."""
     model = fp8kit.convert(tiny_model("qwen3_moe"), "current")
     ids = torch.randint(0, 128, (2, 12))
     with fp8kit.debug.inspect(model, tensorboard=False) as insp:
         model(ids)
-    rows = [r for r in insp.table() if ".experts." in r["layer"]]
-    assert len(rows) == 2 * 2 * 8  # layers x projections x experts
-    layer0 = [r for r in rows if r["layer"].startswith("model.layers.0.mlp.experts.gate_up[")]
-    assert sum(r["tokens_routed"] for r in layer0) == 2 * 12 * 2
-    w = model.model.layers[0].mlp.experts.gate_up_proj[3]
-    r3 = next(r for r in layer0 if r["layer"].endswith("[3]"))
+    rows = [r for r in insp.table() if ".experts[" in r["layer"]]
+    assert len(rows) == 2 * 8 * 3  # layers x experts x (two weights, the tokens routed to the first)
+    layer0 = [r for r in rows if r["layer"].startswith("model.layers.0.mlp.experts[")]
+    weights0 = [r for r in layer0 if r["operand"] == "weight" and r["layer"].endswith("].gate_up_proj")]
+    assert sum(r["tokens_routed"] for r in weights0) == 2 * 12 * 2
+    w = model.model.layers[0].mlp.experts.gate_up_proj[3].detach()
+    r3 = next(r for r in weights0 if r["layer"] == "model.layers.0.mlp.experts[3].gate_up_proj")
     assert r3["amax"] == float(w.abs().max()) and 25 < r3["sqnr_db"] < 40
+    inputs0 = [r for r in layer0 if r["operand"] == "input"]
+    assert len(inputs0) == 8 and all(r["layer"].endswith("].gate_up_proj") for r in inputs0)
+    # per-tensor current scaling: every expert's tokens use the one layer-wide scale of all routed tokens
+    routed = [r for r in inputs0 if r["tokens_routed"]]
+    assert len({r["scale"] for r in routed}) == 1
+    assert max(r["amax"] for r in routed) * routed[0]["scale"] == pytest.approx(448.0, rel=1e-6)
+
+
+# ---- the BF16 baseline's experts ----------------------------------------------------------------------
+
+
+def test_bf16_baseline_expert_gemms_use_bf16_operands():
+    """``bf16_grouped_linear``: output, input and weight gradient equal a float64 reference on bf16-rounded
+    operands (to FP32 accumulation), and differ from the FP32 GEMM by bf16 rounding (the check can fail)."""
+    from fp8kit.nn.bf16 import bf16_grouped_linear
+
+    gen = torch.Generator().manual_seed(2)
+    sizes = [5, 0, 9, 2]  # an expert with no token
+    ids = torch.repeat_interleave(torch.arange(4), torch.tensor(sizes))
+    x = torch.randn(16, 64, generator=gen).requires_grad_()
+    w = (torch.randn(4, 32, 64, generator=gen) * 0.1).requires_grad_()
+    g = torch.randn(16, 32, generator=gen)
+    y = bf16_grouped_linear(x, w, ids)
+    y.backward(g)
+
+    def b(t):
+        return t.detach().to(torch.bfloat16).double()
+
+    ry, rdx, rdw = torch.zeros(16, 32, dtype=torch.float64), torch.zeros(16, 64, dtype=torch.float64), None
+    rdw = torch.zeros(4, 32, 64, dtype=torch.float64)
+    for e in range(4):
+        rows = ids == e
+        ry[rows] = b(x)[rows] @ b(w)[e].T
+        rdx[rows] = b(g)[rows] @ b(w)[e]
+        rdw[e] = b(g)[rows].T @ b(x)[rows]
+    for got, ref in ((y, ry), (x.grad, rdx), (w.grad, rdw)):
+        assert sqnr_db(ref, got.double()) > 120  # FP32 accumulation of exact bf16 products
+    fp32 = torch.cat([x.detach()[ids == e] @ w.detach()[e].T for e in range(4)])
+    assert 40 < sqnr_db(fp32, y.detach()) < 70  # bf16 operand rounding, not an FP32 GEMM
+
+
+def test_to_bf16_gemms_reaches_the_experts_and_trains():
+    """The BF16 baseline (``to_bf16_gemms``) runs the experts' GEMMs in BF16 too; FP8 experts are left alone."""
+    from fp8kit.nn.bf16 import BF16Experts, to_bf16_gemms
+
+    model = tiny_model("qwen3_moe")
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    ref = model(ids).logits.detach()
+    to_bf16_gemms(model)
+    experts = [m for m in model.modules() if isinstance(m, BF16Experts)]
+    assert len(experts) == 2
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    assert 35 < sqnr_db(ref, out.logits) < 70  # bf16 operands throughout, routing unchanged
+    assert all(torch.isfinite(m.down_proj.grad).all() and m.gate_up_proj.grad.abs().sum() > 0 for m in experts)
+    fp8 = to_bf16_gemms(fp8kit.convert(tiny_model("qwen3_moe"), "delayed"))
+    assert not any(isinstance(m, BF16Experts) for m in fp8.modules()) and len(experts_of(fp8)) == 2

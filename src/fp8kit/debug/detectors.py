@@ -37,7 +37,9 @@ def _finite(t: torch.Tensor | None) -> bool:
 class NaNDetector:
     """Hooks every leaf module; records the first ``(layer, operand, step)`` where a non-finite value
     appears, in execution order: a module's ``input``, ``weight``, ``output``, or in backward its
-    ``grad_output``.
+    ``grad_output``. MoE experts modules (3-D expert weights) are hooked too and name the expert:
+    a non-finite weight as ``"{module}[{expert}].{weight}"`` (e.g. ``mlp.experts[3].gate_up_proj``), a
+    non-finite output as ``"{module}[{expert}]"`` when one expert is routed every token it appears in.
 
     ``with NaNDetector(model) as det: ...`` then ``det.first`` (``None`` while all is finite). With
     ``raise_on_nan=True`` it raises ``NonFiniteError`` at once. Call ``det.step()`` once per
@@ -62,22 +64,29 @@ class NaNDetector:
             raise NonFiniteError(f"first non-finite value: {operand} of layer {name!r} at step {self.current_step}")
 
     def __enter__(self) -> NaNDetector:
+        from ..nn.experts import is_experts_module
+
         for name, m in self.model.named_modules():
-            if any(True for _ in m.children()):
+            experts = is_experts_module(m)
+            if any(True for _ in m.children()) and not experts:
                 continue
             name = name or type(m).__name__
 
-            def pre(mod, args, name=name):
+            def pre(mod, args, name=name, experts=experts):
                 if self.first is None:
                     if not _finite(_first_tensor(args)):
                         self._flag(name, "input")
+                    elif experts:
+                        bad = _nonfinite_expert_weight(mod)
+                        if bad is not None:
+                            self._flag(f"{name}{bad}", "weight")
                     elif not _finite(getattr(mod, "weight", None)):
                         self._flag(name, "weight")
 
-            def post(mod, args, out, name=name):
+            def post(mod, args, out, name=name, experts=experts):
                 t = _first_tensor(out)
                 if self.first is None and not _finite(t):
-                    self._flag(name, "output")
+                    self._flag(f"{name}{_expert_of_rows(t, args) if experts else ''}", "output")
                 if t is not None and t.requires_grad:  # its gradient is this module's grad_output
 
                     def on_grad(g, name=name):
@@ -99,6 +108,32 @@ class NaNDetector:
             return "no non-finite value seen"
         f = self.first
         return f"first non-finite value: {f['operand']} of layer {f['layer']!r} at step {f['step']}"
+
+
+def _nonfinite_expert_weight(experts: nn.Module) -> str | None:
+    """``"[e].name"`` of the first expert weight of an experts module holding a non-finite value, or None."""
+    names = ("gate_up_proj" if experts.has_gate else "up_proj", "down_proj")
+    for name in names:
+        w = getattr(experts, name).detach()
+        bad = ~torch.isfinite(w).flatten(1).all(dim=1)
+        if bool(bad.any()):
+            return f"[{int(bad.nonzero()[0, 0])}].{name}"
+    return None
+
+
+def _expert_of_rows(out: torch.Tensor, args: tuple[Any, ...]) -> str:
+    """``"[e]"`` when the non-finite rows of an experts module's output ``(T, H)`` all went to expert ``e``
+    (``args[1]``: the routing ``(T, k)``) and no finite row did, else ``""`` (the module as a whole)."""
+    if len(args) < 2 or not isinstance(args[1], torch.Tensor) or out.dim() != 2:
+        return ""
+    routing = args[1]
+    bad = ~torch.isfinite(out).all(dim=-1)
+    if routing.shape[0] != bad.shape[0]:
+        return ""
+    experts = torch.arange(int(routing.max()) + 1, device=routing.device)
+    has = (routing[..., None] == experts).any(dim=1)  # (T, E): token routed to expert
+    culprit = has[bad].all(dim=0) & ~has[~bad].any(dim=0)
+    return f"[{int(culprit.nonzero()[0, 0])}]" if int(culprit.sum()) == 1 else ""
 
 
 @dataclass

@@ -35,6 +35,7 @@ __all__ = [
     "diagnose",
     "final_gap",
     "find_departures",
+    "module_of",
     "rank",
     "recommend",
 ]
@@ -143,7 +144,7 @@ def rank(departures: list[Culprit], order: list[str], marginal_db: float) -> tup
     pos = {n: i for i, n in enumerate(order)}
 
     def runs_at(c: Culprit) -> tuple:
-        at = pos.get(c.layer, len(pos))
+        at = pos.get(module_of(c.layer), len(pos))
         return (c.step, c.operand == "grad", -at if c.operand == "grad" else at)
 
     def nonfinite(c: Culprit) -> bool:
@@ -161,6 +162,12 @@ def rank(departures: list[Culprit], order: list[str], marginal_db: float) -> tup
         ranked += sorted(event, key=runs_at)
         left = [c for c in left if c not in event]
     return [c for c in ranked if c.score >= marginal_db], [c for c in ranked if c.score < marginal_db]
+
+
+def module_of(layer: str) -> str:
+    """The module a reported layer name belongs to: ``"mlp.experts[3].gate_up_proj"`` (one expert's weight,
+    as the inspector names it) -> ``"mlp.experts"``; any other name is a module's own."""
+    return layer.split("[", 1)[0]
 
 
 def final_gap(losses: dict[str, list[float]]) -> float:
@@ -249,7 +256,7 @@ def diagnose(
 def recommend(culprits: list[Culprit], recipe: Recipe, fp8_layers: list[str]) -> list[Recommendation]:
     """Ranked fixes for the top culprits (a culprit outside ``fp8_layers`` gets a manual look first)."""
     recs: list[Recommendation] = []
-    outside = [c for c in culprits if c.layer not in fp8_layers]
+    outside = [c for c in culprits if module_of(c.layer) not in fp8_layers]
     if outside:
         c = outside[0]
         recs.append(
@@ -260,11 +267,11 @@ def recommend(culprits: list[Culprit], recipe: Recipe, fp8_layers: list[str]) ->
                 "the first anomaly appears outside the converted layers",
             )
         )
-    culprits = [c for c in culprits if c.layer in fp8_layers]
+    culprits = [c for c in culprits if module_of(c.layer) in fp8_layers]
     if not culprits:
         return recs
     top = culprits[0]
-    layers = list(dict.fromkeys(c.layer for c in culprits[:3]))
+    layers = list(dict.fromkeys(module_of(c.layer) for c in culprits[:3]))  # an expert: its experts module
     recs.append(
         Recommendation(
             f"keep {', '.join(layers)} in BF16: fp8kit.convert(model, recipe, module_filter=lambda n, m: n not in "

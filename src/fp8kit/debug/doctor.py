@@ -34,11 +34,12 @@ import torch
 import torch.nn as nn
 
 from ..nn import convert, to_bf16_gemms
+from ..nn.experts import FP8Experts
 from ..nn.linear import Linear as FP8Linear
 from ..recipes import CurrentScaling, DelayedScaling, Recipe, recipe_from_name
 from .detectors import NaNDetector
 from .diagnosis import Culprit, Recommendation, diagnose, final_gap, recommend
-from .inspector import Inspector
+from .inspector import Inspector, expert_param_names
 
 __all__ = ["DEFAULT_LR", "DEFAULT_STEPS", "Culprit", "DoctorReport", "Recommendation", "default_loss", "doctor"]
 
@@ -125,7 +126,7 @@ def _train_pair(
     ref = to_bf16_gemms(copy.deepcopy(model))
     fp8 = convert(copy.deepcopy(model), recipe, module_filter)
     to_bf16_gemms(fp8)
-    names = [n for n, m in fp8.named_modules() if isinstance(m, FP8Linear)]
+    names = [n for n, m in fp8.named_modules() if isinstance(m, (FP8Linear, FP8Experts))]
     if not names:
         raise ValueError(
             "doctor: no layer was converted to FP8 ("
@@ -140,7 +141,8 @@ def _train_pair(
     opt_fp8 = torch.optim.AdamW(fp8.parameters(), lr=lr)
     losses: dict[str, list[float]] = {"bf16": [], "fp8": []}
     layer_error: dict[str, list[float]] = {n: [] for n in names}
-    grad_error: dict[str, list[float]] = {n: [] for n in names}
+    weights = _weights_by_name(fp8, names)  # per Linear its weight, per expert each of its 3-D weights' slice
+    grad_error: dict[str, list[float]] = {n: [] for n in weights}
     order: list[str] = []
     out_ref: dict[str, torch.Tensor] = {}
     out_fp8: dict[str, torch.Tensor] = {}
@@ -162,8 +164,8 @@ def _train_pair(
                 loss_r.backward()
                 if math.isfinite(losses["fp8"][-1]):
                     loss_f.backward()
-                for n in names:
-                    gr, gf = ref.get_submodule(n).weight.grad, fp8.get_submodule(n).weight.grad
+                for n, (module, attr, e) in weights.items():
+                    gr, gf = (_grad(m.get_submodule(module), attr, e) for m in (ref, fp8))
                     grad_error[n].append(_relerr(gf, gr) if gr is not None and gf is not None else math.nan)
                 for o in (opt_ref, opt_fp8):
                     torch.nn.utils.clip_grad_norm_([p for g in o.param_groups for p in g["params"]], 1.0)
@@ -186,6 +188,25 @@ def _train_pair(
         "stopped": stopped,
         "names": names,
     }
+
+
+def _weights_by_name(model: nn.Module, names: list[str]) -> dict[str, tuple[str, str, int | None]]:
+    """``{reported name: (module, parameter, expert or None)}``: a Linear's weight under the layer's name, each
+    expert's weight of an experts module as ``"{module}[{e}].{weight}"`` (as the inspector names them)."""
+    out: dict[str, tuple[str, str, int | None]] = {}
+    for n in names:
+        m = model.get_submodule(n)
+        if isinstance(m, FP8Experts):
+            for attr in expert_param_names(m):
+                out.update({f"{n}[{e}].{attr}": (n, attr, e) for e in range(m.num_experts)})
+        else:
+            out[n] = (n, "weight", None)
+    return out
+
+
+def _grad(module: nn.Module, attr: str, expert: int | None) -> torch.Tensor | None:
+    g = getattr(module, attr).grad
+    return g if g is None or expert is None else g[expert]
 
 
 def _fix_kwargs(fix: dict[str, Any], recipe: Recipe, module_filter):

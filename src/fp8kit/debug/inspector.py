@@ -8,7 +8,10 @@ with fp8kit.debug.inspect(model, log_dir="runs/inspect", every=10, what_if=["cur
 ```
 
 For every ``fp8kit.nn.Linear`` and each GEMM operand (``input``, ``weight``, ``grad``: the output
-gradient) on the steps where ``step % every == 0``, it records the figures of
+gradient), and for every expert of an MoE experts module (``nn.experts.FP8Experts``, as layers
+``"{module}[{expert}].{weight}"``, e.g. ``model.layers.0.mlp.experts[3].gate_up_proj``: its weights and
+the tokens routed to it, with ``tokens_routed``), on the steps where ``step % every == 0``, it records
+the figures of
 ``fp8kit.debug.stats.operand_stats`` under the layer's own recipe (``recipe: "actual"``), and under each
 ``what_if`` recipe on the same tensors (training is unchanged). Hooks exist only inside the ``with``
 block: outside it the model runs exactly as without the inspector (no overhead).
@@ -27,6 +30,8 @@ import torch.nn as nn
 from ..nn.experts import FP8Experts
 from ..nn.linear import Linear as FP8Linear
 from ..recipes import DelayedScaling, Recipe, recipe_from_name
+from ..scaling import compute_scale
+from ..tensor import tensor_amax
 from .stats import ROLES, operand_stats
 
 __all__ = ["Inspector", "expert_stats", "inspect"]
@@ -89,7 +94,7 @@ class Inspector:
         for name, m in self.layers.items():
             self._hooks.append(m.register_forward_pre_hook(self._on_forward(name)))
         for name, m in self.experts.items():
-            self._hooks.append(m.register_forward_hook(self._on_experts(name)))
+            self._hooks.append(m.register_forward_pre_hook(self._on_experts(name)))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -157,15 +162,17 @@ class Inspector:
         return hook
 
     def _on_experts(self, name: str):
-        """MoE experts: per expert and projection, the weight's figures and the tokens routed to it
-        (layer ``"{name}.{projection}[{expert}]"``, operand ``"weight"``)."""
+        """MoE experts, before each forward: per expert, its weights' figures and those of the tokens
+        routed to it (the first projection's input), with the tokens routed (see ``expert_stats``)."""
 
-        def hook(m: FP8Experts, args: tuple[Any, ...], out: Any) -> None:
+        def hook(m: FP8Experts, args: tuple[Any, ...]) -> None:
             if not self.active:
                 return
-            for stats in expert_stats(m):
-                layer = f"{name}.{stats.pop('projection')}[{stats.pop('expert')}]"
-                rec = {"step": self.current_step, "layer": layer, "operand": "weight", "recipe": "actual"}
+            routed = (args[0], args[1]) if len(args) >= 2 else None
+            for stats in expert_stats(m, *(routed or ())):
+                layer = f"{name}[{stats.pop('expert')}].{stats.pop('param')}"
+                operand = stats.pop("operand")
+                rec = {"step": self.current_step, "layer": layer, "operand": operand, "recipe": "actual"}
                 rec.update(recipe_kind=m.active_recipe().kind, **stats)
                 self.records.append(rec)
                 if self._jsonl is not None:
@@ -173,7 +180,7 @@ class Inspector:
                 if self._tb is not None:
                     for key in ("amax", "underflow_pct", "sqnr_db", "tokens_routed"):
                         if stats[key] == stats[key] and abs(stats[key]) != float("inf"):
-                            self._tb.add_scalar(f"{layer}/weight/{key}", stats[key], self.current_step)
+                            self._tb.add_scalar(f"{layer}/{operand}/{key}", stats[key], self.current_step)
 
         return hook
 
@@ -185,23 +192,61 @@ class Inspector:
         return [r for r in self.records if r["step"] == step and r["recipe"] == recipe]
 
 
+def expert_param_names(module: nn.Module) -> tuple[str, str]:
+    """The names of an experts module's two 3-D weights: ``(gate_up_proj | up_proj, down_proj)``."""
+    return ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
+
+
 @torch.no_grad()
-def expert_stats(module: FP8Experts) -> list[dict[str, Any]]:
-    """Per expert and projection of an FP8 experts module: tokens routed in its last forward and the FP8
-    figures of the expert's weight under the module's recipe (``operand_stats``: amax, underflow, SQNR)."""
+def expert_stats(
+    module: FP8Experts, hidden_states: torch.Tensor | None = None, top_k_index: torch.Tensor | None = None
+) -> list[dict[str, Any]]:
+    """Per expert of an FP8 experts module, the FP8 figures (``operand_stats``: amax, underflow, SQNR) under
+    the module's recipe, each row tagged ``expert``, ``param`` (the weight's name) and ``operand``:
+
+    * ``"weight"`` of both 3-D weights, with the expert's own scale (delayed: its current one);
+    * given the forward's ``hidden_states`` ``(T, H)`` and ``top_k_index`` ``(T, k)``: ``"input"`` of the
+      first projection, the tokens routed to the expert quantized as the layer does (per-tensor recipes:
+      with the layer-wide activation scale of all routed tokens; an expert with no token reads amax 0).
+
+    ``tokens_routed``: tokens routed to the expert in that forward (else in the module's last forward)."""
     recipe = module.active_recipe()
-    tokens = module.fp8_tokens_per_expert.tolist()
+    e_all = module.num_experts
+    if top_k_index is not None:
+        tokens = torch.bincount(top_k_index.reshape(-1), minlength=e_all).tolist()
+    else:
+        tokens = module.fp8_tokens_per_expert.tolist()
+    delayed = isinstance(recipe, DelayedScaling) and recipe is module.recipe
+    names = expert_param_names(module)
     out = []
-    for p, proj in enumerate(("gate_up", "down")):
+    if hidden_states is not None and top_k_index is not None:
+        x = hidden_states.detach().reshape(-1, hidden_states.shape[-1])
+        scale = None
+        if delayed and bool(module.fp8_seen[0, 0] > 0):
+            scale = module.fp8_scale[0, 0].clone()
+        elif recipe.per_tensor:  # one scale over every routed token (a token routed twice counts once)
+            fmt, margin = recipe.format_for("input"), getattr(recipe, "margin", 0)
+            scale = compute_scale(tensor_amax(x).float(), fmt, margin, getattr(recipe, "power_of_two", False))
+        for e in range(e_all):
+            rows = x[(top_k_index == e).any(dim=-1)]
+            stats = operand_stats(rows, "input", recipe, scale) if rows.shape[0] else _empty_stats()
+            out.append({"expert": e, "param": names[0], "operand": "input", "tokens_routed": tokens[e], **stats})
+    for p, param in enumerate(names):
         w = module.fp8_param(p).detach()
         w = w.transpose(1, 2) if module.is_transposed else w
-        for e in range(module.num_experts):
+        for e in range(e_all):
             scale = None
-            if isinstance(recipe, DelayedScaling) and recipe is module.recipe and bool(module.fp8_seen[p, 2 + e] > 0):
+            if delayed and bool(module.fp8_seen[p, 2 + e] > 0):
                 scale = module.fp8_scale[p, 2 + e].clone()
             stats = operand_stats(w[e], "weight", recipe, scale)
-            out.append({"projection": proj, "expert": e, "tokens_routed": tokens[e], **stats})
+            out.append({"expert": e, "param": param, "operand": "weight", "tokens_routed": tokens[e], **stats})
     return out
+
+
+def _empty_stats() -> dict[str, float]:
+    """The figures of an operand with no values (an expert no token reached): nothing lost, nothing to say."""
+    keys = ("amax", "scale", "scale_inv", "underflow_pct", "saturation_pct", "dynamic_range_binades", "nonfinite")
+    return {**dict.fromkeys(keys, 0.0), "sqnr_db": float("nan")}
 
 
 def inspect(model: nn.Module, **kwargs: Any) -> Inspector:

@@ -26,8 +26,9 @@ def _view(result: Mapping[str, Any]) -> SimpleNamespace:
     return rep
 
 
-def report_markdown(result: Mapping[str, Any]) -> str:
-    """Markdown of a doctor result (``DoctorReport.to_dict()``)."""
+def report_markdown(result: Mapping[str, Any], stats: Sequence[Mapping[str, Any]] = ()) -> str:
+    """Markdown of a doctor result (``DoctorReport.to_dict()``); with the per-layer ``stats``, the MoE
+    experts' per-expert figures of the last step too."""
     rep = _view(result)
     status = "healthy" if rep.healthy else f"problem: **{rep.kind}**" if rep.kind != "none" else "anomalies found"
     lines = [
@@ -53,6 +54,7 @@ def report_markdown(result: Mapping[str, Any]) -> str:
         lines += ["## Recommendations (ranked)", ""]
         lines += [f"{i}. {r.action}. *Why:* {r.why}." for i, r in enumerate(rep.recommendations, 1)]
         lines.append("")
+    lines += _experts_table(stats)
     if rep.applied:
         a = rep.applied
         lines += [
@@ -76,6 +78,32 @@ def report_markdown(result: Mapping[str, Any]) -> str:
 
 
 _TABLE_HEAD = "| layer | operand | first step | steps past | score (dB x steps) | what happened |"
+EXPERT_ROWS = 20  # experts' readings listed (lowest SQNR first)
+
+
+def _experts_table(stats: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The last step's per-expert readings (records with ``tokens_routed``), lowest SQNR first."""
+    rows = [r for r in stats if r.get("recipe") == "actual" and "tokens_routed" in r]
+    if not rows:
+        return []
+    last = max(r["step"] for r in rows)
+    rows = sorted((r for r in rows if r["step"] == last), key=lambda r: _sort_key(r["sqnr_db"]))
+    out = [
+        f"## MoE experts at step {last} ({min(len(rows), EXPERT_ROWS)} of {len(rows)} readings, lowest SQNR first)",
+        "",
+        "| expert | operand | tokens routed | amax | underflow % | saturation % | SQNR (dB) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    out += [
+        f"| `{r['layer']}` | {r['operand']} | {int(r['tokens_routed'])} | {r['amax']:.3g} | {r['underflow_pct']:.2f} "
+        f"| {r['saturation_pct']:.2f} | {r['sqnr_db']:.1f} |"
+        for r in rows[:EXPERT_ROWS]
+    ]
+    return [*out, ""]
+
+
+def _sort_key(sqnr: float) -> float:
+    return sqnr if sqnr == sqnr else math.inf  # NaN (an expert no token reached) last
 
 
 def _row(c: SimpleNamespace) -> str:
@@ -145,7 +173,7 @@ def write_report(result: Mapping[str, Any], stats: Sequence[Mapping[str, Any]], 
     fig.savefig(out / "heatmaps.png", dpi=90)
     plt.close(fig)
 
-    _write_text(out / "report.md", report_markdown(result))
+    _write_text(out / "report.md", report_markdown(result, stats))
     _write_text(out / "report.json", json.dumps(dict(result), indent=2, default=str))
     _write_text(out / "fp8_stats.jsonl", "".join(json.dumps(r) + "\n" for r in stats))
     return out / "report.md"

@@ -33,10 +33,14 @@ def quantize_for_stats(
 ) -> QuantizedTensor:
     """Quantize ``x`` as ``recipe`` would for ``role`` without touching any layer state.
 
-    Delayed scaling uses ``delayed_scale`` (the layer's current scale) when given, else the current amax.
+    Delayed scaling uses ``delayed_scale`` (the layer's current scale) when given, else the current amax;
+    so does any per-tensor recipe given one (a scale set over a larger tensor than ``x``: an MoE expert's
+    share of the layer's routed tokens).
     """
     fmt = recipe.format_for(role)
     x2 = x.detach().reshape(-1, x.shape[-1]).float()
+    if recipe.per_tensor and delayed_scale is not None:
+        return quantize(x2, fmt, "tensor", scale=delayed_scale, nonfinite="propagate", check_scale=False)
     if isinstance(recipe, DelayedScaling):
         if delayed_scale is not None:
             return quantize(x2, fmt, "tensor", scale=delayed_scale, nonfinite="propagate", check_scale=False)

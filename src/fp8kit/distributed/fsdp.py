@@ -1,4 +1,4 @@
-"""FP8 weight all-gather under FSDP2 for per-tensor recipes (delayed and current scaling).
+"""FP8 weight all-gather under FSDP2 for per-tensor recipes (delayed and current scaling), Linear and MoE experts.
 
 FSDP2 all-gathers each layer's weight shards before the layer runs. For a per-tensor FP8 layer the
 gathered weight is only ever used after an FP8 cast with *one* scale, so the shards can be cast first and
@@ -15,6 +15,12 @@ gathered as FP8 codes: 1 byte per element instead of 2 (BF16) or 4 (FP32).
   gathered weight again with the same scale, which reproduces the same FP8 codes: per-tensor casts are
   elementwise, and ``q / s * s`` rounds back to ``q`` (within a float32 ulp, far inside FP8's spacing).
   Saving that second cast needs the layer to accept a pre-quantized weight (not done: ``nn/linear.py``).
+
+* MoE experts modules (``nn.experts.FP8Experts``): their two 3-D weights are wrapped as well
+  (``projection`` set) and gathered as FP8 codes with **one scale per expert** (``(2, E)`` gather scales,
+  from the same single weight-amax all-reduce, in which each rank contributes the amaxes of the experts
+  its shard holds). ``shard_model`` makes each experts module its own FSDP2 unit, sharded along the
+  experts (``Shard(0)``: whole experts per rank) or along dim 1 when there are fewer experts than ranks.
 
 Gradients are still reduce-scattered in the parameter dtype. Row-wise, block and MX recipes keep the
 high-precision gather (their weight scales depend on the whole row or tile layout the layer quantizes).
@@ -36,7 +42,13 @@ from ..recipes import DelayedScaling
 from ..scaling import compute_scale
 from .scaling import _COUNTS, _compiler_disable, fp8_layers, sync_scaling
 
-__all__ = ["FP8GatherWeight", "enable_fp8_all_gather", "fp8_gather_layers", "register_fp8_gather_hook"]
+__all__ = [
+    "FP8GatherWeight",
+    "enable_fp8_all_gather",
+    "experts_shard_placement",
+    "fp8_gather_layers",
+    "register_fp8_gather_hook",
+]
 
 _FP8 = torch.float8_e4m3fn
 _FP8_MAX = 448.0
@@ -63,13 +75,18 @@ _KEEP = {
 
 
 class FP8GatherWeight(torch.Tensor):
-    """A weight (or its FSDP2 shard) that FSDP2 all-gathers in FP8 E4M3 with ``layer._fp8_gather_scale``."""
+    """A weight (or its FSDP2 shard) that FSDP2 all-gathers in FP8 E4M3 with ``layer._fp8_gather_scale``.
+
+    ``projection`` is ``None`` for a ``Linear`` weight (one scale), or, for the 3-D weight of an MoE experts
+    module, its projection index (0 gate_up / up, 1 down): scales ``layer._fp8_gather_scale[projection]``
+    ``(E,)``, one per expert, applied to the experts the shard holds (see ``_expert_rows``)."""
 
     _data: torch.Tensor
     _layer: nn.Module
+    _projection: int | None
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, layer: nn.Module) -> FP8GatherWeight:
+    def __new__(cls, data: torch.Tensor, layer: nn.Module, projection: int | None = None) -> FP8GatherWeight:
         return torch.Tensor._make_wrapper_subclass(
             cls,
             data.size(),
@@ -81,9 +98,10 @@ class FP8GatherWeight(torch.Tensor):
             requires_grad=data.requires_grad,
         )
 
-    def __init__(self, data: torch.Tensor, layer: nn.Module) -> None:
+    def __init__(self, data: torch.Tensor, layer: nn.Module, projection: int | None = None) -> None:
         self._data = data
         self._layer = layer
+        self._projection = projection
 
     def __repr__(self) -> str:
         return f"FP8GatherWeight({self._data!r})"
@@ -93,37 +111,46 @@ class FP8GatherWeight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        layer = None
+        owner: tuple[Any, ...] = ()
 
         def unwrap(t):
-            nonlocal layer
+            nonlocal owner
             if isinstance(t, FP8GatherWeight):
-                layer = t._layer
+                owner = (t._layer, t._projection)
                 return t._data
             return t
 
         out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
         if func not in _KEEP:
             return out
-        return tree_map(lambda t: FP8GatherWeight(t, layer) if isinstance(t, torch.Tensor) else t, out)
+        return tree_map(lambda t: FP8GatherWeight(t, *owner) if isinstance(t, torch.Tensor) else t, out)
 
     def __tensor_flatten__(self):
-        return ["_data"], self._layer
+        return ["_data"], (self._layer, self._projection)
 
     @staticmethod
-    def __tensor_unflatten__(inner, layer, outer_size, outer_stride):
-        return FP8GatherWeight(inner["_data"], layer)
+    def __tensor_unflatten__(inner, owner, outer_size, outer_stride):
+        return FP8GatherWeight(inner["_data"], *owner)
 
     # ---- FSDP2 all-gather extension -----------------------------------------------------------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        scale = self._layer._fp8_gather_scale
-        codes = (self._data.float() * scale).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8)
-        return (codes.view(torch.uint8),), (scale,)
+        if self._projection is None:
+            scale = self._layer._fp8_gather_scale
+            shard_scale, meta = scale, (scale,)
+        else:  # per-expert scales: those of the experts this shard holds (all of them under Shard(1))
+            scale = self._layer._fp8_gather_scale[self._projection].reshape(-1, 1, 1)
+            start, n = self._layer._fp8_gather_rows[self._projection], self._data.shape[0]
+            shard_scale, meta = scale[start : start + n], (scale, tuple(outer_size))
+        codes = (self._data.float() * shard_scale).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8)
+        return (codes.view(torch.uint8),), meta
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         (codes,) = all_gather_outputs
-        (scale,) = metadata
-        weight = (codes.view(_FP8).float() / scale).to(param_dtype)
+        scale, *shape = metadata
+        codes = codes.view(_FP8)
+        if shape:  # experts: FSDP2 hands the gathered (E, R, C) codes back flattened to the shard's trailing dims
+            codes = codes.reshape(shape[0])
+        weight = (codes.float() / scale).to(param_dtype)
         if out is not None:  # a re-gather (backward, or the next step) into the unsharded parameter FSDP2 keeps
             # The values are those the forward saw; keep the version counter (as FSDP2's own copy-out does), or
             # a compiled graph that saved the parameter for backward fails its in-place modification check.
@@ -139,7 +166,8 @@ def _preserve_version(t: torch.Tensor) -> Any:
 
 
 def fp8_gather_layers(model: nn.Module) -> list[nn.Module]:
-    """FP8 layers whose weight is all-gathered in FP8 (``enable_fp8_all_gather`` wrapped it)."""
+    """FP8 layers (``Linear`` and MoE experts) whose weights are all-gathered in FP8 (``enable_fp8_all_gather``
+    wrapped them)."""
     return [m for m in fp8_layers(model) if getattr(m, "_fp8_gather_scale", None) is not None]
 
 
@@ -153,11 +181,17 @@ def enable_fp8_all_gather(model: nn.Module, group: Any = None) -> list[str]:
     (``shard_model`` does all three). Returns the names of the wrapped layers.
 
     A weight whose rows do not split evenly over the ranks keeps the high-precision gather (FSDP2 pads
-    uneven shards, which this wrapper does not handle).
+    uneven shards, which this wrapper does not handle). MoE experts modules gather their two 3-D weights
+    in FP8 with one scale per expert; ``shard_model`` shards them along the experts (dim 0), or along dim 1
+    when there are fewer experts than ranks (``experts_shard_placement``).
     """
     world = dist.get_world_size(group)
     names = []
     for name, m in model.named_modules():
+        if hasattr(m, "fp8_param") and _per_tensor(m):
+            if _wrap_experts(m, world):
+                names.append(name)
+            continue
         if not (hasattr(m, "fold_amax_pending") and _per_tensor(m)) or m.weight.shape[0] % world:
             continue
         if not isinstance(m.weight.data, FP8GatherWeight):
@@ -165,6 +199,39 @@ def enable_fp8_all_gather(model: nn.Module, group: Any = None) -> list[str]:
         m._fp8_gather_scale = torch.ones((), device=m.weight.device)
         names.append(name)
     return names
+
+
+def _param_names(experts: nn.Module) -> tuple[str, str]:
+    return ("gate_up_proj" if experts.has_gate else "up_proj", "down_proj")
+
+
+def _wrap_experts(experts: nn.Module, world: int) -> bool:
+    """Wrap an experts module's two 3-D weights for the FP8 gather, if they shard evenly (see
+    ``experts_shard_placement``); False (high-precision gather) otherwise."""
+    weights = [experts.fp8_param(p) for p in (0, 1)]
+    e = weights[0].shape[0]
+    dim = 1 if e < world else 0
+    if any(w.shape[dim] % world for w in weights):
+        return False
+    for p, name in enumerate(_param_names(experts)):
+        w = getattr(experts, name)
+        if not isinstance(w.data, FP8GatherWeight):
+            setattr(experts, name, nn.Parameter(FP8GatherWeight(w.data, experts, p), requires_grad=w.requires_grad))
+    experts._fp8_gather_scale = torch.ones(2, e, device=weights[0].device)
+    experts._fp8_gather_rows = [0, 0]  # first expert of this rank's shard, per projection (set by the hook)
+    return True
+
+
+def experts_shard_placement(world: int) -> Any:
+    """``fully_shard``'s ``shard_placement_fn`` for an experts module: its parameters (3-D weights ``(E, ., .)``,
+    2-D biases ``(E, .)``) shard along the experts (``Shard(0)``, each rank holds whole experts), or along
+    dim 1 when there are fewer experts than ranks (``Shard(1)``; ``Shard(0)`` would leave ranks empty)."""
+    from torch.distributed.tensor import Shard
+
+    def placement(param: nn.Parameter) -> Any:
+        return Shard(1) if param.dim() >= 2 and param.shape[0] < world else Shard(0)
+
+    return placement
 
 
 def register_fp8_gather_hook(model: nn.Module, group: Any = None) -> None:
@@ -191,18 +258,48 @@ def _shard(weight: torch.Tensor) -> torch.Tensor:
     return local._data if isinstance(local, FP8GatherWeight) else local
 
 
+def _expert_rows(weight: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """``(first expert, local shard)`` of a (possibly FSDP2-sharded) 3-D expert weight: a ``Shard(0)``
+    shard holds experts ``[rank * n, (rank + 1) * n)``, a ``Shard(1)`` (or unsharded) one all experts."""
+    local = _shard(weight)
+    n = local.shape[0]
+    if n == weight.shape[0]:
+        return 0, local
+    return weight.device_mesh.get_local_rank() * n, local
+
+
+def _weight_amaxes(m: nn.Module) -> torch.Tensor:
+    """This rank's weight amaxes of an FP8-gathered layer: ``(1,)`` for a ``Linear``; ``(2 * E,)`` per expert
+    and projection for an experts module (zero for the experts another rank holds: a MAX over the ranks
+    gives every expert's global amax)."""
+    if not hasattr(m, "fp8_param"):
+        return _shard(m.weight).detach().abs().amax().float().reshape(1)
+    out = torch.zeros(2, m.num_experts, device=m._fp8_gather_scale.device)
+    for p in (0, 1):
+        start, local = _expert_rows(m.fp8_param(p))
+        m._fp8_gather_rows[p] = start
+        if local.numel():
+            out[p, start : start + local.shape[0]] = local.detach().abs().amax(dim=(1, 2)).float()
+    return out.flatten()
+
+
 @torch.no_grad()
 def _set_gather_scales(model: nn.Module, group: Any) -> None:
     """One MAX all-reduce of all FP8-gathered weights' shard amaxes, then each layer's gather scale."""
     layers = fp8_gather_layers(model)
     if not layers:
         return
-    amax = torch.stack([_shard(m.weight).detach().abs().amax().float() for m in layers])
+    local = [_weight_amaxes(m) for m in layers]
+    amax = torch.cat(local)
     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     _COUNTS["weight_amax"] += 1
-    for m, a in zip(layers, amax, strict=True):
+    for m, a in zip(layers, amax.split([t.numel() for t in local]), strict=True):
         recipe = m.recipe
         fmt = recipe.format_for("weight")
+        if hasattr(m, "fp8_param"):
+            _set_expert_gather_scales(m, a.view(2, -1))
+            continue
+        a = a.reshape(())
         if isinstance(recipe, DelayedScaling):
             own = compute_scale(a, fmt, recipe.margin, previous=1.0)
             m._fp8_gather_scale = torch.where(m.fp8_seen[1] > 0, m.fp8_scale[1], own)
@@ -213,3 +310,21 @@ def _set_gather_scales(model: nn.Module, group: Any) -> None:
             m._fp8_gather_scale = compute_scale(
                 a, fmt, getattr(recipe, "margin", 0), getattr(recipe, "power_of_two", False)
             )
+
+
+def _set_expert_gather_scales(m: nn.Module, amax: torch.Tensor) -> None:
+    """An experts module's ``(2, E)`` gather scales from the global per-expert weight amaxes ``(2, E)``: its
+    delayed per-expert weight scales (slots ``2:``; the amax's scale before the first record, whose true
+    value also goes into the pending amax) or, for current scaling, the scale of each expert's amax."""
+    recipe = m.recipe
+    fmt = recipe.format_for("weight")
+    if isinstance(recipe, DelayedScaling):
+        own = compute_scale(amax, fmt, recipe.margin, previous=1.0)
+        m._fp8_gather_scale = torch.where(m.fp8_seen[:, 2:] > 0, m.fp8_scale[:, 2:], own)
+        if m.training:
+            pending = m.fp8_amax_pending[:, 2:]
+            m.fp8_amax_pending[:, 2:] = torch.where(torch.isfinite(amax), torch.maximum(pending, amax), pending)
+    else:
+        m._fp8_gather_scale = compute_scale(
+            amax, fmt, getattr(recipe, "margin", 0), getattr(recipe, "power_of_two", False)
+        )

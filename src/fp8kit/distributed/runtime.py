@@ -153,14 +153,22 @@ def check_parallel_settings(batch_size: int, world: int, fsdp: bool, optimizer: 
 
 
 def shard_model(model: nn.Module, fp8_all_gather: bool = False) -> nn.Module:
-    """FSDP2 (``fully_shard``) each block (every item of an ``nn.ModuleList``), then the root; with
-    ``fp8_all_gather`` the weights of per-tensor FP8 layers are all-gathered in FP8 (``fsdp.py``)."""
+    """FSDP2 (``fully_shard``) each MoE experts module, each block (every item of an ``nn.ModuleList``), then
+    the root; with ``fp8_all_gather`` the weights of per-tensor FP8 layers are all-gathered in FP8
+    (``fsdp.py``). An experts module is its own FSDP2 unit (its all-gather, the bulk of an MoE block's
+    bytes, is issued on its own), sharded along the experts, or along dim 1 with fewer experts than ranks."""
     from torch.distributed.fsdp import fully_shard
 
-    from .fsdp import enable_fp8_all_gather, register_fp8_gather_hook
+    from ..nn.experts import is_experts_module
+    from .fsdp import enable_fp8_all_gather, experts_shard_placement, register_fp8_gather_hook
 
     if fp8_all_gather:
         enable_fp8_all_gather(model)
+    world = dist.get_world_size()
+    for module in list(model.modules()):
+        if is_experts_module(module):
+            by_experts = all(p.shape[0] >= world for p in module.parameters())  # FSDP2's default Shard(0)
+            fully_shard(module, **({} if by_experts else {"shard_placement_fn": experts_shard_placement(world)}))
     for module in list(model.modules()):
         if isinstance(module, nn.ModuleList):
             for block in module:

@@ -4,8 +4,9 @@ Per-tensor scales whose amax spans data the ranks see differently (the input and
 reduced with MAX over the group:
 
 * **Delayed scaling**: every layer defers its history update (``layer.defer_scaling_update = True``) and
-  keeps the step's amaxes in ``fp8_amax_pending``. ``sync_scaling`` stacks the pending amaxes of *all*
-  layers into one ``(layers, 3)`` tensor, runs **one** ``all_reduce(MAX)`` for the whole model
+  keeps the step's amaxes in ``fp8_amax_pending``. ``sync_scaling`` concatenates the pending amaxes of
+  *all* layers (MoE experts modules included: their input, gradient and per-expert weight amaxes) into
+  one flat tensor, runs **one** ``all_reduce(MAX)`` for the whole model
   (Transformer Engine's design), writes the result back and folds it into the histories. A layer that
   did not run on a rank has pending ``-1`` there, so the max over ranks still folds the same value on
   every rank, and since every rank issues the same single collective whatever ran, there is no hang.
@@ -131,12 +132,14 @@ def sync_scaling(model: nn.Module, group: Any = None) -> int:
     layers = delayed_layers(model)
     if not layers:
         return 0
-    pending = torch.stack([m.fp8_amax_pending for m in layers])  # (layers, 3) float32, -1 = nothing recorded
+    # one flat float32 vector, -1 = nothing recorded: (3,) per Linear, (2, 2 + E) per experts module
+    pending = torch.cat([m.fp8_amax_pending.flatten() for m in layers])
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(pending, op=dist.ReduceOp.MAX, group=group)
         _COUNTS["scaling_sync"] += 1
-    for m, row in zip(layers, pending, strict=True):
-        m.fp8_amax_pending.copy_(row)
+    rows = pending.split([m.fp8_amax_pending.numel() for m in layers])
+    for m, row in zip(layers, rows, strict=True):
+        m.fp8_amax_pending.copy_(row.view_as(m.fp8_amax_pending))
         m.fold_amax_pending()
         if hasattr(m, "release_fp8_weights"):  # the weight scale may have moved: no FP8 copy made with the old one
             m.release_fp8_weights()

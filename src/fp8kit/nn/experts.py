@@ -77,9 +77,11 @@ __all__ = [
     "fp8_experts_forward",
     "grouped_linear",
     "is_experts_module",
+    "routed_experts_forward",
 ]
 
 PROJECTIONS = ("gate_up", "down")
+_TILES_COMPILE = [False]
 _EXPERT_STATE_KEYS = ("fp8_tokens_per_expert",)
 
 
@@ -118,7 +120,11 @@ class FP8Experts:
         self.save_fp8_activations = save_fp8_activations
         self.fp8_name = name or type(self).__name__
         self._weight_cache: dict[int, tuple[Any, ...]] = {}
+        # Under torch.distributed (``fp8kit.distributed.enable_fp8_distributed``): delayed scaling defers its
+        # history update to the per-step batched sync, and per-tensor current scaling MAX-reduces its
+        # activation amaxes over the ranks (the weights are whole, or gathered whole, on every rank).
         self.defer_scaling_update = False
+        self.amax_reduce: Any = None
         e = self.num_experts
         dev = self.down_proj.device
         for key in ("fp8_amax_history", "fp8_scale", "fp8_seen", "fp8_amax_pending", "fp8_tokens_per_expert"):
@@ -157,6 +163,10 @@ class FP8Experts:
             if self.training:
                 self._record_amax(p, i, amax.reshape(1))
             return q
+        if self.amax_reduce is not None and recipe.per_tensor:  # one scale from the global amax over ranks
+            amax = self.amax_reduce(tensor_amax(x))
+            scale = compute_scale(amax, fmt, getattr(recipe, "margin", 0), getattr(recipe, "power_of_two", False))
+            return quantize(x, fmt, "tensor", scale=scale, nonfinite="propagate", backend=backend, check_scale=False)
         return quantize(x, fmt, recipe.granularity_for(role), nonfinite="propagate", backend=backend, **_knobs(recipe))
 
     def quantize_both_ways(
@@ -477,6 +487,41 @@ def grouped_linear(
     )
 
 
+def routed_experts_forward(
+    module: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    project: Any,
+) -> torch.Tensor:
+    """``grouped_mm_experts_forward``'s routing around two expert projections: tokens sorted by expert,
+    ``project(x, p, expert_ids_sorted)`` computes projection ``p`` (0 gate_up / up, 1 down) of the sorted
+    rows ``x`` (no bias), then biases, gating, the routing weights and the sum over the top-k.
+
+    ``hidden_states`` ``(T, H)``, ``top_k_index`` / ``top_k_weights`` ``(T, k)``; returns ``(T, H)``."""
+    num_top_k = top_k_index.size(-1)
+    num_tokens, hidden_dim = hidden_states.shape
+    expert_ids = top_k_index.reshape(-1)
+    sample_weights = top_k_weights.reshape(-1)
+    expert_ids_g, perm = torch.sort(expert_ids, stable=True)
+    x = hidden_states[perm // num_top_k]
+    proj = project(x, 0, expert_ids_g)
+    if module.has_bias:
+        bias = module.gate_up_proj_bias if module.has_gate else module.up_proj_bias
+        proj = proj + bias[expert_ids_g].to(proj.dtype)
+    proj = module._apply_gate(proj) if module.has_gate else module.act_fn(proj)
+    proj = project(proj, 1, expert_ids_g)
+    if module.has_bias:
+        proj = proj + module.down_proj_bias[expert_ids_g].to(proj.dtype)
+    if getattr(module, "has_post_expert_norm", False):
+        proj = module.post_expert_norm(proj)
+    weighted = proj * sample_weights[perm].unsqueeze(-1).to(proj.dtype)
+    inv_perm = torch.empty_like(perm)
+    inv_perm[perm] = torch.arange(perm.numel(), device=perm.device)
+    out = weighted[inv_perm].view(num_tokens, num_top_k, hidden_dim).sum(dim=1)
+    return out.to(hidden_states.dtype)
+
+
 def fp8_experts_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
@@ -488,33 +533,20 @@ def fp8_experts_forward(
     if getattr(self, "_is_expert_parallel", False):
         raise NotImplementedError(f"{self.fp8_name}: fp8kit experts do not support expert parallelism yet")
     recipe = self.active_recipe()
-    if recipe.kind in ("block", "mxfp8") and torch.compiler.is_compiling():
+    if recipe.kind in ("block", "mxfp8") and torch.compiler.is_compiling() and not _TILES_COMPILE[0]:
         raise NotImplementedError(
             f"{self.fp8_name}: MoE experts with the {recipe.kind} recipe do not run under torch.compile yet "
             "(inductor gives wrong input gradients for the padded tile path); run them eagerly, or use the "
             "delayed, current or rowwise recipe"
         )
-    num_top_k = top_k_index.size(-1)
-    num_tokens, hidden_dim = hidden_states.shape
-    expert_ids = top_k_index.reshape(-1)
-    sample_weights = top_k_weights.reshape(-1)
-    expert_ids_g, perm = torch.sort(expert_ids, stable=True)
-    x = hidden_states[perm // num_top_k]
-    counts, offs, group_ids, dest, rows = routing_plan(expert_ids_g, self.num_experts, _alignment(recipe))
-    with torch.no_grad():
-        self.fp8_tokens_per_expert.copy_(counts)
-    proj = _GroupedLinearFn.apply(x, self.fp8_param(0), offs, group_ids, dest, self, 0, recipe, rows)
-    if self.has_bias:
-        bias = self.gate_up_proj_bias if self.has_gate else self.up_proj_bias
-        proj = proj + bias[expert_ids_g].to(proj.dtype)
-    proj = self._apply_gate(proj) if self.has_gate else self.act_fn(proj)
-    proj = _GroupedLinearFn.apply(proj, self.down_proj, offs, group_ids, dest, self, 1, recipe, rows)
-    if self.has_bias:
-        proj = proj + self.down_proj_bias[expert_ids_g].to(proj.dtype)
-    if self.has_post_expert_norm:
-        proj = self.post_expert_norm(proj)
-    weighted = proj * sample_weights[perm].unsqueeze(-1).to(proj.dtype)
-    inv_perm = torch.empty_like(perm)
-    inv_perm[perm] = torch.arange(perm.numel(), device=perm.device)
-    out = weighted[inv_perm].view(num_tokens, num_top_k, hidden_dim).sum(dim=1)
-    return out.to(hidden_states.dtype)
+    plan: list[Any] = []
+
+    def project(x: torch.Tensor, p: int, expert_ids_g: torch.Tensor) -> torch.Tensor:
+        if not plan:  # one routing plan for both projections
+            plan.extend(routing_plan(expert_ids_g, self.num_experts, _alignment(recipe)))
+            with torch.no_grad():
+                self.fp8_tokens_per_expert.copy_(plan[0])
+        _, offs, group_ids, dest, rows = plan
+        return _GroupedLinearFn.apply(x, self.fp8_param(p), offs, group_ids, dest, self, p, recipe, rows)
+
+    return routed_experts_forward(self, hidden_states, top_k_index, top_k_weights, project)
