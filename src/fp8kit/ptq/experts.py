@@ -261,11 +261,14 @@ def _quant_class(cls: type) -> type:
 
 
 def _base_class(module: nn.Module) -> type:
-    """The ``transformers`` experts class under fp8kit's training mixin, if any."""
+    """The ``transformers`` experts class under fp8kit's training mixins (``FP8Experts``, ``BF16Experts``)."""
+    from ..nn.bf16 import BF16Experts
     from ..nn.experts import FP8Experts
 
     cls = type(module)
-    return cls.__bases__[1] if issubclass(cls, FP8Experts) else cls
+    while issubclass(cls, (FP8Experts, BF16Experts)) and cls not in (FP8Experts, BF16Experts):
+        cls = cls.__bases__[-1]
+    return cls
 
 
 @torch.no_grad()
