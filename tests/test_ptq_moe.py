@@ -169,10 +169,10 @@ def test_norm_tweaking_and_keep_bf16_run_through_quantized_experts():
     """The CLI's fp8 defaults (norm tweaking, most sensitive layers kept): the experts' straight-through
     path carries gradients to the norms before them; the teacher runs the high-precision experts."""
     model = tiny_model("qwen3_moe").eval()
-    ids = _ids(2)
-    q = quantize(copy.deepcopy(model), "fp8", _loop(ids), norm_tweak=3, keep_bf16=1)
+    ids = _ids(2, batch=2, seq=8)
+    q = quantize(copy.deepcopy(model), "fp8", _loop(ids), norm_tweak=2, keep_bf16=1)
     t = q.ptq_report.norm_tweak
-    assert t is not None and t.steps == 3 and t.parameters > 0
+    assert t is not None and t.steps == 2 and t.parameters > 0
     assert all(isinstance(q.get_submodule(n), QuantExperts) for n in q.ptq_report.experts)
     assert not any(isinstance(m, QuantExperts) for m in model.modules())  # the input model untouched
     x = torch.randn(6, 64, requires_grad=True)
@@ -262,7 +262,6 @@ def test_export_errors_name_the_fix(tmp_path):
     [
         ("fp8", "FP8_DEFAULT_CFG"),
         ("fp8-dynamic", "FP8_PER_CHANNEL_PER_TOKEN_CFG"),
-        ("int8-weight-only", "INT8_WEIGHT_ONLY_CFG"),
     ],
 )
 def test_modelopt_export_matches_modelopts_own_moe_export(scheme, cfg, tmp_path):
