@@ -101,7 +101,9 @@ def model(allow_demo: bool, demo_hint: str = "") -> Callable[[str], str]:
         if text in PRETRAINED_MODELS:
             return text
         path = Path(text)
-        if not (path / "config.json").is_file():
+        from ..models.pretrained import train_checkpoint
+
+        if not (path / "config.json").is_file() and train_checkpoint(path) is None:
             known = ", ".join((["demo"] if allow_demo else []) + list(PRETRAINED_MODELS))
             what = "a folder without config.json" if path.is_dir() else "not an existing folder"
             raise argparse.ArgumentTypeError(

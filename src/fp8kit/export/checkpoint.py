@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from ..nn.convert import CHECKPOINT_TILES
 from ..nn.linear import Linear as FP8Linear
+from ..ptq.experts import QuantExperts, dequantize_experts_module
 from ..ptq.linear import QuantLinear
 from .block_linear import BlockQuantLinear
 from .common import (
@@ -24,6 +25,7 @@ from .common import (
 from .compressed_tensors import QUANT_METHOD as CT_METHOD
 from .compressed_tensors import export_tensors as ct_tensors
 from .compressed_tensors import load as ct_load
+from .experts import checkpoint_key, experts_naming
 from .fp8_block import QUANT_METHOD as BLOCK_METHOD
 from .fp8_block import export_tensors as block_tensors
 from .fp8_block import load as block_load
@@ -64,8 +66,9 @@ def save_pretrained(
     if format not in FORMATS:
         raise ExportError(f"unknown checkpoint format {format!r}; accepted: {', '.join(FORMATS)}")
     qlayers = {n: m for n, m in model.named_modules() if isinstance(m, (QuantLinear, BlockQuantLinear))}
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, QuantExperts)}
     report = getattr(model, "ptq_report", None)
-    if qlayers and report is not None:
+    if (qlayers or experts) and report is not None:
         scheme, ignore = report.scheme, list(report.skipped)
         kv = _kv_blocks(model) if report.kv_cache else {}
     elif any(isinstance(m, FP8Linear) for m in model.modules()):
@@ -80,17 +83,26 @@ def save_pretrained(
         check_scheme_format(scheme + ("+kv" if kv else ""), format)
     except ValueError as err:
         raise ExportError(str(err)) from None
+    if experts and format == "fp8-block":
+        raise ExportError(
+            "the fp8-block export does not carry MoE experts yet: write --format compressed-tensors or modelopt, "
+            "or keep the experts in high precision with module_filter"
+        )
+    block = experts_naming(model)[1] if experts else "mlp"  # the MoE block's name on disk (Mixtral's differs)
+    ignore = [checkpoint_key(n, block) for n in ignore]
     cfg = hf_config_dict(model)
     out = check_export_dir(out_dir, overwrite)
-    tensors = kept_tensors(model, list(qlayers))
+    tensors = kept_tensors(model, [*qlayers, *experts])
     for name in kv:  # each format names the k/v scales its own way
         tensors.pop(f"{name}.k_scale", None)
         tensors.pop(f"{name}.v_scale", None)
+    tensors = {checkpoint_key(k, block): v for k, v in tensors.items()}
     extra = None
     if format == "compressed-tensors":
-        qtensors, qc = ct_tensors(model, qlayers, next(iter(qlayers.values())).scheme, ignore, kv)
+        first = next(iter(qlayers.values()), None) or next(iter(experts.values()))
+        qtensors, qc = ct_tensors(model, qlayers, first.scheme, ignore, kv, experts)
     elif format == "modelopt":
-        qtensors, qc, extra = modelopt_tensors(model, qlayers, scheme, ignore, kv)
+        qtensors, qc, extra = modelopt_tensors(model, qlayers, scheme, ignore, kv, experts)
     else:
         qtensors, qc = block_tensors(model, qlayers, scheme, ignore, kv)
     tensors.update(qtensors)
@@ -124,7 +136,8 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.
                 m.register_buffer(f"{which}_scale", kv_scales[key].float().reshape(1))
     from ..ptq.quantize import PTQReport
 
-    report = PTQReport(scheme, quantized=names, kv_cache=kv)
+    experts = [n for n in names if isinstance(model.get_submodule(n), QuantExperts)]
+    report = PTQReport(scheme, quantized=[n for n in names if n not in experts], kv_cache=kv, experts=experts)
     report.skipped = {
         n: "not quantized in the checkpoint"
         for n, m in model.named_modules()
@@ -153,6 +166,9 @@ def dequantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -> n
             if isinstance(m, BlockQuantLinear):
                 setattr(lin, CHECKPOINT_TILES, (m.weight, m.weight_scale_inv.float(), (m.block, m.block)))
             replace_module(model, name, lin)
+    for m in list(model.modules()):
+        if isinstance(m, QuantExperts):
+            dequantize_experts_module(m)
     model.__dict__.pop("ptq_report", None)
     model.config.__dict__.pop("quantization_config", None)
     return model.to(dtype)

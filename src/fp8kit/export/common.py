@@ -163,8 +163,9 @@ def write_export(
         gen = getattr(model, "generation_config", None)
         if gen is not None:
             (tmp / "generation_config.json").write_text(gen.to_json_string())
-        if tokenizer is not None:
-            getattr(tokenizer, "tok", tokenizer).save_pretrained(tmp)
+        tok = getattr(tokenizer, "tok", tokenizer)
+        if hasattr(tok, "save_pretrained"):  # fp8kit's byte tokenizer (demo models) has no files
+            tok.save_pretrained(tmp)
         files = sorted(p.name for p in tmp.iterdir())
         (tmp / MANIFEST).write_text(json.dumps({"producer": "fp8kit", "files": files}))
         _swap_into_place(tmp, out)

@@ -27,6 +27,7 @@ import torch.nn as nn
 from ..ptq.linear import QuantLinear
 from ..ptq.schemes import SCHEMES, Scheme
 from .common import ExportError, load_layer, load_rest, model_from_config, read_tensors
+from .experts import experts_naming, has_expert_tensors, load_experts, model_key
 
 __all__ = ["QUANT_METHOD", "export_tensors", "load", "pack_int8", "quantization_config", "unpack_int8"]
 
@@ -128,23 +129,49 @@ def _scheme_of(group: dict[str, Any], fmt: str) -> Scheme:
     raise ExportError(f"unsupported compressed-tensors scheme (format {fmt!r}, weights {w}, activations {a})")
 
 
+def _write_linear(
+    tensors: dict[str, torch.Tensor],
+    scheme: Scheme,
+    name: str,
+    codes: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+) -> None:
+    """One quantized linear's tensors under ``name`` (``weight`` or ``weight_packed`` + ``weight_shape``,
+    ``weight_scale`` ``(1,)`` or ``(out, 1)``, ``input_scale`` ``(1,)``)."""
+    out_features, in_features = codes.shape
+    if scheme.export_format == "pack-quantized":
+        tensors[f"{name}.weight_packed"] = pack_int8(codes)
+        tensors[f"{name}.weight_shape"] = torch.tensor([out_features, in_features])
+    else:
+        tensors[f"{name}.weight"] = codes.clone(memory_format=torch.contiguous_format)  # experts: own storage
+    per_channel = scheme.weight_strategy == "channel"
+    shape = (out_features, 1) if per_channel else (1,)
+    tensors[f"{name}.weight_scale"] = weight_scale.float().reshape(shape).clone()
+    if input_scale is not None:
+        tensors[f"{name}.input_scale"] = input_scale.float().reshape(1).clone()
+
+
 def export_tensors(
-    model: nn.Module, qlayers: dict[str, QuantLinear], scheme: Scheme, ignore: list[str], kv: dict[str, nn.Module]
+    model: nn.Module,
+    qlayers: dict[str, QuantLinear],
+    scheme: Scheme,
+    ignore: list[str],
+    kv: dict[str, nn.Module],
+    experts: dict[str, nn.Module] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The quantized layers' tensors, the attention blocks' k/v scales (``kv``: FP8 KV cache) and the
+    """The quantized layers' tensors, the MoE experts' per-expert tensors in the architecture's checkpoint
+    naming (``export.experts``), the attention blocks' k/v scales (``kv``: FP8 KV cache) and the
     ``quantization_config``."""
+    from .experts import expert_tensors
+
     tensors: dict[str, torch.Tensor] = {}
     for name, q in qlayers.items():
-        if scheme.export_format == "pack-quantized":
-            tensors[f"{name}.weight_packed"] = pack_int8(q.weight)
-            tensors[f"{name}.weight_shape"] = torch.tensor([q.out_features, q.in_features])
-        else:
-            tensors[f"{name}.weight"] = q.weight.contiguous()
-        tensors[f"{name}.weight_scale"] = q.weight_scale.float().contiguous()
-        if q.input_scale is not None:
-            tensors[f"{name}.input_scale"] = q.input_scale.float().contiguous()
+        _write_linear(tensors, scheme, name, q.weight, q.weight_scale, q.input_scale)
         if q.bias is not None:
             tensors[f"{name}.bias"] = q.bias.contiguous()
+    for name, m in (experts or {}).items():
+        expert_tensors(model, name, m, lambda key, c, s, i: _write_linear(tensors, scheme, key, c, s, i))
     for name, m in kv.items():
         tensors[f"{name}.k_scale"] = m.k_scale.float().reshape(1).contiguous()
         tensors[f"{name}.v_scale"] = m.v_scale.float().reshape(1).contiguous()
@@ -183,6 +210,26 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
 
     for name in names:
         load_layer(model, path, name, lambda lin, name=name: build(name, lin))
+
+    def read_expert(key: str, out_features: int, in_features: int):
+        if fmt == "pack-quantized":
+            codes = unpack_int8(tensors.pop(f"{key}.weight_packed"), in_features)
+            tensors.pop(f"{key}.weight_shape", None)
+        else:
+            codes = tensors.pop(f"{key}.weight").to(scheme.weight_format.dtype)
+        if tuple(codes.shape) != (out_features, in_features):
+            raise ExportError(
+                f"{path}: {key} has shape {tuple(codes.shape)}, the model needs {(out_features, in_features)}"
+            )
+        scale = tensors.pop(f"{key}.weight_scale").float()
+        input_scale = tensors.pop(f"{key}.input_scale", None)
+        return codes, scale, input_scale
+
+    experts = load_experts(model, path, tensors, scheme, read_expert) if has_expert_tensors(tensors) else []
+    names += experts
+    if experts:
+        _, block = experts_naming(model)
+        tensors = {model_key(k, block): v for k, v in tensors.items()}
     kv_scales = {k: tensors.pop(k) for k in list(tensors) if k.endswith((".k_scale", ".v_scale"))}
     load_rest(model, path, tensors, names, dtype)
     return model, scheme.name, names, kv_scales, bool(qc.get("kv_cache_scheme"))

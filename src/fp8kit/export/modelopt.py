@@ -37,8 +37,10 @@ import torch
 import torch.nn as nn
 
 from ..ptq.linear import QuantLinear
+from ..ptq.schemes import SCHEMES
 from .block_linear import BlockQuantLinear
 from .common import ExportError, load_layer, load_rest, model_from_config, read_tensors
+from .experts import experts_naming, has_expert_tensors, load_experts, model_key
 from .support import BLOCK_SCHEME, MODELOPT_ALGOS
 
 __all__ = ["HF_QUANT_CONFIG", "QUANT_METHOD", "export_tensors", "hf_quant_config", "load", "quantization_config"]
@@ -82,26 +84,49 @@ def quantization_config(hf_quant: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _write_linear(
+    tensors: dict[str, torch.Tensor],
+    scheme: str,
+    name: str,
+    codes: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+) -> None:
+    """One ``QuantLinear``'s tensors under ``name`` (also one expert's projection): ``weight``, ``weight_scale``
+    (``()`` per tensor, ``(out,)`` per channel) and ``input_scale`` ``()``."""
+    tensors[f"{name}.weight"] = codes.clone(memory_format=torch.contiguous_format)  # experts: own storage
+    per_channel = weight_scale.numel() > 1
+    tensors[f"{name}.weight_scale"] = weight_scale.float().reshape(-1 if per_channel else ()).clone()
+    if input_scale is not None:
+        tensors[f"{name}.input_scale"] = input_scale.float().reshape(()).clone()
+
+
 def export_tensors(
-    model: nn.Module, qlayers: dict[str, nn.Module], scheme: str, ignore: list[str], kv: dict[str, nn.Module]
+    model: nn.Module,
+    qlayers: dict[str, nn.Module],
+    scheme: str,
+    ignore: list[str],
+    kv: dict[str, nn.Module],
+    experts: dict[str, nn.Module] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, dict[str, Any]]]:
-    """The quantized layers' tensors, ``config.json``'s ``quantization_config`` and the extra JSON files."""
+    """The quantized layers' tensors, the MoE experts' per-expert tensors (``export.experts``; ModelOpt
+    writes the same names), ``config.json``'s ``quantization_config`` and the extra JSON files."""
+    from .experts import expert_tensors
+
     tensors: dict[str, torch.Tensor] = {}
     for name, q in qlayers.items():
-        tensors[f"{name}.weight"] = q.weight.contiguous()
         if isinstance(q, BlockQuantLinear):
+            tensors[f"{name}.weight"] = q.weight.contiguous()
             r, c = q.weight_scale_inv.shape
             tensors[f"{name}.weight_scale"] = q.weight_scale_inv.float().reshape(r, 1, c, 1).contiguous()
-        elif q.scheme.weight_strategy == "channel":
-            tensors[f"{name}.weight_scale"] = q.weight_scale.float().reshape(-1).contiguous()
         else:
-            tensors[f"{name}.weight_scale"] = q.weight_scale.float().reshape(()).contiguous()
-        if getattr(q, "input_scale", None) is not None:
-            tensors[f"{name}.input_scale"] = q.input_scale.float().reshape(()).contiguous()
-        if scheme == "int8-smoothquant":
-            tensors[f"{name}.pre_quant_scale"] = torch.ones(q.in_features)
+            _write_linear(tensors, scheme, name, q.weight, q.weight_scale, getattr(q, "input_scale", None))
+            if scheme == "int8-smoothquant":  # ModelOpt writes it for Linear layers (not for experts)
+                tensors[f"{name}.pre_quant_scale"] = torch.ones(q.in_features)
         if q.bias is not None:
             tensors[f"{name}.bias"] = q.bias.contiguous()
+    for name, m in (experts or {}).items():
+        expert_tensors(model, name, m, lambda key, c, s, i: _write_linear(tensors, scheme, key, c, s, i))
     for name, m in kv.items():
         tensors[f"{name}.k_proj.k_scale"] = m.k_scale.float().reshape(()).contiguous()
         tensors[f"{name}.v_proj.v_scale"] = m.v_scale.float().reshape(()).contiguous()
@@ -154,6 +179,24 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
     ]
     for name in names:
         load_layer(model, path, name, lambda lin, name=name: _layer(tensors, name, lin, scheme))
+    if has_expert_tensors(tensors):
+        if scheme == BLOCK_SCHEME:
+            raise ExportError(f"{path}: fp8kit does not load block-FP8 MoE experts yet")
+
+        def read_expert(key: str, out_features: int, in_features: int):
+            codes = tensors.pop(f"{key}.weight").to(SCHEMES[scheme].weight_format.dtype)
+            if tuple(codes.shape) != (out_features, in_features):
+                raise ExportError(f"{path}: {key} has shape {tuple(codes.shape)}, not {(out_features, in_features)}")
+            pre = tensors.pop(f"{key}.pre_quant_scale", None)
+            if pre is not None and not torch.all(pre.float() == 1):
+                raise ExportError(f"{key}.pre_quant_scale is not all ones: fp8kit loads folded SmoothQuant only")
+            return codes, tensors.pop(f"{key}.weight_scale").float(), tensors.pop(f"{key}.input_scale", None)
+
+        experts = load_experts(model, path, tensors, SCHEMES[scheme], read_expert)
+        names += experts
+        if experts:
+            block = experts_naming(model)[1]
+            tensors = {model_key(k, block): v for k, v in tensors.items()}
     kv_scales = {k: tensors.pop(k) for k in list(tensors) if k.endswith((".k_proj.k_scale", ".v_proj.v_scale"))}
     load_rest(model, path, tensors, names, dtype)
     return model, scheme, names, kv_scales, kv_algo == "FP8"

@@ -1,7 +1,8 @@
-"""Post-training quantization for inference: FP8 and INT8 schemes, calibration, FP8 KV cache."""
+"""Post-training quantization for inference: FP8 and INT8 schemes, calibration, FP8 KV cache, MoE experts."""
 
 from .awq import apply_awq
 from .calibrate import CALIBRATION_METHODS
+from .experts import QuantExperts, quantize_experts_module
 from .gptq import collect_hessians, gptq_linear, gptq_weight
 from .kv_cache import kv_cache_bytes
 from .linear import QuantLinear, resident_bytes, set_weight_cache
@@ -13,6 +14,7 @@ __all__ = [
     "CALIBRATION_METHODS",
     "LayerScore",
     "PTQReport",
+    "QuantExperts",
     "QuantLinear",
     "SCHEMES",
     "Scheme",
@@ -25,6 +27,7 @@ __all__ = [
     "kv_cache_bytes",
     "layer_sensitivity",
     "quantize",
+    "quantize_experts_module",
     "rank_by_output_error",
     "resident_bytes",
     "set_weight_cache",

@@ -1,4 +1,4 @@
-"""``fp8kit.ptq.quantize``: post-training quantization of a model's ``nn.Linear`` layers."""
+"""``fp8kit.ptq.quantize``: post-training quantization of a model's ``nn.Linear`` layers and MoE experts."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from ..nn.convert import is_output_head
 from ..nn.linear import Linear as FP8Linear
 from ..recipes import DelayedScaling
 from .calibrate import CALIBRATION_METHODS, InputObserver, choose_amax, observe_inputs
+from .experts import ExpertsObserver, find_experts, observe_experts, quantize_experts_module
 from .kv_cache import enable_fp8_kv, finish_calibration
 from .linear import QuantLinear
 from .progress import Progress
@@ -44,9 +45,22 @@ class PTQReport:
     gptq: bool = False
     awq: dict[str, float] = field(default_factory=dict)
     sensitivity: list[LayerScore] = field(default_factory=list)
+    experts: list[str] = field(default_factory=list)  # the MoE experts modules quantized (QuantExperts)
+    expert_tokens: dict[str, list[int]] = field(default_factory=dict)  # calibration tokens routed per expert
 
     def __str__(self) -> str:
         lines = [f"fp8kit.ptq ({self.scheme}): quantized {len(self.quantized)} Linear layers"]
+        if self.experts:
+            lines.append(
+                f"  quantized {len(self.experts)} MoE experts modules (per-expert weight scales"
+                + (", every expert calibrated on all tokens)" if self.expert_tokens else ")")
+            )
+        for name, tokens in self.expert_tokens.items():
+            idle = [e for e, t in enumerate(tokens) if t == 0]
+            lines.append(
+                f"  {name}: calibration tokens routed per expert {tokens}"
+                + (f" (never routed: {idle}; calibrated on all tokens)" if idle else "")
+            )
         if self.smooth_alpha:
             searched = [a for a in self.smooth_alpha.values() if a is not None]
             detail = (
@@ -164,6 +178,9 @@ class _Run:
     hessians: dict[str, torch.Tensor] = field(default_factory=dict)  # GPTQ's 2 X^T X / N
     qmods: dict[str, QuantLinear] = field(default_factory=dict)  # their quantized replacements
     originals: dict[str, nn.Module] = field(default_factory=dict)  # the modules the replacements replaced
+    experts: list[str] = field(default_factory=list)  # the MoE experts modules to quantize
+    expert_observers: dict[str, ExpertsObserver] = field(default_factory=dict)
+    expert_amax: dict[str, tuple[float, float]] = field(default_factory=dict)  # (gate_up, down) input amax
 
 
 @dataclass(frozen=True)
@@ -194,7 +211,21 @@ def _select_layers(run: _Run) -> None:
             report.skipped[name] = reason
         else:
             run.targets.append(name)
-    if not run.targets:
+    for name, module in find_experts(model).items():
+        keep = opts.module_filter(name, module) if opts.module_filter else True
+        if keep:
+            run.experts.append(name)
+        else:
+            report.skipped[name] = "excluded by module_filter"
+        parent = name.rpartition(".")[0]
+        router = f"{parent}.gate" if parent else "gate"
+        if (
+            keep
+            and router not in report.skipped
+            and isinstance(getattr(model.get_submodule(parent), "gate", None), nn.Module)
+        ):
+            report.skipped[router] = "MoE router (kept in high precision, as DeepSeek-V3 and llm-compressor do)"
+    if not run.targets and not run.experts:
         raise ValueError(
             "no nn.Linear layer to quantize"
             + (" (the module_filter matched none)" if opts.module_filter else " in this model")
@@ -210,7 +241,9 @@ def _choose_data(run: _Run) -> None:
     if not opts.needs_data(scheme):
         return
     trained = _trained_input_amax(run.model, run.targets) if scheme.name == "fp8" else {}
-    if len(trained) == len(run.targets) and not (opts.kv_cache or opts.gptq or opts.keep_bf16 or opts.norm_tweak):
+    if len(trained) == len(run.targets) and not (
+        run.experts or opts.kv_cache or opts.gptq or opts.keep_bf16 or opts.norm_tweak
+    ):
         run.amax = trained
         run.report.calibration = "trained delayed-scaling amax history"
         return
@@ -236,10 +269,15 @@ def _awq(run: _Run) -> None:
 
 def _observe(run: _Run) -> None:
     search = run.opts.smooth_for(run.scheme) and run.opts.alpha == "search"
-    with run.progress.phase("calibrate", run.progress.batches, model=run.model, timed_pass=True):
+    with (
+        run.progress.phase("calibrate", run.progress.batches, model=run.model, timed_pass=True),
+        observe_experts(run.model, run.experts) as expert_observers,
+    ):
         run.observers = observe_inputs(
             run.model, run.targets, run.forward_loop, keep_rows=ROWS_PER_BATCH if search else 0
         )
+    run.expert_observers = expert_observers
+    run.report.expert_tokens = {n: o.tokens.tolist() for n, o in expert_observers.items()}
 
 
 def _smooth(run: _Run) -> None:
@@ -261,6 +299,8 @@ def _activation_scales(run: _Run) -> None:
     opts, fmt = run.opts, run.scheme.act_format
     for name in run.targets:
         run.amax[name] = choose_amax(run.observers[name], fmt, opts.calibration, opts.percentile)
+    for name, obs in run.expert_observers.items():
+        run.expert_amax[name] = obs.amax(fmt, opts.calibration, opts.percentile)
 
 
 def _kv_scales(run: _Run) -> None:
@@ -312,7 +352,17 @@ def _install(run: _Run) -> None:
         parent_name, _, attr = name.rpartition(".")
         setattr(run.model.get_submodule(parent_name) if parent_name else run.model, attr, q)
         run.report.quantized.append(name)
-    run.report.input_amax = run.amax
+    for name in run.experts:
+        original = run.model.get_submodule(name)
+        run.originals[name] = original
+        q = quantize_experts_module(original, run.scheme, run.expert_amax.get(name), name, copy=True)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(run.model.get_submodule(parent_name) if parent_name else run.model, attr, q)
+        run.report.experts.append(name)
+    run.report.input_amax = dict(run.amax)
+    for name, amaxes in run.expert_amax.items():  # the experts' shared static input amax per projection
+        projections = run.model.get_submodule(name).projections
+        run.report.input_amax.update({f"{name}.{p}": a for p, a in zip(projections, amaxes, strict=True)})
 
 
 def _tweak_norms(run: _Run) -> None:
@@ -322,7 +372,7 @@ def _tweak_norms(run: _Run) -> None:
     with run.progress.phase("norm tweak", steps, unit="step") as update:
         run.report.norm_tweak = tweak_norms(
             run.model,
-            {n: run.originals[n] for n in run.qmods},
+            {n: run.originals[n] for n in [*run.qmods, *run.experts]},
             run.forward_loop,
             steps,
             run.opts.norm_tweak_lr,
@@ -397,7 +447,8 @@ PIPELINE: tuple[_Step, ...] = (
 def plan_line(run: _Run, steps: list[_Step]) -> str:
     """The one-line plan printed before a run: the scheme, layers, and every step that will run, in order."""
     data = "no calibration data" if not run.calibrating else "passes over forward_loop's batches"
-    return f"fp8kit.ptq {run.scheme.name} on {len(run.targets)} Linear layers ({data}): " + " -> ".join(
+    experts = f" and {len(run.experts)} MoE experts modules" if run.experts else ""
+    return f"fp8kit.ptq {run.scheme.name} on {len(run.targets)} Linear layers{experts} ({data}): " + " -> ".join(
         s.plan(run) for s in steps
     )
 
@@ -421,7 +472,12 @@ def quantize(
     progress: bool | None = None,
     _originals: dict[str, nn.Module] | None = None,
 ) -> nn.Module:
-    """Quantize ``model``'s ``nn.Linear`` layers in place for inference and return it.
+    """Quantize ``model``'s ``nn.Linear`` layers and MoE experts in place for inference and return it.
+
+    ``transformers`` experts modules (3-D expert weights) become ``ptq.experts.QuantExperts`` with
+    per-expert weight scales; static calibration runs every token through every expert (the layer's
+    output stays the routed one) and ``ptq_report.expert_tokens`` counts the tokens routed to each. GPTQ
+    and AWQ apply to the ``nn.Linear`` layers; the experts round to nearest. Routers stay in high precision.
 
     Args:
         scheme: ``"fp8"``, ``"fp8-dynamic"``, ``"int8-smoothquant"`` or ``"int8-weight-only"``.

@@ -1,0 +1,435 @@
+"""Post-training quantization of Mixture-of-Experts experts: ``QuantExperts``, calibration of every expert.
+
+A ``transformers`` (>= 5) experts module holds its experts as 3-D parameters (``gate_up_proj``
+``(E, 2I, H)`` or ``up_proj``, ``down_proj`` ``(E, H, I)``; ``(E, in, out)`` where ``is_transposed``;
+optional ``*_bias`` ``(E, out)``), and its forward is looked up by name in
+``transformers.integrations.moe.ExpertsInterface``. ``quantize_experts_module`` turns such a module into a
+``QuantExperts`` in place (a class swap, as ``fp8kit.convert`` does for training: the object, its hooks,
+``act_fn`` / ``_apply_gate`` stay) and points the model's ``config._experts_implementation`` at
+``"fp8kit_ptq"``, whose forward (``quant_experts_forward``) sorts the routed tokens by expert and runs
+each projection as one grouped GEMM (``fp8kit.gemm.grouped.grouped_mm``, ``torch._grouped_mm`` with
+offsets) on the exact 8-bit code values, FP32 accumulation on CPU, the scales applied to the accumulator.
+No Python loop over experts.
+
+Stored per projection ``P`` (``gate_up_proj`` or ``up_proj``, and ``down_proj``), as buffers:
+
+* ``P`` ``(E, out, in)`` codes (``float8_e4m3fn`` or ``int8``), always in the ``(out, in)`` layout of
+  ``nn.Linear`` (``is_transposed`` becomes ``False``);
+* ``P_weight_scale`` ``(E, 1, 1)`` (per tensor: one scale per expert) or ``(E, out, 1)`` (per channel):
+  dequant multipliers ``amax / 448`` (E4M3) or ``amax / 127`` (INT8). **An expert never shares a weight
+  scale with another expert** (a large expert would flush a small one's weights to zero). The fused
+  ``gate_up`` of one expert has one per-tensor scale for gate and up together: vLLM's fused-MoE kernels
+  need one ``w13`` scale per expert (its loader takes the max of the two and requantizes), so fp8kit
+  chooses it that way from the start and the export writes it to both ``gate_proj`` and ``up_proj``;
+* ``P_input_scale`` ``(1,)`` (static schemes): **one activation scale per projection for the whole
+  layer, shared by all experts.** vLLM's fused-MoE loaders (``CompressedTensorsW8A8Fp8MoEMethod`` and the
+  ``fp8`` / ModelOpt ones) reduce the per-expert ``input_scale`` tensors of a checkpoint to their max over
+  experts (warning "Found input_scales that are not equal for fp8 MoE layer") because the fused kernel
+  takes one activation scale; a per-expert scale in fp8kit would compute something no server runs. So the
+  shared scale is exactly that max: the max over experts of each expert's calibrated amax, and the
+  export writes it to every expert (vLLM then loads it without the warning and computes what fp8kit does).
+
+Dynamic per-token activations (``fp8-dynamic``) are scaled per routed token, never across tokens; the
+weight-only scheme leaves them in high precision.
+
+Calibration (``ExpertsObserver``): llm-compressor's MoE calibration sends every calibration token through
+every expert while the layer's output stays the routed one, so that an expert the router rarely picks
+still gets a range from real inputs. fp8kit does the same with a forward hook that does not change the
+output: the ``gate_up`` input is the layer's whole token tensor (every expert sees it), and each expert's
+``down_proj`` input, ``act(gate_up(x))``, is computed for all tokens with one batched GEMM over the experts
+and observed per expert. The tokens the router actually sent to each expert are counted and reported
+(``PTQReport.expert_tokens``).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..scaling import dequant_scale
+from ..tensor import quantize as fp8_quantize
+from .calibrate import InputObserver, choose_amax
+from .schemes import Scheme, get_scheme
+
+__all__ = [
+    "IMPLEMENTATION",
+    "ExpertsObserver",
+    "QuantExperts",
+    "experts_projections",
+    "find_experts",
+    "observe_experts",
+    "quant_experts_forward",
+    "quantize_experts_module",
+]
+
+IMPLEMENTATION = "fp8kit_ptq"
+_QUANTIZED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # the QuantExperts made in this process
+
+
+def find_experts(model: nn.Module) -> dict[str, nn.Module]:
+    """The ``transformers`` experts modules (3-D expert weights, ``ExpertsInterface`` dispatch) of ``model``."""
+    from ..nn.experts import is_experts_module
+
+    return {n: m for n, m in model.named_modules() if is_experts_module(m) and not isinstance(m, QuantExperts)}
+
+
+def experts_projections(module: nn.Module) -> tuple[str, str]:
+    """The parameter names of the two projections: ``("gate_up_proj" or "up_proj", "down_proj")``."""
+    return ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
+
+
+def _weight_out_in(module: nn.Module, name: str) -> torch.Tensor:
+    """Projection ``name``'s weight as ``(E, out, in)`` float32."""
+    w = getattr(module, name).detach().float()
+    return w.transpose(1, 2) if module.is_transposed else w
+
+
+def _gate(module: nn.Module, proj: torch.Tensor) -> torch.Tensor:
+    return module._apply_gate(proj) if module.has_gate else module.act_fn(proj)
+
+
+# ---- calibration -----------------------------------------------------------------------------------
+
+
+OBSERVE_ELEMENTS = 1 << 26  # the all-tokens-through-all-experts activations held at once (float32 values)
+
+
+class ExpertsObserver:
+    """What calibration saw in one experts module: the tokens routed to each expert, the first
+    projection's input (all tokens, shared by all experts) and each expert's ``down_proj`` input over
+    all tokens (computed, not routed: batched GEMMs over chunks of ``OBSERVE_ELEMENTS``)."""
+
+    def __init__(self, name: str, num_experts: int) -> None:
+        self.name = name
+        self.tokens = torch.zeros(num_experts, dtype=torch.int64)
+        self.first_input = InputObserver(f"{name} (experts input)")
+        self.down_inputs = [InputObserver(f"{name}.down_proj of expert {e}") for e in range(num_experts)]
+
+    @torch.no_grad()
+    def observe(self, module: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor) -> None:
+        e = module.num_experts
+        routed = top_k_index.reshape(-1)
+        routed = routed[(routed >= 0) & (routed < e)]
+        self.tokens += torch.bincount(routed.cpu().long(), minlength=e)[:e]
+        x = x.detach().reshape(-1, x.shape[-1]).float()
+        self.first_input.observe(x)
+        first = experts_projections(module)[0]
+        w = _weight_out_in(module, first)  # (E, out, in)
+        bias = getattr(module, f"{first}_bias", None) if module.has_bias else None
+        chunk = max(1, OBSERVE_ELEMENTS // max(1, x.shape[0] * w.shape[1]))
+        for start in range(0, e, chunk):
+            h = torch.matmul(x.unsqueeze(0), w[start : start + chunk].transpose(1, 2))  # (chunk, T, out)
+            if bias is not None:
+                h = h + bias[start : start + chunk].detach().float().unsqueeze(1)
+            h = _gate(module, h)
+            for i in range(h.shape[0]):
+                self.down_inputs[start + i].observe(h[i])
+
+    def amax(self, fmt: Any, method: str, percentile: float) -> tuple[float, float]:
+        """``(first projection's input amax, down_proj input amax)``: the latter is the max over experts of
+        each expert's calibrated amax (the scale vLLM's fused-MoE loader keeps; see the module doc)."""
+        a0 = choose_amax(self.first_input, fmt, method, percentile)
+        per_expert = [choose_amax(o, fmt, method, percentile) for o in self.down_inputs if o.amax > 0]
+        if not per_expert:
+            raise ValueError(f"{self.name}: every expert's down_proj input was zero during calibration")
+        return a0, max(per_expert)
+
+
+@contextmanager
+def observe_experts(model: nn.Module, names: list[str]) -> Iterator[dict[str, ExpertsObserver]]:
+    """Observe the named experts modules while the block runs ``forward_loop`` (hooks removed on exit)."""
+    observers = {n: ExpertsObserver(n, model.get_submodule(n).num_experts) for n in names}
+    hooks = []
+    for n, obs in observers.items():
+
+        def hook(module, args, kwargs, obs=obs):
+            x = args[0] if args else kwargs["hidden_states"]
+            idx = args[1] if len(args) > 1 else kwargs.get("top_k_index", kwargs.get("router_indices"))
+            obs.observe(module, x, idx)
+
+        hooks.append(model.get_submodule(n).register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        yield observers
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+# ---- the quantized module ---------------------------------------------------------------------------
+
+
+class QuantExperts:
+    """Mixin ``quantize_experts_module`` puts in front of an experts module's class (see the module doc)."""
+
+    scheme: Scheme
+    projections: tuple[str, str]
+
+    def weight_codes(self, p: int) -> torch.Tensor:
+        """Projection ``p``'s ``(E, out, in)`` codes (0: gate_up / up, 1: down)."""
+        return getattr(self, self.projections[p])
+
+    def weight_scale(self, p: int) -> torch.Tensor:
+        return getattr(self, f"{self.projections[p]}_weight_scale")
+
+    def input_scale(self, p: int) -> torch.Tensor | None:
+        return getattr(self, f"{self.projections[p]}_input_scale", None)
+
+    def dequantized_weight(self, p: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``codes * scale``, ``(E, out, in)``: the weight the module computes with."""
+        return (self.weight_codes(p).float() * self.weight_scale(p)).to(dtype)
+
+    def quantize_input(self, p: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes of the routed tokens ``x`` ``(S, in)`` and their dequant scale (``(1,)`` static, ``(S, 1)``
+        per token), through ``fp8kit.quantize`` as ``QuantLinear`` does; NaN/inf propagate."""
+        fmt = self.scheme.act_format
+        if self.scheme.act_strategy == "tensor":
+            s = self.input_scale(p)
+            qt = fp8_quantize(x, fmt, "row", scale=1.0 / s, nonfinite="propagate", check_scale=False)
+            return qt.data, s
+        qt = fp8_quantize(x, fmt, "row", nonfinite="propagate")
+        return qt.data, qt.scale_inv
+
+    def project(self, p: int, x: torch.Tensor, offs: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+        """``out[j] = dequant(x[j]) @ dequant(W[e_j]).T`` (+ bias) for tokens sorted by expert, one grouped
+        GEMM on the code values (exact in float32 and bfloat16), scales applied to the accumulator."""
+        from ..gemm.grouped import grouped_mm
+
+        if x.requires_grad and torch.is_grad_enabled():
+            return self._project_straight_through(p, x, offs, group_ids)
+        gdt = torch.float32 if x.device.type == "cpu" else torch.bfloat16
+        codes = self.weight_codes(p)
+        ws = self.weight_scale(p).reshape(codes.shape[0], -1)[group_ids]  # (S, 1) or (S, out)
+        if self.scheme.act_format is None:  # weight-only: high-precision activations
+            acc = grouped_mm(x.to(gdt), codes.to(gdt).transpose(1, 2), offs)
+            out = acc.float() * ws
+        else:
+            xq, sx = self.quantize_input(p, x)
+            acc = grouped_mm(xq.to(gdt), codes.to(gdt).transpose(1, 2), offs)
+            out = acc.float() * sx.reshape(-1, 1) * ws
+        bias = getattr(self, f"{self.projections[p]}_bias", None) if self.has_bias else None
+        if bias is not None:
+            out = out + bias[group_ids].float()
+        return out
+
+    def _project_straight_through(
+        self, p: int, x: torch.Tensor, offs: torch.Tensor, group_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """``project``'s value, differentiable in ``x`` (norm tweaking): the input quantizer passes the
+        gradient straight through, the weights are frozen. Inference never takes this path."""
+        if self.scheme.act_format is not None:
+            with torch.no_grad():
+                xq, sx = self.quantize_input(p, x.detach())
+                xd = (xq.float() * sx.reshape(-1, 1)).to(x.dtype)
+            x = x + (xd - x).detach()
+        out = _GroupedMatmul.apply(x.float(), self.dequantized_weight(p), offs)
+        bias = getattr(self, f"{self.projections[p]}_bias", None) if self.has_bias else None
+        return out if bias is None else out + bias[group_ids].float()
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, scheme={self.scheme.name}"
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    """``out[rows of e] = x[rows of e] @ w[e].T`` (``w`` ``(E, out, in)``, frozen), differentiable in ``x``."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs):  # type: ignore[override]
+        from ..gemm.grouped import grouped_mm
+
+        ctx.save_for_backward(w, offs)
+        return grouped_mm(x, w.transpose(1, 2).contiguous(), offs)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        from ..gemm.grouped import grouped_mm
+
+        w, offs = ctx.saved_tensors
+        return grouped_mm(grad.contiguous(), w.contiguous(), offs), None, None
+
+
+@functools.cache
+def _quant_class(cls: type) -> type:
+    return type(
+        f"Quant{cls.__name__}", (QuantExperts, cls), {"__module__": __name__, "__qualname__": f"Quant{cls.__name__}"}
+    )
+
+
+def _base_class(module: nn.Module) -> type:
+    """The ``transformers`` experts class under fp8kit's training mixins (``FP8Experts``, ``BF16Experts``)."""
+    from ..nn.bf16 import BF16Experts
+    from ..nn.experts import FP8Experts
+
+    cls = type(module)
+    while issubclass(cls, (FP8Experts, BF16Experts)) and cls not in (FP8Experts, BF16Experts):
+        cls = cls.__bases__[-1]
+    return cls
+
+
+@torch.no_grad()
+def quantize_experts_module(
+    module: nn.Module,
+    scheme: Scheme | str,
+    input_amax: tuple[float, float] | None = None,
+    name: str = "",
+    *,
+    copy: bool = False,
+) -> nn.Module:
+    """Quantize an experts module in place (class swap, 3-D parameters replaced by code and scale buffers)
+    with per-expert weight scales; ``input_amax`` ``(gate_up, down)`` sets the shared static activation
+    scales (required by static schemes). ``copy``: leave ``module`` as it is and return a new quantized
+    module object (tensors not copied; ``fp8kit.ptq.quantize`` keeps the original as norm tweaking's teacher)."""
+    scheme = get_scheme(scheme)
+    what = name or type(module).__name__
+    if getattr(module, "_is_expert_parallel", False):
+        raise ValueError(f"{what}: expert-parallel experts cannot be quantized by fp8kit.ptq yet")
+    if scheme.static_activations and input_amax is None:
+        raise ValueError(f"scheme {scheme.name!r} needs calibrated input amaxes for {what} (run a forward_loop)")
+    projections = experts_projections(module)
+    new: dict[str, torch.Tensor] = {}
+    for p, proj in enumerate(projections):
+        w = _weight_out_in(module, proj)
+        if not torch.isfinite(w).all():
+            raise ValueError(f"{what}.{proj} holds NaN or inf; it cannot be quantized")
+        new[proj], new[f"{proj}_weight_scale"] = quantize_codes(w, scheme)
+        if scheme.static_activations:
+            amax = torch.tensor([float(input_amax[p])])
+            new[f"{proj}_input_scale"] = dequant_scale(amax, scheme.act_format)
+        bias = getattr(module, f"{proj}_bias", None)
+        if bias is not None:
+            new[f"{proj}_bias"] = bias.detach().float().clone()
+    if copy:
+        module = _shallow_copy(module)
+    install_quant_experts(module, scheme, new)
+    return module
+
+
+def _shallow_copy(module: nn.Module) -> nn.Module:
+    """A new module object with ``module``'s attributes, its own parameter/buffer/submodule dicts (tensors
+    and submodules shared), so that a class swap and new buffers leave ``module`` as it was."""
+    new = object.__new__(type(module))
+    new.__dict__ = {k: (dict(v) if isinstance(v, dict) else v) for k, v in module.__dict__.items()}
+    return new
+
+
+def quantize_codes(w: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes (E, out, in), dequant scales (E, 1, 1) per tensor or (E, out, 1) per channel)`` of the
+    expert weights ``w`` ``(E, out, in)``, one scale per expert (per tensor) or per expert and row."""
+    e, r, c = w.shape
+    gran = "row" if scheme.weight_strategy == "channel" else (r, c)  # (r, c) tiles: one per expert
+    qt = fp8_quantize(w.float().reshape(e * r, c), scheme.weight_format, gran)
+    scale = dequant_scale(qt.amax, scheme.weight_format).reshape(e, -1, 1)
+    return qt.data.reshape(e, r, c).contiguous(), scale.contiguous()
+
+
+def install_quant_experts(module: nn.Module, scheme: Scheme, tensors: dict[str, torch.Tensor]) -> None:
+    """Make ``module`` a ``QuantExperts`` holding ``tensors`` (codes, scales, biases by buffer name) in place
+    of its 3-D parameters, and dispatch its config to ``"fp8kit_ptq"``."""
+    projections = experts_projections(module)
+    device = module.down_proj.device
+    for key in (*projections, *(f"{p}_bias" for p in projections)):
+        module._parameters.pop(key, None)
+    for key in ("fp8_amax_history", "fp8_scale", "fp8_seen", "fp8_amax_pending", "fp8_tokens_per_expert"):
+        module._buffers.pop(key, None)
+    module.__class__ = _quant_class(_base_class(module))
+    for key, t in tensors.items():
+        module.register_buffer(key, t.to(device))
+    module.scheme = scheme
+    module.projections = projections
+    module._fp8kit_was_transposed = module.is_transposed
+    module.is_transposed = False
+    _dispatch_to_quant(module)
+    _QUANTIZED.add(module)
+
+
+@torch.no_grad()
+def dequantize_experts_module(module: QuantExperts, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Undo ``install_quant_experts`` in place: the ``transformers`` experts module again, its 3-D
+    parameters ``codes * scale`` in their original layout (exact in float32), biases restored, and the
+    config's experts implementation back to the one it named before (when no other module is quantized)."""
+    params = {}
+    for p, proj in enumerate(module.projections):
+        w = module.dequantized_weight(p, dtype)
+        params[proj] = w.transpose(1, 2).contiguous() if module._fp8kit_was_transposed else w
+        bias = module._buffers.get(f"{proj}_bias")
+        if bias is not None:
+            params[f"{proj}_bias"] = bias.to(dtype)
+    for proj in module.projections:
+        for key in (proj, f"{proj}_weight_scale", f"{proj}_input_scale", f"{proj}_bias"):
+            module._buffers.pop(key, None)
+    module.__class__ = type(module).__bases__[1]
+    module.is_transposed = module.__dict__.pop("_fp8kit_was_transposed")
+    for key, t in params.items():
+        module.register_parameter(key, nn.Parameter(t))
+    for key in ("scheme", "projections"):
+        module.__dict__.pop(key, None)
+    _QUANTIZED.discard(module)
+    fallback = module.__dict__.pop("_fp8kit_ptq_fallback", None)
+    config = module.config
+    if not _quantized_sharing(module) and config._experts_implementation == IMPLEMENTATION:
+        config._experts_implementation = fallback or "grouped_mm"
+    return module
+
+
+def _dispatch_to_quant(module: nn.Module) -> None:
+    """Register ``"fp8kit_ptq"`` in ``ExpertsInterface`` and point the module's config at it; the
+    implementation the config named before stays the fallback of the experts modules not quantized."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(IMPLEMENTATION, quant_experts_forward)
+    config = getattr(module, "config", None)
+    if config is None:
+        raise ValueError(f"{type(module).__name__} has no .config: not an ExpertsInterface experts module")
+    previous = config._experts_implementation
+    if previous == IMPLEMENTATION:  # a sibling switched the shared config already: take its fallback
+        previous = next((m._fp8kit_ptq_fallback for m in _quantized_sharing(module)), None)
+    module._fp8kit_ptq_fallback = previous
+    config._experts_implementation = IMPLEMENTATION
+
+
+def _fallback(module: nn.Module) -> Callable[..., torch.Tensor]:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    original = getattr(type(module).forward, "__wrapped__", None)
+    # a module left in high precision: the implementation its config named before a sibling was quantized
+    name = next((m._fp8kit_ptq_fallback for m in _quantized_sharing(module)), None)
+    if name in (None, "eager", IMPLEMENTATION) and original is not None:
+        return original
+    return ALL_EXPERTS_FUNCTIONS.get_interface(name, original)
+
+
+def _quantized_sharing(module: nn.Module) -> list[nn.Module]:
+    config = getattr(module, "config", None)
+    return [m for m in _QUANTIZED if getattr(m, "config", None) is config]
+
+
+def quant_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """The ``"fp8kit_ptq"`` experts implementation: ``grouped_mm_experts_forward`` on 8-bit codes.
+
+    ``hidden_states`` ``(T, H)``, ``top_k_index`` / ``top_k_weights`` ``(T, k)``; returns ``(T, H)``.
+    Experts modules that are not ``QuantExperts`` (kept in high precision) run the implementation their
+    config named before."""
+    if not isinstance(self, QuantExperts):
+        return _fallback(self)(self, hidden_states, top_k_index, top_k_weights)
+    k = top_k_index.size(-1)
+    num_tokens, hidden_dim = hidden_states.shape
+    expert_ids_g, perm = torch.sort(top_k_index.reshape(-1), stable=True)
+    x = hidden_states[perm // k]
+    counts = torch.histc(expert_ids_g.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    proj = _gate(self, self.project(0, x, offs, expert_ids_g))
+    proj = self.project(1, proj, offs, expert_ids_g)
+    if self.has_post_expert_norm:
+        proj = self.post_expert_norm(proj.to(hidden_states.dtype)).float()
+    weighted = proj * top_k_weights.reshape(-1)[perm].unsqueeze(-1).float()
+    inv_perm = torch.empty_like(perm)
+    inv_perm[perm] = torch.arange(perm.numel(), device=perm.device)
+    out = weighted[inv_perm].view(num_tokens, k, hidden_dim).sum(dim=1)
+    return out.to(hidden_states.dtype)
