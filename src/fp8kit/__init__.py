@@ -38,6 +38,8 @@ def convert(
     (weights exactly ``code * scale``, float32), and with the block recipe each layer starts from the
     checkpoint's own 128x128 tiles."""
     if isinstance(model, (str, os.PathLike)):
+        if not os.path.isdir(model):
+            raise TypeError(f"convert() takes an nn.Module or the directory of an FP8 checkpoint; {model!r} is neither")
         from .export import dequantized_model
 
         model = dequantized_model(model)

@@ -41,6 +41,8 @@ tensor cores' reduced-precision partial sums.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -57,6 +59,7 @@ __all__ = [
     "KernelChoice",
     "QuantLinear",
     "dequant_scale",
+    "holding_dequantized_weights",
     "resident_bytes",
     "select_kernel",
     "set_weight_cache",
@@ -121,6 +124,22 @@ def resident_bytes(module: nn.Module) -> int:
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()
     return total
+
+
+@contextmanager
+def holding_dequantized_weights(model: nn.Module) -> Iterator[None]:
+    """While active, each ``QuantLinear`` of ``model`` keeps its float32 dequantized weight for the
+    straight-through path (the gradient passes over a frozen quantized model: norm tweaking) instead of
+    decoding its codes at every forward; released on exit (4 bytes per weight meanwhile). The values are
+    the same either way."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    for m in layers:
+        m._held_weight = None
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.__dict__.pop("_held_weight", None)
 
 
 def set_weight_cache(model: nn.Module, mode: str) -> nn.Module:
@@ -230,10 +249,21 @@ class QuantLinear(nn.Module):
                 xq, sx = self.quantize_input(x2.detach())
                 xd = (xq.float() * sx.reshape(-1, 1)).to(x2.dtype)
             x2 = x2 + (xd - x2).detach()
-        out = x2.float() @ self.dequantized_weight().t()
+        out = x2.float() @ self._straight_through_weight().t()
         if self.bias is not None:
             out = out + self.bias
         return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def _straight_through_weight(self) -> torch.Tensor:
+        """``dequantized_weight()``; inside ``holding_dequantized_weights`` kept from one call to the next
+        until the codes or the scales change (decoding FP8 codes costs about as much as the GEMM)."""
+        held = self.__dict__.get("_held_weight", False)
+        if held is False:
+            return self.dequantized_weight()
+        w, s = self.weight, self.weight_scale
+        if held is None or held[0] is not w or held[1] != w._version or held[2] is not s or held[3] != s._version:
+            self._held_weight = held = (w, w._version, s, s._version, self.dequantized_weight())
+        return held[4]
 
     def _codes(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight's code values in ``dtype`` (exact), cached until the weight buffer changes."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -25,8 +26,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .layer_error import _output_tensor, _swap
+from .linear import holding_dequantized_weights
 
-__all__ = ["NormTweakResult", "norm_parameters", "tweak_norms"]
+__all__ = ["TEACHER_CACHE_BYTES", "NormTweakResult", "norm_parameters", "tweak_norms"]
+
+TEACHER_CACHE_BYTES = 2 << 30  # the teacher's outputs kept for replay (bytes); beyond it, recomputed
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 @dataclass(frozen=True)
@@ -140,11 +148,27 @@ def tweak_norms(
             for n, m in quantized.items():
                 _swap(model, n, m)
 
+    # The teacher's answer to each recorded call never changes: computed once, kept while they fit in
+    # TEACHER_CACHE_BYTES (logits of 4 x 128 tokens over a 49k vocabulary: 100 MB), else recomputed.
+    answers: dict[int, Any] = {}
+    room = [TEACHER_CACHE_BYTES]
+
+    def teacher(i: int) -> Any:
+        if i in answers:
+            return answers[i]
+        out = teacher_out(*calls[i])
+        logits = getattr(out, "logits", None)
+        kept = SimpleNamespace(logits=logits) if isinstance(logits, torch.Tensor) else _output_tensor(out)
+        size = _tensor_bytes(kept.logits if isinstance(kept, SimpleNamespace) else kept)
+        if size <= room[0]:
+            answers[i], room[0] = kept, room[0] - size
+        return kept
+
     def mean_loss() -> tuple[float, str]:
         total, metric = 0.0, ""
         with torch.no_grad():
-            for a, k in calls:
-                loss, metric = _distance(model(*a, **k), teacher_out(a, k))
+            for i, (a, k) in enumerate(calls):
+                loss, metric = _distance(model(*a, **k), teacher(i))
                 total += float(loss)
         return total / len(calls), metric
 
@@ -159,17 +183,18 @@ def tweak_norms(
             p.requires_grad_(True)
         opt = torch.optim.Adam(params.values(), lr=lr)
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(steps, 1))
-        for step in range(steps):
-            args, kwargs = calls[step % len(calls)]
-            teacher = teacher_out(args, kwargs)
-            with torch.enable_grad():
-                loss, _ = _distance(model(*args, **kwargs), teacher)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-            opt.step()
-            schedule.step()
-            if on_step is not None:
-                on_step()
+        with holding_dequantized_weights(model):  # the quantized weights are frozen here
+            for step in range(steps):
+                args, kwargs = calls[step % len(calls)]
+                target = teacher(step % len(calls))
+                with torch.enable_grad():
+                    loss, _ = _distance(model(*args, **kwargs), target)
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                opt.step()
+                schedule.step()
+                if on_step is not None:
+                    on_step()
         for p in params.values():
             p.requires_grad_(False)
         after, _ = mean_loss()
