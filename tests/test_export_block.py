@@ -242,3 +242,35 @@ def test_block_linear_matches_a_deepseek_style_reference():
     q.weight_scale_inv.mul_(2)  # the cached float32 weight follows in-place changes
     with torch.no_grad():
         assert rel(q(x) - lin.bias.detach(), 2 * (out - lin.bias.detach())) < 1e-6
+
+
+def test_convert_of_a_checkpoint_dir_computes_with_its_own_tiles(tmp_path):
+    """``fp8kit.convert(DIR, "block")`` on a ``transformers``-written block-FP8 checkpoint (scales ``amax /
+    448``, not powers of two): each layer computes with the checkpoint's exact codes and scales, where
+    re-quantizing ``code * scale`` onto the recipe's power-of-two tiles would round a second time; the
+    first optimizer step returns the layers to their recipe, and the untouched model exports the
+    checkpoint's own tensors."""
+    path = transformers_written(llama(3), tmp_path / "hf-fp8")
+    stored = tensors(path)
+    model = fp8kit.convert(path, "block")
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, fp8kit.nn.Linear)}
+    assert len(layers) == 14
+    requantized_error = 0.0
+    for name, m in layers.items():
+        wq, _ = m.fp8_weights(m.recipe)
+        assert torch.equal(wq.data.view(torch.uint8), stored[f"{name}.weight"].view(torch.uint8)), name
+        assert torch.equal(wq.scales, stored[f"{name}.weight_scale_inv"].float()), name
+        again = fp8kit.quantize(m.weight.detach(), fp8kit.E4M3, (128, 128), power_of_two=True)
+        requantized_error += float((again.dequantize() - m.weight.detach()).norm())
+    assert requantized_error > 0  # seeding is what keeps the codes: the recipe's own tiles would differ
+    out = save_pretrained(model, tmp_path / "again", format="fp8-block")
+    for key, val in tensors(out).items():
+        bits = (lambda t: t.view(torch.uint8)) if val.dtype == torch.float8_e4m3fn else (lambda t: t)
+        assert torch.equal(bits(val), bits(stored[key])), key
+    x = torch.randint(0, 320, (2, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    model(x, labels=x).loss.backward()
+    opt.step()
+    m = layers["model.layers.0.mlp.down_proj"]
+    scales = m.fp8_weights(m.recipe)[0].scales
+    assert torch.equal(scales, torch.exp2(torch.log2(scales).round()))  # the recipe's power-of-two tiles again

@@ -1,9 +1,17 @@
 """fp8kit: train, debug and deploy PyTorch models in FP8."""
 
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
 from . import nn
 from .formats import E4M3, E5M2, E8M0, FORMATS, INT8, Format, cast, get_format
 from .gemm import fp8_gemm
-from .nn import autocast, compile, convert
+from .nn import autocast, compile
 from .recipes import (
     BlockScaling,
     CurrentScaling,
@@ -15,8 +23,26 @@ from .recipes import (
 )
 from .scaling import Granularity, compute_scale, mx_scale
 from .tensor import QuantizedTensor, quantize
+from .version import __version__
 
-__version__ = "0.1.0"
+
+def convert(
+    model: torch.nn.Module | str | os.PathLike,
+    recipe: Recipe | str | None = None,
+    module_filter: Callable[[str, torch.nn.Module], bool] | None = None,
+    **kwargs: Any,
+) -> torch.nn.Module:
+    """``fp8kit.nn.convert`` (FP8 training layers in place, see there), which also takes the directory of an
+    FP8 or INT8 checkpoint (``compressed-tensors``, ``modelopt`` or ``fp8-block``, from fp8kit or any
+    producer): FP8 model in, FP8 model out. The checkpoint is read by ``fp8kit.export.dequantized_model``
+    (weights exactly ``code * scale``, float32), and with the block recipe each layer starts from the
+    checkpoint's own 128x128 tiles."""
+    if isinstance(model, (str, os.PathLike)):
+        from .export import dequantized_model
+
+        model = dequantized_model(model)
+    return nn.convert(model, recipe, module_filter, **kwargs)
+
 
 # Submodules reachable as attributes after ``import fp8kit`` (``fp8kit.ptq.quantize(...)``), imported on first
 # use (PEP 562) so that ``import fp8kit`` stays light: no transformers, matplotlib or tensorboard.
@@ -55,6 +81,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "__version__",
     "BlockScaling",
     "CurrentScaling",
     "DelayedScaling",

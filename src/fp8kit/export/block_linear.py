@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from ..formats import E4M3
-from ..tensor import quantize
+from ..tensor import QuantizedTensor, quantize
 
 __all__ = ["BlockQuantLinear", "BLOCK"]
 
@@ -45,15 +45,23 @@ class BlockQuantLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, block: int = BLOCK, power_of_two: bool = False) -> BlockQuantLinear:
         """Quantize ``linear``'s weight per ``block`` x ``block`` tile with ``fp8kit.quantize`` (the
         quantizer of the block training recipe; ``power_of_two`` as the recipe's)."""
-        q = cls(linear.in_features, linear.out_features, linear.bias is not None, block)
         w = linear.weight.detach().float()
         if not torch.isfinite(w).all():
             raise ValueError("the weight holds NaN or inf; it cannot be quantized")
-        qt = quantize(w, E4M3, (block, block), power_of_two=power_of_two)
-        q.weight = qt.data.contiguous()
-        q.weight_scale_inv = qt.scales.float().reshape(q.weight_scale_inv.shape).contiguous()
-        if linear.bias is not None:
-            q.bias = linear.bias.detach().float().clone()
+        return cls.from_tiles(quantize(w, E4M3, (block, block), power_of_two=power_of_two), linear.bias)
+
+    @classmethod
+    def from_tiles(cls, tiles: QuantizedTensor, bias: torch.Tensor | None = None) -> BlockQuantLinear:
+        """The layer of an ``(out, in)`` E4M3 weight already quantized in square tiles (``tiles.block``), e.g.
+        the FP8 weight a block-recipe training layer computes with (``fp8kit.nn.Linear.fp8_weights``)."""
+        (out_features, in_features), (block, other) = tiles.shape, tiles.block
+        if block != other or tiles.data.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"from_tiles takes E4M3 codes in square tiles, got {tiles.data.dtype} {tiles.block}")
+        q = cls(in_features, out_features, bias is not None, block)
+        q.weight = tiles.data.contiguous()
+        q.weight_scale_inv = tiles.scales.float().reshape(q.weight_scale_inv.shape).contiguous()
+        if bias is not None:
+            q.bias = bias.detach().float().clone()
         return q
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

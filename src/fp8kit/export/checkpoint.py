@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..nn.convert import CHECKPOINT_TILES
 from ..nn.linear import Linear as FP8Linear
 from ..ptq.linear import QuantLinear
 from .block_linear import BlockQuantLinear
@@ -135,7 +136,12 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.
 
 def dequantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The FP8 (or INT8) checkpoint at ``path`` (any format ``load_pretrained`` reads) as a plain model:
-    each quantized layer becomes an ``nn.Linear`` whose weight is ``code * scale`` (exact in float32)."""
+    each quantized layer becomes an ``nn.Linear`` whose weight is ``code * scale`` (exact in float32).
+
+    A layer read from 128x128 tiles (``fp8-block``) also keeps them, ``(codes, scale_inv, block)``, as its
+    ``fp8_checkpoint_tiles`` attribute: ``fp8kit.convert(model, "block")`` then computes with those exact
+    codes until the weight is first updated, instead of rounding ``code * scale`` a second time onto its own
+    power-of-two tiles (``fp8kit.nn.Linear.seed_fp8_weight``)."""
     model = load_pretrained(path, dtype=torch.float32)
     for name, m in list(model.named_modules()):
         if isinstance(m, (QuantLinear, BlockQuantLinear)):
@@ -144,6 +150,8 @@ def dequantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -> n
                 lin.weight.copy_(m.dequantized_weight())
                 if m.bias is not None:
                     lin.bias.copy_(m.bias)
+            if isinstance(m, BlockQuantLinear):
+                setattr(lin, CHECKPOINT_TILES, (m.weight, m.weight_scale_inv.float(), (m.block, m.block)))
             replace_module(model, name, lin)
     model.__dict__.pop("ptq_report", None)
     model.config.__dict__.pop("quantization_config", None)

@@ -49,7 +49,7 @@ _SCHEME_OF = {algo: scheme for scheme, algo in MODELOPT_ALGOS.items()}
 
 
 def _producer() -> dict[str, str]:
-    from .. import __version__
+    from ..version import __version__
 
     return {"name": "fp8kit", "version": __version__}
 

@@ -71,7 +71,7 @@ def serving_layers(model: nn.Module) -> tuple[str, dict[str, nn.Module], list[st
     with torch.no_grad():
         for name, m in trained.items():
             if scheme == BLOCK_SCHEME:
-                layers[name] = BlockQuantLinear.from_linear(m, m.recipe.block_size, m.recipe.power_of_two)
+                layers[name] = BlockQuantLinear.from_tiles(m.fp8_weights(m.recipe)[0], m.bias)  # what it computes with
             elif scheme == "fp8":
                 layers[name] = QuantLinear.from_linear(m, scheme, input_amax=_history_amax(m))
             else:

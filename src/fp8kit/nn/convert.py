@@ -33,6 +33,10 @@ from .linear import Linear
 __all__ = ["ConversionReport", "convert", "convert_layer", "default_module_filter"]
 
 log = logging.getLogger("fp8kit")
+
+# Attribute of an ``nn.Linear`` read from an FP8 checkpoint: ``(codes, scale_inv, (br, bc))``, its weight
+# tiles as stored; ``convert_layer`` seeds the FP8 layer's weight with them (``Linear.seed_fp8_weight``).
+CHECKPOINT_TILES = "fp8_checkpoint_tiles"
 HARDWARE_MULTIPLE = 16  # FP8 tensor-core GEMMs need K and N multiples of 16
 _LORA_ADAPTER = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")  # PEFT's adapter layers
 
@@ -150,6 +154,11 @@ def convert_layer(
     for key in ("forward", "_old_forward"):
         if key in inst and _is_linear_forward(inst[key], module):
             inst[key] = types.MethodType(Linear.forward, module)
+    tiles = inst.pop(CHECKPOINT_TILES, None)  # left by fp8kit.export.dequantized_model: the checkpoint's codes
+    if tiles is not None:
+        why = module.seed_fp8_weight(*tiles)
+        done = "computes with the checkpoint's FP8 weight tiles until its first update"
+        log.info("%s: %s", name or "layer", f"not seeded from the checkpoint's FP8 tiles: {why}" if why else done)
     return module
 
 

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from ..gemm import fp8_gemm
 from ..recipes import DelayedScaling, Recipe
-from ..scaling import compute_scale
+from ..scaling import Granularity, compute_scale
 from ..tensor import QuantizedTensor, quantize, quantize_with_transpose, tensor_amax
 from .autocast import fp8_enabled, recipe_override
 
@@ -251,6 +251,36 @@ class Linear(nn.Linear):
     def release_fp8_weights(self) -> None:
         """Drop the cached FP8 weight copies (they are rebuilt at the next forward)."""
         self._weight_cache = None
+
+    def seed_fp8_weight(self, codes: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> str | None:
+        """Compute with a checkpoint's own FP8 weight tiles until the weight changes.
+
+        ``codes`` are the checkpoint's E4M3 weight codes (``(out, in)``), ``scale_inv`` its float32
+        per-tile multipliers (``(ceil(out/br), ceil(in/bc))``), ``block`` the tile ``(br, bc)``. Re-quantizing
+        ``code * scale_inv`` with the recipe's own scales (powers of two by default) would round a
+        checkpoint whose scales are ``amax / 448`` a second time; the seeded tiles are the exact codes.
+        They sit in the eager weight cache, so the first optimizer step (or ``release_fp8_weights``)
+        returns the layer to its recipe; under ``torch.compile`` the recipe quantizes as usual.
+
+        Seeds only where the recipe's weight tiles are the checkpoint's (block recipe, same tile, E4M3) and
+        the weight is ``code * scale_inv`` in its own dtype; returns ``None`` if seeded, else the reason.
+        """
+        recipe, w = self.recipe, self.weight
+        if recipe.kind != "block" or tuple(recipe.granularity_for("weight")) != tuple(block):
+            return f"the recipe's weight tiles are not the checkpoint's {block[0]}x{block[1]} ones"
+        if codes.dtype != torch.float8_e4m3fn or recipe.format_for("weight").dtype != codes.dtype:
+            return "the checkpoint's weight codes are not E4M3"
+        if codes.shape != w.shape:
+            return f"codes of shape {tuple(codes.shape)} for a weight of shape {tuple(w.shape)}"
+        tiles = QuantizedTensor(
+            codes, scale_inv.float(), recipe.format_for("weight"), Granularity("block", tuple(block)),
+            tuple(block), w.dtype,
+        )  # fmt: skip
+        if not torch.equal(tiles.dequantize(w.dtype), w.detach()):
+            return "the weight is no longer code * scale_inv"
+        self._weight_cache = ((w._version, w.data_ptr(), recipe), tiles, tiles.t())
+        _track_cache(self)
+        return None
 
     # ---- forward -------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
