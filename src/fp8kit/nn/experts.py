@@ -327,9 +327,8 @@ def _quantize_rows(x: torch.Tensor, fmt: Any, granularity: Any, **kw: Any) -> Qu
     (right without the final slice, or without the pad). Padding K before quantizing and viewing the codes
     back did not avoid it inside the experts' graph, so the cast is kept out of inductor's reach, as
     ``gemm.grouped`` keeps its GEMM and tile dequantization."""
-    if not torch.compiler.is_compiling() or x.dim() != 2 or granularity in ("tensor", "column"):
-        return quantize(x, fmt, granularity, **kw)
-    if isinstance(granularity, tuple) and granularity[0] != 1:
+    row_tiles = granularity == "mx" or (isinstance(granularity, tuple) and granularity[0] == 1)
+    if not torch.compiler.is_compiling() or x.dim() != 2 or not row_tiles:  # whole rows: fused in the graph
         return quantize(x, fmt, granularity, **kw)
     fmt, gran = _validate(x, fmt, granularity, kw.get("nonfinite", "raise"))
     block = gran.block_shape(*x.shape)
