@@ -56,7 +56,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..formats import E4M3
+from ..formats import E4M3, get_format
 from ..gemm.grouped import (
     GroupColumns,
     GroupedWeight,
@@ -66,8 +66,8 @@ from ..gemm.grouped import (
     quantize_group_columns,
 )
 from ..recipes import DelayedScaling, Recipe
-from ..scaling import compute_scale
-from ..tensor import QuantizedTensor, _validate, quantize, quantize_with_transpose, tensor_amax
+from ..scaling import compute_scale, parse_granularity
+from ..tensor import QuantizedTensor, quantize, quantize_with_transpose, tensor_amax
 from .autocast import fp8_enabled, recipe_override
 from .linear import _BACKEND, FP8_STATE_KEYS, _knobs, _track_cache
 
@@ -330,7 +330,7 @@ def _quantize_rows(x: torch.Tensor, fmt: Any, granularity: Any, **kw: Any) -> Qu
     row_tiles = granularity == "mx" or (isinstance(granularity, tuple) and granularity[0] == 1)
     if not torch.compiler.is_compiling() or x.dim() != 2 or not row_tiles:  # whole rows: fused in the graph
         return quantize(x, fmt, granularity, **kw)
-    fmt, gran = _validate(x, fmt, granularity, kw.get("nonfinite", "raise"))
+    fmt, gran = get_format(fmt), parse_granularity(granularity)  # the op's quantize call validates them
     block = gran.block_shape(*x.shape)
     data, scales, amax = _QUANTIZE_ROWS(
         x,
