@@ -476,6 +476,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def init_eager_worker(rank: int, world: int, port: int):
+    """Join the gloo group of a spawned worker with eager kernels (bit-identical to the compiled ones,
+    test_kernels.py: no compile time in the workers); returns ``gather(obj) -> [obj of every rank]``."""
+    import torch.distributed as dist
+
+    from fp8kit.kernels import set_compile_enabled
+    from fp8kit.nn import set_quantize_backend
+
+    set_quantize_backend("eager")
+    set_compile_enabled(False)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+    def gather(obj):
+        objs = [None] * world
+        dist.all_gather_object(objs, obj)
+        return objs
+
+    return gather
+
+
 def run_spawned(fn, world: int, out: Path, timeout_s: float = SPAWN_TIMEOUT_S) -> None:
     """Run ``fn(rank, world, port, out)`` on ``world`` processes; a hang past ``timeout_s`` kills them and fails."""
     import torch.multiprocessing as mp

@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_distributed import run_spawned
+from test_distributed import init_eager_worker, run_spawned
 
 pytestmark = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
@@ -252,19 +252,7 @@ def _llama_tp_run(recipe: str, world: int) -> list[float]:
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from fp8kit.kernels import set_compile_enabled
-    from fp8kit.nn import set_quantize_backend
-
-    # eager kernels (bit-identical to the compiled ones, test_kernels.py): no compile time in the workers
-    set_quantize_backend("eager")
-    set_compile_enabled(False)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-
-    def gather(obj):
-        objs = [None] * world
-        dist.all_gather_object(objs, obj)
-        return objs
-
+    gather = init_eager_worker(rank, world, port)
     res = {recipe: _tp_run(recipe, rank, world, gather) for recipe in RECIPES}
     res["high_precision"] = _tp_run("delayed", rank, world, gather, fp8=False)
     res["no_sp"] = _tp_run("current", rank, world, gather, sequence_parallel=False)

@@ -138,6 +138,19 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --nproc N >= 2: shard parameters, gradients and optimizer state with FSDP2 instead of DDP",
     )
+    t.add_argument(
+        "--tp",
+        type=positive_int,
+        default=1,
+        help="tensor-parallel degree: --nproc N runs on an (N/T data-parallel) x T mesh; attention and MLP "
+        "projections split over T ranks with FP8 scales agreed over the mesh (needs --fsdp when N > T)",
+    )
+    t.add_argument(
+        "--ep",
+        type=positive_int,
+        default=1,
+        help="expert-parallel degree (--arch moe): experts placed across E ranks, tokens dispatched in FP8",
+    )
     add_overwrite(t, "files")
 
 
@@ -168,6 +181,8 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         master_weights=args.master_weights,
         nproc=args.nproc,
         fsdp=args.fsdp,
+        tp=args.tp,
+        ep=args.ep,
         **settings,
     )
 

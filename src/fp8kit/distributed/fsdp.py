@@ -155,6 +155,7 @@ class FP8GatherWeight(torch.Tensor):
             # The values are those the forward saw; keep the version counter (as FSDP2's own copy-out does), or
             # a compiled graph that saved the parameter for backward fails its in-place modification check.
             with torch.no_grad(), _preserve_version(out):
+                out = out.to_local() if hasattr(out, "to_local") else out  # FSDP2 x TP: the TP-local tensor
                 out.copy_(weight.view(out.shape) if out.numel() == weight.numel() else weight)
             return None
         return weight, (weight,)
@@ -192,13 +193,32 @@ def enable_fp8_all_gather(model: nn.Module, group: Any = None) -> list[str]:
             if _wrap_experts(m, world):
                 names.append(name)
             continue
-        if not (hasattr(m, "fold_amax_pending") and _per_tensor(m)) or m.weight.shape[0] % world:
+        if not (hasattr(m, "fold_amax_pending") and _per_tensor(m)) or _local_data(m.weight).shape[0] % world:
             continue
-        if not isinstance(m.weight.data, FP8GatherWeight):
-            m.weight = nn.Parameter(FP8GatherWeight(m.weight.data, m), requires_grad=m.weight.requires_grad)
+        if not isinstance(_local_data(m.weight), FP8GatherWeight):
+            m.weight = nn.Parameter(_wrap_for_gather(m.weight.data, m), requires_grad=m.weight.requires_grad)
         m._fp8_gather_scale = torch.ones((), device=m.weight.device)
         names.append(name)
     return names
+
+
+def _local_data(weight: torch.Tensor) -> torch.Tensor:
+    """The tensor FSDP2 shards: a tensor-parallel ``DTensor``'s local part, else the weight's data."""
+    data = weight.data
+    return data.to_local() if hasattr(data, "to_local") else data
+
+
+def _wrap_for_gather(data: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """``FP8GatherWeight`` around the weight, or inside a tensor-parallel ``DTensor`` (its local part: what FSDP2
+    shards and all-gathers over the data-parallel mesh)."""
+    if not hasattr(data, "to_local"):
+        return FP8GatherWeight(data, layer)
+    from torch.distributed.tensor import DTensor
+
+    local = FP8GatherWeight(data.to_local(), layer)
+    return DTensor.from_local(
+        local, data.device_mesh, data.placements, run_check=False, shape=data.shape, stride=data.stride()
+    )
 
 
 def _param_names(experts: nn.Module) -> tuple[str, str]:

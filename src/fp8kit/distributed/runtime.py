@@ -42,6 +42,9 @@ class DistContext:
     rank: int = 0
     world: int = 1
     fsdp: bool = False
+    tp: int = 1  # tensor-parallel ranks per group (``mesh.py``: the innermost mesh dim)
+    ep: int = 1  # expert-parallel ranks
+    mesh: Any = None  # the DeviceMesh when tp or ep > 1 (``mesh.build_mesh``)
 
     @property
     def active(self) -> bool:
@@ -51,12 +54,60 @@ class DistContext:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def sharded(self) -> bool:
+        """Whether parameters are DTensor shards (FSDP2, tensor or expert parallelism): memory is counted per rank."""
+        return self.fsdp or self.tp > 1 or self.ep > 1
+
+    def describe_mesh(self) -> dict[str, Any]:
+        """The run's mesh for its summary: ``{"shape": [...], "dim_names": [...], "fsdp": bool}``."""
+        from .mesh import MeshShape
+
+        return MeshShape(self.world, self.tp, self.ep, self.fsdp).describe()
+
     def shard(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's rows of a global batch (the batch size is a multiple of the world size)."""
+        """This rank's rows of a global batch (the batch size is a multiple of the data-parallel ranks; the
+        ``tp`` ranks of a tensor-parallel group, consecutive ranks, read the same rows)."""
         if not self.active:
             return x, y
-        per = x.shape[0] // self.world
-        return x[self.rank * per : (self.rank + 1) * per], y[self.rank * per : (self.rank + 1) * per]
+        data_world, data_rank = self.world // self.tp, self.rank // self.tp
+        per = x.shape[0] // data_world
+        return x[data_rank * per : (data_rank + 1) * per], y[data_rank * per : (data_rank + 1) * per]
+
+    @torch.no_grad()
+    def reduce_expert_parallel_grads(self, model: nn.Module) -> None:
+        """With ``ep`` > 1 (and one ``dp`` row: ``check_mesh``), after the step's last backward: the ``ep``
+        ranks read different tokens, so every parameter they all hold (embeddings, attention, router, norms;
+        TP shards included) gets the mean of their gradients (one flat all-reduce over the EP group), and an
+        expert parameter (a ``DTensor`` on the EP mesh, ``expert_parallel``), whose gradient already sums
+        every EP rank's tokens, is divided by ``ep``: the gradients of the global batch's mean loss."""
+        if self.mesh is None or self.ep == 1:
+            return
+        from .fsdp import _shard
+
+        ep_mesh = self.mesh["ep"]
+        shared, experts = [], []
+        for p in model.parameters():
+            if p.grad is None:
+                continue
+            mesh = getattr(p, "device_mesh", None)
+            (experts if mesh is not None and "ep" in (mesh.mesh_dim_names or ()) else shared).append(_shard(p.grad))
+        for g in experts:
+            g.div_(self.ep)
+        if shared:
+            flat = torch.cat([g.reshape(-1).float() for g in shared])
+            dist.all_reduce(flat, group=ep_mesh.get_group())
+            flat.div_(self.ep)
+            for g, part in zip(shared, flat.split([g.numel() for g in shared]), strict=True):
+                g.copy_(part.view_as(g))
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_``, or for parameters on a 2-D mesh ``mesh.clip_grad_norm_``."""
+        if self.mesh is not None:
+            from .mesh import clip_grad_norm_
+
+            return clip_grad_norm_(model.parameters(), max_norm)
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
     def mean(self, value: float) -> float:
         """Mean of a float over the ranks (the global mean loss when shards are equal in size)."""
@@ -71,6 +122,10 @@ class DistContext:
         steps (the DDP wrapper, or ``model`` itself, sharded in place by FSDP2)."""
         if not self.active:
             return model
+        if self.mesh is not None:  # tensor / expert parallelism (and FSDP2 over "dp"): mesh.py
+            from .mesh import parallelize_model
+
+            return parallelize_model(model, self.mesh, fsdp=self.fsdp)
         enable_fp8_distributed(model)
         if self.fsdp:
             return shard_model(model, fp8_all_gather=True)
@@ -112,15 +167,20 @@ class DistContext:
 _CURRENT: list[DistContext] = []
 
 
-def context_from_env(fsdp: bool = False) -> DistContext:
+def context_from_env(fsdp: bool = False, tp: int = 1, ep: int = 1) -> DistContext:
     """The context of this process; under ``torchrun`` joins the process group (gloo: ``fp8kit train``
-    computes on the CPU). The context becomes ``current_context()``."""
+    computes on the CPU) and, with ``tp`` or ``ep`` > 1, builds the run's ``DeviceMesh`` (``mesh.py``).
+    The context becomes ``current_context()``."""
     if not in_torchrun():
         ctx = DistContext()
     else:
         if not dist.is_initialized():
             dist.init_process_group("gloo")
-        ctx = DistContext(dist.get_rank(), dist.get_world_size(), fsdp)
+        ctx = DistContext(dist.get_rank(), dist.get_world_size(), fsdp, tp, ep)
+        if tp * ep > 1:
+            from .mesh import build_mesh, check_mesh
+
+            ctx.mesh = build_mesh(check_mesh(ctx.world, tp, ep, fsdp))
     _CURRENT[:] = [ctx]
     return ctx
 
@@ -135,9 +195,17 @@ def planned_world_size(nproc: int) -> int:
     return int(os.environ["WORLD_SIZE"]) if in_torchrun() else nproc
 
 
-def check_parallel_settings(batch_size: int, world: int, fsdp: bool, optimizer: str = "adamw") -> None:
+def check_parallel_settings(
+    batch_size: int, world: int, fsdp: bool, optimizer: str = "adamw", tp: int = 1, ep: int = 1
+) -> None:
     """One-line ``ValueError`` for settings a run on ``world`` processes cannot take (every ``optimizer``
-    works with DDP and FSDP2: ``fp8kit.optim.AdamW`` keeps sharded state for FSDP2's DTensor parameters)."""
+    works with DDP and FSDP2: ``fp8kit.optim.AdamW`` keeps sharded state for FSDP2's DTensor parameters);
+    with ``tp`` or ``ep`` > 1 the mesh's factorisation (``mesh.check_mesh``)."""
+    if tp * ep > 1:
+        from .mesh import check_mesh
+
+        check_mesh(world, tp, ep, fsdp, batch_size)
+        return
     if fsdp and world < 2:
         raise ValueError("--fsdp shards the model over several processes: add --nproc N with N >= 2")
     if world > batch_size:
@@ -152,30 +220,33 @@ def check_parallel_settings(batch_size: int, world: int, fsdp: bool, optimizer: 
         )
 
 
-def shard_model(model: nn.Module, fp8_all_gather: bool = False) -> nn.Module:
+def shard_model(model: nn.Module, fp8_all_gather: bool = False, mesh: Any = None, scale_group: Any = None) -> nn.Module:
     """FSDP2 (``fully_shard``) each MoE experts module, each block (every item of an ``nn.ModuleList``), then
     the root; with ``fp8_all_gather`` the weights of per-tensor FP8 layers are all-gathered in FP8
     (``fsdp.py``). An experts module is its own FSDP2 unit (its all-gather, the bulk of an MoE block's
-    bytes, is issued on its own), sharded along the experts, or along dim 1 with fewer experts than ranks."""
+    bytes, is issued on its own), sharded along the experts, or along dim 1 with fewer experts than ranks.
+    ``mesh``: the 1-D data-parallel mesh to shard over (default: the world; ``mesh.py`` passes ``mesh["dp"]``
+    of a 2-D mesh); ``scale_group``: the ranks whose amaxes the scaling sync reduces (default: the world)."""
     from torch.distributed.fsdp import fully_shard
 
     from ..nn.experts import is_experts_module
     from .fsdp import enable_fp8_all_gather, experts_shard_placement, register_fp8_gather_hook
 
     if fp8_all_gather:
-        enable_fp8_all_gather(model)
-    world = dist.get_world_size()
+        enable_fp8_all_gather(model, None if mesh is None else mesh.get_group())
+    world = dist.get_world_size() if mesh is None else mesh.size()
     for module in list(model.modules()):
         if is_experts_module(module):
             by_experts = all(p.shape[0] >= world for p in module.parameters())  # FSDP2's default Shard(0)
-            fully_shard(module, **({} if by_experts else {"shard_placement_fn": experts_shard_placement(world)}))
+            placement = {} if by_experts else {"shard_placement_fn": experts_shard_placement(world)}
+            fully_shard(module, mesh=mesh, **placement)
     for module in list(model.modules()):
         if isinstance(module, nn.ModuleList):
             for block in module:
-                fully_shard(block)
-    fully_shard(model)
+                fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     if fp8_all_gather:
-        register_fp8_gather_hook(model)
+        register_fp8_gather_hook(model, scale_group)
     return model
 
 

@@ -226,6 +226,7 @@ class TensorParallelLinear(Linear):
         self, style: str, mesh: DeviceMesh, input_layout: Placement, output_layout: Placement, fp8_all_gather: bool
     ) -> None:
         self.tp_style, self.tp_group = style, mesh.get_group()
+        self.tp_amax_group = self.tp_group  # ranks whose amaxes a split operand's scale covers (mesh.py: all)
         self.tp_input, self.tp_output, self.tp_fp8_all_gather = input_layout, output_layout, fp8_all_gather
         # per-tensor roles whose operand is split over the TP group (the others are whole on every rank)
         self.tp_split_roles = ("weight", "grad") if style == "colwise" else ("weight", "input")
@@ -255,7 +256,7 @@ class TensorParallelLinear(Linear):
             scale = self.fp8_scale[i]
             amax = tensor_amax(x) if self.training else None  # local amax: MAX-reduced by the step's sync
         else:
-            amax = _amax_over(x, self.tp_group)
+            amax = _amax_over(x, self.tp_amax_group)
             if delayed:
                 scale = compute_scale(amax, fmt, recipe.margin, previous=1.0)
             else:

@@ -166,6 +166,7 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
     tensors = read_tensors(path)
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and _matches(n, m, targets)]
     names = [n for n in names if not _matches(n, model.get_submodule(n), ignore)]
+
     def build(name: str, lin: nn.Linear) -> QuantLinear:
         q = QuantLinear(lin.in_features, lin.out_features, lin.bias is not None, scheme)
         if fmt == "pack-quantized":

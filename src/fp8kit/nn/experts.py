@@ -103,7 +103,10 @@ def _first_weight(module: nn.Module) -> nn.Parameter:
 def experts_why_not(module: nn.Module, multiple: int = 16) -> str | None:
     """Reason an experts module cannot run in FP8 (or ``None``)."""
     if getattr(module, "_is_expert_parallel", False):
-        return "expert-parallel experts (sharded routing with sentinel ids) are not supported by fp8kit yet"
+        return (
+            "transformers' own expert parallelism (sharded routing with sentinel ids) is not supported; load the "
+            "model without it and use fp8kit.distributed.expert_parallel.parallelize_experts"
+        )
     dims = {*_first_weight(module).shape[1:], *module.down_proj.shape[1:]}
     if any(d % multiple for d in dims):
         return f"expert dims {sorted(dims)} are not multiples of {multiple} (FP8 tensor cores need them)"
@@ -112,6 +115,10 @@ def experts_why_not(module: nn.Module, multiple: int = 16) -> str | None:
 
 class FP8Experts:
     """Mixin that ``convert_experts`` puts in front of an experts module's class (see the module doc)."""
+
+    # state slots (``fp8_scale[p, slots]`` ...) of this module's expert weights; expert parallelism
+    # (``fp8kit.distributed.expert_parallel``) narrows it to the slots of the experts a rank holds
+    fp8_weight_slots = slice(2, None)
 
     def _init_fp8(self, recipe: Recipe, save_fp8_activations: bool, name: str) -> None:
         if not isinstance(recipe, Recipe):
@@ -231,10 +238,11 @@ class FP8Experts:
             if isinstance(recipe, DelayedScaling) and recipe is self.recipe:
                 amax = w.abs().amax(dim=(1, 2)).float()
                 fresh = compute_scale(amax, fmt, recipe.margin, previous=1.0)
-                scale = torch.where(self.fp8_seen[p, 2:] > 0, self.fp8_scale[p, 2:], fresh)
+                slots = self.fp8_weight_slots
+                scale = torch.where(self.fp8_seen[p, slots] > 0, self.fp8_scale[p, slots], fresh)
                 wq = quantize_experts(w, fmt, "tensor", scale=scale, backend=backend)
                 if self.training:
-                    self._record_amax(p, slice(2, None), amax)
+                    self._record_amax(p, slots, amax)
             else:
                 gran = "tensor" if recipe.per_tensor else recipe.granularity_for("weight")
                 wq = quantize_experts(w, fmt, gran, backend=backend, **_knobs(recipe))
@@ -592,7 +600,10 @@ def fp8_experts_forward(
     if not isinstance(self, FP8Experts) or not fp8_enabled():
         return _fallback_forward(self)(self, hidden_states, top_k_index, top_k_weights)
     if getattr(self, "_is_expert_parallel", False):
-        raise NotImplementedError(f"{self.fp8_name}: fp8kit experts do not support expert parallelism yet")
+        raise NotImplementedError(
+            f"{self.fp8_name}: transformers' own expert parallelism is not supported by fp8kit experts; use "
+            "fp8kit.distributed.expert_parallel.parallelize_experts"
+        )
     recipe = self.active_recipe()
     plan: list[Any] = []
 

@@ -213,9 +213,10 @@ class AdamW(torch.optim.Optimizer):
         for j, (*_, info) in enumerate(live):
             if info.sharded:
                 by_group.setdefault(info.group, []).append(j)
-        for pg, idx in by_group.items():
+        for pgs, idx in by_group.items():
             sub = flags[idx]
-            torch.distributed.all_reduce(sub, op=torch.distributed.ReduceOp.MIN, group=pg)
+            for pg in pgs if isinstance(pgs, tuple) else (pgs,):  # several mesh dims: MIN over each in turn
+                torch.distributed.all_reduce(sub, op=torch.distributed.ReduceOp.MIN, group=pg)
             flags[idx] = sub
         return [bool(f) for f in flags.tolist()]
 

@@ -62,7 +62,8 @@ class ShardInfo:
     ``numel``: elements of the local part; ``padded``: elements the state covers (equal on all ranks);
     ``shards``: ranks the parameter is split over (1: not sharded); ``coord``: this rank's shard index;
     ``mesh``/``placements``: the DTensor layout the state takes (None when not sharded); ``group``: the
-    process group of the sharded mesh dimension (for decisions all shards must share).
+    process group of the sharded mesh dimension, or a tuple of them when several mesh dims split the
+    parameter (for decisions all shards must share).
     """
 
     numel: int
@@ -78,35 +79,57 @@ class ShardInfo:
         return self.shards > 1
 
 
+def _sharded_dim(pl: Any) -> int | None:
+    """The tensor dim a placement shards (``Shard`` or FSDP2-over-TP's ``_StridedShard``), else None."""
+    if pl.is_replicate():
+        return None
+    dim = getattr(pl, "dim", None)
+    if isinstance(dim, int) and (pl.is_shard() or type(pl).__name__ == "_StridedShard"):
+        return dim
+    return -1  # Partial and others: not a parameter layout
+
+
 def shard_info(p: torch.Tensor, name: str = "parameter") -> ShardInfo:
-    """Layout of ``p``'s state; ``TypeError`` for DTensor placements other than FSDP2's (``Shard(0)``/``Replicate``)."""
+    """Layout of ``p``'s state; ``TypeError`` for DTensor placements other than ``Shard``/``Replicate``.
+
+    FSDP2's ``Shard(0)`` (and HSDP's ``(Replicate(), Shard(0))``), tensor parallelism's ``Shard(d)`` and FSDP2
+    x TP's 2-D layouts: the state of a parameter split over several mesh dims covers this rank's block,
+    padded to ``prod(ceil(size_d / ranks splitting d))`` elements, and is laid out ``Shard(0)`` on each of
+    those mesh dims (``shards``: their product; ``coord``: this rank's index among them, row-major)."""
     cls = dtensor_class()
     if cls is None or not isinstance(p, cls):
         return ShardInfo(numel=p.numel(), padded=p.numel())
     placements = tuple(p.placements)
-    shard_dims = [i for i, pl in enumerate(placements) if pl.is_shard()]
-    ok = all(pl.is_replicate() or pl.is_shard(0) for pl in placements) and len(shard_dims) <= 1
-    if not ok:
+    dims = [_sharded_dim(pl) for pl in placements]
+    if any(d is not None and (d < 0 or d >= max(p.dim(), 1)) for d in dims):
         raise TypeError(
-            f"fp8kit.optim.AdamW: {name} is a DTensor placed {placements}; only FSDP2's Shard(0) (optionally "
-            "with Replicate mesh dims) or fully replicated parameters are supported; use torch.optim.AdamW"
+            f"fp8kit.optim.AdamW: {name} is a DTensor placed {placements}; only Shard and Replicate placements "
+            "(FSDP2, tensor parallelism, or both) are supported; use torch.optim.AdamW"
         )
     local = p.to_local()
-    if not shard_dims:
-        return ShardInfo(numel=local.numel(), padded=local.numel())
-    dim = shard_dims[0]
     mesh = p.device_mesh
-    shards = mesh.size(dim)
-    inner = math.prod(p.shape[1:])
-    padded = math.ceil(p.shape[0] / shards) * inner if p.dim() > 0 else local.numel()
+    split = [i for i, d in enumerate(dims) if d is not None]
+    if not split:
+        return ShardInfo(numel=local.numel(), padded=local.numel())
+    ranks_per_dim = [1] * max(p.dim(), 1)
+    shards, coord = 1, 0
+    for i in split:
+        ranks_per_dim[dims[i]] *= mesh.size(i)
+        shards *= mesh.size(i)
+        coord = coord * mesh.size(i) + mesh.get_local_rank(i)
+    padded = math.prod(math.ceil(size / r) for size, r in zip(p.shape, ranks_per_dim, strict=True)) if p.dim() else 1
+    from torch.distributed.tensor import Shard
+
+    state_placements = tuple(Shard(0) if d is not None else pl for d, pl in zip(dims, placements, strict=True))
+    groups = tuple(mesh.get_group(i) for i in split)
     return ShardInfo(
         numel=local.numel(),
         padded=padded,
         shards=shards,
-        coord=mesh.get_local_rank(dim),
+        coord=coord,
         mesh=mesh,
-        placements=placements,
-        group=mesh.get_group(dim),
+        placements=state_placements,
+        group=groups[0] if len(groups) == 1 else groups,
     )
 
 

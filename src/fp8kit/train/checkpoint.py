@@ -8,8 +8,11 @@ Layout of a run's checkpoint folder::
 
 A run on several processes (``fp8kit train --nproc N``) writes, instead of ``optimizer.safetensors``, a
 ``dcp/`` folder through ``torch.distributed.checkpoint`` (DCP): model, FP8 scaling state and optimizer,
-each rank writing its shards. DCP checkpoints load on any number of ranks (resharding), and in one
-process; ``model.safetensors`` (the full model, written by rank 0) stays the single-file export.
+each rank writing its shards. DCP checkpoints load on any number of ranks and any mesh shape (resharding:
+saved on a 2x2 ``dp x tp`` mesh, loaded on 4x1 or 1x4), and in one process; ``model.safetensors`` (the
+full model, written by rank 0) stays the single-file export. The exception is ``fp8kit.optim.AdamW``'s
+sharded FP8 state (blocks of each rank's padded shard): it loads on the mesh shape that saved it only
+(the checkpoint records it as ``optimizer_mesh``).
 
 A checkpoint becomes visible only by ``os.replace`` of a complete folder, then of ``latest``; a process
 killed at any point leaves the previous checkpoint intact and loadable.
@@ -246,9 +249,13 @@ def save_distributed_checkpoint(
     dcp.save(state, checkpoint_id=str(tmp / "dcp"))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     extra: dict[str, Any] = {"world_size": world, "dcp": True}
+    mesh = _mesh_layout(model)
+    if mesh is not None:
+        extra["mesh"] = mesh
     shards = optimizer.state_shards() if hasattr(optimizer, "state_shards") else 1
-    if shards > 1:  # fp8kit.optim.AdamW under FSDP2: per-rank FP8 blocks, no resharding
+    if shards > 1:  # fp8kit.optim.AdamW under FSDP2 / TP: per-rank FP8 blocks, no resharding
         extra["optimizer_shards"] = shards
+        extra["optimizer_mesh"] = mesh
     if rank == 0:
         _write_model_file(tmp / "model.safetensors", full, step, {**info, **extra})
     _barrier()
@@ -279,7 +286,7 @@ def load_distributed_checkpoint(
     if not is_distributed_checkpoint(path):
         raise CheckpointError(f"checkpoint {path} has no DCP shards (dcp/.metadata missing)")
     if optimizer is not None:
-        check_optimizer_shards(path, info, _dist_world()[1])
+        check_optimizer_shards(path, info, _dist_world()[1], _mesh_layout(model))
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     else:
@@ -323,21 +330,41 @@ def load_run_checkpoint(
     return load_checkpoint(path, model, optimizer, expect)
 
 
-def check_optimizer_shards(path: str | Path, info: dict[str, Any], world: int) -> None:
+def _mesh_layout(model: torch.nn.Module) -> dict[str, list] | None:
+    """The largest mesh ``model``'s parameters are laid out on, as ``mesh.mesh_layout`` (None: no DTensor)."""
+    from ..distributed.mesh import mesh_layout, mesh_of
+
+    mesh = mesh_of(model)
+    return None if mesh is None else mesh_layout(mesh)
+
+
+def _layout_text(layout: dict[str, list]) -> str:
+    return "x".join(map(str, layout["shape"])) + f" ({' x '.join(layout['dim_names'])}) mesh"
+
+
+def check_optimizer_shards(
+    path: str | Path, info: dict[str, Any], world: int, mesh: dict[str, list] | None = None
+) -> None:
     """Refuse to load the optimizer state of a checkpoint whose ``fp8kit.optim.AdamW`` state is sharded
-    (FSDP2) over another number of ranks than ``world``: its per-rank FP8 blocks are not resharded."""
+    (FSDP2, TP, EP) over another number of ranks than ``world``, or another mesh layout than ``mesh``
+    (``mesh.mesh_layout``, when known): its per-rank FP8 blocks are not resharded."""
     shards = info.get("optimizer_shards", 1)
-    if shards > 1 and world != shards:
+    saved = info.get("optimizer_mesh")
+    if shards > 1 and (world != shards or (mesh is not None and saved is not None and mesh != saved)):
+        plain = saved is None or saved["dim_names"] == ["dp"]  # 1-D FSDP2: the message of issue 13
+        target = f"{world} ranks" + (f" ({_layout_text(mesh)})" if mesh else "")
+        fix = f"--nproc {shards} --fsdp" if plain else f"--nproc {shards} on the same {_layout_text(saved)}"
         raise CheckpointError(
-            f"--resume: checkpoint {path} holds fp8kit.optim.AdamW state sharded over {shards} ranks (FSDP2), which "
-            f"cannot be resharded to {world}; resume it with --nproc {shards} --fsdp"
+            f"--resume: checkpoint {path} holds fp8kit.optim.AdamW state sharded over {shards} ranks "
+            f"({'FSDP2' if plain else _layout_text(saved)}), which cannot be resharded to {target}; resume it with "
+            f"{fix}, or use --optimizer adamw, whose state reshards"
         )
 
 
-def check_world_size(path: str | Path, info: dict[str, Any], world: int) -> None:
+def check_world_size(path: str | Path, info: dict[str, Any], world: int, mesh: dict[str, list] | None = None) -> None:
     """Refuse to resume a single-process checkpoint (no DCP shards) on ``world > 1`` processes, or
-    sharded FP8 optimizer state on another number of ranks (``check_optimizer_shards``)."""
-    check_optimizer_shards(path, info, world)
+    sharded FP8 optimizer state on another number of ranks or mesh shape (``check_optimizer_shards``)."""
+    check_optimizer_shards(path, info, world, mesh)
     if world > 1 and not is_distributed_checkpoint(path):
         written = info.get("world_size", 1)
         raise CheckpointError(

@@ -70,6 +70,8 @@ class TrainConfig:
     master_weights: str = "fp32"  # FP8 runs: fp32 parameters, or bf16 ones (needs fp8-adamw)
     nproc: int = 1  # processes (torchrun); batch_size stays the global batch, split across them
     fsdp: bool = False  # with nproc > 1: shard the model with FSDP2 instead of replicating it (DDP)
+    tp: int = 1  # tensor-parallel degree: nproc = data-parallel x ep x tp (distributed/mesh.py)
+    ep: int = 1  # expert-parallel degree (--arch moe)
 
 
 def parse_recipes(spec: str) -> list[str]:
@@ -242,9 +244,10 @@ def train_run(
                     loss.backward()
                 total += loss.item()
             total = dctx.mean(total)  # the global batch's loss (equal shards: the mean of the ranks')
+            dctx.reduce_expert_parallel_grads(model)  # --ep: the EP ranks' gradients (no DDP/FSDP2 over them)
             if not math.isfinite(total):
                 raise FloatingPointError(f"{run}: loss became {total} at step {step}; lower --lr")
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            dctx.clip_grad_norm_(model, 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
             dt = time.perf_counter() - t0
@@ -283,7 +286,7 @@ def train_run(
         final = evaluate_with_routing(model, val, router)
     val_loss = final["val_loss"]
     x, _ = corpus.batch("train", 0, cfg.batch_size, cfg.seq_len, cfg.seed)
-    mem = memory_bytes(model, opt, x) if not dctx.fsdp else sharded_memory_bytes(model, opt, x)  # FSDP2: per rank
+    mem = memory_bytes(model, opt, x) if not dctx.sharded else sharded_memory_bytes(model, opt, x)  # per rank
     return {
         "train_loss": sum(r["loss"] for r in last) / max(len(last), 1),
         "val_loss": val_loss,
@@ -320,7 +323,7 @@ def run_comparison(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.nproc > 1 and not in_torchrun():
         raise ValueError(f"nproc={cfg.nproc} needs torchrun: run `fp8kit train --nproc {cfg.nproc}` (it launches it)")
     names = run_names(cfg)
-    dctx = context_from_env(cfg.fsdp)  # under torchrun: joins the process group
+    dctx = context_from_env(cfg.fsdp, cfg.tp, cfg.ep)  # under torchrun: joins the process group (and the mesh)
     base, tokenizer = build_base(cfg)
     corpus = load_corpus(cfg.text, tokenizer)
     corpus.check_fits(cfg.seq_len)
@@ -345,6 +348,7 @@ def run_comparison(cfg: TrainConfig) -> dict[str, Any]:
         "params": sum(p.numel() for p in base.parameters()),
         "unigram_entropy": unigram_entropy(corpus.train),
         "config": asdict(cfg),
+        "mesh": dctx.describe_mesh(),  # shape and dim names of the process mesh (dp, ep, tp)
     }
     if dctx.is_main:
         write_reports(out, summary, log.read())
@@ -377,9 +381,36 @@ def check_config(cfg: TrainConfig) -> None:
         )
     if cfg.master_weights == "bf16" and cfg.optimizer != "fp8-adamw":
         raise ValueError("--master-weights bf16 needs --optimizer fp8-adamw (torch AdamW rounds BF16 updates away)")
-    check_parallel_settings(cfg.batch_size, planned_world_size(cfg.nproc), cfg.fsdp, cfg.optimizer)
+    check_parallel_settings(cfg.batch_size, planned_world_size(cfg.nproc), cfg.fsdp, cfg.optimizer, cfg.tp, cfg.ep)
+    check_model_parallel(cfg)
     if cfg.resume:
         check_resumable(Path(cfg.out), run_names(cfg), cfg)
+
+
+def check_model_parallel(cfg: TrainConfig) -> None:
+    """``--tp`` / ``--ep`` against the model, without building it: the demo sizes split evenly over ``--tp``
+    (heads, MLP width, every recipe's scaling tiles), ``--ep`` needs the MoE demo with experts that split
+    evenly, and fp8kit's expert parallelism. A pretrained model's sizes are checked when it is laid out."""
+    if cfg.tp > 1 and cfg.model == "demo":
+        from ..distributed.mesh import check_tp_model
+        from ..models.llama import MODEL_SIZES
+
+        hidden, _, heads, inter = MODEL_SIZES[cfg.model_size]
+        check_tp_model(cfg.tp, heads, heads, hidden, inter if cfg.arch == "dense" else hidden, cfg.recipes)
+    if cfg.ep > 1:
+        import importlib.util
+
+        from ..models.llama import MOE_EXPERTS
+
+        if cfg.arch != "moe":
+            raise ValueError(f"--ep {cfg.ep} places MoE experts across ranks: add --arch moe")
+        if MOE_EXPERTS % cfg.ep:
+            raise ValueError(f"--ep {cfg.ep} does not divide the {MOE_EXPERTS} experts: choose a --ep that divides it")
+        if importlib.util.find_spec("fp8kit.distributed.expert_parallel") is None:
+            raise ValueError(
+                "--ep: expert parallelism (fp8kit.distributed.expert_parallel) is not in this build of fp8kit; "
+                "run without --ep"
+            )
 
 
 def check_resumable(out: Path, names: list[str], cfg: TrainConfig) -> None:
@@ -389,12 +420,17 @@ def check_resumable(out: Path, names: list[str], cfg: TrainConfig) -> None:
 
     if not (out / "config.json").is_file():
         raise CheckpointError(f"--resume: {out} holds no fp8kit training run (config.json missing)")
+    from ..distributed.mesh import MeshShape
+
+    world = planned_world_size(cfg.nproc)
+    planned = MeshShape(world, cfg.tp, cfg.ep, cfg.fsdp)
+    mesh = planned.layout() if cfg.tp * cfg.ep > 1 or cfg.fsdp else None  # the parameters' mesh (DDP: none)
     for run in names:
         path = latest_checkpoint(out / "ckpt" / run)
         if path is None:
             continue
         info = read_info(path)
-        check_world_size(path, info, planned_world_size(cfg.nproc))
+        check_world_size(path, info, world, mesh)
         want = {"run": run, "model_size": cfg.model_size, "model": cfg.model, "arch": cfg.arch, "seed": cfg.seed}
         for key, val in want.items():
             if info.get(key, {"model": "demo", "arch": "dense"}.get(key)) != val:

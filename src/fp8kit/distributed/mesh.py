@@ -1,0 +1,288 @@
+"""The device mesh of a run on several processes: its shape, its validation, and the model laid out on it.
+
+One mesh per run, dims named ``("dp", "ep", "tp")`` (size-1 ``ep`` / ``tp`` dims are left out; ``dp`` is
+always there): ``nproc = dp x ep x tp``, ranks ordered row-major (``tp`` innermost, so a TP group is
+consecutive ranks, on one machine when ``tp`` divides the processes per machine).
+
+* ``tp``: tensor parallelism (``tensor_parallel.py``) of the attention and MLP projections; the ``tp``
+  ranks of a group read the same batch.
+* ``ep``: expert parallelism of MoE experts (``expert_parallel.parallelize_experts``); ``dp x ep`` ranks
+  read distinct batch shards. For now with one ``dp`` row and no FSDP2: the parameters all EP ranks hold
+  are averaged by ``DistContext.reduce_expert_parallel_grads`` (one flat all-reduce per step).
+* ``dp``: data parallelism: FSDP2 (``fully_shard`` on ``mesh["dp"]``, FP8 weight all-gather on that dim)
+  with ``fsdp``, else DDP (refused together with ``tp``: shard with ``--fsdp`` instead).
+
+``check_mesh`` refuses a factorisation the run cannot take (one line naming the fix) before any process
+or model exists; ``build_mesh`` makes the ``DeviceMesh`` in each worker; ``parallelize_model`` applies
+TP, synchronized FP8 scaling and FSDP2 in that order.
+
+**Identical scales on every rank.** Delayed scaling's one ``sync_scaling`` all-reduce per step and the
+FP8 weight all-gather's amax all-reduce run over the whole world (every mesh dim), and the per-tensor
+amaxes of TP-sharded operands (weights, column-parallel gradients, row-parallel inputs) are reduced over
+the whole mesh too (``tp_amax_group``): a weight spans both ``dp`` (FSDP2 shards) and ``tp``, and the
+other operands differ between ``dp`` ranks (different tokens), so a TP-group-only MAX would leave the
+``dp`` ranks with different scales.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+__all__ = [
+    "MeshShape",
+    "build_mesh",
+    "check_mesh",
+    "check_tp_model",
+    "clip_grad_norm_",
+    "llama_tp_plan",
+    "mesh_layout",
+    "mesh_of",
+    "parallelize_model",
+]
+
+DIM_NAMES = ("dp", "ep", "tp")
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """A run's factorisation ``nproc = dp x ep x tp`` (``check_mesh`` validates it)."""
+
+    nproc: int
+    tp: int = 1
+    ep: int = 1
+    fsdp: bool = False
+
+    @property
+    def dp(self) -> int:
+        return self.nproc // (self.tp * self.ep)
+
+    @property
+    def dim_names(self) -> tuple[str, ...]:
+        """The mesh's dims: ``dp`` always, ``ep`` and ``tp`` when larger than 1."""
+        return tuple(n for n in DIM_NAMES if n == "dp" or getattr(self, n) > 1)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, n) for n in self.dim_names)
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that read distinct batch shards (``dp x ep``; the ranks of a TP group share theirs)."""
+        return self.dp * self.ep
+
+    def layout(self) -> dict[str, list]:
+        """The parameters' mesh as checkpoints record it (``mesh_layout``)."""
+        return _squeezed(self.shape, self.dim_names)
+
+    def describe(self) -> dict[str, Any]:
+        """The mesh as the run summary records it: ``{"shape": [...], "dim_names": [...], "fsdp": bool}``."""
+        return {"shape": list(self.shape), "dim_names": list(self.dim_names), "fsdp": self.fsdp}
+
+
+def check_mesh(nproc: int, tp: int = 1, ep: int = 1, fsdp: bool = False, batch_size: int | None = None) -> MeshShape:
+    """The ``MeshShape`` of ``nproc`` processes with ``tp``-way tensor and ``ep``-way expert parallelism, or a
+    one-line ``ValueError`` naming the fix. Needs no process group (``fp8kit train`` calls it before launching)."""
+    for flag, val in (("--nproc", nproc), ("--tp", tp), ("--ep", ep)):
+        if not isinstance(val, int) or val < 1:
+            raise ValueError(f"{flag} must be a positive integer, got {val!r}")
+    inner = tp * ep
+    if nproc % inner:
+        fit = max(inner, nproc // inner * inner)
+        raise ValueError(
+            f"--nproc {nproc} does not factor as data-parallel x --ep {ep} x --tp {tp}: give --nproc a multiple of "
+            f"{inner} (e.g. --nproc {fit}) or a --tp/--ep whose product divides {nproc}"
+        )
+    shape = MeshShape(nproc, tp, ep, fsdp)
+    if ep > 1 and (shape.dp > 1 or fsdp):
+        raise ValueError(
+            f"--ep {ep} runs on --nproc = --ep x --tp = {inner} processes without --fsdp for now (data-parallel rows "
+            f"or FSDP2 over the EP ranks are not supported yet): use --nproc {inner} and no --fsdp"
+        )
+    if fsdp and shape.dp < 2:
+        raise ValueError(
+            "--fsdp shards over the data-parallel ranks, and "
+            + (f"--nproc {nproc} / (--tp {tp} x --ep {ep}) leaves one" if inner > 1 else "--nproc 1 has one")
+            + f": drop --fsdp or use --nproc {2 * inner}"
+        )
+    if tp > 1 and shape.dp > 1 and not fsdp:
+        raise ValueError(
+            f"--tp {tp} on --nproc {nproc} leaves {shape.dp} data-parallel replicas, which fp8kit shards with FSDP2 "
+            "only (no DDP x TP): add --fsdp, or use --nproc equal to --tp"
+        )
+    if batch_size is not None and batch_size % shape.data_parallel:
+        raise ValueError(
+            f"--batch-size {batch_size} (the global batch) does not split evenly over the {shape.data_parallel} "
+            f"data-parallel ranks (--nproc {nproc} / --tp {tp}): give a multiple of {shape.data_parallel}"
+        )
+    return shape
+
+
+def check_tp_model(tp: int, heads: int, kv_heads: int, hidden: int, intermediate: int, recipes: list[str]) -> None:
+    """Refuse (one-line ``ValueError``) a ``tp`` the Llama plan (``llama_tp_plan``) cannot split: heads, KV
+    heads and the MLP width must divide evenly, and every recipe's scaling tiles must stay within a shard
+    (``tensor_parallel.check_tensor_parallel_layout``'s rule, checked here without building the model)."""
+    if tp == 1:
+        return
+    from ..recipes import recipe_from_name
+
+    for what, size in (("attention heads", heads), ("key/value heads", kv_heads), ("intermediate size", intermediate)):
+        if size % tp:
+            raise ValueError(f"--tp {tp} does not divide the model's {size} {what}: choose a --tp that divides {size}")
+    for name in recipes:
+        recipe = recipe_from_name(name)
+        if recipe.kind == "rowwise":
+            raise ValueError(
+                f"--tp {tp}: the rowwise recipe's scales span the features tensor parallelism splits; use the "
+                "delayed, current, block or mxfp8 recipe"
+            )
+        tile = {"block": getattr(recipe, "block_size", 0), "mxfp8": 32}.get(recipe.kind)
+        for size in (hidden, intermediate):
+            if tile and (size // tp) % tile:
+                raise ValueError(
+                    f"--tp {tp}: each rank would hold {size // tp} of {size} features, which splits the {name} "
+                    f"recipe's {tile}-wide scaling tiles; choose a --tp that leaves a multiple of {tile} per rank"
+                )
+
+
+def build_mesh(shape: MeshShape, device_type: str = "cpu") -> Any:
+    """The ``DeviceMesh`` of ``shape`` (collective: every rank calls it, after the process group is up)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, shape.shape, mesh_dim_names=shape.dim_names)
+
+
+def llama_tp_plan(block: nn.Module) -> dict[str, Any]:
+    """The TP plan of one Llama-style decoder layer (``transformers`` names): q/k/v and gate/up column-wise
+    (each rank its heads / MLP columns), o and down row-wise (all-reduce of the output, in high precision).
+    ``fp8kit.nn.Linear`` layers get the FP8 styles, other linears (a BF16 baseline's) torch's own. Only the
+    projections ``block`` has are planned (an MoE layer's experts are left to EP)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from ..nn.linear import Linear
+    from .tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    colwise = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+    rowwise = ("self_attn.o_proj", "mlp.down_proj")
+    modules = dict(block.named_modules())
+    plan: dict[str, Any] = {}
+    for name in colwise + rowwise:
+        if name in modules:
+            fp8 = type(modules[name]) is Linear
+            if name in colwise:
+                plan[name] = Float8ColwiseParallel() if fp8 else ColwiseParallel()
+            else:
+                plan[name] = Float8RowwiseParallel() if fp8 else RowwiseParallel()
+    return plan
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    for name in ("model.layers", "layers", "transformer.h"):
+        try:
+            layers = model.get_submodule(name)
+        except AttributeError:
+            continue
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise ValueError(
+        f"tensor parallelism: no decoder layers found in {type(model).__name__} (looked for model.layers); "
+        "apply fp8kit.distributed.tensor_parallel styles with parallelize_module yourself"
+    )
+
+
+def _mesh_group(mesh: Any) -> Any:
+    """The process group of all ranks of ``mesh`` (None, the default group, when it spans the world)."""
+    import torch.distributed as dist
+
+    ranks = mesh.mesh.flatten().tolist()
+    return None if len(ranks) == dist.get_world_size() else dist.new_group(ranks)
+
+
+def parallelize_model(model: nn.Module, mesh: Any, fsdp: bool = False, fp8_all_gather: bool = True) -> nn.Module:
+    """Lay an FP8-converted Llama-style model out on ``mesh`` (``build_mesh``), in place; returns it.
+
+    1. ``tp`` dim: ``llama_tp_plan`` on every decoder layer (``parallelize_module`` on ``mesh["tp"]``); the TP
+       layers' per-tensor amaxes are reduced over the whole mesh (identical scales on every rank).
+    2. ``ep`` dim: ``expert_parallel.parallelize_experts(model, mesh["ep"])``.
+    3. synchronized FP8 scaling over the whole mesh (``enable_fp8_distributed``).
+    4. ``fsdp``: FSDP2 on ``mesh["dp"]`` (each decoder layer, then the root), with the FP8 weight
+       all-gather of per-tensor layers (``fsdp.py``): TP-sharded weights are all-gathered in FP8 over ``dp``.
+    """
+    from .runtime import shard_model
+    from .scaling import enable_fp8_distributed
+
+    names = mesh.mesh_dim_names or ()
+    whole = _mesh_group(mesh)
+    if "tp" in names:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from .tensor_parallel import TensorParallelLinear
+
+        for layer in _decoder_layers(model):
+            parallelize_module(layer, mesh["tp"], llama_tp_plan(layer))
+        for m in model.modules():
+            if isinstance(m, TensorParallelLinear):
+                m.tp_amax_group = whole
+    if "ep" in names:
+        try:
+            from .expert_parallel import parallelize_experts
+        except ImportError:
+            raise ValueError(
+                "--ep: expert parallelism (fp8kit.distributed.expert_parallel) is not in this build of fp8kit; "
+                "run without --ep"
+            ) from None
+        parallelize_experts(model, mesh["ep"])
+    enable_fp8_distributed(model, whole)
+    if fsdp:
+        shard_model(model, fp8_all_gather=fp8_all_gather, mesh=mesh["dp"], scale_group=whole)
+    return model
+
+
+def _squeezed(shape: Any, names: Any) -> dict[str, list]:
+    kept = [(int(n), str(d)) for n, d in zip(shape, names, strict=True) if n > 1]
+    return {"shape": [n for n, _ in kept], "dim_names": [d for _, d in kept]}
+
+
+def mesh_layout(mesh: Any) -> dict[str, list]:
+    """``{"shape": [...], "dim_names": [...]}`` of a ``DeviceMesh`` without its size-1 dims (an unnamed 1-D
+    mesh, FSDP2's default, is ``dp``): equal for two runs exactly when their parameters are split alike."""
+    names = mesh.mesh_dim_names or (("dp",) if mesh.ndim == 1 else tuple(f"dim{i}" for i in range(mesh.ndim)))
+    return _squeezed(mesh.shape, names)
+
+
+def mesh_of(model: nn.Module) -> Any:
+    """The largest ``DeviceMesh`` a parameter of ``model`` is laid out on (None: no DTensor parameter)."""
+    from torch.distributed.tensor import DTensor
+
+    best = None
+    for p in model.parameters():
+        if isinstance(p, DTensor) and (best is None or p.device_mesh.ndim > best.ndim):
+            best = p.device_mesh
+    return best
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Any, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` (L2) for parameters on several meshes (FSDP2 x TP: plain
+    parameters on ``mesh["dp"]``, TP ones on the 2-D mesh), which torch's cannot stack: one norm per mesh
+    (``full_tensor``: one all-reduce each), combined in float32. Returns the total norm (float32 scalar)."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    squares = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, 2.0)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squares.append(norm.float() ** 2)
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+    coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return total
