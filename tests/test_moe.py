@@ -323,7 +323,7 @@ def test_zero_token_experts_and_delayed_histories():
 
 
 @pytest.mark.compiled
-@pytest.mark.parametrize("kind", ["delayed", "rowwise"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_compiled_matches_eager_without_graph_breaks(kind):
     """fullgraph=True (a graph break raises); two routings of different group sizes reuse one graph; the
     compiled output and gradients equal eager's up to float32 rounding of the fused element-wise ops

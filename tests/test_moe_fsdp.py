@@ -182,3 +182,15 @@ def test_per_expert_gather_scales_differ_between_experts(result):
     for key in ("delayed", "current"):
         scales = torch.tensor(result[f"{key}_scales"])
         assert scales.shape == (2, 8) and len(set(scales[0].tolist())) > 1
+
+
+def test_shard_placement_of_experts_follows_the_expert_count():
+    # shard_model's rule: along the experts while each rank gets at least one, else along dim 1
+    from torch.distributed.tensor import Shard
+
+    from fp8kit.distributed.fsdp import experts_shard_placement
+
+    place = experts_shard_placement(world=4)
+    assert place(torch.nn.Parameter(torch.zeros(8, 64, 32))) == Shard(0)
+    assert place(torch.nn.Parameter(torch.zeros(2, 64, 32))) == Shard(1)
+    assert place(torch.nn.Parameter(torch.zeros(2, 64))) == Shard(1)  # a per-expert bias
