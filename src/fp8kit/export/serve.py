@@ -7,7 +7,8 @@
   ``fp8-dynamic`` (its dynamic activations at finer, per-token granularity), block -> ``fp8-block`` (the
   recipe's own 128x128 weight tiles and power-of-two scales, dynamic 1x128 activations). MXFP8 has no
   serving format here.
-* ``quantize_block``: post-training block FP8 (no calibration: 128x128 weight tiles, dynamic activations).
+* ``quantize_block``: post-training block FP8 (no calibration: 128x128 weight tiles, dynamic activations),
+  of the ``nn.Linear`` layers and of the MoE experts (``ptq.experts.QuantExperts`` with ``FP8_BLOCK``).
 """
 
 from __future__ import annotations
@@ -80,10 +81,10 @@ def serving_layers(model: nn.Module) -> tuple[str, dict[str, nn.Module], list[st
     return scheme, layers, kept
 
 
-def _report(model: nn.Module, scheme: str, names: list[str], why: str) -> None:
+def _report(model: nn.Module, scheme: str, names: list[str], why: str, experts: list[str] | None = None) -> None:
     from ..ptq.quantize import PTQReport
 
-    report = PTQReport(scheme, quantized=list(names))
+    report = PTQReport(scheme, quantized=list(names), experts=list(experts or []))
     report.skipped = {n: why for n, m in model.named_modules() if _high_precision(m)}
     object.__setattr__(model, "ptq_report", report)
 
@@ -102,18 +103,24 @@ def serving_model(model: nn.Module, inplace: bool = False) -> nn.Module:
 def quantize_block(model: nn.Module, module_filter: Callable[[str, nn.Module], bool] | None = None) -> nn.Module:
     """Post-training block FP8 in place: eligible ``nn.Linear`` layers (default: ``fp8kit.convert``'s
     filter, which keeps the output head) become ``BlockQuantLinear`` (128x128 weight tiles with
-    ``amax / 448`` scales, dynamic 1x128 activations); no calibration data needed."""
+    ``amax / 448`` scales, dynamic 1x128 activations) and eligible MoE experts modules (``module_filter``
+    sees them too) ``ptq.experts.QuantExperts`` with the same layout per expert; no calibration data needed."""
     from ..nn.convert import default_module_filter
+    from ..ptq.experts import find_experts, quantize_experts_module
+    from ..ptq.schemes import FP8_BLOCK
 
     default = default_module_filter(model)
     keep = module_filter or (lambda n, m: default(n, m) is None)
     names = [n for n, m in model.named_modules() if type(m) is nn.Linear and keep(n, m)]
-    if not names:
-        raise ExportError("quantize_block found no eligible nn.Linear layer")
+    experts = [n for n, m in find_experts(model).items() if module_filter is None or module_filter(n, m)]
+    if not names and not experts:
+        raise ExportError("quantize_block found no eligible nn.Linear layer or MoE experts module")
     with torch.no_grad():
+        for name in experts:
+            quantize_experts_module(model.get_submodule(name), FP8_BLOCK, name=name)
         for name in names:
             replace_module(model, name, BlockQuantLinear.from_linear(model.get_submodule(name)))
-    _report(model, BLOCK_SCHEME, names, "kept in high precision")
+    _report(model, BLOCK_SCHEME, names, "kept in high precision", experts)
     return model.eval()
 
 
