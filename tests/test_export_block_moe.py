@@ -153,3 +153,33 @@ def test_tiles_that_would_mix_gate_and_up_or_do_not_fit_are_refused(tmp_path):
         ExportError, match=r"experts\.2\.down_proj has weight \(128, 128\) and weight_scale_inv \(2, 1\)"
     ):
         load_pretrained(out)
+
+
+def test_block_recipe_model_exports_its_expert_tiles_with_no_calibration(tmp_path):
+    import fp8kit
+    from fp8kit.export import serving_model
+    from fp8kit.nn.experts import FP8Experts
+
+    model = fp8kit.convert(moe(3), "block").eval()  # no training steps (slow on CPU): the tiles are the same path
+    trained = {n: m for n, m in model.named_modules() if isinstance(m, FP8Experts)}
+    assert len(trained) == LAYERS
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    impl = model.config._experts_implementation
+    serve = serving_model(model)
+    out = save_pretrained(model, tmp_path / "trained", format="fp8-block")  # the training model itself
+    assert model.config._experts_implementation == impl  # the training model is left as it was
+    assert all(isinstance(m, FP8Experts) for m in trained.values())
+    assert sorted(experts_of(serve)) == sorted(trained) and serve.ptq_report.experts == sorted(trained)
+    for name, m in trained.items():  # the tiles training computes with, power-of-two scales, per expert
+        q = serve.get_submodule(name)
+        for p in range(2):
+            wq = m.fp8_expert_weights(p, m.recipe)[0]
+            assert torch.equal(q.weight_codes(p).view(torch.uint8), wq.data.view(torch.uint8))
+            s = q.weight_scale(p)
+            assert torch.equal(s, wq.scale_inv.float()) and torch.equal(torch.log2(s), torch.log2(s).round())
+    t = tensors(out)
+    assert not [k for k in t if ".fp8_" in k or "gate_up_proj" in k]
+    assert t["model.layers.1.mlp.experts.3.up_proj.weight_scale_inv"].shape == (1, 1)
+    with torch.no_grad():
+        ours = serve(x).logits
+        torch.testing.assert_close(load_pretrained(out)(x).logits, ours, rtol=0, atol=0)

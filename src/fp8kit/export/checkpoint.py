@@ -73,6 +73,8 @@ def save_pretrained(
         kv = _kv_blocks(model) if report.kv_cache else {}
     elif any(isinstance(m, FP8Linear) for m in model.modules()):
         scheme, qlayers, ignore = serving_layers(model)
+        experts = {n: m for n, m in qlayers.items() if isinstance(m, QuantExperts)}  # block recipe's FP8Experts
+        qlayers = {n: m for n, m in qlayers.items() if n not in experts}
         kv = {}
     else:
         raise ExportError(

@@ -70,6 +70,7 @@ from .schemes import Scheme, get_scheme
 __all__ = [
     "IMPLEMENTATION",
     "ExpertsObserver",
+    "dispatch_quant_experts",
     "QuantExperts",
     "experts_projections",
     "find_experts",
@@ -364,9 +365,12 @@ def quantize_codes(w: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch
     return qt.data.reshape(e, r, c).contiguous(), scale.contiguous()
 
 
-def install_quant_experts(module: nn.Module, scheme: Scheme, tensors: dict[str, torch.Tensor]) -> None:
+def install_quant_experts(
+    module: nn.Module, scheme: Scheme, tensors: dict[str, torch.Tensor], *, dispatch: bool = True
+) -> None:
     """Make ``module`` a ``QuantExperts`` holding ``tensors`` (codes, scales, biases by buffer name) in place
-    of its 3-D parameters, and dispatch its config to ``"fp8kit_ptq"``."""
+    of its 3-D parameters, and (``dispatch``) point its config at ``"fp8kit_ptq"``; without ``dispatch`` the
+    module only carries tensors to an export (its config, shared with a training model, stays as it is)."""
     projections = experts_projections(module)
     device = module.down_proj.device
     for key in (*projections, *(f"{p}_bias" for p in projections)):
@@ -380,6 +384,12 @@ def install_quant_experts(module: nn.Module, scheme: Scheme, tensors: dict[str, 
     module.projections = projections
     module._fp8kit_was_transposed = module.is_transposed
     module.is_transposed = False
+    if dispatch:
+        dispatch_quant_experts(module)
+
+
+def dispatch_quant_experts(module: nn.Module) -> None:
+    """Run ``module`` (a ``QuantExperts``) through ``"fp8kit_ptq"``: see ``_dispatch_to_quant``."""
     _dispatch_to_quant(module)
     _QUANTIZED.add(module)
 
