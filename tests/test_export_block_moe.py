@@ -22,6 +22,7 @@ from fp8kit.export import ExportError, dequantized_model, load_pretrained, quant
 from fp8kit.formats import E4M3, cast
 from fp8kit.ptq.experts import QuantExperts
 from tests.conftest import sqnr_db
+from tests.test_export_block import transformers_written
 from tests.test_export_modelopt import tensors
 
 transformers = pytest.importorskip("transformers")
@@ -183,3 +184,32 @@ def test_block_recipe_model_exports_its_expert_tiles_with_no_calibration(tmp_pat
     with torch.no_grad():
         ours = serve(x).logits
         torch.testing.assert_close(load_pretrained(out)(x).logits, ours, rtol=0, atol=0)
+
+
+def test_transformers_written_block_moe_checkpoint_imports_with_its_logits(tmp_path):
+    """Per-expert tensors quantized by ``transformers``' own ``Fp8Quantize`` (its amax / 448 tiles), as
+    Qwen3-MoE FP8 checkpoints ship them: fp8kit reads the experts with the producer's weights and logits."""
+    model = moe(4)
+    state = {}
+    for key, val in model.state_dict().items():
+        if key.endswith("experts.gate_up_proj"):
+            for e in range(E):
+                state[f"{key[: -len('gate_up_proj')]}{e}.gate_proj.weight"] = val[e, :I]
+                state[f"{key[: -len('gate_up_proj')]}{e}.up_proj.weight"] = val[e, I:]
+        elif key.endswith("experts.down_proj"):
+            for e in range(E):
+                state[f"{key[: -len('down_proj')]}{e}.down_proj.weight"] = val[e]
+        else:
+            state[key] = val
+    path = transformers_written(model, tmp_path / "hf-fp8", state)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ours, plain = load_pretrained(path), dequantized_model(path)
+    assert len(experts_of(ours)) == LAYERS and ours.ptq_report.scheme == "fp8-block"
+    for name, q in experts_of(ours).items():
+        assert torch.equal(hf.get_submodule(name).gate_up_proj, q.dequantized_weight(0)), name
+        assert torch.equal(hf.get_submodule(name).down_proj, q.dequantized_weight(1)), name
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = hf(x).logits
+        assert rel(plain(x).logits, theirs) < 1e-5
+        assert 1e-4 < rel(ours(x).logits, theirs) < 0.5  # fp8kit adds the 1x128 activation rounding
