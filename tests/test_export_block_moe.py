@@ -140,8 +140,11 @@ def test_fp8_block_export_per_expert_names_reload_and_transformers(tmp_path):
 
 
 def test_tiles_that_would_mix_gate_and_up_or_do_not_fit_are_refused(tmp_path):
-    with pytest.raises(ValueError, match="not a multiple of 128.*mix gate and up"):
-        quantize_block(moe(moe_intermediate_size=64))
+    narrow = quantize_block(moe(moe_intermediate_size=64))  # default: such experts stay in high precision
+    assert not experts_of(narrow) and len(narrow.ptq_report.quantized) == 4 * LAYERS
+    assert "mix gate and up rows" in narrow.ptq_report.skipped["model.layers.1.mlp.experts"]
+    with pytest.raises(ValueError, match="experts: intermediate size 64 is not a multiple of 128.*mix gate and up"):
+        quantize_block(moe(moe_intermediate_size=64), module_filter=lambda n, m: "experts" in n)
     out = save_pretrained(quantize_block(moe(2)), tmp_path / "block", format="fp8-block")
     from safetensors.torch import load_file, save_file
 

@@ -114,11 +114,13 @@ def serving_layers(model: nn.Module) -> tuple[str, dict[str, nn.Module], list[st
     return scheme, layers, kept
 
 
-def _report(model: nn.Module, scheme: str, names: list[str], why: str, experts: list[str] | None = None) -> None:
+def _report(
+    model: nn.Module, scheme: str, names: list[str], why: str, experts: list[str] | None = None, **skipped: str
+) -> None:
     from ..ptq.quantize import PTQReport
 
     report = PTQReport(scheme, quantized=list(names), experts=list(experts or []))
-    report.skipped = {n: why for n, m in model.named_modules() if _high_precision(m)}
+    report.skipped = {n: why for n, m in model.named_modules() if _high_precision(m)} | skipped
     object.__setattr__(model, "ptq_report", report)
 
 
@@ -142,15 +144,22 @@ def quantize_block(model: nn.Module, module_filter: Callable[[str, nn.Module], b
     """Post-training block FP8 in place: eligible ``nn.Linear`` layers (default: ``fp8kit.convert``'s
     filter, which keeps the output head) become ``BlockQuantLinear`` (128x128 weight tiles with
     ``amax / 448`` scales, dynamic 1x128 activations) and eligible MoE experts modules (``module_filter``
-    sees them too) ``ptq.experts.QuantExperts`` with the same layout per expert; no calibration data needed."""
+    sees them too) ``ptq.experts.QuantExperts`` with the same layout per expert; no calibration data needed.
+    By default, experts whose fused gate_up cannot be cut into whole gate and up tiles stay in high
+    precision (``ptq_report.skipped`` says why); a ``module_filter`` that selects them gets the error."""
     from ..nn.convert import default_module_filter
-    from ..ptq.experts import find_experts, quantize_experts_module
+    from ..ptq.experts import block_tiling_problem, find_experts, quantize_experts_module
     from ..ptq.schemes import FP8_BLOCK
 
     default = default_module_filter(model)
     keep = module_filter or (lambda n, m: default(n, m) is None)
     names = [n for n, m in model.named_modules() if type(m) is nn.Linear and keep(n, m)]
-    experts = [n for n, m in find_experts(model).items() if module_filter is None or module_filter(n, m)]
+    found = find_experts(model)
+    untileable = {n: why for n, m in found.items() if (why := block_tiling_problem(m, FP8_BLOCK.block))}
+    if module_filter is not None:
+        experts, untileable = [n for n, m in found.items() if module_filter(n, m)], {}
+    else:
+        experts = [n for n in found if n not in untileable]
     if not names and not experts:
         raise ExportError("quantize_block found no eligible nn.Linear layer or MoE experts module")
     with torch.no_grad():
@@ -158,7 +167,7 @@ def quantize_block(model: nn.Module, module_filter: Callable[[str, nn.Module], b
             quantize_experts_module(model.get_submodule(name), FP8_BLOCK, name=name)
         for name in names:
             replace_module(model, name, BlockQuantLinear.from_linear(model.get_submodule(name)))
-    _report(model, BLOCK_SCHEME, names, "kept in high precision", experts)
+    _report(model, BLOCK_SCHEME, names, "kept in high precision", experts, **untileable)
     return model.eval()
 
 

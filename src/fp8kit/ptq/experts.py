@@ -70,6 +70,7 @@ from .schemes import Scheme, get_scheme
 __all__ = [
     "IMPLEMENTATION",
     "ExpertsObserver",
+    "block_tiling_problem",
     "dispatch_quant_experts",
     "QuantExperts",
     "experts_projections",
@@ -316,14 +317,9 @@ def quantize_experts_module(
     if scheme.static_activations and input_amax is None:
         raise ValueError(f"scheme {scheme.name!r} needs calibrated input amaxes for {what} (run a forward_loop)")
     projections = experts_projections(module)
-    if scheme.weight_strategy == "block" and module.has_gate:
-        inter = _weight_out_in(module, projections[0]).shape[1] // 2
-        if inter % scheme.block:
-            raise ValueError(
-                f"{what}: intermediate size {inter} is not a multiple of {scheme.block}, so a "
-                f"{scheme.block}x{scheme.block} tile of the fused gate_up_proj would mix gate and up rows; "
-                "keep these experts in high precision (module_filter) or use a per-channel scheme"
-            )
+    problem = block_tiling_problem(module, scheme.block) if scheme.weight_strategy == "block" else None
+    if problem:
+        raise ValueError(f"{what}: {problem}; keep these experts in high precision (module_filter)")
     new: dict[str, torch.Tensor] = {}
     for p, proj in enumerate(projections):
         w = _weight_out_in(module, proj)
@@ -340,6 +336,20 @@ def quantize_experts_module(
         module = _shallow_copy(module)
     install_quant_experts(module, scheme, new)
     return module
+
+
+def block_tiling_problem(module: nn.Module, block: int) -> str | None:
+    """Why ``module``'s experts cannot be tiled in ``block`` x ``block`` tiles that the per-expert
+    checkpoint tensors hold whole (a fused gate_up whose intermediate size is not a multiple), or ``None``."""
+    if not module.has_gate:
+        return None
+    inter = _weight_out_in(module, experts_projections(module)[0]).shape[1] // 2
+    if inter % block == 0:
+        return None
+    return (
+        f"intermediate size {inter} is not a multiple of {block}, so a {block}x{block} tile of the fused "
+        "gate_up_proj would mix gate and up rows"
+    )
 
 
 def _shallow_copy(module: nn.Module) -> nn.Module:
