@@ -178,10 +178,7 @@ def is_private(name: str) -> bool:
 
 
 # Private names reached across packages that are known, with the reason they are not public yet.
-KNOWN_PRIVATE_REACHES = {
-    # debug.stats re-quantizes as the layer does; to become public in nn/linear.py with the GEMM-floor work
-    "fp8kit.debug.stats": {("fp8kit.nn.linear", "_knobs")},
-}
+KNOWN_PRIVATE_REACHES: dict[str, set[tuple[str, str]]] = {}  # none left: add one only with its reason
 
 
 def test_no_module_reaches_a_private_name_of_another_package():

@@ -296,8 +296,8 @@ def test_quantize_takes_an_fp8kit_train_checkpoint_of_the_moe_demo(tmp_path):
     with its weights and byte tokens; the CLI's validator accepts the folder."""
     from fp8kit.cli._common import model as model_arg
     from fp8kit.models.llama import build_demo
-    from fp8kit.models.pretrained import load_pretrained_lm
     from fp8kit.train.checkpoint import save_checkpoint
+    from fp8kit.train.reload import load_model
 
     trained = build_demo("moe", "tiny", max_seq_len=64, seed=5)
     with torch.no_grad():
@@ -305,7 +305,7 @@ def test_quantize_takes_an_fp8kit_train_checkpoint_of_the_moe_demo(tmp_path):
     info = {"run": "bf16", "model_size": "tiny", "seed": 5, "seq_len": 32, "batch_size": 2, "arch": "moe"}
     save_checkpoint(tmp_path / "ckpt" / "bf16", trained, None, 7, info)
     assert model_arg(allow_demo=False)(str(tmp_path / "ckpt" / "bf16")) == str(tmp_path / "ckpt" / "bf16")
-    loaded, tokenizer = load_pretrained_lm(str(tmp_path / "ckpt" / "bf16"))
+    loaded, tokenizer = load_model(str(tmp_path / "ckpt" / "bf16"))
     ids = tokenizer.encode("In the beginning God created")[None]
     torch.testing.assert_close(loaded(ids).logits, trained.eval()(ids).logits, rtol=0, atol=0)
     q = quantize(loaded, "fp8", lambda m: m(ids))

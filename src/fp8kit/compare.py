@@ -153,14 +153,14 @@ def compare_schemes(
     data (Fisher estimate of the loss increase, one pass with gradients); with ``sensitivity = W`` too,
     ranked instead by the dev-loss increase on W dev windows of the main text (one dev evaluation per
     layer). ``sensitivity`` alone writes that report for each scheme. Nothing ranks on the test split."""
-    from .models.pretrained import load_pretrained_lm
     from .ptq.sensitivity import dev_loss, keep_filter, layer_sensitivity
+    from .train.reload import load_model
 
     if split not in EVAL_SPLITS:
         raise ValueError(f"unknown split {split!r}; accepted: {', '.join(EVAL_SPLITS)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    base, tokenizer = load_pretrained_lm(model_name)
+    base, tokenizer = load_model(model_name)
     base.eval()
     texts = load_splits(text, tokenizer, second_text)
     evals = {}

@@ -153,10 +153,10 @@ def quantize_pretrained(
     """Load ``model_name`` (``smollm2`` or a local directory) and quantize it with ``scheme``
     (``+kv`` suffix: FP8 KV cache), calibrating on the calibration split of the corpus (or ``text``).
     ``None`` settings take the scheme's dev-chosen defaults (``ptq_settings``)."""
-    from .models.pretrained import load_pretrained_lm
+    from .train.reload import load_model
 
     del seed  # the calibration windows are fixed (evenly spaced over the calibration split)
-    model, tokenizer = load_pretrained_lm(model_name)
+    model, tokenizer = load_model(model_name)
     model.eval()
     splits = load_splits(text, tokenizer, second_text=False)[0]
     loop = calibration_loop(splits, calib_batches, batch_size, seq_len)

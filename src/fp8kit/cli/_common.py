@@ -101,7 +101,7 @@ def model(allow_demo: bool, demo_hint: str = "") -> Callable[[str], str]:
         if text in PRETRAINED_MODELS:
             return text
         path = Path(text)
-        from ..models.pretrained import train_checkpoint
+        from ..train.reload import train_checkpoint
 
         if not (path / "config.json").is_file() and train_checkpoint(path) is None:
             known = ", ".join((["demo"] if allow_demo else []) + list(PRETRAINED_MODELS))

@@ -68,9 +68,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--out {err}") from None
     if args.scheme == "fp8-block":  # no calibration: 128x128 weight tiles, dynamic activations
         from ..export import quantize_block
-        from ..models.pretrained import load_pretrained_lm
+        from ..train.reload import load_model
 
-        model, tokenizer = load_pretrained_lm(args.model)
+        model, tokenizer = load_model(args.model)
         out = save_pretrained(quantize_block(model), args.out, tokenizer, format=args.format, overwrite=args.overwrite)
         print(f"{model.ptq_report}\nwrote the {args.format} export to {out}")
         return 0

@@ -86,8 +86,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ..nn.autocast import fp8_enabled
-from ..nn.experts import FP8Experts, _alignment, is_experts_module, routing_plan
-from ..nn.linear import _BACKEND, _knobs
+from ..nn.experts import FP8Experts, is_experts_module, routing_plan, token_alignment
+from ..nn.linear import quantize_backend, quantize_knobs
 from ..recipes import DelayedScaling, Recipe
 from ..scaling import compute_scale, parse_granularity
 from ..tensor import QuantizedTensor, quantize, tensor_amax
@@ -207,7 +207,7 @@ def _send_fp8(x: torch.Tensor, cast: tuple, out_splits: list[int], in_splits: li
     exchange them in one ``uint8`` all-to-all: each row's codes, then its scales (per-token granularities;
     an agreed per-tensor scale is the same on every rank and does not travel). Returns the received rows."""
     fmt, gran, scale, kw = cast
-    backend = _BACKEND["name"]
+    backend = quantize_backend()
     if x.shape[0] == 0:  # this rank sends no row (e.g. all its pairs dropped)
         q = _empty_quantized(x, fmt, gran, scale)
     elif scale is not None:
@@ -265,7 +265,7 @@ class _Combine(torch.autograd.Function):
         g = grad.contiguous()
         fmt, gran = recipe.format_for("grad"), recipe.granularity_for("grad")
         scale = module.agreed_scale(g.detach(), 1, "grad", recipe) if recipe.per_tensor else None
-        cast = (fmt, gran, scale, {} if recipe.per_tensor else _knobs(recipe))
+        cast = (fmt, gran, scale, {} if recipe.per_tensor else quantize_knobs(recipe))
         received = _send_fp8(g, cast, plan["recv"], plan["send"], plan["group"], "combine_grad")
         module._ep_pinned[(1, "grad")] = _pad_rows(_rows(received, plan["order"]), plan["dest"], plan["rows"])
         return received.dequantize(grad.dtype), None
@@ -386,7 +386,7 @@ class ExpertParallel:
         elif delayed:
             scale = compute_scale(self._max_over_group(amax), fmt, recipe.margin, previous=1.0)
         else:
-            kw = _knobs(recipe)
+            kw = quantize_knobs(recipe)
             scale = compute_scale(self._max_over_group(amax), fmt, kw.get("margin", 0), kw.get("power_of_two", False))
         if delayed and self.training:
             self._record_amax(p, i, amax.reshape(1))
@@ -410,7 +410,7 @@ class ExpertParallel:
                 "tensor",
                 scale=scale,
                 nonfinite="propagate",
-                backend=_BACKEND["name"],
+                backend=quantize_backend(),
                 check_scale=False,
             )
         return super().quantize_activation(x, p, role, recipe)  # type: ignore[misc]
@@ -478,7 +478,7 @@ class ExpertParallel:
                     scale = self.agreed_scale(x_send.detach(), 0, "input", recipe)
                 plan["fp8"] = (fmt, "tensor", scale, {})
             else:
-                plan["fp8"] = (fmt, recipe.granularity_for("input"), None, _knobs(recipe))
+                plan["fp8"] = (fmt, recipe.granularity_for("input"), None, quantize_knobs(recipe))
         x_recv = _Dispatch.apply(x_send, plan)
         # arrival order (by source rank, then expert) -> expert order (then source rank: global token order)
         arrival_ids = torch.arange(local).repeat(world).repeat_interleave(recv_block.flatten()).to(dev)
@@ -487,7 +487,7 @@ class ExpertParallel:
         with self._local_parameters():
             if "received" in plan:
                 q = _rows(plan["received"], order)
-                _, _, _, dest, rows = routing_plan(local_sorted, local, _alignment(recipe))
+                _, _, _, dest, rows = routing_plan(local_sorted, local, token_alignment(recipe))
                 self._ep_pinned = {(0, "input"): _pad_rows(q, dest, rows)}
                 if _fp8_gradient_dispatch(self, recipe):
                     plan.update(grad_fp8=recipe, module=self, order=order, dest=dest, rows=rows)

@@ -211,7 +211,7 @@ def parallelize_model(model: nn.Module, mesh: Any, fsdp: bool = False, fp8_all_g
     4. ``fsdp``: FSDP2 on ``mesh["dp"]`` (each decoder layer, then the root), with the FP8 weight
        all-gather of per-tensor layers (``fsdp.py``): TP-sharded weights are all-gathered in FP8 over ``dp``.
     """
-    from .runtime import shard_model
+    from .fsdp import shard_model
     from .scaling import enable_fp8_distributed
 
     names = mesh.mesh_dim_names or ()

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .fsdp import shard_model
 from .scaling import enable_fp8_distributed
 
 __all__ = [
@@ -218,36 +219,6 @@ def check_parallel_settings(
             f"--batch-size {batch_size} (the global batch) does not split evenly over --nproc {world}: "
             f"give a multiple of {world}"
         )
-
-
-def shard_model(model: nn.Module, fp8_all_gather: bool = False, mesh: Any = None, scale_group: Any = None) -> nn.Module:
-    """FSDP2 (``fully_shard``) each MoE experts module, each block (every item of an ``nn.ModuleList``), then
-    the root; with ``fp8_all_gather`` the weights of per-tensor FP8 layers are all-gathered in FP8
-    (``fsdp.py``). An experts module is its own FSDP2 unit (its all-gather, the bulk of an MoE block's
-    bytes, is issued on its own), sharded along the experts, or along dim 1 with fewer experts than ranks.
-    ``mesh``: the 1-D data-parallel mesh to shard over (default: the world; ``mesh.py`` passes ``mesh["dp"]``
-    of a 2-D mesh); ``scale_group``: the ranks whose amaxes the scaling sync reduces (default: the world)."""
-    from torch.distributed.fsdp import fully_shard
-
-    from ..nn.experts import is_experts_module
-    from .fsdp import enable_fp8_all_gather, experts_shard_placement, register_fp8_gather_hook
-
-    if fp8_all_gather:
-        enable_fp8_all_gather(model, None if mesh is None else mesh.get_group())
-    world = dist.get_world_size() if mesh is None else mesh.size()
-    for module in list(model.modules()):
-        if is_experts_module(module):
-            by_experts = all(p.shape[0] >= world for p in module.parameters())  # FSDP2's default Shard(0)
-            placement = {} if by_experts else {"shard_placement_fn": experts_shard_placement(world)}
-            fully_shard(module, mesh=mesh, **placement)
-    for module in list(model.modules()):
-        if isinstance(module, nn.ModuleList):
-            for block in module:
-                fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    if fp8_all_gather:
-        register_fp8_gather_hook(model, scale_group)
-    return model
 
 
 class MemoryLog:

@@ -59,7 +59,7 @@ def _block_experts(module: nn.Module, name: str) -> nn.Module:
     a block-recipe ``FP8Experts`` computes with, per expert."""
     from dataclasses import replace
 
-    from ..ptq.experts import _shallow_copy, experts_projections, install_quant_experts
+    from ..ptq.experts import experts_projections, install_quant_experts, shallow_copy
     from ..ptq.schemes import FP8_BLOCK
 
     new: dict[str, torch.Tensor] = {}
@@ -75,7 +75,7 @@ def _block_experts(module: nn.Module, name: str) -> nn.Module:
         bias = getattr(module, f"{proj}_bias", None) if module.has_bias else None
         if bias is not None:
             new[f"{proj}_bias"] = bias.detach().float().clone()
-    q = _shallow_copy(module)
+    q = shallow_copy(module)
     install_quant_experts(q, replace(FP8_BLOCK, block=block), new, dispatch=False)
     return q
 

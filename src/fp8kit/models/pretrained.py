@@ -99,9 +99,6 @@ def load_pretrained_lm(name_or_path: str, dtype: torch.dtype = torch.float32) ->
     """``(model, tokenizer)`` of a pretrained causal LM, the model in ``dtype`` on the CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    trained = train_checkpoint(Path(name_or_path))
-    if trained is not None:  # a model fp8kit train wrote (the demo decoders): its weights, byte tokens
-        return load_train_checkpoint(trained, dtype)
     path = pretrained_dir(name_or_path)
     tok = AutoTokenizer.from_pretrained(path)
     qc = json.loads((path / "config.json").read_text()).get("quantization_config")
@@ -111,42 +108,3 @@ def load_pretrained_lm(name_or_path: str, dtype: torch.dtype = torch.float32) ->
         return dequantized_model(path, dtype), HFTokenizer(tok)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model, HFTokenizer(tok)
-
-
-def train_checkpoint(path: Path) -> Path | None:
-    """The checkpoint an ``fp8kit train`` folder ``path`` holds (a ``ckpt/<run>`` folder: its latest step;
-    or a ``step-*`` folder itself), or ``None`` when ``path`` is not one."""
-    from ..train.checkpoint import latest_checkpoint
-
-    if not path.is_dir():
-        return None
-    found = latest_checkpoint(path)
-    if found is None and (path / "model.safetensors").is_file() and not (path / "config.json").is_file():
-        found = path
-    return found
-
-
-def load_train_checkpoint(path: Path, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, Any]:
-    """``(model, byte tokenizer)`` of an ``fp8kit train`` checkpoint: the run's model rebuilt from the
-    checkpoint's settings (``--arch``, ``--model-size``, seed) with its trained weights; the ``bf16`` run as
-    plain ``nn.Linear`` / experts modules, FP8 runs converted with their recipe and trained scales."""
-    from ..train.checkpoint import CheckpointError, load_checkpoint, read_info
-    from ..train.loop import TrainConfig, build_base, make_model
-
-    info = read_info(path)
-    missing = [k for k in ("run", "model_size", "seed", "seq_len", "batch_size") if k not in info]
-    if missing:
-        raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing)}: not written by fp8kit train")
-    if info.get("model", "demo") != "demo":
-        raise CheckpointError(f"{path} fine-tuned {info['model']!r}: give the serving export of that run instead")
-    cfg = TrainConfig(
-        model_size=info["model_size"],
-        arch=info.get("arch", "dense"),
-        seed=info["seed"],
-        seq_len=info["seq_len"],
-        batch_size=info["batch_size"],
-    )
-    base, tokenizer = build_base(cfg)
-    model = base if info["run"] == "bf16" else make_model(base, cfg, info["run"])
-    load_checkpoint(path, model)
-    return model.to(dtype).eval(), tokenizer

@@ -69,7 +69,7 @@ from ..recipes import DelayedScaling, Recipe
 from ..scaling import compute_scale, parse_granularity
 from ..tensor import QuantizedTensor, quantize, quantize_with_transpose, tensor_amax
 from .autocast import fp8_enabled, recipe_override
-from .linear import _BACKEND, FP8_STATE_KEYS, _knobs, _track_cache
+from .linear import _BACKEND, FP8_STATE_KEYS, _track_cache, quantize_knobs
 
 __all__ = [
     "FP8Experts",
@@ -175,7 +175,7 @@ class FP8Experts:
             scale = compute_scale(amax, fmt, getattr(recipe, "margin", 0), getattr(recipe, "power_of_two", False))
             return quantize(x, fmt, "tensor", scale=scale, nonfinite="propagate", backend=backend, check_scale=False)
         return _quantize_rows(
-            x, fmt, recipe.granularity_for(role), nonfinite="propagate", backend=backend, **_knobs(recipe)
+            x, fmt, recipe.granularity_for(role), nonfinite="propagate", backend=backend, **quantize_knobs(recipe)
         )
 
     def quantize_both_ways(
@@ -197,7 +197,7 @@ class FP8Experts:
                 xp, role, recipe, group_ids
             )
         fmt, gran = recipe.format_for(role), recipe.granularity_for(role)
-        kw = {"nonfinite": "propagate", "backend": _BACKEND["name"], **_knobs(recipe)}
+        kw = {"nonfinite": "propagate", "backend": _BACKEND["name"], **quantize_knobs(recipe)}
         if not torch.compiler.is_compiling():
             return quantize_with_transpose(xp, fmt, gran, **kw)
         xpt = x.t().contiguous() if dest is None else x.new_zeros(x.shape[1], rows).index_copy(1, dest, x.t())
@@ -216,7 +216,7 @@ class FP8Experts:
             recipe.granularity_for(role),
             nonfinite="propagate",
             backend=_BACKEND["name"],
-            **_knobs(recipe),
+            **quantize_knobs(recipe),
         )
 
     def fp8_expert_weights(self, p: int, recipe: Recipe) -> tuple[GroupedWeight, GroupedWeight]:
@@ -245,7 +245,7 @@ class FP8Experts:
                     self._record_amax(p, slots, amax)
             else:
                 gran = "tensor" if recipe.per_tensor else recipe.granularity_for("weight")
-                wq = quantize_experts(w, fmt, gran, backend=backend, **_knobs(recipe))
+                wq = quantize_experts(w, fmt, gran, backend=backend, **quantize_knobs(recipe))
             if recipe.per_tensor or recipe.kind == "block":
                 wq_t = wq.transpose()
             else:
@@ -254,7 +254,7 @@ class FP8Experts:
                     fmt,
                     recipe.granularity_for("weight"),
                     backend=backend,
-                    **_knobs(recipe),
+                    **quantize_knobs(recipe),
                 )
         if not compiling:
             self._weight_cache[p] = (key, wq, wq_t)
@@ -406,7 +406,7 @@ def convert_experts(
 # ---- routing ----------------------------------------------------------------------------------------
 
 
-def _alignment(recipe: Recipe) -> int:
+def token_alignment(recipe: Recipe) -> int:
     """Rows each expert's group is padded to a multiple of (tiles along the token dim of the wgrad GEMM)."""
     if recipe.kind == "block":
         return recipe.block_size  # type: ignore[attr-defined]
@@ -548,7 +548,7 @@ def grouped_linear(
     (``expert_ids_sorted`` ``(S,)``, ascending), ``W`` the module's projection ``0`` (gate_up / up) or ``1``
     (down) as ``(E, N, K)``; differentiable in ``x`` and the weight. No bias."""
     recipe = recipe or module.active_recipe()
-    counts, offs, group_ids, dest, rows = routing_plan(expert_ids_sorted, module.num_experts, _alignment(recipe))
+    counts, offs, group_ids, dest, rows = routing_plan(expert_ids_sorted, module.num_experts, token_alignment(recipe))
     with torch.no_grad():
         module.fp8_tokens_per_expert.copy_(counts)
     return _GroupedLinearFn.apply(
@@ -609,7 +609,7 @@ def fp8_experts_forward(
 
     def project(x: torch.Tensor, p: int, expert_ids_g: torch.Tensor) -> torch.Tensor:
         if not plan:  # one routing plan for both projections
-            plan.extend(routing_plan(expert_ids_g, self.num_experts, _alignment(recipe)))
+            plan.extend(routing_plan(expert_ids_g, self.num_experts, token_alignment(recipe)))
             with torch.no_grad():
                 self.fp8_tokens_per_expert.copy_(plan[0])
         _, offs, group_ids, dest, rows = plan

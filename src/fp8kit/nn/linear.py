@@ -45,11 +45,16 @@ from ..scaling import Granularity, compute_scale
 from ..tensor import QuantizedTensor, quantize, quantize_with_transpose, tensor_amax
 from .autocast import fp8_enabled, recipe_override
 
-__all__ = ["Linear", "strip_fp8_state", "FP8_STATE_KEYS"]
+__all__ = ["FP8_STATE_KEYS", "Linear", "quantize_backend", "quantize_knobs", "set_quantize_backend", "strip_fp8_state"]
 
 ROLES = ("input", "weight", "grad")
 FP8_STATE_KEYS = ("fp8_amax_history", "fp8_scale", "fp8_seen", "fp8_amax_pending", "_extra_state")
 _BACKEND = {"name": "compiled"}
+
+
+def quantize_backend() -> str:
+    """The backend FP8 layers quantize their operands with (``set_quantize_backend``)."""
+    return _BACKEND["name"]
 
 
 def set_quantize_backend(name: str) -> None:
@@ -134,7 +139,9 @@ class Linear(nn.Linear):
             scale = compute_scale(amax, fmt, getattr(recipe, "margin", 0), getattr(recipe, "power_of_two", False))
             q = quantize(x, fmt, "tensor", scale=scale, nonfinite="propagate", backend=backend, check_scale=False)
         else:
-            q = quantize(x, fmt, recipe.granularity_for(role), nonfinite="propagate", backend=backend, **_knobs(recipe))
+            q = quantize(
+                x, fmt, recipe.granularity_for(role), nonfinite="propagate", backend=backend, **quantize_knobs(recipe)
+            )
         self._check_amax(q, role)
         return q
 
@@ -145,7 +152,7 @@ class Linear(nn.Linear):
         fmt = recipe.format_for(role)
         gran = recipe.granularity_for(role)
         q, q_t = quantize_with_transpose(
-            x, fmt, gran, nonfinite="propagate", backend=_BACKEND["name"], **_knobs(recipe)
+            x, fmt, gran, nonfinite="propagate", backend=_BACKEND["name"], **quantize_knobs(recipe)
         )
         self._check_amax(q, role)
         return q, q_t
@@ -331,7 +338,7 @@ class Linear(nn.Linear):
 _FAST_ACCUM = ("delayed", "current", "rowwise")
 
 
-def _knobs(recipe: Recipe) -> dict[str, Any]:
+def quantize_knobs(recipe: Recipe) -> dict[str, Any]:
     """The recipe's settings as ``quantize`` keyword arguments."""
     if recipe.kind == "current":
         return {"margin": recipe.margin, "power_of_two": recipe.power_of_two}  # type: ignore[attr-defined]

@@ -333,7 +333,7 @@ def quantize_experts_module(
         if bias is not None:
             new[f"{proj}_bias"] = bias.detach().float().clone()
     if copy:
-        module = _shallow_copy(module)
+        module = shallow_copy(module)
     install_quant_experts(module, scheme, new)
     return module
 
@@ -352,7 +352,7 @@ def block_tiling_problem(module: nn.Module, block: int) -> str | None:
     )
 
 
-def _shallow_copy(module: nn.Module) -> nn.Module:
+def shallow_copy(module: nn.Module) -> nn.Module:
     """A new module object with ``module``'s attributes, its own parameter/buffer/submodule dicts (tensors
     and submodules shared), so that a class swap and new buffers leave ``module`` as it was."""
     new = object.__new__(type(module))
