@@ -11,7 +11,7 @@ consecutive ranks, on one machine when ``tp`` divides the processes per machine)
   Without FSDP2 (DDP-style; with ``tp`` only on one ``dp`` row): experts are sharded over ``ep`` and
   replicated over ``dp``; ``DistContext.reduce_expert_parallel_grads`` averages the expert gradients over
   the ``dp`` group (the ranks holding the same experts) and every other parameter's over all ``dp x ep``
-  ranks (two flat all-reduces per step).
+  ranks (one flat all-reduce per step each; the first only with several ``dp`` rows).
 * ``dp``: data parallelism: FSDP2 (``fully_shard`` on ``mesh["dp"]``, FP8 weight all-gather on that dim)
   with ``fsdp``, else DDP (refused together with ``tp``: shard with ``--fsdp`` instead).
 

@@ -89,7 +89,7 @@ class DistContext:
 
         dp = self.world // (self.ep * self.tp)
         if dp > 1 and self.tp > 1:
-            raise ValueError("expert parallelism with several dp rows and tensor parallelism needs --fsdp (refused)")
+            raise ValueError(f"--ep {self.ep} --tp {self.tp} runs on one dp row: use --nproc {self.ep * self.tp}")
         shared_group = self.mesh["ep"].get_group() if dp == 1 else None  # dp > 1: tp == 1, the world
         shared, experts = [], []
         for p in model.parameters():
