@@ -92,16 +92,17 @@ def test_trained_block_model_exports_its_tiles_and_transformers_loads_them(batch
         torch.testing.assert_close(load_pretrained(out)(x).logits, ours, rtol=0, atol=0)
 
 
-def transformers_written(model, path):
+def transformers_written(model, path, state=None):
     """A block-FP8 checkpoint written by ``transformers``' own quantizer (``Fp8Quantize``, the op its
-    ``FineGrainedFP8Config`` saves with; quantizing on load needs a GPU, so it is called directly)."""
+    ``FineGrainedFP8Config`` saves with; quantizing on load needs a GPU, so it is called directly) from
+    ``state`` (default ``model.state_dict()``: the checkpoint's keys)."""
     from safetensors.torch import save_file
     from transformers.integrations.finegrained_fp8 import Fp8Quantize
 
     config = transformers.FineGrainedFP8Config(modules_to_not_convert=["lm_head"])
     op = Fp8Quantize(SimpleNamespace(quantization_config=config))
     out = {}
-    for key, val in model.state_dict().items():
+    for key, val in (model.state_dict() if state is None else state).items():
         if key.endswith("_proj.weight"):
             out.update(op._quantize_one(key, val))
         else:

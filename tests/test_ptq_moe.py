@@ -231,9 +231,11 @@ def test_export_errors_name_the_fix(tmp_path):
     ids = _ids()
     q = quantize(tiny_model("qwen3_moe").eval(), "fp8", _loop(ids))
     b = quantize(tiny_model("qwen3_moe").eval(), "fp8", _loop(ids))
-    b.ptq_report.scheme = "fp8-block"  # a block-scheme MoE model: no block-FP8 experts format yet
-    with pytest.raises(ExportError, match="fp8-block export does not carry MoE experts yet"):
+    b.ptq_report.scheme = "fp8-block"  # a report that claims block FP8 over per-tensor experts
+    with pytest.raises(ExportError, match="experts quantized with fp8; the fp8-block format needs tiles"):
         save_pretrained(b, tmp_path / "blk", format="fp8-block")
+    with pytest.raises(ExportError, match="modelopt export does not carry block-FP8 MoE experts yet"):
+        save_pretrained(b, tmp_path / "blk", format="modelopt")
     with pytest.raises(ExportError, match="cannot carry scheme 'fp8'"):
         save_pretrained(q, tmp_path / "blk2", format="fp8-block")
     g = quantize(tiny_model("gpt_oss").eval(), "fp8-dynamic")

@@ -33,7 +33,7 @@ from .modelopt import QUANT_METHOD as MODELOPT_METHOD
 from .modelopt import export_tensors as modelopt_tensors
 from .modelopt import load as modelopt_load
 from .serve import serving_layers
-from .support import FORMATS, check_scheme_format
+from .support import BLOCK_SCHEME, FORMATS, check_scheme_format
 
 __all__ = ["dequantized_model", "load_pretrained", "save_pretrained"]
 
@@ -73,6 +73,8 @@ def save_pretrained(
         kv = _kv_blocks(model) if report.kv_cache else {}
     elif any(isinstance(m, FP8Linear) for m in model.modules()):
         scheme, qlayers, ignore = serving_layers(model)
+        experts = {n: m for n, m in qlayers.items() if isinstance(m, QuantExperts)}  # block recipe's FP8Experts
+        qlayers = {n: m for n, m in qlayers.items() if n not in experts}
         kv = {}
     else:
         raise ExportError(
@@ -83,9 +85,9 @@ def save_pretrained(
         check_scheme_format(scheme + ("+kv" if kv else ""), format)
     except ValueError as err:
         raise ExportError(str(err)) from None
-    if experts and format == "fp8-block":
+    if experts and format == "modelopt" and scheme == BLOCK_SCHEME:
         raise ExportError(
-            "the fp8-block export does not carry MoE experts yet: write --format compressed-tensors or modelopt, "
+            "the modelopt export does not carry block-FP8 MoE experts yet: write --format fp8-block, "
             "or keep the experts in high precision with module_filter"
         )
     block = experts_naming(model)[1] if experts else "mlp"  # the MoE block's name on disk (Mixtral's differs)
@@ -104,7 +106,7 @@ def save_pretrained(
     elif format == "modelopt":
         qtensors, qc, extra = modelopt_tensors(model, qlayers, scheme, ignore, kv, experts)
     else:
-        qtensors, qc = block_tensors(model, qlayers, scheme, ignore, kv)
+        qtensors, qc = block_tensors(model, qlayers, scheme, ignore, kv, experts)
     tensors.update(qtensors)
     cfg["quantization_config"] = qc
     return write_export(out, model, tensors, cfg, tokenizer, extra)

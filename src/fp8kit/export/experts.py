@@ -17,7 +17,9 @@ scale; the fused ``gate_up`` scale is written to both ``gate`` and ``up``, per t
 channel) and, for static schemes, ``input_scale`` (the layer's shared scale, the same value for every
 expert: vLLM takes the max over experts, so it computes what fp8kit does). Reading takes the max over
 experts likewise, so a checkpoint from another producer with per-expert input scales loads with vLLM's
-semantics.
+semantics. Block FP8 (``fp8-block``): each expert's linear gets ``weight`` and its own 128x128 tiles'
+``weight_scale_inv``; the fused ``gate_up`` tiles split at row ``I / 128`` (``I`` a multiple of 128, see
+``ptq.experts``), so ``gate_proj`` and ``up_proj`` each hold whole tiles.
 """
 
 from __future__ import annotations
@@ -96,6 +98,9 @@ def _split(module: QuantExperts, p: int) -> list[tuple[int, torch.Tensor, torch.
     if not getattr(module, "is_concatenated", True):
         raise ExportError(f"{type(module).__name__}: interleaved gate/up experts have no per-expert checkpoint layout")
     half = codes.shape[1] // 2
+    if module.scheme.weight_strategy == "block":  # tile rows: gate's first, whole tiles (I % block == 0)
+        rows = half // module.scheme.block
+        return [(0, codes[:, :half], scale[:, :rows]), (1, codes[:, half:], scale[:, rows:])]
     if scale.shape[1] == 1:  # one scale per expert for gate and up together
         return [(0, codes[:, :half], scale), (1, codes[:, half:], scale)]
     return [(0, codes[:, :half], scale[:, :half]), (1, codes[:, half:], scale[:, half:])]
@@ -131,7 +136,8 @@ def load_experts(
 ) -> list[str]:
     """Make every experts module of ``model`` a ``QuantExperts`` from the per-expert tensors; ``read(prefix,
     out, in)`` pops one linear's ``(codes (out, in), weight_scale, input_scale or None)`` from ``tensors``.
-    Per-expert input scales become their max (vLLM's semantics). Returns the module names."""
+    Per-expert input scales become their max (vLLM's semantics); block weight scales stay per tile
+    (``(ceil(out / b), ceil(in / b))`` each). Returns the module names."""
     from ..ptq.experts import find_experts
 
     found = find_experts(model)
@@ -157,7 +163,8 @@ def load_experts(
             raise ExportError(f"{path}: tensor {err.args[0]} is missing") from err
 
         def stack(which: int, k: int, parts=parts) -> torch.Tensor:
-            return torch.stack([part[k] if k == 0 else part[k].reshape(-1, 1) for part in parts[which]])
+            keep = k == 0 or scheme.weight_strategy == "block"
+            return torch.stack([part[k] if keep else part[k].reshape(-1, 1) for part in parts[which]])
 
         new: dict[str, torch.Tensor] = {}
         groups = {first: (0, 1) if module.has_gate else (1,), second: (2,)}
@@ -171,6 +178,8 @@ def load_experts(
                     codes, scale = quantize_codes(deq, scheme)
                 else:
                     scale = scales[0].reshape(e, 1, 1)
+            elif scheme.weight_strategy == "block":
+                scale = torch.cat(scales, dim=1)  # (E, tile rows of gate + up, tile cols)
             else:
                 scale = torch.cat(scales, dim=1).reshape(e, -1, 1)
             new[proj] = codes.to(scheme.weight_format.dtype).contiguous()

@@ -9,18 +9,25 @@
 scale). Activations are quantized at run time per 1x128 group (``activation_scheme: "dynamic"``).
 ``transformers`` derives the tile from the shapes when it dequantizes, so it needs both dims to be
 multiples of 128; the serving GPUs' kernels handle ragged edge tiles.
+
+MoE experts (``ptq.experts.QuantExperts`` with ``FP8_BLOCK``) are written per expert in the
+architecture's naming (``model.layers.L.mlp.experts.E.gate_proj.weight`` + ``.weight_scale_inv``; see
+``export.experts``), as DeepSeek-V3 and Qwen3-MoE-FP8 ship them, and read back into ``QuantExperts``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from ..ptq.schemes import FP8_BLOCK
 from .block_linear import BLOCK, BlockQuantLinear
 from .common import ExportError, load_rest, model_from_config, read_tensors, replace_module
+from .experts import expert_tensors, experts_naming, has_expert_tensors, load_experts, model_key
 from .support import BLOCK_SCHEME
 
 __all__ = ["QUANT_METHOD", "export_tensors", "load", "quantization_config"]
@@ -40,11 +47,20 @@ def quantization_config(ignore: list[str], block: int = BLOCK) -> dict[str, Any]
 
 
 def export_tensors(
-    model: nn.Module, qlayers: dict[str, nn.Module], scheme: str, ignore: list[str], kv: dict[str, nn.Module]
+    model: nn.Module,
+    qlayers: dict[str, nn.Module],
+    scheme: str,
+    ignore: list[str],
+    kv: dict[str, nn.Module],
+    experts: dict[str, nn.Module] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The ``BlockQuantLinear`` layers' tensors and the ``quantization_config``."""
+    """The ``BlockQuantLinear`` layers' and block-quantized experts' tensors and the ``quantization_config``."""
     tensors: dict[str, torch.Tensor] = {}
-    blocks = {q.block for q in qlayers.values()}
+    experts = experts or {}
+    for name, module in experts.items():
+        if module.scheme.weight_strategy != "block":
+            raise ExportError(f"{name}: experts quantized with {module.scheme.name}; the fp8-block format needs tiles")
+    blocks = {q.block for q in qlayers.values()} | {m.scheme.block for m in experts.values()}
     if len(blocks) != 1:
         raise ExportError(f"the fp8-block format has one weight_block_size; the layers use {sorted(blocks)}")
     for name, q in qlayers.items():
@@ -52,6 +68,13 @@ def export_tensors(
         tensors[f"{name}.weight_scale_inv"] = q.weight_scale_inv.float().contiguous()
         if q.bias is not None:
             tensors[f"{name}.bias"] = q.bias.contiguous()
+
+    def write(prefix: str, codes: torch.Tensor, scale: torch.Tensor, input_scale: Any) -> None:
+        tensors[f"{prefix}.weight"] = codes.contiguous()
+        tensors[f"{prefix}.weight_scale_inv"] = scale.float().contiguous()
+
+    for name, module in experts.items():
+        expert_tensors(model, name, module, write)
     return tensors, quantization_config(ignore, blocks.pop())
 
 
@@ -82,5 +105,22 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
         except RuntimeError as err:
             raise ExportError(f"{path}: tensors of {name} have the wrong shape ({err})") from err
         replace_module(model, name, q)
+    if has_expert_tensors(tensors):
+        scheme = dataclasses.replace(FP8_BLOCK, block=block)
+
+        def read(prefix: str, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, None]:
+            tiles = (-(-rows // block), -(-cols // block))
+            codes, scale = tensors.pop(f"{prefix}.weight"), tensors.pop(f"{prefix}.weight_scale_inv")
+            if tuple(codes.shape) != (rows, cols) or tuple(scale.shape) != tiles:
+                raise ExportError(
+                    f"{path}: {prefix} has weight {tuple(codes.shape)} and weight_scale_inv {tuple(scale.shape)}; "
+                    f"the model's config needs {(rows, cols)} and {tiles} ({block}x{block} tiles)"
+                )
+            return codes.to(torch.float8_e4m3fn), scale.float(), None
+
+        experts = load_experts(model, path, tensors, scheme, read)
+        names += experts
+        if experts:
+            tensors = {model_key(k, experts_naming(model)[1]): v for k, v in tensors.items()}
     load_rest(model, path, tensors, names, dtype)
     return model, BLOCK_SCHEME, names, {}, False

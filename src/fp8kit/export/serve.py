@@ -5,9 +5,11 @@
   input scale is the one the recipe's amax history gives, ``reduce(history) * 2**margin / 448``),
   row-wise -> ``fp8-dynamic`` (per-channel weights, per-token activations), current scaling ->
   ``fp8-dynamic`` (its dynamic activations at finer, per-token granularity), block -> ``fp8-block`` (the
-  recipe's own 128x128 weight tiles and power-of-two scales, dynamic 1x128 activations). MXFP8 has no
-  serving format here.
-* ``quantize_block``: post-training block FP8 (no calibration: 128x128 weight tiles, dynamic activations).
+  recipe's own 128x128 weight tiles and power-of-two scales, dynamic 1x128 activations; MoE experts
+  trained by ``FP8Experts`` too, as ``QuantExperts`` with each expert's own tiles). MXFP8 has no serving
+  format here.
+* ``quantize_block``: post-training block FP8 (no calibration: 128x128 weight tiles, dynamic activations),
+  of the ``nn.Linear`` layers and of the MoE experts (``ptq.experts.QuantExperts`` with ``FP8_BLOCK``).
 """
 
 from __future__ import annotations
@@ -52,13 +54,43 @@ def _history_amax(layer: FP8Linear) -> float:
     return float(amax) * 2.0**recipe.margin
 
 
+def _block_experts(module: nn.Module, name: str) -> nn.Module:
+    """A ``QuantExperts`` (not dispatched: the training model's config is shared) holding the 128x128 tiles
+    a block-recipe ``FP8Experts`` computes with, per expert."""
+    from dataclasses import replace
+
+    from ..ptq.experts import _shallow_copy, experts_projections, install_quant_experts
+    from ..ptq.schemes import FP8_BLOCK
+
+    new: dict[str, torch.Tensor] = {}
+    for p, proj in enumerate(experts_projections(module)):
+        wq = module.fp8_expert_weights(p, module.recipe)[0]  # (E, out, in) codes, (E, tiles, tiles) scales
+        block = wq.block[0]
+        if p == 0 and module.has_gate and wq.data.shape[1] // 2 % block:
+            raise ExportError(
+                f"{name}: intermediate size {wq.data.shape[1] // 2} is not a multiple of {block}; the fp8-block "
+                "format splits the fused gate_up tiles into gate_proj and up_proj"
+            )
+        new[proj], new[f"{proj}_weight_scale"] = wq.data.contiguous(), wq.scale_inv.float().contiguous()
+        bias = getattr(module, f"{proj}_bias", None) if module.has_bias else None
+        if bias is not None:
+            new[f"{proj}_bias"] = bias.detach().float().clone()
+    q = _shallow_copy(module)
+    install_quant_experts(q, replace(FP8_BLOCK, block=block), new, dispatch=False)
+    return q
+
+
 def serving_layers(model: nn.Module) -> tuple[str, dict[str, nn.Module], list[str]]:
     """``(scheme, {name: inference layer}, names of the Linear layers left in high precision)`` for a
-    model converted by ``fp8kit.convert`` (the model itself is not changed)."""
+    model converted by ``fp8kit.convert`` (the model itself is not changed). With the block recipe, the
+    MoE experts modules it trained (``FP8Experts``) are among the layers, as ``QuantExperts``."""
+    from ..nn.experts import FP8Experts
+
     trained = {n: m for n, m in model.named_modules() if isinstance(m, FP8Linear)}
-    if not trained:
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, FP8Experts)}
+    if not trained and not experts:
         raise ExportError("serving_layers takes a model converted by fp8kit.convert (none of its layers are)")
-    kinds = {m.recipe.kind for m in trained.values()}
+    kinds = {m.recipe.kind for m in (*trained.values(), *experts.values())}
     if len(kinds) != 1:
         raise ExportError(f"the model mixes FP8 recipes ({', '.join(sorted(kinds))}); a checkpoint has one scheme")
     kind = kinds.pop()
@@ -76,44 +108,66 @@ def serving_layers(model: nn.Module) -> tuple[str, dict[str, nn.Module], list[st
                 layers[name] = QuantLinear.from_linear(m, scheme, input_amax=_history_amax(m))
             else:
                 layers[name] = QuantLinear.from_linear(m, scheme)
+        if scheme == BLOCK_SCHEME:  # other recipes' experts have no serving layers here yet
+            layers.update({name: _block_experts(m, name) for name, m in experts.items()})
     kept = [n for n, m in model.named_modules() if _high_precision(m)]
     return scheme, layers, kept
 
 
-def _report(model: nn.Module, scheme: str, names: list[str], why: str) -> None:
+def _report(
+    model: nn.Module, scheme: str, names: list[str], why: str, experts: list[str] | None = None, **skipped: str
+) -> None:
     from ..ptq.quantize import PTQReport
 
-    report = PTQReport(scheme, quantized=list(names))
-    report.skipped = {n: why for n, m in model.named_modules() if _high_precision(m)}
+    report = PTQReport(scheme, quantized=list(names), experts=list(experts or []))
+    report.skipped = {n: why for n, m in model.named_modules() if _high_precision(m)} | skipped
     object.__setattr__(model, "ptq_report", report)
 
 
 def serving_model(model: nn.Module, inplace: bool = False) -> nn.Module:
     """The inference model of a ``fp8kit.convert``-ed training model (a copy unless ``inplace``): what
     ``save_pretrained`` writes, to evaluate before exporting."""
+    from ..ptq.experts import QuantExperts, dispatch_quant_experts
+
     model = model if inplace else copy.deepcopy(model)
     scheme, layers, _ = serving_layers(model)
+    experts = [n for n, m in layers.items() if isinstance(m, QuantExperts)]
     for name, layer in layers.items():
         replace_module(model, name, layer)
-    _report(model, scheme, list(layers), "not converted to FP8 for training")
+        if name in experts:
+            dispatch_quant_experts(layer)
+    _report(model, scheme, [n for n in layers if n not in experts], "not converted to FP8 for training", experts)
     return model.eval()
 
 
 def quantize_block(model: nn.Module, module_filter: Callable[[str, nn.Module], bool] | None = None) -> nn.Module:
     """Post-training block FP8 in place: eligible ``nn.Linear`` layers (default: ``fp8kit.convert``'s
     filter, which keeps the output head) become ``BlockQuantLinear`` (128x128 weight tiles with
-    ``amax / 448`` scales, dynamic 1x128 activations); no calibration data needed."""
+    ``amax / 448`` scales, dynamic 1x128 activations) and eligible MoE experts modules (``module_filter``
+    sees them too) ``ptq.experts.QuantExperts`` with the same layout per expert; no calibration data needed.
+    By default, experts whose fused gate_up cannot be cut into whole gate and up tiles stay in high
+    precision (``ptq_report.skipped`` says why); a ``module_filter`` that selects them gets the error."""
     from ..nn.convert import default_module_filter
+    from ..ptq.experts import block_tiling_problem, find_experts, quantize_experts_module
+    from ..ptq.schemes import FP8_BLOCK
 
     default = default_module_filter(model)
     keep = module_filter or (lambda n, m: default(n, m) is None)
     names = [n for n, m in model.named_modules() if type(m) is nn.Linear and keep(n, m)]
-    if not names:
-        raise ExportError("quantize_block found no eligible nn.Linear layer")
+    found = find_experts(model)
+    untileable = {n: why for n, m in found.items() if (why := block_tiling_problem(m, FP8_BLOCK.block))}
+    if module_filter is not None:
+        experts, untileable = [n for n, m in found.items() if module_filter(n, m)], {}
+    else:
+        experts = [n for n in found if n not in untileable]
+    if not names and not experts:
+        raise ExportError("quantize_block found no eligible nn.Linear layer or MoE experts module")
     with torch.no_grad():
+        for name in experts:
+            quantize_experts_module(model.get_submodule(name), FP8_BLOCK, name=name)
         for name in names:
             replace_module(model, name, BlockQuantLinear.from_linear(model.get_submodule(name)))
-    _report(model, BLOCK_SCHEME, names, "kept in high precision")
+    _report(model, BLOCK_SCHEME, names, "kept in high precision", experts, **untileable)
     return model.eval()
 
 

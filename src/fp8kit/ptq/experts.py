@@ -29,6 +29,16 @@ Stored per projection ``P`` (``gate_up_proj`` or ``up_proj``, and ``down_proj``)
   shared scale is exactly that max: the max over experts of each expert's calibrated amax, and the
   export writes it to every expert (vLLM then loads it without the warning and computes what fp8kit does).
 
+Block FP8 (``schemes.FP8_BLOCK``, DeepSeek-V3 style; ``fp8kit.export.quantize_block``): ``P_weight_scale``
+is ``(E, ceil(out / 128), ceil(in / 128))``, one dequant multiplier (``weight_scale_inv`` on disk) per
+128x128 tile of **one** expert's ``(out, in)`` weight: tiles never cross experts (each expert is tiled on
+its own, ragged edge tiles cut). The fused ``gate_up`` ``(2I, H)`` of an expert is tiled as one matrix,
+which needs ``I`` to be a multiple of 128: then its first ``I / 128`` tile rows are exactly ``gate_proj``'s
+tiles and the rest ``up_proj``'s, so the per-expert checkpoint tensors are whole tiles (an ``I`` that is
+not a multiple of 128 is refused, as a tile would mix gate and up rows). Activations are quantized at run
+time per 1x128 group along K of each routed token (``amax / 448``); the GEMM runs on the exact
+dequantized values with FP32 accumulation, as ``export.BlockQuantLinear`` does.
+
 Dynamic per-token activations (``fp8-dynamic``) are scaled per routed token, never across tokens; the
 weight-only scheme leaves them in high precision.
 
@@ -60,6 +70,8 @@ from .schemes import Scheme, get_scheme
 __all__ = [
     "IMPLEMENTATION",
     "ExpertsObserver",
+    "block_tiling_problem",
+    "dispatch_quant_experts",
     "QuantExperts",
     "experts_projections",
     "find_experts",
@@ -182,7 +194,20 @@ class QuantExperts:
 
     def dequantized_weight(self, p: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``codes * scale``, ``(E, out, in)``: the weight the module computes with."""
-        return (self.weight_codes(p).float() * self.weight_scale(p)).to(dtype)
+        codes, scale = self.weight_codes(p), self.weight_scale(p)
+        if self.scheme.weight_strategy == "block":
+            b, (rows, cols) = self.scheme.block, codes.shape[1:]
+            scale = scale.repeat_interleave(b, 1).repeat_interleave(b, 2)[:, :rows, :cols]
+        return (codes.float() * scale).to(dtype)
+
+    def dequantized_input(self, p: int, x: torch.Tensor) -> torch.Tensor:
+        """The routed tokens ``x`` ``(S, in)`` as the module's GEMM sees them (float32): rounded to the
+        activation format with ``quantize_input``'s scales, or per 1 x ``block`` group (block FP8)."""
+        if self.scheme.act_strategy == "group":
+            fmt, b = self.scheme.act_format, self.scheme.block
+            return fp8_quantize(x.float(), fmt, (1, b), nonfinite="propagate").dequantize(torch.float32)
+        xq, sx = self.quantize_input(p, x)
+        return xq.float() * sx.reshape(-1, 1)
 
     def quantize_input(self, p: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes of the routed tokens ``x`` ``(S, in)`` and their dequant scale (``(1,)`` static, ``(S, 1)``
@@ -204,14 +229,16 @@ class QuantExperts:
             return self._project_straight_through(p, x, offs, group_ids)
         gdt = torch.float32 if x.device.type == "cpu" else torch.bfloat16
         codes = self.weight_codes(p)
-        ws = self.weight_scale(p).reshape(codes.shape[0], -1)[group_ids]  # (S, 1) or (S, out)
-        if self.scheme.act_format is None:  # weight-only: high-precision activations
+        if self.scheme.weight_strategy == "block":  # per-tile scales: GEMM on the exact dequantized values
+            w = self.dequantized_weight(p).transpose(1, 2)
+            out = grouped_mm(self.dequantized_input(p, x), w, offs)
+        elif self.scheme.act_format is None:  # weight-only: high-precision activations
             acc = grouped_mm(x.to(gdt), codes.to(gdt).transpose(1, 2), offs)
-            out = acc.float() * ws
+            out = acc.float() * self.weight_scale(p).reshape(codes.shape[0], -1)[group_ids]  # (S, 1) or (S, out)
         else:
             xq, sx = self.quantize_input(p, x)
             acc = grouped_mm(xq.to(gdt), codes.to(gdt).transpose(1, 2), offs)
-            out = acc.float() * sx.reshape(-1, 1) * ws
+            out = acc.float() * sx.reshape(-1, 1) * self.weight_scale(p).reshape(codes.shape[0], -1)[group_ids]
         bias = getattr(self, f"{self.projections[p]}_bias", None) if self.has_bias else None
         if bias is not None:
             out = out + bias[group_ids].float()
@@ -224,8 +251,7 @@ class QuantExperts:
         gradient straight through, the weights are frozen. Inference never takes this path."""
         if self.scheme.act_format is not None:
             with torch.no_grad():
-                xq, sx = self.quantize_input(p, x.detach())
-                xd = (xq.float() * sx.reshape(-1, 1)).to(x.dtype)
+                xd = self.dequantized_input(p, x.detach()).to(x.dtype)
             x = x + (xd - x).detach()
         out = _GroupedMatmul.apply(x.float(), self.dequantized_weight(p), offs)
         bias = getattr(self, f"{self.projections[p]}_bias", None) if self.has_bias else None
@@ -291,6 +317,9 @@ def quantize_experts_module(
     if scheme.static_activations and input_amax is None:
         raise ValueError(f"scheme {scheme.name!r} needs calibrated input amaxes for {what} (run a forward_loop)")
     projections = experts_projections(module)
+    problem = block_tiling_problem(module, scheme.block) if scheme.weight_strategy == "block" else None
+    if problem:
+        raise ValueError(f"{what}: {problem}; keep these experts in high precision (module_filter)")
     new: dict[str, torch.Tensor] = {}
     for p, proj in enumerate(projections):
         w = _weight_out_in(module, proj)
@@ -309,6 +338,20 @@ def quantize_experts_module(
     return module
 
 
+def block_tiling_problem(module: nn.Module, block: int) -> str | None:
+    """Why ``module``'s experts cannot be tiled in ``block`` x ``block`` tiles that the per-expert
+    checkpoint tensors hold whole (a fused gate_up whose intermediate size is not a multiple), or ``None``."""
+    if not module.has_gate:
+        return None
+    inter = _weight_out_in(module, experts_projections(module)[0]).shape[1] // 2
+    if inter % block == 0:
+        return None
+    return (
+        f"intermediate size {inter} is not a multiple of {block}, so a {block}x{block} tile of the fused "
+        "gate_up_proj would mix gate and up rows"
+    )
+
+
 def _shallow_copy(module: nn.Module) -> nn.Module:
     """A new module object with ``module``'s attributes, its own parameter/buffer/submodule dicts (tensors
     and submodules shared), so that a class swap and new buffers leave ``module`` as it was."""
@@ -318,18 +361,26 @@ def _shallow_copy(module: nn.Module) -> nn.Module:
 
 
 def quantize_codes(w: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(codes (E, out, in), dequant scales (E, 1, 1) per tensor or (E, out, 1) per channel)`` of the
-    expert weights ``w`` ``(E, out, in)``, one scale per expert (per tensor) or per expert and row."""
+    """``(codes (E, out, in), dequant scales (E, 1, 1) per tensor, (E, out, 1) per channel or
+    (E, ceil(out / b), ceil(in / b)) per b x b tile)`` of the expert weights ``w`` ``(E, out, in)``, one
+    scale per expert (per tensor), per expert and row, or per expert and tile (tiles never cross experts)."""
     e, r, c = w.shape
+    if scheme.weight_strategy == "block":
+        tiles = [fp8_quantize(w[i].float(), scheme.weight_format, (scheme.block, scheme.block)) for i in range(e)]
+        codes = torch.stack([t.data for t in tiles]).contiguous()
+        return codes, torch.stack([t.scales.float().reshape(-(-r // scheme.block), -1) for t in tiles]).contiguous()
     gran = "row" if scheme.weight_strategy == "channel" else (r, c)  # (r, c) tiles: one per expert
     qt = fp8_quantize(w.float().reshape(e * r, c), scheme.weight_format, gran)
     scale = dequant_scale(qt.amax, scheme.weight_format).reshape(e, -1, 1)
     return qt.data.reshape(e, r, c).contiguous(), scale.contiguous()
 
 
-def install_quant_experts(module: nn.Module, scheme: Scheme, tensors: dict[str, torch.Tensor]) -> None:
+def install_quant_experts(
+    module: nn.Module, scheme: Scheme, tensors: dict[str, torch.Tensor], *, dispatch: bool = True
+) -> None:
     """Make ``module`` a ``QuantExperts`` holding ``tensors`` (codes, scales, biases by buffer name) in place
-    of its 3-D parameters, and dispatch its config to ``"fp8kit_ptq"``."""
+    of its 3-D parameters, and (``dispatch``) point its config at ``"fp8kit_ptq"``; without ``dispatch`` the
+    module only carries tensors to an export (its config, shared with a training model, stays as it is)."""
     projections = experts_projections(module)
     device = module.down_proj.device
     for key in (*projections, *(f"{p}_bias" for p in projections)):
@@ -343,6 +394,12 @@ def install_quant_experts(module: nn.Module, scheme: Scheme, tensors: dict[str, 
     module.projections = projections
     module._fp8kit_was_transposed = module.is_transposed
     module.is_transposed = False
+    if dispatch:
+        dispatch_quant_experts(module)
+
+
+def dispatch_quant_experts(module: nn.Module) -> None:
+    """Run ``module`` (a ``QuantExperts``) through ``"fp8kit_ptq"``: see ``_dispatch_to_quant``."""
     _dispatch_to_quant(module)
     _QUANTIZED.add(module)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from ..formats import E4M3, INT8, Format
 
-__all__ = ["SCHEMES", "Scheme", "get_scheme"]
+__all__ = ["FP8_BLOCK", "SCHEMES", "Scheme", "get_scheme"]
 
 
 @dataclass(frozen=True)
@@ -20,9 +20,11 @@ class Scheme:
     Attributes:
         name: the scheme's name (``fp8kit quantize --scheme NAME``).
         weight_format: E4M3 or INT8 (weights stored in 8 bits).
-        weight_strategy: ``"tensor"`` (one scale) or ``"channel"`` (one scale per output row).
+        weight_strategy: ``"tensor"`` (one scale), ``"channel"`` (one scale per output row) or ``"block"``
+            (one scale per ``block`` x ``block`` tile).
         act_format: activation format, or ``None`` for weight-only (high-precision activations).
-        act_strategy: ``"tensor"`` (static, calibrated) or ``"token"`` (dynamic, per row at run time).
+        act_strategy: ``"tensor"`` (static, calibrated), ``"token"`` (dynamic, per row at run time) or
+            ``"group"`` (dynamic, per 1 x ``block`` group along K at run time).
         smooth: apply SmoothQuant before quantizing.
         export_format: the compressed-tensors ``format`` the export writes.
     """
@@ -35,6 +37,7 @@ class Scheme:
     smooth: bool
     export_format: str
     description: str
+    block: int | None = None  # the tile edge of the "block" weight strategy and "group" activations
 
     @property
     def static_activations(self) -> bool:
@@ -90,6 +93,21 @@ SCHEMES: dict[str, Scheme] = {
         ),
     )
 }
+
+
+# The block-FP8 layout (DeepSeek-V3 style, the block training recipe's): not a ``fp8kit quantize --scheme``
+# (``fp8kit.export.quantize_block`` applies it, with no calibration) and written only as ``fp8-block``.
+FP8_BLOCK = Scheme(
+    "fp8-block",
+    E4M3,
+    "block",
+    E4M3,
+    "group",
+    False,
+    "fp8-block",
+    "E4M3 weights per 128x128 tile, E4M3 activations per 1x128 group scaled at run time",
+    block=128,
+)
 
 
 def get_scheme(scheme: Scheme | str) -> Scheme:
