@@ -362,8 +362,8 @@ def test_expert_parallel_gradients_are_the_global_mean_losses(mesh_result):
         (["--nproc", "2", "--tp", "2", "--recipe", "rowwise"], "rowwise"),
         (["--nproc", "2", "--tp", "2", "--model-size", "tiny", "--recipe", "block"], "multiple of 128"),
         (["--nproc", "2", "--ep", "2"], "--arch moe"),
-        (["--nproc", "4", "--ep", "2", "--arch", "moe"], "use --nproc 2"),
-        (["--nproc", "2", "--ep", "2", "--arch", "moe", "--fsdp"], "no --fsdp"),
+        (["--nproc", "8", "--ep", "2", "--tp", "2", "--arch", "moe"], "use --nproc 4"),
+        (["--nproc", "4", "--ep", "2", "--arch", "moe", "--fsdp"], "drop --fsdp"),
     ],
 )
 def test_cli_refuses_a_bad_mesh_before_starting_anything(tmp_path, capsys, monkeypatch, argv, fix):
@@ -387,5 +387,6 @@ def test_mesh_shapes_and_summary():
     assert check_mesh(4, tp=2, fsdp=True).describe() == {"shape": [2, 2], "dim_names": ["dp", "tp"], "fsdp": True}
     assert check_mesh(4, tp=2, ep=2).dim_names == ("dp", "ep", "tp")
     assert check_mesh(4, tp=2, ep=2).shape == (1, 2, 2)
+    assert check_mesh(4, ep=2).describe() == {"shape": [2, 2], "dim_names": ["dp", "ep"], "fsdp": False}
     assert check_mesh(4).describe()["dim_names"] == ["dp"]
     assert check_mesh(4, tp=4).shape == (1, 4)

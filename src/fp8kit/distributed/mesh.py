@@ -6,9 +6,12 @@ consecutive ranks, on one machine when ``tp`` divides the processes per machine)
 
 * ``tp``: tensor parallelism (``tensor_parallel.py``) of the attention and MLP projections; the ``tp``
   ranks of a group read the same batch.
-* ``ep``: expert parallelism of MoE experts (``expert_parallel.parallelize_experts``); ``dp x ep`` ranks
-  read distinct batch shards. For now with one ``dp`` row and no FSDP2: the parameters all EP ranks hold
-  are averaged by ``DistContext.reduce_expert_parallel_grads`` (one flat all-reduce per step).
+* ``ep``: expert parallelism of MoE experts (``expert_parallel.parallelize_experts`` on ``mesh["ep"]``:
+  tokens are dispatched within a ``dp`` row's EP group); ``dp x ep`` ranks read distinct batch shards.
+  Without FSDP2 (DDP-style; with ``tp`` only on one ``dp`` row): experts are sharded over ``ep`` and
+  replicated over ``dp``; ``DistContext.reduce_expert_parallel_grads`` averages the expert gradients over
+  the ``dp`` group (the ranks holding the same experts) and every other parameter's over all ``dp x ep``
+  ranks (one flat all-reduce per step each; the first only with several ``dp`` rows).
 * ``dp``: data parallelism: FSDP2 (``fully_shard`` on ``mesh["dp"]``, FP8 weight all-gather on that dim)
   with ``fsdp``, else DDP (refused together with ``tp``: shard with ``--fsdp`` instead).
 
@@ -97,10 +100,12 @@ def check_mesh(nproc: int, tp: int = 1, ep: int = 1, fsdp: bool = False, batch_s
             f"{inner} (e.g. --nproc {fit}) or a --tp/--ep whose product divides {nproc}"
         )
     shape = MeshShape(nproc, tp, ep, fsdp)
-    if ep > 1 and (shape.dp > 1 or fsdp):
+    if ep > 1 and fsdp:
+        raise ValueError(f"--ep {ep} with --fsdp (FSDP2 over the EP ranks) is not supported yet: drop --fsdp")
+    if ep > 1 and tp > 1 and shape.dp > 1:
         raise ValueError(
-            f"--ep {ep} runs on --nproc = --ep x --tp = {inner} processes without --fsdp for now (data-parallel rows "
-            f"or FSDP2 over the EP ranks are not supported yet): use --nproc {inner} and no --fsdp"
+            f"--ep {ep} --tp {tp} runs on --nproc = --ep x --tp = {inner} processes (several data-parallel rows "
+            f"with TP need --fsdp, which --ep does not take yet): use --nproc {inner}"
         )
     if fsdp and shape.dp < 2:
         raise ValueError(

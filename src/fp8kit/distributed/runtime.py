@@ -77,30 +77,29 @@ class DistContext:
 
     @torch.no_grad()
     def reduce_expert_parallel_grads(self, model: nn.Module) -> None:
-        """With ``ep`` > 1 (and one ``dp`` row: ``check_mesh``), after the step's last backward: the ``ep``
-        ranks read different tokens, so every parameter they all hold (embeddings, attention, router, norms;
-        TP shards included) gets the mean of their gradients (one flat all-reduce over the EP group), and an
-        expert parameter (a ``DTensor`` on the EP mesh, ``expert_parallel``), whose gradient already sums
-        every EP rank's tokens, is divided by ``ep``: the gradients of the global batch's mean loss."""
+        """With ``ep`` > 1 (no FSDP2: ``check_mesh``), after the step's last backward, the gradients of the
+        global batch's mean loss. The ``dp x ep`` ranks read different tokens, so every parameter they all
+        hold (embeddings, attention, router, norms; TP shards included) gets the mean of their gradients
+        (one flat all-reduce over the ``dp x ep`` ranks of this rank's TP coordinate: the EP group with one
+        ``dp`` row, the world without TP). An expert parameter (a ``DTensor`` on ``mesh["ep"]``,
+        ``expert_parallel``), whose gradient already sums the tokens of every EP rank of its ``dp`` row, is
+        summed over its ``dp`` group (the ranks holding the same experts) and divided by ``dp x ep``."""
         if self.mesh is None or self.ep == 1:
             return
         from .fsdp import _shard
 
-        ep_mesh = self.mesh["ep"]
+        dp = self.world // (self.ep * self.tp)
+        if dp > 1 and self.tp > 1:
+            raise ValueError(f"--ep {self.ep} --tp {self.tp} runs on one dp row: use --nproc {self.ep * self.tp}")
+        shared_group = self.mesh["ep"].get_group() if dp == 1 else None  # dp > 1: tp == 1, the world
         shared, experts = [], []
         for p in model.parameters():
             if p.grad is None:
                 continue
             mesh = getattr(p, "device_mesh", None)
             (experts if mesh is not None and "ep" in (mesh.mesh_dim_names or ()) else shared).append(_shard(p.grad))
-        for g in experts:
-            g.div_(self.ep)
-        if shared:
-            flat = torch.cat([g.reshape(-1).float() for g in shared])
-            dist.all_reduce(flat, group=ep_mesh.get_group())
-            flat.div_(self.ep)
-            for g, part in zip(shared, flat.split([g.numel() for g in shared]), strict=True):
-                g.copy_(part.view_as(g))
+        _mean_flat(experts, self.mesh["dp"].get_group() if dp > 1 else None, dp * self.ep, dp > 1)
+        _mean_flat(shared, shared_group, dp * self.ep, True)
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_``, or for parameters on a 2-D mesh ``mesh.clip_grad_norm_``."""
@@ -163,6 +162,22 @@ class DistContext:
     def barrier(self) -> None:
         if self.active:
             dist.barrier()
+
+
+def _mean_flat(grads: list[torch.Tensor], group: Any, count: int, reduce: bool) -> None:
+    """``grads`` summed over ``group`` (one flat float32 all-reduce; none without ``reduce``), divided by
+    ``count``, in place."""
+    if not grads:
+        return
+    if not reduce:
+        for g in grads:
+            g.div_(count)
+        return
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat.div_(count)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(part.view_as(g))
 
 
 _CURRENT: list[DistContext] = []
