@@ -41,6 +41,7 @@ __all__ = [
     "check_mesh",
     "check_tp_model",
     "clip_grad_norm_",
+    "fsdp_meshes",
     "llama_tp_plan",
     "mesh_layout",
     "mesh_of",
@@ -100,23 +101,16 @@ def check_mesh(nproc: int, tp: int = 1, ep: int = 1, fsdp: bool = False, batch_s
             f"{inner} (e.g. --nproc {fit}) or a --tp/--ep whose product divides {nproc}"
         )
     shape = MeshShape(nproc, tp, ep, fsdp)
-    if ep > 1 and fsdp:
-        raise ValueError(f"--ep {ep} with --fsdp (FSDP2 over the EP ranks) is not supported yet: drop --fsdp")
-    if ep > 1 and tp > 1 and shape.dp > 1:
-        raise ValueError(
-            f"--ep {ep} --tp {tp} runs on --nproc = --ep x --tp = {inner} processes (several data-parallel rows "
-            f"with TP need --fsdp, which --ep does not take yet): use --nproc {inner}"
-        )
-    if fsdp and shape.dp < 2:
+    if fsdp and shape.data_parallel < 2:
         raise ValueError(
             "--fsdp shards over the data-parallel ranks, and "
-            + (f"--nproc {nproc} / (--tp {tp} x --ep {ep}) leaves one" if inner > 1 else "--nproc 1 has one")
+            + (f"--nproc {nproc} / --tp {tp} leaves one" if tp > 1 else "--nproc 1 has one")
             + f": drop --fsdp or use --nproc {2 * inner}"
         )
     if tp > 1 and shape.dp > 1 and not fsdp:
         raise ValueError(
             f"--tp {tp} on --nproc {nproc} leaves {shape.dp} data-parallel replicas, which fp8kit shards with FSDP2 "
-            "only (no DDP x TP): add --fsdp, or use --nproc equal to --tp"
+            f"only (no DDP x TP): add --fsdp, or use --nproc equal to --tp{f' x --ep ({inner})' if ep > 1 else ''}"
         )
     if batch_size is not None and batch_size % shape.data_parallel:
         raise ValueError(
@@ -215,6 +209,8 @@ def parallelize_model(model: nn.Module, mesh: Any, fsdp: bool = False, fp8_all_g
     3. synchronized FP8 scaling over the whole mesh (``enable_fp8_distributed``).
     4. ``fsdp``: FSDP2 on ``mesh["dp"]`` (each decoder layer, then the root), with the FP8 weight
        all-gather of per-tensor layers (``fsdp.py``): TP-sharded weights are all-gathered in FP8 over ``dp``.
+       With ``ep`` (``fsdp_meshes``): the non-expert parameters over the flattened ``dp x ep`` ranks, each
+       experts module (its own unit) over ``dp``, its gradients divided by ``dp x ep`` (``shard_model``).
     """
     from .fsdp import shard_model
     from .scaling import enable_fp8_distributed
@@ -242,8 +238,20 @@ def parallelize_model(model: nn.Module, mesh: Any, fsdp: bool = False, fp8_all_g
         parallelize_experts(model, mesh["ep"])
     enable_fp8_distributed(model, whole)
     if fsdp:
-        shard_model(model, fp8_all_gather=fp8_all_gather, mesh=mesh["dp"], scale_group=whole)
+        dense, experts = fsdp_meshes(mesh)
+        shard_model(model, fp8_all_gather=fp8_all_gather, mesh=dense, scale_group=whole, experts_mesh=experts)
     return model
+
+
+def fsdp_meshes(mesh: Any) -> tuple[Any, Any]:
+    """``(dense, experts)``: the 1-D meshes FSDP2 shards over. Without ``ep``: ``mesh["dp"]`` and None (the
+    experts modules too). With ``ep`` (torchtitan's ``dp_shard`` / ``dp_shard_mod_ep``): every non-expert
+    parameter is replicated over ``dp`` and ``ep`` alike, so it shards over the flattened ``dp x ep`` ranks
+    (``"dp_ep"``); the experts, already split over ``ep``, shard over ``mesh["dp"]``."""
+    names = mesh.mesh_dim_names or ()
+    if "ep" not in names:
+        return mesh["dp"], None
+    return mesh["dp", "ep"]._flatten("dp_ep"), mesh["dp"]
 
 
 def _squeezed(shape: Any, names: Any) -> dict[str, list]:
