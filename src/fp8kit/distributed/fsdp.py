@@ -401,7 +401,9 @@ def shard_model(
             fully_shard(module, mesh=experts_mesh if experts_mesh is not None else mesh, **placement)
             if experts_mesh is not None:
                 module.set_gradient_divide_factor(float(world))
-                if dist.get_backend() != "nccl":  # a divisor other than the mesh size is NCCL's PREMUL_SUM
+                # a divisor other than the mesh size is NCCL's PREMUL_SUM; elsewhere a SUM, then the division.
+                # Not on one rank: torch then divides the copied gradient by the factor, and again after.
+                if dist.get_backend() != "nccl" and experts_world > 1:
                     module.set_force_sum_reduction_for_comms(True)
     for module in list(model.modules()):
         if isinstance(module, nn.ModuleList):

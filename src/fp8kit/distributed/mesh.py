@@ -29,6 +29,7 @@ other operands differ between ``dp`` ranks (different tokens), so a TP-group-onl
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,7 @@ __all__ = [
     "mesh_layout",
     "mesh_of",
     "parallelize_model",
+    "sum_head_norm_grads",
 ]
 
 DIM_NAMES = ("dp", "ep", "tp")
@@ -224,6 +226,7 @@ def parallelize_model(model: nn.Module, mesh: Any, fsdp: bool = False, fp8_all_g
 
         for layer in _decoder_layers(model):
             parallelize_module(layer, mesh["tp"], llama_tp_plan(layer))
+            sum_head_norm_grads(layer, mesh["tp"].get_group())
         for m in model.modules():
             if isinstance(m, TensorParallelLinear):
                 m.tp_amax_group = whole
@@ -252,6 +255,66 @@ def fsdp_meshes(mesh: Any) -> tuple[Any, Any]:
     if "ep" not in names:
         return mesh["dp"], None
     return mesh["dp", "ep"]._flatten("dp_ep"), mesh["dp"]
+
+
+class _SumGradOver(torch.autograd.Function):
+    """Identity; backward: the gradient summed over ``group`` (one all-reduce)."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        import torch.distributed as dist
+
+        from .scaling import _COUNTS
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        _COUNTS["tp_head_norm_grad"] += 1
+        return grad, None
+
+
+class _HeadNormGradSum:
+    """Mixin for a per-head norm (Qwen3's ``q_norm`` / ``k_norm``) after a column-parallel projection: its
+    weight is whole on every TP rank but each rank normalizes only its own heads, so the weight's gradient
+    is summed over the TP group (the one-process gradient sums over all heads)."""
+
+    _head_norm_group: Any
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        weight = self._parameters["weight"]
+        self._parameters["weight"] = _SumGradOver.apply(weight, self._head_norm_group)  # type: ignore[assignment]
+        try:
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._parameters["weight"] = weight
+
+
+@functools.cache
+def _head_norm_class(cls: type) -> type:
+    return type(f"TPHeadSum{cls.__name__}", (_HeadNormGradSum, cls), {"__module__": __name__})
+
+
+def sum_head_norm_grads(layer: nn.Module, group: Any) -> list[str]:
+    """Make the per-head norms of ``layer``'s attention (``q_norm`` / ``k_norm``, Qwen3) sum their weight
+    gradient over the TP ``group`` (``_HeadNormGradSum``); ``parallelize_model`` calls it after the TP plan
+    split q/k by heads. Without it each TP rank steps its copy with the gradient of its heads only (the
+    copies drift apart, and from one process's). Returns the wrapped norms' names."""
+    done = []
+    for proj, norm in (("self_attn.q_proj", "self_attn.q_norm"), ("self_attn.k_proj", "self_attn.k_norm")):
+        try:
+            m = layer.get_submodule(norm)
+            layer.get_submodule(proj)
+        except AttributeError:
+            continue
+        if isinstance(getattr(m, "weight", None), nn.Parameter) and not isinstance(m, _HeadNormGradSum):
+            m.__class__ = _head_norm_class(type(m))
+            m._head_norm_group = group
+            done.append(norm)
+    return done
 
 
 def _squeezed(shape: Any, names: Any) -> dict[str, list]:
