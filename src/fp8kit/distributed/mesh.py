@@ -11,9 +11,11 @@ consecutive ranks, on one machine when ``tp`` divides the processes per machine)
   Without FSDP2 (DDP-style; with ``tp`` only on one ``dp`` row): experts are sharded over ``ep`` and
   replicated over ``dp``; ``DistContext.reduce_expert_parallel_grads`` averages the expert gradients over
   the ``dp`` group (the ranks holding the same experts) and every other parameter's over all ``dp x ep``
-  ranks (one flat all-reduce per step each; the first only with several ``dp`` rows).
-* ``dp``: data parallelism: FSDP2 (``fully_shard`` on ``mesh["dp"]``, FP8 weight all-gather on that dim)
-  with ``fsdp``, else DDP (refused together with ``tp``: shard with ``--fsdp`` instead).
+  ranks (one flat all-reduce per step each; the first only with several ``dp`` rows). With FSDP2
+  (``fsdp_meshes``): the experts are FSDP2-sharded over ``dp``, every other parameter over the flattened
+  ``dp x ep`` ranks; FSDP2's reduce-scatters reduce both (the experts' divided by ``dp x ep``).
+* ``dp``: data parallelism: FSDP2 (``fully_shard`` on ``mesh["dp"]``, or ``dp x ep`` as above, FP8 weight
+  all-gather on that dim) with ``fsdp``, else DDP (refused together with ``tp``: shard with ``--fsdp``).
 
 ``check_mesh`` refuses a factorisation the run cannot take (one line naming the fix) before any process
 or model exists; ``build_mesh`` makes the ``DeviceMesh`` in each worker; ``parallelize_model`` applies
