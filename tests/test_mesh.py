@@ -362,8 +362,8 @@ def test_expert_parallel_gradients_are_the_global_mean_losses(mesh_result):
         (["--nproc", "2", "--tp", "2", "--recipe", "rowwise"], "rowwise"),
         (["--nproc", "2", "--tp", "2", "--model-size", "tiny", "--recipe", "block"], "multiple of 128"),
         (["--nproc", "2", "--ep", "2"], "--arch moe"),
-        (["--nproc", "8", "--ep", "2", "--tp", "2", "--arch", "moe"], "use --nproc 4"),
-        (["--nproc", "4", "--ep", "2", "--arch", "moe", "--fsdp"], "drop --fsdp"),
+        (["--nproc", "8", "--ep", "2", "--tp", "2", "--arch", "moe"], "add --fsdp"),
+        (["--nproc", "4", "--ep", "4", "--arch", "moe", "--fsdp", "--batch-size", "6"], "multiple of 4"),
     ],
 )
 def test_cli_refuses_a_bad_mesh_before_starting_anything(tmp_path, capsys, monkeypatch, argv, fix):

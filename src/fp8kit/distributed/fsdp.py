@@ -138,10 +138,12 @@ class FP8GatherWeight(torch.Tensor):
         if self._projection is None:
             scale = self._layer._fp8_gather_scale
             shard_scale, meta = scale, (scale,)
-        else:  # per-expert scales: those of the experts this shard holds (all of them under Shard(1))
+        else:  # per-expert scales (global expert ids): the shard's experts, and those the gather returns
             scale = self._layer._fp8_gather_scale[self._projection].reshape(-1, 1, 1)
             start, n = self._layer._fp8_gather_rows[self._projection], self._data.shape[0]
-            shard_scale, meta = scale[start : start + n], (scale, tuple(outer_size))
+            first = getattr(self._layer, "ep_first_expert", 0)  # expert parallel: this EP rank's experts only
+            shard_scale = scale[start : start + n]
+            meta = (scale[first : first + outer_size[0]], tuple(outer_size))
         codes = (self._data.float() * shard_scale).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8)
         return (codes.view(torch.uint8),), meta
 
@@ -177,7 +179,7 @@ def _per_tensor(layer: nn.Module) -> bool:
     return bool(layer.recipe.per_tensor) and layer.recipe.format_for("weight").name.lower() in ("e4m3", "e4m3fn")
 
 
-def enable_fp8_all_gather(model: nn.Module, group: Any = None) -> list[str]:
+def enable_fp8_all_gather(model: nn.Module, group: Any = None, experts_group: Any = None) -> list[str]:
     """Wrap the weights of the per-tensor FP8 layers of ``model`` so FSDP2 all-gathers them in FP8; call
     after ``enable_fp8_distributed`` and before ``fully_shard``, then ``register_fp8_gather_hook`` after it
     (``shard_model`` does all three). Returns the names of the wrapped layers.
@@ -185,13 +187,16 @@ def enable_fp8_all_gather(model: nn.Module, group: Any = None) -> list[str]:
     A weight whose rows do not split evenly over the ranks keeps the high-precision gather (FSDP2 pads
     uneven shards, which this wrapper does not handle). MoE experts modules gather their two 3-D weights
     in FP8 with one scale per expert; ``shard_model`` shards them along the experts (dim 0), or along dim 1
-    when there are fewer experts than ranks (``experts_shard_placement``).
+    when there are fewer experts than ranks (``experts_shard_placement``). ``group``: the ranks FSDP2 shards
+    the other layers over; ``experts_group``: those it shards the experts modules over (default ``group``;
+    FSDP2 x EP: the ``dp`` ranks, while the dense layers shard over ``dp x ep``).
     """
     world = dist.get_world_size(group)
+    experts_world = world if experts_group is None else dist.get_world_size(experts_group)
     names = []
     for name, m in model.named_modules():
         if hasattr(m, "fp8_param") and _per_tensor(m):
-            if _wrap_experts(m, world):
+            if _wrap_experts(m, experts_world):
                 names.append(name)
             continue
         if not (hasattr(m, "fold_amax_pending") and _per_tensor(m)) or _local_data(m.weight).shape[0] % world:
@@ -209,14 +214,14 @@ def _local_data(weight: torch.Tensor) -> torch.Tensor:
     return data.to_local() if hasattr(data, "to_local") else data
 
 
-def _wrap_for_gather(data: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-    """``FP8GatherWeight`` around the weight, or inside a tensor-parallel ``DTensor`` (its local part: what FSDP2
-    shards and all-gathers over the data-parallel mesh)."""
+def _wrap_for_gather(data: torch.Tensor, layer: nn.Module, projection: int | None = None) -> torch.Tensor:
+    """``FP8GatherWeight`` around the weight, or inside a tensor- or expert-parallel ``DTensor`` (its local
+    part: what FSDP2 shards and all-gathers over the data-parallel mesh)."""
     if not hasattr(data, "to_local"):
-        return FP8GatherWeight(data, layer)
+        return FP8GatherWeight(data, layer, projection)
     from torch.distributed.tensor import DTensor
 
-    local = FP8GatherWeight(data.to_local(), layer)
+    local = FP8GatherWeight(data.to_local(), layer, projection)
     return DTensor.from_local(
         local, data.device_mesh, data.placements, run_check=False, shape=data.shape, stride=data.stride()
     )
@@ -227,30 +232,32 @@ def _param_names(experts: nn.Module) -> tuple[str, str]:
 
 
 def _wrap_experts(experts: nn.Module, world: int) -> bool:
-    """Wrap an experts module's two 3-D weights for the FP8 gather, if they shard evenly (see
-    ``experts_shard_placement``); False (high-precision gather) otherwise."""
-    weights = [experts.fp8_param(p) for p in (0, 1)]
-    e = weights[0].shape[0]
-    dim = 1 if e < world else 0
+    """Wrap an experts module's two 3-D weights for the FP8 gather, if they shard evenly over ``world`` ranks
+    (see ``experts_shard_placement``); False (high-precision gather) otherwise. Under expert parallelism the
+    weights are ``DTensor`` s on the EP mesh: FSDP2 shards (and the wrapper holds) their local experts."""
+    weights = [_local_data(experts.fp8_param(p)) for p in (0, 1)]
+    dim = 1 if weights[0].shape[0] < world else 0
     if any(w.shape[dim] % world for w in weights):
         return False
     for p, name in enumerate(_param_names(experts)):
         w = getattr(experts, name)
-        if not isinstance(w.data, FP8GatherWeight):
-            setattr(experts, name, nn.Parameter(FP8GatherWeight(w.data, experts, p), requires_grad=w.requires_grad))
-    experts._fp8_gather_scale = torch.ones(2, e, device=weights[0].device)
-    experts._fp8_gather_rows = [0, 0]  # first expert of this rank's shard, per projection (set by the hook)
+        if not isinstance(_local_data(w), FP8GatherWeight):
+            setattr(experts, name, nn.Parameter(_wrap_for_gather(w.data, experts, p), requires_grad=w.requires_grad))
+    total = getattr(experts, "ep_num_experts", experts.num_experts)  # scales by global expert id
+    experts._fp8_gather_scale = torch.ones(2, total, device=weights[0].device)
+    experts._fp8_gather_rows = [0, 0]  # first (global) expert of this rank's shard, per projection (set by the hook)
     return True
 
 
 def experts_shard_placement(world: int) -> Any:
     """``fully_shard``'s ``shard_placement_fn`` for an experts module: its parameters (3-D weights ``(E, ., .)``,
     2-D biases ``(E, .)``) shard along the experts (``Shard(0)``, each rank holds whole experts), or along
-    dim 1 when there are fewer experts than ranks (``Shard(1)``; ``Shard(0)`` would leave ranks empty)."""
+    dim 1 when there are fewer experts than ranks (``Shard(1)``; ``Shard(0)`` would leave ranks empty). An
+    expert-parallel parameter counts the experts of its EP rank (the local part FSDP2 shards)."""
     from torch.distributed.tensor import Shard
 
     def placement(param: nn.Parameter) -> Any:
-        return Shard(1) if param.dim() >= 2 and param.shape[0] < world else Shard(0)
+        return Shard(1) if param.dim() >= 2 and _local_data(param).shape[0] < world else Shard(0)
 
     return placement
 
@@ -279,14 +286,16 @@ def _shard(weight: torch.Tensor) -> torch.Tensor:
     return local._data if isinstance(local, FP8GatherWeight) else local
 
 
-def _expert_rows(weight: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """``(first expert, local shard)`` of a (possibly FSDP2-sharded) 3-D expert weight: a ``Shard(0)``
-    shard holds experts ``[rank * n, (rank + 1) * n)``, a ``Shard(1)`` (or unsharded) one all experts."""
+def _expert_rows(m: nn.Module, weight: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """``(first global expert, local shard)`` of a (possibly FSDP2-sharded) 3-D expert weight of ``m``. The
+    experts FSDP2 shards are all ``E`` (or, expert-parallel, the ``E / ep`` of this EP rank, from
+    ``ep_first_expert``); a ``Shard(0)`` shard holds ``n`` of them from ``dp_rank * n`` on (``dp`` the first
+    dim of the parameter's mesh), a ``Shard(1)`` (or unsharded) one all of them."""
     local = _shard(weight)
-    n = local.shape[0]
-    if n == weight.shape[0]:
-        return 0, local
-    return weight.device_mesh.get_local_rank() * n, local
+    n, first = local.shape[0], getattr(m, "ep_first_expert", 0)
+    if n == m.num_experts:  # the local expert count (E / ep under expert parallelism)
+        return first, local
+    return first + weight.device_mesh.get_local_rank(0) * n, local
 
 
 def _weight_amaxes(m: nn.Module) -> torch.Tensor:
@@ -295,9 +304,9 @@ def _weight_amaxes(m: nn.Module) -> torch.Tensor:
     gives every expert's global amax)."""
     if not hasattr(m, "fp8_param"):
         return _shard(m.weight).detach().abs().amax().float().reshape(1)
-    out = torch.zeros(2, m.num_experts, device=m._fp8_gather_scale.device)
+    out = torch.zeros_like(m._fp8_gather_scale)  # (2, E): every global expert
     for p in (0, 1):
-        start, local = _expert_rows(m.fp8_param(p))
+        start, local = _expert_rows(m, m.fp8_param(p))
         m._fp8_gather_rows[p] = start
         if local.numel():
             out[p, start : start + local.shape[0]] = local.detach().abs().amax(dim=(1, 2)).float()
@@ -351,25 +360,51 @@ def _set_expert_gather_scales(m: nn.Module, amax: torch.Tensor) -> None:
         )
 
 
-def shard_model(model: nn.Module, fp8_all_gather: bool = False, mesh: Any = None, scale_group: Any = None) -> nn.Module:
+def shard_model(
+    model: nn.Module,
+    fp8_all_gather: bool = False,
+    mesh: Any = None,
+    scale_group: Any = None,
+    experts_mesh: Any = None,
+) -> nn.Module:
     """FSDP2 (``fully_shard``) each MoE experts module, each block (every item of an ``nn.ModuleList``), then
     the root; with ``fp8_all_gather`` the weights of per-tensor FP8 layers are all-gathered in FP8
     (``fsdp.py``). An experts module is its own FSDP2 unit (its all-gather, the bulk of an MoE block's
     bytes, is issued on its own), sharded along the experts, or along dim 1 with fewer experts than ranks.
-    ``mesh``: the 1-D data-parallel mesh to shard over (default: the world; ``mesh.py`` passes ``mesh["dp"]``
-    of a 2-D mesh); ``scale_group``: the ranks whose amaxes the scaling sync reduces (default: the world)."""
+    ``mesh``: the 1-D data-parallel mesh to shard over (default: the world; ``mesh.py`` passes ``mesh["dp"]``,
+    or the flattened ``dp x ep`` ranks under expert parallelism); ``scale_group``: the ranks whose amaxes the
+    scaling sync reduces (default: the world).
+
+    ``experts_mesh`` (FSDP2 x EP): the 1-D mesh the experts modules shard over instead, ``mesh["dp"]`` (their
+    parameters are already ``Shard(0)`` on ``mesh["ep"]``; FSDP2 shards each EP rank's experts over its ``dp``
+    column). Their gradients are reduce-scattered over ``dp`` and divided by ``mesh``'s size (``dp x ep``), not
+    ``dp``: an expert's gradient already sums the tokens of the ``ep`` ranks of its row (the all-to-all's
+    backward), each rank's loss being the mean of its own tokens, so the division by all data-parallel ranks
+    gives the mean loss of the global batch, as for the dense parameters."""
     from torch.distributed.fsdp import fully_shard
 
     from ..nn.experts import is_experts_module
 
     if fp8_all_gather:
-        enable_fp8_all_gather(model, None if mesh is None else mesh.get_group())
+        enable_fp8_all_gather(
+            model,
+            None if mesh is None else mesh.get_group(),
+            None if experts_mesh is None else experts_mesh.get_group(),
+        )
     world = dist.get_world_size() if mesh is None else mesh.size()
+    experts_world = world if experts_mesh is None else experts_mesh.size()
     for module in list(model.modules()):
         if is_experts_module(module):
-            by_experts = all(p.shape[0] >= world for p in module.parameters())  # FSDP2's default Shard(0)
-            placement = {} if by_experts else {"shard_placement_fn": experts_shard_placement(world)}
-            fully_shard(module, mesh=mesh, **placement)
+            # FSDP2's default Shard(0) while each rank gets whole experts
+            by_experts = all(_local_data(p).shape[0] >= experts_world for p in module.parameters())
+            placement = {} if by_experts else {"shard_placement_fn": experts_shard_placement(experts_world)}
+            fully_shard(module, mesh=experts_mesh if experts_mesh is not None else mesh, **placement)
+            if experts_mesh is not None:
+                module.set_gradient_divide_factor(float(world))
+                # a divisor other than the mesh size is NCCL's PREMUL_SUM; elsewhere a SUM, then the division.
+                # Not on one rank: torch then divides the copied gradient by the factor, and again after.
+                if dist.get_backend() != "nccl" and experts_world > 1:
+                    module.set_force_sum_reduction_for_comms(True)
     for module in list(model.modules()):
         if isinstance(module, nn.ModuleList):
             for block in module:

@@ -11,9 +11,11 @@ consecutive ranks, on one machine when ``tp`` divides the processes per machine)
   Without FSDP2 (DDP-style; with ``tp`` only on one ``dp`` row): experts are sharded over ``ep`` and
   replicated over ``dp``; ``DistContext.reduce_expert_parallel_grads`` averages the expert gradients over
   the ``dp`` group (the ranks holding the same experts) and every other parameter's over all ``dp x ep``
-  ranks (one flat all-reduce per step each; the first only with several ``dp`` rows).
-* ``dp``: data parallelism: FSDP2 (``fully_shard`` on ``mesh["dp"]``, FP8 weight all-gather on that dim)
-  with ``fsdp``, else DDP (refused together with ``tp``: shard with ``--fsdp`` instead).
+  ranks (one flat all-reduce per step each; the first only with several ``dp`` rows). With FSDP2
+  (``fsdp_meshes``): the experts are FSDP2-sharded over ``dp``, every other parameter over the flattened
+  ``dp x ep`` ranks; FSDP2's reduce-scatters reduce both (the experts' divided by ``dp x ep``).
+* ``dp``: data parallelism: FSDP2 (``fully_shard`` on ``mesh["dp"]``, or ``dp x ep`` as above, FP8 weight
+  all-gather on that dim) with ``fsdp``, else DDP (refused together with ``tp``: shard with ``--fsdp``).
 
 ``check_mesh`` refuses a factorisation the run cannot take (one line naming the fix) before any process
 or model exists; ``build_mesh`` makes the ``DeviceMesh`` in each worker; ``parallelize_model`` applies
@@ -29,6 +31,7 @@ other operands differ between ``dp`` ranks (different tokens), so a TP-group-onl
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,10 +44,12 @@ __all__ = [
     "check_mesh",
     "check_tp_model",
     "clip_grad_norm_",
+    "fsdp_meshes",
     "llama_tp_plan",
     "mesh_layout",
     "mesh_of",
     "parallelize_model",
+    "sum_head_norm_grads",
 ]
 
 DIM_NAMES = ("dp", "ep", "tp")
@@ -100,23 +105,16 @@ def check_mesh(nproc: int, tp: int = 1, ep: int = 1, fsdp: bool = False, batch_s
             f"{inner} (e.g. --nproc {fit}) or a --tp/--ep whose product divides {nproc}"
         )
     shape = MeshShape(nproc, tp, ep, fsdp)
-    if ep > 1 and fsdp:
-        raise ValueError(f"--ep {ep} with --fsdp (FSDP2 over the EP ranks) is not supported yet: drop --fsdp")
-    if ep > 1 and tp > 1 and shape.dp > 1:
-        raise ValueError(
-            f"--ep {ep} --tp {tp} runs on --nproc = --ep x --tp = {inner} processes (several data-parallel rows "
-            f"with TP need --fsdp, which --ep does not take yet): use --nproc {inner}"
-        )
-    if fsdp and shape.dp < 2:
+    if fsdp and shape.data_parallel < 2:
         raise ValueError(
             "--fsdp shards over the data-parallel ranks, and "
-            + (f"--nproc {nproc} / (--tp {tp} x --ep {ep}) leaves one" if inner > 1 else "--nproc 1 has one")
+            + (f"--nproc {nproc} / --tp {tp} leaves one" if tp > 1 else "--nproc 1 has one")
             + f": drop --fsdp or use --nproc {2 * inner}"
         )
     if tp > 1 and shape.dp > 1 and not fsdp:
         raise ValueError(
             f"--tp {tp} on --nproc {nproc} leaves {shape.dp} data-parallel replicas, which fp8kit shards with FSDP2 "
-            "only (no DDP x TP): add --fsdp, or use --nproc equal to --tp"
+            f"only (no DDP x TP): add --fsdp, or use --nproc equal to --tp{f' x --ep ({inner})' if ep > 1 else ''}"
         )
     if batch_size is not None and batch_size % shape.data_parallel:
         raise ValueError(
@@ -215,6 +213,8 @@ def parallelize_model(model: nn.Module, mesh: Any, fsdp: bool = False, fp8_all_g
     3. synchronized FP8 scaling over the whole mesh (``enable_fp8_distributed``).
     4. ``fsdp``: FSDP2 on ``mesh["dp"]`` (each decoder layer, then the root), with the FP8 weight
        all-gather of per-tensor layers (``fsdp.py``): TP-sharded weights are all-gathered in FP8 over ``dp``.
+       With ``ep`` (``fsdp_meshes``): the non-expert parameters over the flattened ``dp x ep`` ranks, each
+       experts module (its own unit) over ``dp``, its gradients divided by ``dp x ep`` (``shard_model``).
     """
     from .fsdp import shard_model
     from .scaling import enable_fp8_distributed
@@ -228,6 +228,7 @@ def parallelize_model(model: nn.Module, mesh: Any, fsdp: bool = False, fp8_all_g
 
         for layer in _decoder_layers(model):
             parallelize_module(layer, mesh["tp"], llama_tp_plan(layer))
+            sum_head_norm_grads(layer, mesh["tp"].get_group())
         for m in model.modules():
             if isinstance(m, TensorParallelLinear):
                 m.tp_amax_group = whole
@@ -242,8 +243,80 @@ def parallelize_model(model: nn.Module, mesh: Any, fsdp: bool = False, fp8_all_g
         parallelize_experts(model, mesh["ep"])
     enable_fp8_distributed(model, whole)
     if fsdp:
-        shard_model(model, fp8_all_gather=fp8_all_gather, mesh=mesh["dp"], scale_group=whole)
+        dense, experts = fsdp_meshes(mesh)
+        shard_model(model, fp8_all_gather=fp8_all_gather, mesh=dense, scale_group=whole, experts_mesh=experts)
     return model
+
+
+def fsdp_meshes(mesh: Any) -> tuple[Any, Any]:
+    """``(dense, experts)``: the 1-D meshes FSDP2 shards over. Without ``ep``: ``mesh["dp"]`` and None (the
+    experts modules too). With ``ep`` (torchtitan's ``dp_shard`` / ``dp_shard_mod_ep``): every non-expert
+    parameter is replicated over ``dp`` and ``ep`` alike, so it shards over the flattened ``dp x ep`` ranks
+    (``"dp_ep"``); the experts, already split over ``ep``, shard over ``mesh["dp"]``."""
+    names = mesh.mesh_dim_names or ()
+    if "ep" not in names:
+        return mesh["dp"], None
+    return mesh["dp", "ep"]._flatten("dp_ep"), mesh["dp"]
+
+
+class _SumGradOver(torch.autograd.Function):
+    """Identity; backward: the gradient summed over ``group`` (one all-reduce)."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        import torch.distributed as dist
+
+        from .scaling import _COUNTS
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        _COUNTS["tp_head_norm_grad"] += 1
+        return grad, None
+
+
+class _HeadNormGradSum:
+    """Mixin for a per-head norm (Qwen3's ``q_norm`` / ``k_norm``) after a column-parallel projection: its
+    weight is whole on every TP rank but each rank normalizes only its own heads, so the weight's gradient
+    is summed over the TP group (the one-process gradient sums over all heads)."""
+
+    _head_norm_group: Any
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        weight = self._parameters["weight"]
+        self._parameters["weight"] = _SumGradOver.apply(weight, self._head_norm_group)  # type: ignore[assignment]
+        try:
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._parameters["weight"] = weight
+
+
+@functools.cache
+def _head_norm_class(cls: type) -> type:
+    return type(f"TPHeadSum{cls.__name__}", (_HeadNormGradSum, cls), {"__module__": __name__})
+
+
+def sum_head_norm_grads(layer: nn.Module, group: Any) -> list[str]:
+    """Make the per-head norms of ``layer``'s attention (``q_norm`` / ``k_norm``, Qwen3) sum their weight
+    gradient over the TP ``group`` (``_HeadNormGradSum``); ``parallelize_model`` calls it after the TP plan
+    split q/k by heads. Without it each TP rank steps its copy with the gradient of its heads only (the
+    copies drift apart, and from one process's). Returns the wrapped norms' names."""
+    done = []
+    for proj, norm in (("self_attn.q_proj", "self_attn.q_norm"), ("self_attn.k_proj", "self_attn.k_norm")):
+        try:
+            m = layer.get_submodule(norm)
+            layer.get_submodule(proj)
+        except AttributeError:
+            continue
+        if isinstance(getattr(m, "weight", None), nn.Parameter) and not isinstance(m, _HeadNormGradSum):
+            m.__class__ = _head_norm_class(type(m))
+            m._head_norm_group = group
+            done.append(norm)
+    return done
 
 
 def _squeezed(shape: Any, names: Any) -> dict[str, list]:

@@ -77,14 +77,14 @@ class DistContext:
 
     @torch.no_grad()
     def reduce_expert_parallel_grads(self, model: nn.Module) -> None:
-        """With ``ep`` > 1 (no FSDP2: ``check_mesh``), after the step's last backward, the gradients of the
-        global batch's mean loss. The ``dp x ep`` ranks read different tokens, so every parameter they all
+        """With ``ep`` > 1 and no FSDP2 (whose reduce-scatters do it), after the step's last backward, the
+        gradients of the global batch's mean loss. The ``dp x ep`` ranks read different tokens, so every parameter they all
         hold (embeddings, attention, router, norms; TP shards included) gets the mean of their gradients
         (one flat all-reduce over the ``dp x ep`` ranks of this rank's TP coordinate: the EP group with one
         ``dp`` row, the world without TP). An expert parameter (a ``DTensor`` on ``mesh["ep"]``,
         ``expert_parallel``), whose gradient already sums the tokens of every EP rank of its ``dp`` row, is
         summed over its ``dp`` group (the ranks holding the same experts) and divided by ``dp x ep``."""
-        if self.mesh is None or self.ep == 1:
+        if self.mesh is None or self.ep == 1 or self.fsdp:  # FSDP2 x EP: its reduce-scatters (fsdp.shard_model)
             return
         from .fsdp import _shard
 
