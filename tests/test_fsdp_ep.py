@@ -188,7 +188,7 @@ FOLLOW_TP = [("current", 1e-4, 0.25), ("delayed", 5e-4, 0.5)]
 def test_fsdp2_x_ep_x_tp_follows_one_process(ranks, recipe, rel, update_rel):
     # (dp 1, ep 2, tp 2): the dense parameters shard over the 2 EP ranks ("dp_ep") *and* TP's dim, the
     # experts are EP-split and FSDP2-wrapped on the size-1 dp dim; Qwen3's per-head q/k norms sum their
-    # gradient over TP (mesh.sum_head_norm_grads; without it both recipes fail: current at step 2, delayed
+    # gradient over TP (llama_tp_plan's ReplicatedPartialInput on q_norm / k_norm; without it both recipes fail: current at step 2, delayed
     # with q_norm 1.1 of its update off)
     _check_follows(ranks, (1, 2, 2), recipe, rel, update_rel)
 

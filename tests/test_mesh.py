@@ -384,9 +384,19 @@ def test_cli_refuses_a_bad_mesh_before_starting_anything(tmp_path, capsys, monke
 def test_mesh_shapes_and_summary():
     from fp8kit.distributed.mesh import check_mesh
 
-    assert check_mesh(4, tp=2, fsdp=True).describe() == {"shape": [2, 2], "dim_names": ["dp", "tp"], "fsdp": True}
+    assert check_mesh(4, tp=2, fsdp=True).describe() == {
+        "shape": [2, 2],
+        "dim_names": ["dp", "tp"],
+        "fsdp": True,
+        "sequence_parallel": False,
+    }
     assert check_mesh(4, tp=2, ep=2).dim_names == ("dp", "ep", "tp")
     assert check_mesh(4, tp=2, ep=2).shape == (1, 2, 2)
-    assert check_mesh(4, ep=2).describe() == {"shape": [2, 2], "dim_names": ["dp", "ep"], "fsdp": False}
+    assert check_mesh(4, ep=2).describe() == {
+        "shape": [2, 2],
+        "dim_names": ["dp", "ep"],
+        "fsdp": False,
+        "sequence_parallel": False,
+    }
     assert check_mesh(4).describe()["dim_names"] == ["dp"]
     assert check_mesh(4, tp=4).shape == (1, 4)

@@ -146,6 +146,13 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
         "projections split over T ranks with FP8 scales agreed over the mesh (needs --fsdp when N > T)",
     )
     t.add_argument(
+        "--sp",
+        action="store_true",
+        help="with --tp T: sequence parallelism (Megatron's): between the projections each rank keeps 1/T of the "
+        "sequence; norms run on the shard, the attention/MLP inputs are all-gathered in FP8 and o/down "
+        "reduce-scattered (--seq-len a multiple of T; dense model; default off)",
+    )
+    t.add_argument(
         "--ep",
         type=positive_int,
         default=1,
@@ -183,6 +190,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         fsdp=args.fsdp,
         tp=args.tp,
         ep=args.ep,
+        sp=args.sp,
         **settings,
     )
 

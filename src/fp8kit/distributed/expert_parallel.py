@@ -91,7 +91,7 @@ from ..nn.linear import quantize_backend, quantize_knobs
 from ..recipes import DelayedScaling, Recipe
 from ..scaling import compute_scale, parse_granularity
 from ..tensor import QuantizedTensor, quantize, tensor_amax
-from .scaling import _COUNTS
+from .scaling import _COUNTS, _compiler_disable
 
 __all__ = ["ExpertParallel", "expert_parallel_stats", "parallelize_experts", "reset_expert_parallel_stats"]
 
@@ -436,11 +436,17 @@ class ExpertParallel:
             self._parameters.update(saved)
             self._ep_pinned.pop((0, "input"), None)
 
+    @_compiler_disable
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         """``hidden_states`` ``(T, H)`` of this rank, ``top_k_index`` / ``top_k_weights`` ``(T, k)`` (global
-        expert ids); returns ``(T, H)``: the experts' weighted sum for this rank's tokens."""
+        expert ids); returns ``(T, H)``: the experts' weighted sum for this rank's tokens.
+
+        Never traced by ``torch.compile`` (``torch.compiler.disable``): the all-to-all split sizes are host
+        values of this step's routing (``tolist``), and the received FP8 operands reach the grouped GEMMs
+        through module state, neither of which a graph can hold; a compiled model breaks its graph here
+        and runs this call (dispatch, local FP8 grouped GEMMs, combine, and their backward) eagerly."""
         num_tokens, hidden = hidden_states.shape
         top_k = top_k_index.shape[-1]
         world, total, local, first = self.ep_size, self.ep_num_experts, self.num_experts, self.ep_first_expert

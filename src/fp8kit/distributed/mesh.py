@@ -31,7 +31,6 @@ other operands differ between ``dp`` ranks (different tokens), so a TP-group-onl
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +48,7 @@ __all__ = [
     "mesh_layout",
     "mesh_of",
     "parallelize_model",
-    "sum_head_norm_grads",
+    "sequence_parallel_ends",
 ]
 
 DIM_NAMES = ("dp", "ep", "tp")
@@ -63,6 +62,7 @@ class MeshShape:
     tp: int = 1
     ep: int = 1
     fsdp: bool = False
+    sp: bool = False  # sequence parallelism over ``tp`` (``llama_tp_plan``): no dim of its own
 
     @property
     def dp(self) -> int:
@@ -87,8 +87,14 @@ class MeshShape:
         return _squeezed(self.shape, self.dim_names)
 
     def describe(self) -> dict[str, Any]:
-        """The mesh as the run summary records it: ``{"shape": [...], "dim_names": [...], "fsdp": bool}``."""
-        return {"shape": list(self.shape), "dim_names": list(self.dim_names), "fsdp": self.fsdp}
+        """The mesh as the run summary records it: ``{"shape": [...], "dim_names": [...], "fsdp": bool,
+        "sequence_parallel": bool}``."""
+        return {
+            "shape": list(self.shape),
+            "dim_names": list(self.dim_names),
+            "fsdp": self.fsdp,
+            "sequence_parallel": self.sp,
+        }
 
 
 def check_mesh(nproc: int, tp: int = 1, ep: int = 1, fsdp: bool = False, batch_size: int | None = None) -> MeshShape:
@@ -158,28 +164,100 @@ def build_mesh(shape: MeshShape, device_type: str = "cpu") -> Any:
     return init_device_mesh(device_type, shape.shape, mesh_dim_names=shape.dim_names)
 
 
-def llama_tp_plan(block: nn.Module) -> dict[str, Any]:
+def llama_tp_plan(block: nn.Module, sequence_parallel: bool = False) -> dict[str, Any]:
     """The TP plan of one Llama-style decoder layer (``transformers`` names): q/k/v and gate/up column-wise
     (each rank its heads / MLP columns), o and down row-wise (all-reduce of the output, in high precision).
     ``fp8kit.nn.Linear`` layers get the FP8 styles, other linears (a BF16 baseline's) torch's own. Only the
-    projections ``block`` has are planned (an MoE layer's experts are left to EP)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    projections ``block`` has are planned (an MoE layer's experts are left to EP). Per-head norms inside the
+    attention (Qwen3's q/k norms) see this rank's heads only: their gradients are summed over the group.
+
+    ``sequence_parallel`` (Megatron's, torchtitan's): the residual stream stays sharded along the sequence
+    (dim 1) between the projections; the two norms run on the shard (gradients summed over the group), the
+    attention's and the MLP's input is all-gathered once, in FP8 for FP8 layers with a scale agreed over
+    the group (``PrepareFloat8ModuleInput``), and o / down reduce-scatter their outputs along the sequence
+    (high precision). The model's ends are ``sequence_parallel_ends``'."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
     from ..nn.linear import Linear
-    from .tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+    from .tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+        ReplicatedPartialInput,
+    )
 
     colwise = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
     rowwise = ("self_attn.o_proj", "mlp.down_proj")
     modules = dict(block.named_modules())
+    out = Shard(1) if sequence_parallel else None
     plan: dict[str, Any] = {}
     for name in colwise + rowwise:
         if name in modules:
             fp8 = type(modules[name]) is Linear
             if name in colwise:
                 plan[name] = Float8ColwiseParallel() if fp8 else ColwiseParallel()
+            elif fp8:
+                plan[name] = Float8RowwiseParallel(output_layouts=out)
             else:
-                plan[name] = Float8RowwiseParallel() if fp8 else RowwiseParallel()
+                plan[name] = RowwiseParallel(output_layouts=out or Replicate())
+    for name in ("self_attn.q_norm", "self_attn.k_norm"):
+        if name in modules and plan:
+            plan[name] = ReplicatedPartialInput()
+    if not sequence_parallel:
+        return plan
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        if name in modules:
+            plan[name] = ReplicatedPartialInput()
+    for parent, kwarg in (("self_attn", "hidden_states"), ("mlp", None)):
+        consumers = [n for n in colwise if n.startswith(parent + ".") and n in plan]
+        if not consumers:
+            continue
+        kinds = {type(modules[n]) is Linear for n in consumers}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"sequence parallelism: {parent}'s column-parallel inputs mix FP8 and high-precision layers "
+                f"({', '.join(consumers)}); convert all of them or none"
+            )
+        if kinds == {True}:
+            plan[parent] = PrepareFloat8ModuleInput(input_layouts=Shard(1), input_kwarg=kwarg)
+        elif kwarg is not None:
+            plan[parent] = PrepareModuleInput(
+                input_kwarg_layouts={kwarg: Shard(1)}, desired_input_kwarg_layouts={kwarg: Replicate()}
+            )
+        else:
+            plan[parent] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return plan
+
+
+def sequence_parallel_ends(model: nn.Module, tp_mesh: Any) -> None:
+    """The ends of a sequence-parallel transformers decoder (with ``llama_tp_plan(sequence_parallel=True)``
+    on its layers), in place: the first decoder layer cuts its input (the embedding output, whole on every
+    rank) to this rank's sequence shard, so the model computes positions, rotary embeddings and the causal
+    mask from the whole sequence and passes them on whole (the attention runs on the gathered sequence);
+    the final norm runs on the shard and its output is all-gathered (high precision) for the LM head and
+    the loss, which every TP rank computes alike on the whole sequence. The embedding's and head's
+    gradients are then whole on every rank; the final norm's are summed over the group."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from .tensor_parallel import GatherSequenceOutput, ReplicatedPartialInput, ShardSequenceInput
+
+    layers = _decoder_layers(model)
+    norm = None
+    for name in ("model.norm", "norm", "transformer.ln_f"):
+        try:
+            norm = model.get_submodule(name)
+            break
+        except AttributeError:
+            continue
+    if norm is None:
+        raise ValueError(
+            f"sequence parallelism: no final norm found in {type(model).__name__} (looked for model.norm); "
+            "apply fp8kit.distributed.tensor_parallel.GatherSequenceOutput where the sequence shards end"
+        )
+    parallelize_module(layers[0], tp_mesh, ShardSequenceInput(sequence_dim=1))
+    parallelize_module(norm, tp_mesh, ReplicatedPartialInput())
+    parallelize_module(norm, tp_mesh, GatherSequenceOutput(sequence_dim=1))
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -204,11 +282,14 @@ def _mesh_group(mesh: Any) -> Any:
     return None if len(ranks) == dist.get_world_size() else dist.new_group(ranks)
 
 
-def parallelize_model(model: nn.Module, mesh: Any, fsdp: bool = False, fp8_all_gather: bool = True) -> nn.Module:
+def parallelize_model(
+    model: nn.Module, mesh: Any, fsdp: bool = False, fp8_all_gather: bool = True, sequence_parallel: bool = False
+) -> nn.Module:
     """Lay an FP8-converted Llama-style model out on ``mesh`` (``build_mesh``), in place; returns it.
 
     1. ``tp`` dim: ``llama_tp_plan`` on every decoder layer (``parallelize_module`` on ``mesh["tp"]``); the TP
        layers' per-tensor amaxes are reduced over the whole mesh (identical scales on every rank).
+       ``sequence_parallel``: the plan's sequence-parallel form, and ``sequence_parallel_ends``.
     2. ``ep`` dim: ``expert_parallel.parallelize_experts(model, mesh["ep"])``.
     3. synchronized FP8 scaling over the whole mesh (``enable_fp8_distributed``).
     4. ``fsdp``: FSDP2 on ``mesh["dp"]`` (each decoder layer, then the root), with the FP8 weight
@@ -220,6 +301,8 @@ def parallelize_model(model: nn.Module, mesh: Any, fsdp: bool = False, fp8_all_g
     from .scaling import enable_fp8_distributed
 
     names = mesh.mesh_dim_names or ()
+    if sequence_parallel and "tp" not in names:
+        raise ValueError("sequence parallelism splits the sequence over the mesh's 'tp' dim, which it lacks")
     whole = _mesh_group(mesh)
     if "tp" in names:
         from torch.distributed.tensor.parallel import parallelize_module
@@ -227,8 +310,9 @@ def parallelize_model(model: nn.Module, mesh: Any, fsdp: bool = False, fp8_all_g
         from .tensor_parallel import TensorParallelLinear
 
         for layer in _decoder_layers(model):
-            parallelize_module(layer, mesh["tp"], llama_tp_plan(layer))
-            sum_head_norm_grads(layer, mesh["tp"].get_group())
+            parallelize_module(layer, mesh["tp"], llama_tp_plan(layer, sequence_parallel))
+        if sequence_parallel:
+            sequence_parallel_ends(model, mesh["tp"])
         for m in model.modules():
             if isinstance(m, TensorParallelLinear):
                 m.tp_amax_group = whole
@@ -257,66 +341,6 @@ def fsdp_meshes(mesh: Any) -> tuple[Any, Any]:
     if "ep" not in names:
         return mesh["dp"], None
     return mesh["dp", "ep"]._flatten("dp_ep"), mesh["dp"]
-
-
-class _SumGradOver(torch.autograd.Function):
-    """Identity; backward: the gradient summed over ``group`` (one all-reduce)."""
-
-    @staticmethod
-    def forward(ctx, w: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        return w.view_as(w)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        import torch.distributed as dist
-
-        from .scaling import _COUNTS
-
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        _COUNTS["tp_head_norm_grad"] += 1
-        return grad, None
-
-
-class _HeadNormGradSum:
-    """Mixin for a per-head norm (Qwen3's ``q_norm`` / ``k_norm``) after a column-parallel projection: its
-    weight is whole on every TP rank but each rank normalizes only its own heads, so the weight's gradient
-    is summed over the TP group (the one-process gradient sums over all heads)."""
-
-    _head_norm_group: Any
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        weight = self._parameters["weight"]
-        self._parameters["weight"] = _SumGradOver.apply(weight, self._head_norm_group)  # type: ignore[assignment]
-        try:
-            return super().forward(*args, **kwargs)  # type: ignore[misc]
-        finally:
-            self._parameters["weight"] = weight
-
-
-@functools.cache
-def _head_norm_class(cls: type) -> type:
-    return type(f"TPHeadSum{cls.__name__}", (_HeadNormGradSum, cls), {"__module__": __name__})
-
-
-def sum_head_norm_grads(layer: nn.Module, group: Any) -> list[str]:
-    """Make the per-head norms of ``layer``'s attention (``q_norm`` / ``k_norm``, Qwen3) sum their weight
-    gradient over the TP ``group`` (``_HeadNormGradSum``); ``parallelize_model`` calls it after the TP plan
-    split q/k by heads. Without it each TP rank steps its copy with the gradient of its heads only (the
-    copies drift apart, and from one process's). Returns the wrapped norms' names."""
-    done = []
-    for proj, norm in (("self_attn.q_proj", "self_attn.q_norm"), ("self_attn.k_proj", "self_attn.k_norm")):
-        try:
-            m = layer.get_submodule(norm)
-            layer.get_submodule(proj)
-        except AttributeError:
-            continue
-        if isinstance(getattr(m, "weight", None), nn.Parameter) and not isinstance(m, _HeadNormGradSum):
-            m.__class__ = _head_norm_class(type(m))
-            m._head_norm_group = group
-            done.append(norm)
-    return done
 
 
 def _squeezed(shape: Any, names: Any) -> dict[str, list]:

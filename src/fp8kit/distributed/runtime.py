@@ -46,6 +46,7 @@ class DistContext:
     tp: int = 1  # tensor-parallel ranks per group (``mesh.py``: the innermost mesh dim)
     ep: int = 1  # expert-parallel ranks
     mesh: Any = None  # the DeviceMesh when tp or ep > 1 (``mesh.build_mesh``)
+    sp: bool = False  # sequence parallelism over the tp ranks (``mesh.llama_tp_plan``)
 
     @property
     def active(self) -> bool:
@@ -61,10 +62,11 @@ class DistContext:
         return self.fsdp or self.tp > 1 or self.ep > 1
 
     def describe_mesh(self) -> dict[str, Any]:
-        """The run's mesh for its summary: ``{"shape": [...], "dim_names": [...], "fsdp": bool}``."""
+        """The run's mesh for its summary: ``{"shape": [...], "dim_names": [...], "fsdp": bool,
+        "sequence_parallel": bool}``."""
         from .mesh import MeshShape
 
-        return MeshShape(self.world, self.tp, self.ep, self.fsdp).describe()
+        return MeshShape(self.world, self.tp, self.ep, self.fsdp, self.sp).describe()
 
     def shard(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of a global batch (the batch size is a multiple of the data-parallel ranks; the
@@ -125,7 +127,7 @@ class DistContext:
         if self.mesh is not None:  # tensor / expert parallelism (and FSDP2 over "dp"): mesh.py
             from .mesh import parallelize_model
 
-            return parallelize_model(model, self.mesh, fsdp=self.fsdp)
+            return parallelize_model(model, self.mesh, fsdp=self.fsdp, sequence_parallel=self.sp)
         enable_fp8_distributed(model)
         if self.fsdp:
             return shard_model(model, fp8_all_gather=True)
@@ -183,16 +185,16 @@ def _mean_flat(grads: list[torch.Tensor], group: Any, count: int, reduce: bool) 
 _CURRENT: list[DistContext] = []
 
 
-def context_from_env(fsdp: bool = False, tp: int = 1, ep: int = 1) -> DistContext:
+def context_from_env(fsdp: bool = False, tp: int = 1, ep: int = 1, sp: bool = False) -> DistContext:
     """The context of this process; under ``torchrun`` joins the process group (gloo: ``fp8kit train``
-    computes on the CPU) and, with ``tp`` or ``ep`` > 1, builds the run's ``DeviceMesh`` (``mesh.py``).
-    The context becomes ``current_context()``."""
+    computes on the CPU) and, with ``tp`` or ``ep`` > 1, builds the run's ``DeviceMesh`` (``mesh.py``);
+    ``sp``: sequence parallelism over the ``tp`` ranks. The context becomes ``current_context()``."""
     if not in_torchrun():
         ctx = DistContext()
     else:
         if not dist.is_initialized():
             dist.init_process_group("gloo")
-        ctx = DistContext(dist.get_rank(), dist.get_world_size(), fsdp, tp, ep)
+        ctx = DistContext(dist.get_rank(), dist.get_world_size(), fsdp, tp, ep, sp=sp and tp > 1)
         if tp * ep > 1:
             from .mesh import build_mesh, check_mesh
 

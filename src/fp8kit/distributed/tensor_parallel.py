@@ -13,6 +13,16 @@ Three ``ParallelStyle`` s for ``torch.distributed.tensor.parallel.parallelize_mo
   sequence-sharded input (attention's q/k/v, an MLP's gate/up): all-gathers it once, in FP8, and every
   such layer uses the gathered FP8 tensor as its GEMM operand without quantizing it again.
 
+Three more for the ends and the rest of a sequence-parallel model (``mesh.llama_tp_plan``):
+
+* ``ShardSequenceInput``: where sequence parallelism starts (the first decoder layer): the module's input,
+  whole on every rank, is cut to this rank's sequence shard; its gradient is all-gathered back.
+* ``GatherSequenceOutput``: where it ends (the final norm): the output shards are all-gathered, in their
+  dtype, for a consumer every rank computes alike (the LM head); the gradient: this rank's slice.
+* ``ReplicatedPartialInput``: a module with whole parameters whose forward sees only this rank's part of
+  the data (the norms on a sequence shard; Qwen3's per-head q/k norms on this rank's heads): each use of
+  a parameter sums its gradient over the TP group in backward, so the replicas stay identical.
+
 Parameters are ``DTensor`` s (DCP, optimizers and gradient clipping see the standard TP layout); the
 layers compute on the local shards (activations stay plain local tensors, ``use_local_output=True``).
 
@@ -60,7 +70,10 @@ from .scaling import _COUNTS, record_pending_amax
 __all__ = [
     "Float8ColwiseParallel",
     "Float8RowwiseParallel",
+    "GatherSequenceOutput",
     "PrepareFloat8ModuleInput",
+    "ReplicatedPartialInput",
+    "ShardSequenceInput",
     "TensorParallelLinear",
     "check_tensor_parallel_layout",
     "sequence_all_gather",
@@ -118,14 +131,26 @@ def _gather_along(local: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
     return out.movedim(0, dim).contiguous()
 
 
+def _check_divisible(x: torch.Tensor, world: int, dim: int) -> None:
+    if x.shape[dim] % world:
+        raise ValueError(
+            f"sequence parallelism: dim {dim} has {x.shape[dim]} positions, not divisible by {world} "
+            "tensor-parallel ranks; pad the sequence to a multiple of the tensor-parallel degree"
+        )
+
+
+def _local_slice(full: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+    """This rank's slice along ``dim`` of a tensor every rank of the group holds whole (a copy, no collective)."""
+    world = dist.get_world_size(group)
+    _check_divisible(full, world, dim)
+    per = full.shape[dim] // world
+    return full.narrow(dim, dist.get_rank(group) * per, per).clone(memory_format=torch.contiguous_format)
+
+
 def _reduce_scatter_along(full: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
     """Sum over the group, each rank keeping its slice along ``dim`` (one ``reduce_scatter_tensor``)."""
     world = dist.get_world_size(group)
-    if full.shape[dim] % world:
-        raise ValueError(
-            f"sequence parallelism: dim {dim} has {full.shape[dim]} positions, not divisible by {world} "
-            "tensor-parallel ranks; pad the sequence to a multiple of the tensor-parallel degree"
-        )
+    _check_divisible(full, world, dim)
     flat = full.movedim(dim, 0).contiguous()
     out = flat.new_empty((flat.shape[0] // world, *flat.shape[1:]))
     dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.SUM, group=group)
@@ -183,6 +208,34 @@ class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         return _gather_along(grad, ctx.group, ctx.dim), None, None
+
+
+class _SplitToSP(torch.autograd.Function):
+    """The whole sequence (the same on every rank) cut to this rank's shard; the gradient all-gathered, so
+    what produced the input (the embedding) gets the whole batch's gradient on every rank."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):  # type: ignore[override]
+        ctx.group, ctx.dim = group, dim
+        return _local_slice(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _gather_along(grad, ctx.group, ctx.dim), None, None
+
+
+class _GatherToReplicated(torch.autograd.Function):
+    """Sequence shards all-gathered (in the input's dtype) for a consumer every rank computes alike; its
+    gradient is then the same on every rank, and each keeps its slice (no collective)."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):  # type: ignore[override]
+        ctx.group, ctx.dim = group, dim
+        return _gather_along(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _local_slice(grad, ctx.group, ctx.dim), None, None
 
 
 class _GatherFromSP(torch.autograd.Function):
@@ -431,9 +484,10 @@ class Float8RowwiseParallel(_Float8Style):
 
 class PrepareFloat8ModuleInput(ParallelStyle):
     """``PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())`` that all-gathers the
-    module's first positional input **once, in FP8**, for its column-parallel FP8 layers (``consumers``:
-    names relative to the module; default every ``Float8ColwiseParallel`` layer inside it with a
-    replicated input). Each consumer that receives exactly the gathered tensor uses its FP8 codes."""
+    module's first positional input (or its keyword argument ``input_kwarg``: transformers' attention takes
+    ``hidden_states=``) **once, in FP8**, for its column-parallel FP8 layers (``consumers``: names relative
+    to the module; default every ``Float8ColwiseParallel`` layer inside it with a replicated input). Each
+    consumer that receives exactly the gathered tensor uses its FP8 codes."""
 
     def __init__(
         self,
@@ -441,6 +495,7 @@ class PrepareFloat8ModuleInput(ParallelStyle):
         input_layouts: Placement | None = None,
         desired_input_layouts: Placement | None = None,
         consumers: Sequence[str] | None = None,
+        input_kwarg: str | None = None,
     ) -> None:
         super().__init__()
         self.input_layout = input_layouts or Shard(1)
@@ -448,6 +503,7 @@ class PrepareFloat8ModuleInput(ParallelStyle):
         if not isinstance(self.input_layout, Shard) or self.input_layout.dim < 0 or desired != Replicate():
             raise ValueError("PrepareFloat8ModuleInput gathers a Shard(seq_dim) input into Replicate() only")
         self.consumers = None if consumers is None else list(consumers)
+        self.input_kwarg = input_kwarg
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         group, dim = device_mesh.get_group(), self.input_layout.dim
@@ -464,17 +520,109 @@ class PrepareFloat8ModuleInput(ParallelStyle):
                 if isinstance(m, TensorParallelLinear) and m.tp_style == "colwise" and m.tp_input == Replicate()
             ]
 
-        def _gather_input(mod: nn.Module, args: tuple) -> tuple:
-            if not args:
+        kwarg = self.input_kwarg
+
+        def _gather_input(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if kwarg is not None and kwarg in kwargs:
+                x = kwargs[kwarg]
+            elif args:
+                x = args[0]
+            else:
                 raise ValueError(
                     "PrepareFloat8ModuleInput: the module must take its input as the first positional argument"
+                    + (f" or as {kwarg}=" if kwarg else " (or name its keyword with input_kwarg=)")
                 )
-            x = args[0].to_local() if isinstance(args[0], DTensor) else args[0]
+            x = x.to_local() if isinstance(x, DTensor) else x
             consumers = _consumers()
             gathered, q = sequence_all_gather(x, consumers, group, dim)
             for c in consumers:
                 c.tp_prepared = (gathered, q)
-            return (gathered, *args[1:])
+            if kwarg is not None and kwarg in kwargs:
+                return args, {**kwargs, kwarg: gathered}
+            return (gathered, *args[1:]), kwargs
 
-        module.register_forward_pre_hook(_gather_input)
+        module.register_forward_pre_hook(_gather_input, with_kwargs=True)
+        return module
+
+
+def _first_input(args: tuple, kwargs: dict, kwarg: str | None, style: str) -> tuple[torch.Tensor, bool]:
+    """The tensor a style rewrites: ``kwargs[kwarg]`` when given there, else the first positional argument."""
+    if kwarg is not None and kwarg in kwargs:
+        return kwargs[kwarg], True
+    if not args or not isinstance(args[0], torch.Tensor):
+        raise ValueError(f"{style}: the module must take a tensor as its first positional argument")
+    return args[0], False
+
+
+class ShardSequenceInput(ParallelStyle):
+    """Where sequence parallelism starts: the module's first positional input (or ``input_kwarg``), whole and
+    the same on every TP rank, is cut to this rank's shard along ``sequence_dim`` (a copy, no collective);
+    in backward the shards' gradients are all-gathered (high precision), so whatever produced the input
+    (the embedding) gets the whole batch's gradient on every rank. The sequence must split evenly."""
+
+    def __init__(self, *, sequence_dim: int = 1, input_kwarg: str | None = None) -> None:
+        super().__init__()
+        self.sequence_dim, self.input_kwarg = sequence_dim, input_kwarg
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group, dim, kwarg = device_mesh.get_group(), self.sequence_dim, self.input_kwarg
+
+        def _split(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            x, by_name = _first_input(args, kwargs, kwarg, "ShardSequenceInput")
+            local = _SplitToSP.apply(x.to_local() if isinstance(x, DTensor) else x, group, dim)
+            return (args, {**kwargs, kwarg: local}) if by_name else ((local, *args[1:]), kwargs)
+
+        module.register_forward_pre_hook(_split, with_kwargs=True)
+        return module
+
+
+class GatherSequenceOutput(ParallelStyle):
+    """Where sequence parallelism ends: the module's output (a tensor: this rank's sequence shard) is
+    all-gathered along ``sequence_dim`` in its own dtype, for a consumer that every TP rank then computes
+    alike on the whole sequence (the LM head and the loss); in backward that consumer's gradient is the
+    same on every rank, and each keeps its slice (no collective)."""
+
+    def __init__(self, *, sequence_dim: int = 1) -> None:
+        super().__init__()
+        self.sequence_dim = sequence_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group, dim = device_mesh.get_group(), self.sequence_dim
+
+        def _gather(mod: nn.Module, args: tuple, out: Any) -> torch.Tensor:
+            if not isinstance(out, torch.Tensor):
+                raise ValueError(f"GatherSequenceOutput: {type(mod).__name__} must return a tensor")
+            return _GatherToReplicated.apply(out.to_local() if isinstance(out, DTensor) else out, group, dim)
+
+        module.register_forward_hook(_gather)
+        return module
+
+
+class ReplicatedPartialInput(ParallelStyle):
+    """A module whose parameters stay whole, plain tensors on every TP rank, and whose forward sees only this
+    rank's part of the data: the norms under sequence parallelism (a sequence shard), or per-head norms
+    (Qwen3's q/k norms) on this rank's heads. Each of its own parameters is used through an identity whose
+    backward all-reduces (sums) the gradient over the TP group, one all-reduce per parameter and forward:
+    every rank holds the whole batch's gradient, and the replicas stay identical after the step. Under
+    FSDP2 the parameters are the unsharded ones during forward, which this leaves unchanged."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh.get_group()
+        swapped: dict[str, nn.Parameter] = {}
+
+        def _use_summed(mod: nn.Module, args: tuple) -> None:
+            if not torch.is_grad_enabled():
+                return
+            for name, p in list(mod._parameters.items()):
+                if p is not None and p.requires_grad and not isinstance(p, DTensor):
+                    swapped[name] = p
+                    mod._parameters[name] = _CopyToTP.apply(p, group)  # type: ignore[assignment]
+
+        def _restore(mod: nn.Module, args: tuple, out: Any) -> None:
+            for name, p in swapped.items():
+                mod._parameters[name] = p
+            swapped.clear()
+
+        module.register_forward_pre_hook(_use_summed)
+        module.register_forward_hook(_restore, always_call=True)
         return module

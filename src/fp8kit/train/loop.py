@@ -72,6 +72,7 @@ class TrainConfig:
     fsdp: bool = False  # with nproc > 1: shard the model with FSDP2 instead of replicating it (DDP)
     tp: int = 1  # tensor-parallel degree: nproc = data-parallel x ep x tp (distributed/mesh.py)
     ep: int = 1  # expert-parallel degree (--arch moe)
+    sp: bool = False  # sequence parallelism over the tp ranks (needs tp > 1, seq_len a multiple of tp)
 
 
 def parse_recipes(spec: str) -> list[str]:
@@ -323,7 +324,7 @@ def run_comparison(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.nproc > 1 and not in_torchrun():
         raise ValueError(f"nproc={cfg.nproc} needs torchrun: run `fp8kit train --nproc {cfg.nproc}` (it launches it)")
     names = run_names(cfg)
-    dctx = context_from_env(cfg.fsdp, cfg.tp, cfg.ep)  # under torchrun: joins the process group (and the mesh)
+    dctx = context_from_env(cfg.fsdp, cfg.tp, cfg.ep, cfg.sp)  # under torchrun: joins the process group (and the mesh)
     base, tokenizer = build_base(cfg)
     corpus = load_corpus(cfg.text, tokenizer)
     corpus.check_fits(cfg.seq_len)
@@ -388,9 +389,23 @@ def check_config(cfg: TrainConfig) -> None:
 
 
 def check_model_parallel(cfg: TrainConfig) -> None:
-    """``--tp`` / ``--ep`` against the model, without building it: the demo sizes split evenly over ``--tp``
-    (heads, MLP width, every recipe's scaling tiles), ``--ep`` needs the MoE demo with experts that split
-    evenly, and fp8kit's expert parallelism. A pretrained model's sizes are checked when it is laid out."""
+    """``--tp`` / ``--ep`` / ``--sp`` against the model, without building it: the demo sizes split evenly over
+    ``--tp`` (heads, MLP width, every recipe's scaling tiles), ``--ep`` needs the MoE demo with experts that
+    split evenly, and fp8kit's expert parallelism; ``--sp`` needs ``--tp``, a dense model and a ``--seq-len``
+    that splits over the ``--tp`` ranks. A pretrained model's sizes are checked when it is laid out."""
+    if cfg.sp:
+        if cfg.tp < 2:
+            raise ValueError("--sp splits each sequence over the tensor-parallel ranks: add --tp T (T >= 2)")
+        if cfg.seq_len % cfg.tp:
+            fit = (cfg.seq_len // cfg.tp + 1) * cfg.tp
+            raise ValueError(
+                f"--sp: --seq-len {cfg.seq_len} does not split over --tp {cfg.tp} ranks: give a multiple of "
+                f"{cfg.tp} (e.g. --seq-len {fit})"
+            )
+        if cfg.arch != "dense":
+            raise ValueError(
+                f"--sp with --arch {cfg.arch} (MoE blocks on sequence shards) is not supported yet: drop --sp"
+            )
     if cfg.tp > 1 and cfg.model == "demo":
         from ..distributed.mesh import check_tp_model
         from ..models.llama import MODEL_SIZES
