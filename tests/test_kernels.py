@@ -182,3 +182,66 @@ def test_tensor_amax_eager_and_compiled_agree_with_abs_max():
             assert got.dtype == torch.float32
             assert torch.equal(got, want) or (want.isnan() and got.isnan()), (x, got, want)
             assert want.isnan() or not torch.signbit(got)
+
+
+def _bits(t):
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
+
+
+def _awkward(*shape):
+    """Random values over many binades, with a NaN, an inf and a signed zero."""
+    x = torch.randn(*shape) * torch.exp2(torch.randint(-20, 20, shape).float())
+    flat = x.view(-1)
+    flat[:3] = torch.tensor([float("nan"), float("inf"), -0.0])
+    return x
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_compiled_gemm_epilogue_matches_the_eager_float32_products(out_dtype):
+    """``scale_output`` (the grouped GEMMs' epilogue, one compiled loop) gives the bits of the eager
+    ``(acc.float() * s1 * s2[ids]).to(dtype)`` it replaced, for per-tensor, per-row and per-group scales."""
+    acc = _awkward(96, 48).to(out_dtype)
+    ids = torch.randint(0, 5, (96,))
+    cases = [
+        (torch.rand(1, 1) * 3, torch.rand(5, 1) * 1e-3, ids),  # per-tensor x, one scale per expert
+        (torch.rand(96, 1), torch.rand(5, 48), ids),  # row-wise: per-row x, per-expert per-channel w
+        (torch.rand(()), None, None),  # per-tensor weight gradient
+    ]
+    for s1, s2, i in cases:
+        want = acc.float() * s1
+        want = (want if s2 is None else want * s2[i]).to(out_dtype)
+        got = fused.scale_output(acc, s1, s2, i, out_dtype)
+        assert got.dtype == out_dtype and torch.equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+@pytest.mark.parametrize("block", [(1, 128), (1, 32), (128, 128)], ids=str)
+def test_compiled_tile_dequantization_matches_the_expanded_scale_grid(fmt, block):
+    """``dequantize_tiles`` reads each tile's scale in the loop; it equals the product with the scale
+    grid expanded by ``repeat_interleave`` (the former eager code), ragged edge tiles and a 3-D
+    (per-expert) operand included, transposed views too."""
+    codes = torch.randint(0, 256, (3, 200, 192), dtype=torch.uint8)
+    br, bc = block
+    scale_inv = torch.exp2(torch.randint(-10, 10, (3, -(-200 // br), -(-192 // bc))).float())
+    for c, s, (b0, b1) in [(codes, scale_inv, block), (codes.transpose(1, 2), scale_inv.transpose(1, 2), block[::-1])]:
+        r, k = c.shape[-2:]
+        grid = s.repeat_interleave(b0, -2)[..., :r, :].repeat_interleave(b1, -1)[..., :k]
+        for dtype in (torch.bfloat16, torch.float32):
+            want = (c.view(fmt.dtype).float() * grid).to(dtype)
+            got = fused.dequantize_tiles(c, s, b0, b1, fmt, dtype)
+            assert got.is_contiguous() and torch.equal(got.isnan(), want.isnan())
+            assert torch.equal(_bits(got)[~want.isnan()], _bits(want)[~want.isnan()])
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+def test_compiled_scaled_cast_matches_the_eager_cast(fmt):
+    """``cast_scaled`` (row-wise group columns: ``x * scale[group]`` cast in one loop) gives the codes of
+    ``formats.cast`` on the eager product, NaN, inf and signed zero included."""
+    from fp8kit.formats import cast
+
+    x = _awkward(120, 40).bfloat16()
+    ids = torch.randint(0, 4, (120,))
+    scale = torch.exp2(torch.randint(-8, 8, (4, 40)).float()) * 1.37
+    want = cast(x.float() * scale[ids], fmt)
+    got = fused.cast_scaled(x, scale, ids, fmt)
+    assert got.dtype == fmt.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))

@@ -35,9 +35,10 @@ class QuantizedTensor:
         block: the tile shape ``(br, bc)`` used.
         orig_dtype: dtype of the tensor that was quantized (default for ``dequantize``).
         amax: per-tile absolute maximum of the input (float32, shape of ``scales``), when known.
-        values: the unscaled FP8 values as exact float32, shape of ``data``; only inside compiled CPU
-            graphs (per-tensor and per-row scales), where computing them beside the cast lets a GEMM
-            read its operand without decoding the codes. Never saved for backward or stored.
+        values: the unscaled FP8 values (exact; float32, or the GEMM's dtype), shape of ``data``; inside
+            compiled CPU graphs (per-tensor and per-row scales), where computing them beside the cast lets
+            a GEMM read its operand without decoding the codes, and where one decode feeds two grouped
+            GEMMs (``gemm.grouped.with_values``). Never saved for backward or stored.
     """
 
     data: torch.Tensor

@@ -34,14 +34,16 @@ once (``grouped_gemm_fallbacks()``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
-from ..formats import Format, cast, e8m0_decode
+from ..formats import Format, e8m0_decode, get_format
 from ..kernels import decode_fp8
+from ..kernels.fused import cast_scaled, dequantize_tiles, scale_output
 from ..scaling import compute_scale
 from ..tensor import QuantizedTensor, quantize
 from .probe import cpu_gemm_backend
@@ -56,6 +58,7 @@ __all__ = [
     "grouped_mm",
     "quantize_experts",
     "quantize_group_columns",
+    "with_values",
 ]
 
 log = logging.getLogger("fp8kit")
@@ -122,9 +125,8 @@ _OP.register_fake(_grouped_mm_fake)
 def _dequantize_impl(
     codes: torch.Tensor, scale_inv: torch.Tensor, br: int, bc: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    r, c = codes.shape[-2:]
-    s = scale_inv.repeat_interleave(br, -2)[..., :r, :].repeat_interleave(bc, -1)[..., :c]
-    return (codes.float() * s).to(dtype).contiguous()
+    # one loop on CPU (``kernels.fused.dequantize_tiles``: codes decoded and scaled per tile, no scale grid)
+    return dequantize_tiles(codes.view(torch.uint8), scale_inv, br, bc, get_format(codes.dtype), dtype)
 
 
 def _dequantize_fake(
@@ -255,7 +257,7 @@ def quantize_group_columns(x: torch.Tensor, group_ids: torch.Tensor, num_groups:
     mag = x.detach().abs().float()
     amax = mag.new_zeros(num_groups, r).scatter_reduce(0, group_ids.reshape(p, 1).expand(p, r), mag, "amax")
     scale = compute_scale(amax, fmt)
-    data = cast(x.float() * scale[group_ids], fmt)
+    data = cast_scaled(x, scale, group_ids, fmt)  # x.float() * scale[group_ids], cast in one loop on CPU
     return GroupColumns(data.t(), (1.0 / scale).float(), fmt, amax)
 
 
@@ -271,6 +273,22 @@ def _values(codes: torch.Tensor, fmt: Format, dtype: torch.dtype, values: torch.
     if values is not None:
         return values.to(dtype)
     return decode_fp8(codes, fmt, dtype)
+
+
+def _values_t(q: QuantizedTensor | GroupColumns, dtype: torch.dtype) -> torch.Tensor:
+    """``values(q).t()`` decoded in the codes' storage order (``q`` is a transposed view along the
+    tokens): a compiled graph then decodes without a transposing gather."""
+    values = getattr(q, "values", None)
+    return _values(q.data.t(), q.fmt, dtype, None if values is None else values.t())
+
+
+def with_values(q: QuantizedTensor, out_dtype: torch.dtype) -> QuantizedTensor:
+    """``q`` with its exact FP8 values decoded once (CPU, scales that factor out of the GEMM) for the
+    GEMM dtype of ``out_dtype`` outputs, so that two GEMMs on one operand (an output gradient's input-
+    and weight-gradient GEMMs) do not decode it twice; ``q`` itself elsewhere."""
+    if q.data.is_cuda or q.values is not None or q.block[1] < q.data.shape[-1] or q.fmt.kind != "float":
+        return q
+    return dataclasses.replace(q, values=decode_fp8(q.data.view(torch.uint8), q.fmt, _gemm_dtype(out_dtype)))
 
 
 def _gemm_dtype(out_dtype: torch.dtype) -> torch.dtype:
@@ -303,8 +321,8 @@ def grouped_gemm(
     gdt = _gemm_dtype(out_dtype)
     if factor:
         acc = grouped_mm(_values(x.data, x.fmt, gdt, x.values), _values(w.data, w.fmt, gdt).transpose(1, 2), offs)
-        sw = w.row_scales()[group_ids]  # (P, N) or (P, 1)
-        return (acc.float() * _row_scales(x) * sw).to(out_dtype)
+        # (acc * x's row scales * w[e]'s scales of each row's expert e), one loop: scale_output
+        return scale_output(acc, _row_scales(x), w.row_scales(), group_ids, out_dtype)
     return grouped_mm(_dequantize(x, gdt), _dequantize(w, gdt).transpose(1, 2), offs).to(out_dtype)
 
 
@@ -319,13 +337,13 @@ def grouped_gemm_wgrad(
     _count("wgrad")
     gdt = torch.bfloat16 if a.data.is_cuda else _gemm_dtype(out_dtype)
     if isinstance(a, GroupColumns) and isinstance(b, GroupColumns):
-        acc = grouped_mm(_values(a.data, a.fmt, gdt), _values(b.data, b.fmt, gdt).t(), offs)
-        return (acc.float() * a.scale_inv[:, :, None] * b.scale_inv[:, None, :]).to(out_dtype)
+        acc = grouped_mm(_values(a.data, a.fmt, gdt), _values_t(b, gdt), offs)
+        return scale_output(acc, a.scale_inv[:, :, None], b.scale_inv[:, None, :], None, out_dtype)
     if not isinstance(a, QuantizedTensor) or not isinstance(b, QuantizedTensor):
         raise TypeError("grouped_gemm_wgrad takes two QuantizedTensor or two GroupColumns operands")
     if a.scales.numel() == 1 and b.scales.numel() == 1:  # per-tensor: the scales factor out of every group
-        acc = grouped_mm(_values(a.data, a.fmt, gdt, a.values), _values(b.data, b.fmt, gdt, b.values).t(), offs)
-        return (acc.float() * (a.scale_inv * b.scale_inv).reshape(())).to(out_dtype)
+        acc = grouped_mm(_values(a.data, a.fmt, gdt, a.values), _values_t(b, gdt), offs)
+        return scale_output(acc, (a.scale_inv * b.scale_inv).reshape(()), None, None, out_dtype)
     if a.data.is_cuda:
         _fallback(f"wgrad {a.block}x{b.block}", "tile-scaled grouped weight-gradient GEMMs have no native kernel wired")
     return grouped_mm(_dequantize(a, gdt), _dequantize(b, gdt).t(), offs).to(out_dtype)

@@ -139,6 +139,70 @@ def decode_fp8(codes: torch.Tensor, fmt: Format, dtype: torch.dtype = torch.floa
     return _run("decode", _decode_torch, codes.view(torch.uint8), fmt, dtype)
 
 
+def scale_output_eager(
+    acc: torch.Tensor,
+    s1: torch.Tensor,
+    s2: torch.Tensor | None,
+    ids: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """A GEMM epilogue: ``(acc.float() * s1 * s2[ids]).to(dtype)`` (``s2`` itself where ``ids`` is None;
+    no second factor where ``s2`` is None), float32 math in that order, one pass when compiled."""
+    out = acc.float() * s1
+    if s2 is not None:
+        out = out * (s2 if ids is None else s2[ids])
+    return out.to(dtype)
+
+
+def scale_output(
+    acc: torch.Tensor,
+    s1: torch.Tensor,
+    s2: torch.Tensor | None = None,
+    ids: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``scale_output_eager`` as one compiled loop (CPU, eager mode); bit-exact to it: the same float32
+    products in the same order. ``s1``/``s2`` broadcast against ``acc`` (``s2[ids]`` gathers per-group rows
+    of scales, e.g. an expert's scales for each of its tokens)."""
+    if acc.device.type != "cpu":
+        return scale_output_eager(acc, s1, s2, ids, dtype)
+    return _run("scale_output", scale_output_eager, acc, s1, s2, ids, dtype)
+
+
+def dequantize_tiles_eager(
+    codes: torch.Tensor, scale_inv: torch.Tensor, br: int, bc: int, fmt: Format, dtype: torch.dtype
+) -> torch.Tensor:
+    """``codes`` (``(..., R, C)`` uint8 FP8 bit patterns) times their tile's float32 multiplier
+    ``scale_inv[..., i // br, j // bc]`` in float32, returned in ``dtype`` (contiguous)."""
+    r, c = codes.shape[-2:]
+    ri = torch.arange(r, device=codes.device) // br
+    ci = torch.arange(c, device=codes.device) // bc
+    return (decode_bits(codes, fmt) * scale_inv[..., ri[:, None], ci[None, :]]).to(dtype).contiguous()
+
+
+def dequantize_tiles(
+    codes: torch.Tensor, scale_inv: torch.Tensor, br: int, bc: int, fmt: Format, dtype: torch.dtype
+) -> torch.Tensor:
+    """``dequantize_tiles_eager`` compiled into one loop on CPU (eager mode): the scales are read per tile
+    instead of being expanded to the element grid first. Same values bit for bit."""
+    if codes.device.type != "cpu":
+        return dequantize_tiles_eager(codes, scale_inv, br, bc, fmt, dtype)
+    return _run("dequantize_tiles", dequantize_tiles_eager, codes, scale_inv, br, bc, fmt, dtype).contiguous()
+
+
+def cast_scaled_eager(x: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor | None, fmt: Format) -> torch.Tensor:
+    """``x.float() * scale[ids]`` (``scale`` where ``ids`` is None) cast to ``fmt``, as uint8 codes
+    (saturating, round to nearest even)."""
+    return _cast(x.float() * (scale if ids is None else scale[ids]), fmt, codes=True)
+
+
+def cast_scaled(x: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor | None, fmt: Format) -> torch.Tensor:
+    """``cast_scaled_eager`` as one compiled loop on CPU (eager mode), viewed as ``fmt.dtype``."""
+    if x.device.type != "cpu" or fmt.kind != "float":
+        return _cast(x.float() * (scale if ids is None else scale[ids]), fmt)
+    return _run("cast_scaled", cast_scaled_eager, x, scale, ids, fmt).view(fmt.dtype)
+
+
 def quantize_blocks_eager(
     x: torch.Tensor, spec: BlockSpec, scale: torch.Tensor | None = None, *, codes: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -175,6 +239,14 @@ def quantize_pair_eager(
     return quantize_blocks_eager(x, spec, codes=codes), quantize_blocks_eager(x.t(), spec_t, codes=codes)
 
 
+_PLAIN = {
+    "decode": _decode_to,
+    "scale_output": scale_output_eager,
+    "dequantize_tiles": dequantize_tiles_eager,
+    "cast_scaled": cast_scaled_eager,
+}  # compiled as they are (the quantize kernels get ``codes=True``)
+
+
 @functools.cache
 def _compiled(kind: str):
     # One model has many operand shapes (x, x.T, dy, dy.T, W per layer): compile for symbolic sizes,
@@ -183,8 +255,8 @@ def _compiled(kind: str):
     for attr in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, attr):
             setattr(cfg, attr, max(getattr(cfg, attr), 64))
-    if kind == "decode":
-        fn = _decode_to
+    if kind in _PLAIN:
+        fn = _PLAIN[kind]
     else:
         fn = {"tensor": _per_tensor, "tiles": quantize_blocks_eager, "pair": quantize_pair_eager}[kind]
         fn = functools.partial(fn, codes=True)

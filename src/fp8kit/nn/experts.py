@@ -64,6 +64,7 @@ from ..gemm.grouped import (
     grouped_gemm_wgrad,
     quantize_experts,
     quantize_group_columns,
+    with_values,
 )
 from ..recipes import DelayedScaling, Recipe
 from ..scaling import compute_scale, parse_granularity
@@ -502,6 +503,8 @@ class _GroupedLinearFn(torch.autograd.Function):
             gq, g_tok = module.quantize_both_ways(g, dest, ctx.rows, ctx.p, "grad", recipe, group_ids)
         else:
             gq = module.quantize_activation(_pad(g, dest, ctx.rows), ctx.p, "grad", recipe)
+            if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+                gq = with_values(gq, ctx.x_dtype)  # one decode for both GEMMs (per-tensor: gq.t() is g_tok)
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = grouped_gemm(gq, wq_t, offs, group_ids, ctx.x_dtype, kind="dgrad")
