@@ -254,7 +254,7 @@ def test_check_mesh_accepts_fsdp_with_ep(nproc, tp, ep, shape, names):
 
     got = check_mesh(nproc, tp=tp, ep=ep, fsdp=True, batch_size=8)
     assert (got.shape, got.dim_names, got.fsdp) == (shape, names, True)
-    assert got.describe() == {"shape": list(shape), "dim_names": list(names), "fsdp": True}
+    assert got.describe() == {"shape": list(shape), "dim_names": list(names), "fsdp": True, "sequence_parallel": False}
 
 
 @pytest.mark.parametrize(
