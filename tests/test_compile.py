@@ -218,16 +218,18 @@ def _linear_step(layer, fn, x, dy):
     return y.detach(), xr.grad, layer.weight.grad.clone(), layer.bias.grad.clone()
 
 
-@pytest.mark.parametrize("recipe", ["block", "mxfp8"])
-def test_ragged_tiles_compile_to_eager(recipe):
-    """K = 200, N = 80, M = 40 tokens: every dim ragged for 1x128 / 128x128 tiles and MX 1x32 blocks (a
-    multi-tile ragged K, single ragged tiles on N and M). Inductor's CPU loop split dropped the tail of
-    each ragged tile loop (wrong dx or dW, or an InductorError); the ragged casts, dequantizations and
-    row scales run in ``kernels.opaque``'s custom ops, the same kernels as eager: dx and dW are eager's
-    bit for bit. The output and db up to float32 rounding of high-precision sums (measured 150 dB):
-    inductor folds ``mm + bias`` of the dequantized GEMM into one ``addmm`` (the bias enters the FP32
+@pytest.mark.parametrize(
+    ("recipe", "k", "n", "m"),
+    [("block", 200, 80, 40), ("block", 48, 80, 200), ("mxfp8", 200, 80, 40), ("mxfp8", 192, 64, 40)],
+)
+def test_ragged_tiles_compile_to_eager(recipe, k, n, m):
+    """In features K, out features N, M tokens that the tiles (1x128 / 128x128, MX 1x32) do not divide:
+    200 x 80 x 40 is ragged everywhere (an InductorError before), 48 x 80 x 200 (block) and 192 x 64 x 40
+    (MXFP8) gave a silently wrong dW (SQNR -inf and 7 dB against eager). Inductor's CPU loop split
+    dropped the tail of each ragged tile loop; the ragged casts, dequantizations and row scales run in
+    ``kernels.opaque``'s custom ops, the same kernels as eager: dx and dW are eager's bit for bit; the
+    output and db up to float32 rounding of high-precision sums (measured 150 dB): inductor folds ``mm + bias`` of the dequantized GEMM into one ``addmm`` (the bias enters the FP32
     sum), and sums ``dy`` over the tokens in its own order."""
-    k, n, m = 200, 80, 40
     g = torch.Generator().manual_seed(3)
     x, dy = torch.randn(m, k, generator=g), torch.randn(m, n, generator=g)
     eager = fp8kit.nn.Linear(k, n, recipe=fp8kit.recipe_from_name(recipe))
