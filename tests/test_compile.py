@@ -9,7 +9,7 @@ import io
 import pytest
 import torch
 import torch._dynamo
-from conftest import tiny_llama_config
+from conftest import sqnr_db, tiny_llama_config
 
 import fp8kit
 
@@ -206,3 +206,70 @@ def test_fp8kit_compile_never_recomputes_a_gemm(recipe):
             model(x).float().pow(2).mean().backward()
         counts[name] = sum(e.count for e in prof.key_averages() if e.key == "aten::mm")
     assert counts == {"eager": 5, "compiled": 5}, counts
+
+
+# ---- ragged tiles: dims that the recipe's tiles do not divide --------------------------------------------
+
+
+def _linear_step(layer, fn, x, dy):
+    xr = x.clone().requires_grad_()
+    y = fn(xr)
+    y.backward(dy)
+    return y.detach(), xr.grad, layer.weight.grad.clone(), layer.bias.grad.clone()
+
+
+@pytest.mark.parametrize(
+    ("recipe", "k", "n", "m"),
+    [("block", 200, 80, 40), ("block", 48, 80, 200), ("mxfp8", 200, 80, 40), ("mxfp8", 192, 64, 40)],
+)
+def test_ragged_tiles_compile_to_eager(recipe, k, n, m):
+    """In features K, out features N, M tokens that the tiles (1x128 / 128x128, MX 1x32) do not divide:
+    200 x 80 x 40 is ragged everywhere (an InductorError before), 48 x 80 x 200 (block) and 192 x 64 x 40
+    (MXFP8) gave a silently wrong dW (SQNR -inf and 7 dB against eager). Inductor's CPU loop split
+    dropped the tail of each ragged tile loop; the ragged casts, dequantizations and row scales run in
+    ``kernels.opaque``'s custom ops, the same kernels as eager: dx and dW are eager's bit for bit; the
+    output and db up to float32 rounding of high-precision sums (measured 150 dB): inductor folds ``mm + bias`` of the dequantized GEMM into one ``addmm`` (the bias enters the FP32
+    sum), and sums ``dy`` over the tokens in its own order."""
+    g = torch.Generator().manual_seed(3)
+    x, dy = torch.randn(m, k, generator=g), torch.randn(m, n, generator=g)
+    eager = fp8kit.nn.Linear(k, n, recipe=fp8kit.recipe_from_name(recipe))
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    ref = _linear_step(eager, eager, x, dy)
+    out = _linear_step(compiled, torch.compile(compiled, fullgraph=True), x, dy)
+    for what, a, b in zip(("output", "dx", "dW", "db"), ref, out, strict=True):
+        if what in ("dx", "dW"):
+            assert torch.equal(a, b), f"{what}: max |diff| {(a - b).abs().max():.3g}"
+        assert sqnr_db(a, b) > 120, f"{what}: SQNR {sqnr_db(a, b):.1f} dB"
+
+
+def _graphs_of_a_step(recipe: str, k: int, n: int, m: int) -> list[torch.fx.GraphModule]:
+    """Forward and backward graphs of one compiled step (AOTAutograd, no inductor: cheap)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    layer = fp8kit.nn.Linear(k, n, recipe=fp8kit.recipe_from_name(recipe))
+    torch._dynamo.reset()
+    fn = torch.compile(layer, fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    fn(torch.randn(m, k, requires_grad=True)).sum().backward()
+    return graphs
+
+
+def _opaque_ops(graphs: list[torch.fx.GraphModule]) -> set[str]:
+    return {str(node.target) for gm in graphs for node in gm.graph.nodes if str(node.target).startswith("fp8kit.")}
+
+
+@pytest.mark.parametrize("recipe", ["block", "mxfp8"])
+def test_only_ragged_tiles_leave_the_fused_graph(recipe):
+    """Aligned dims keep every cast, dequantization and scale in inductor's fused graph (no opaque op);
+    ragged ones reach ``fp8kit::quantize_tiles`` / ``dequantize_tiles`` in forward and backward."""
+    assert _opaque_ops(_graphs_of_a_step(recipe, 256, 128, 128)) == set()
+    fw, bw = _graphs_of_a_step(recipe, 200, 80, 40)
+    assert {"fp8kit.quantize_tiles.default", "fp8kit.dequantize_tiles.default"} <= _opaque_ops([fw])
+    assert "fp8kit.quantize_tiles.default" in _opaque_ops([bw])

@@ -16,7 +16,7 @@ from .kernels import (
     quantize_pair_fused,
     round_bits,
 )
-from .kernels.reference import expand_tiles
+from .kernels.opaque import dequantize_tiles, dequantize_tiles_opaque, is_ragged, quantize_tiles_opaque
 from .scaling import Granularity, parse_granularity
 
 __all__ = ["QuantizedTensor", "quantize", "quantize_with_transpose", "tensor_amax"]
@@ -71,12 +71,15 @@ class QuantizedTensor:
         data2d = self.data.reshape(1, -1) if self.data.dim() < 2 else self.data.reshape(-1, self.data.shape[-1])
         rows, cols = data2d.shape
         br, bc = self.block
-        if rows % br == 0 and cols % bc == 0:
+        dtype = dtype or self.orig_dtype
+        if not is_ragged((rows, cols), (br, bc)):
             tiles = data2d.float().reshape(rows // br, br, cols // bc, bc)
             out = (tiles * self.scale_inv[:, None, :, None]).reshape(rows, cols)
+        elif torch.compiler.is_compiling():  # ragged tiles: out of inductor's reach (kernels.opaque)
+            out = dequantize_tiles_opaque(data2d, self.scale_inv, self.block, torch.float32)
         else:
-            out = data2d.float() * expand_tiles(self.scale_inv, self.block, (rows, cols))
-        return out.reshape(self.data.shape).to(dtype or self.orig_dtype)
+            out = dequantize_tiles(data2d, self.scale_inv, self.block, torch.float32)
+        return out.reshape(self.data.shape).to(dtype)
 
     def t(self) -> QuantizedTensor:
         """Transpose of a 2-D quantized tensor (no requantization; tiles transpose with it)."""
@@ -194,6 +197,8 @@ def quantize(
             raise ValueError("static scale must be finite and positive")
     if rounding != "nearest" or backend == "reference":
         data, sc, amax = quantize_blocks_reference(x2, spec, static, rounding=rounding, generator=generator)
+    elif backend in ("compiled", "eager") and torch.compiler.is_compiling() and is_ragged((rows, cols), block):
+        data, sc, amax = quantize_tiles_opaque(x2, spec, static, fused=backend == "compiled")  # kernels.opaque
     elif backend == "compiled":
         data, sc, amax = quantize_blocks_fused(x2, spec, static)
     elif backend == "eager":
@@ -249,8 +254,14 @@ def quantize_with_transpose(
     mx = mx_rounding if gran.is_mx else None
     spec = BlockSpec(fmt, gran.block_shape(rows, cols), margin, power_of_two, mx)
     spec_t = BlockSpec(fmt, gran.block_shape(cols, rows), margin, power_of_two, mx)
-    pair = quantize_pair_fused if backend == "compiled" else quantize_pair_eager
-    (d1, s1, a1), (d2, s2, a2) = pair(x, spec, spec_t)
+    if torch.compiler.is_compiling() and (is_ragged(x.shape, spec.block) or is_ragged((cols, rows), spec_t.block)):
+        # ragged tiles: each orientation in the opaque op (kernels.opaque); the same codes as the pair
+        fused = backend == "compiled"
+        d1, s1, a1 = quantize_tiles_opaque(x, spec, fused=fused)
+        d2, s2, a2 = quantize_tiles_opaque(x.t(), spec_t, fused=fused)
+    else:
+        pair = quantize_pair_fused if backend == "compiled" else quantize_pair_eager
+        (d1, s1, a1), (d2, s2, a2) = pair(x, spec, spec_t)
     return (
         _finish(d1, s1, a1, x.shape, fmt, gran, spec.block, x.dtype, nonfinite),
         _finish(d2, s2, a2, (cols, rows), fmt, gran, spec_t.block, x.dtype, nonfinite),

@@ -42,6 +42,7 @@ import logging
 
 import torch
 
+from ..kernels.opaque import repeat_tiles
 from ..tensor import QuantizedTensor
 from .codes import decode_codes
 from .probe import cpu_gemm_backend
@@ -74,7 +75,7 @@ def _row_scales(q: QuantizedTensor) -> torch.Tensor:
     if s.numel() == 1:
         return s.reshape(1, 1)
     rows = q.data.shape[0]
-    return s.reshape(-1, 1).repeat_interleave(q.block[0], dim=0)[:rows]
+    return repeat_tiles(s.reshape(-1, 1), q.block[0], 0, rows)
 
 
 def _try_scaled_mm(

@@ -41,9 +41,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..formats import Format, e8m0_decode, get_format
+from ..formats import Format, e8m0_decode
 from ..kernels import decode_fp8
-from ..kernels.fused import cast_scaled, dequantize_tiles, scale_output
+from ..kernels.fused import cast_scaled, scale_output
+from ..kernels.opaque import dequantize_tiles, dequantize_tiles_opaque, repeat_tiles
 from ..scaling import compute_scale
 from ..tensor import QuantizedTensor, quantize
 from .probe import cpu_gemm_backend
@@ -122,27 +123,11 @@ _OP = torch.library.custom_op("fp8kit::grouped_mm", _grouped_mm_impl, mutates_ar
 _OP.register_fake(_grouped_mm_fake)
 
 
-def _dequantize_impl(
-    codes: torch.Tensor, scale_inv: torch.Tensor, br: int, bc: int, dtype: torch.dtype
-) -> torch.Tensor:
-    # one loop on CPU (``kernels.fused.dequantize_tiles``: codes decoded and scaled per tile, no scale grid)
-    return dequantize_tiles(codes.view(torch.uint8), scale_inv, br, bc, get_format(codes.dtype), dtype)
-
-
-def _dequantize_fake(
-    codes: torch.Tensor, scale_inv: torch.Tensor, br: int, bc: int, dtype: torch.dtype
-) -> torch.Tensor:
-    return codes.new_empty(codes.shape, dtype=dtype)
-
-
-_DEQ = torch.library.custom_op("fp8kit::dequantize_tiles", _dequantize_impl, mutates_args=())
-_DEQ.register_fake(_dequantize_fake)
-
-
 def _dequantize(q: QuantizedTensor | GroupedWeight, dtype: torch.dtype) -> torch.Tensor:
-    """Tile-scaled operand as ``dtype`` values, in an op opaque to inductor (whose CPU loop-split pass
-    fails on the 1x128 dequantizations of one tensor in both orientations that a weight gradient has)."""
-    return _DEQ(q.data, q.scale_inv.float(), q.block[0], q.block[1], dtype)
+    """Tile-scaled operand as ``dtype`` values, in the op opaque to inductor ``fp8kit::dequantize_tiles``
+    (``kernels.opaque``; inductor's CPU loop-split pass fails on the 1x128 dequantizations of one tensor
+    in both orientations that a weight gradient has)."""
+    return dequantize_tiles_opaque(q.data, q.scale_inv, q.block, dtype)
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -180,7 +165,7 @@ class GroupedWeight:
         return e8m0_decode(self.scales) if self.scales.dtype == torch.uint8 else self.scales
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return _dequantize_impl(self.data, self.scale_inv.float(), self.block[0], self.block[1], dtype)
+        return dequantize_tiles(self.data, self.scale_inv.float(), self.block, dtype).contiguous()
 
     def transpose(self) -> GroupedWeight:
         """``(E, C, R)``: per-expert transposes (tiles transpose with them; no requantization)."""
@@ -198,7 +183,7 @@ class GroupedWeight:
         s = self.scale_inv[:, :, 0]
         if s.shape[1] == 1:
             return s
-        return s.repeat_interleave(self.block[0], dim=1)[:, : self.data.shape[1]]
+        return repeat_tiles(s, self.block[0], 1, self.data.shape[1])
 
     @property
     def scales_factor_out(self) -> bool:

@@ -35,9 +35,10 @@ gradient is zero; layer-wide activation amaxes are taken over the real tokens on
 zeros, which never raise an amax), so nothing pollutes the delayed-scaling history.
 
 ``torch.compile`` (``fullgraph=True``, one graph whatever the routing) covers all five recipes. Block and
-MXFP8 activations are quantized inside the opaque custom op ``fp8kit::quantize_rows`` when compiling:
-inductor's CPU code miscompiles ragged 1x128 tiles (K not a multiple of 128, as the down projection's
-K = I often is) and gave wrong input gradients; ``_quantize_rows`` holds the minimal repro.
+MXFP8 activations with ragged tiles (K not a multiple of the tile, as the down projection's K = I often
+is) are quantized inside the opaque custom op ``fp8kit::quantize_tiles`` when compiling, as the dense
+layer's are (``tensor.quantize`` decides): inductor's CPU code miscompiles ragged tiles and gave wrong
+input gradients (``kernels.opaque`` holds the minimal repro).
 
 State (buffers; delayed scaling only, persistent): ``fp8_amax_history`` ``(2, 2 + E, history_len)``,
 ``fp8_scale`` ``(2, 2 + E)``, ``fp8_seen`` and ``fp8_amax_pending`` of the same leading shape, indexed
@@ -56,7 +57,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..formats import E4M3, get_format
+from ..formats import E4M3
 from ..gemm.grouped import (
     GroupColumns,
     GroupedWeight,
@@ -67,7 +68,7 @@ from ..gemm.grouped import (
     with_values,
 )
 from ..recipes import DelayedScaling, Recipe
-from ..scaling import compute_scale, parse_granularity
+from ..scaling import compute_scale
 from ..tensor import QuantizedTensor, quantize, quantize_with_transpose, tensor_amax
 from .autocast import fp8_enabled, recipe_override
 from .linear import _BACKEND, FP8_STATE_KEYS, _track_cache, quantize_knobs
@@ -175,7 +176,7 @@ class FP8Experts:
             amax = self.amax_reduce(tensor_amax(x))
             scale = compute_scale(amax, fmt, getattr(recipe, "margin", 0), getattr(recipe, "power_of_two", False))
             return quantize(x, fmt, "tensor", scale=scale, nonfinite="propagate", backend=backend, check_scale=False)
-        return _quantize_rows(
+        return quantize(
             x, fmt, recipe.granularity_for(role), nonfinite="propagate", backend=backend, **quantize_knobs(recipe)
         )
 
@@ -202,7 +203,7 @@ class FP8Experts:
         if not torch.compiler.is_compiling():
             return quantize_with_transpose(xp, fmt, gran, **kw)
         xpt = x.t().contiguous() if dest is None else x.new_zeros(x.shape[1], rows).index_copy(1, dest, x.t())
-        return _quantize_rows(xp, fmt, gran, **kw), _quantize_rows(xpt, fmt, gran, **kw)
+        return quantize(xp, fmt, gran, **kw), quantize(xpt, fmt, gran, **kw)
 
     def quantize_along_tokens(
         self, xp: torch.Tensor, role: str, recipe: Recipe, group_ids: torch.Tensor
@@ -211,7 +212,7 @@ class FP8Experts:
         fmt = recipe.format_for(role)
         if recipe.kind == "rowwise":
             return quantize_group_columns(xp, group_ids, self.num_experts, fmt)
-        return _quantize_rows(
+        return quantize(
             xp.t().contiguous(),
             fmt,
             recipe.granularity_for(role),
@@ -317,65 +318,6 @@ class FP8Experts:
         fresh = {prefix + k for k in FP8_STATE_KEYS}
         missing_keys[:] = [k for k in missing_keys if k not in fresh]
         self._weight_cache = {}
-
-
-def _quantize_rows(x: torch.Tensor, fmt: Any, granularity: Any, **kw: Any) -> QuantizedTensor:
-    """``quantize(x, fmt, granularity, **kw)``; in a compiled graph, tile recipes (1 x bc tiles, MX blocks)
-    run eager's quantizer inside the opaque custom op ``fp8kit::quantize_rows`` (same codes and scales).
-
-    Why: inductor's CPU code miscompiles the ragged-tile quantizer (K not a multiple of the tile) when a
-    kernel of the unpadded shape consumes the amax of the zero-padded tiles (torch 2.13; ``aot_eager`` is
-    right): MoE experts got wrong input gradients (the down projection's K = I, e.g. 192 for 1x128
-    tiles). Minimal repro, wrong values (uninitialised reads: nan, ~1e37) under ``backend="inductor"``::
-
-        def f(x):  # x = torch.randn(48, 192): two 1x128 tiles per row, the second one ragged
-            t = F.pad(x, (0, 64)).reshape(48, 1, 2, 128)
-            s = 1.0 / t.abs().amax(dim=(1, 3))
-            return (t * s[:, None, :, None]).reshape(48, 256)[:, :192].contiguous()
-
-    (right without the final slice, or without the pad). Padding K before quantizing and viewing the codes
-    back did not avoid it inside the experts' graph, so the cast is kept out of inductor's reach, as
-    ``gemm.grouped`` keeps its GEMM and tile dequantization."""
-    row_tiles = granularity == "mx" or (isinstance(granularity, tuple) and granularity[0] == 1)
-    if not torch.compiler.is_compiling() or x.dim() != 2 or not row_tiles:  # whole rows: fused in the graph
-        return quantize(x, fmt, granularity, **kw)
-    fmt, gran = get_format(fmt), parse_granularity(granularity)  # the op's quantize call validates them
-    block = gran.block_shape(*x.shape)
-    data, scales, amax = _QUANTIZE_ROWS(
-        x,
-        fmt.name,
-        block[1],
-        gran.is_mx,
-        float(kw.get("margin", 0.0)),
-        bool(kw.get("power_of_two", False)),
-        str(kw.get("mx_rounding", "rceil")),
-    )
-    return QuantizedTensor(data.view(fmt.dtype), scales, fmt, gran, block, x.dtype, amax)
-
-
-def _quantize_rows_impl(
-    x: torch.Tensor, fmt: str, bc: int, mx: bool, margin: float, power_of_two: bool, mx_rounding: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    gran: Any = "mx" if mx else (1, bc)
-    knobs: dict[str, Any] = {"mx_rounding": mx_rounding} if mx else {"margin": margin, "power_of_two": power_of_two}
-    q = quantize(x, fmt, gran, nonfinite="propagate", backend=_BACKEND["name"], **knobs)
-    return q.data.view(torch.uint8).clone(), q.scales.clone(), q.amax.clone()
-
-
-def _quantize_rows_fake(
-    x: torch.Tensor, fmt: str, bc: int, mx: bool, margin: float, power_of_two: bool, mx_rounding: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows, cols = x.shape
-    tiles = (rows, -(-cols // bc))
-    return (
-        x.new_empty(rows, cols, dtype=torch.uint8),
-        x.new_empty(tiles, dtype=torch.uint8 if mx else torch.float32),
-        x.new_empty(tiles, dtype=torch.float32),
-    )
-
-
-_QUANTIZE_ROWS = torch.library.custom_op("fp8kit::quantize_rows", _quantize_rows_impl, mutates_args=())
-_QUANTIZE_ROWS.register_fake(_quantize_rows_fake)
 
 
 @functools.cache
