@@ -349,11 +349,12 @@ def _one_process(recipe: str, ranks: int, fp8: bool = True) -> dict:
     return train(make(recipe), ranks, None, fp8=fp8)
 
 
-def _assert_follows(ranks: list[dict], ref: dict, recipe: str, world: int) -> None:
+def _assert_follows(ranks: list[dict], ref: dict, recipe: str, world: int, out_tol: float = 1.0) -> None:
+    """``out_tol`` widens the output bounds (the high-precision control: see its test)."""
     local = E // world
     for r, got in enumerate(ranks):
         rows = slice(r * BATCH, (r + 1) * BATCH)
-        torch.testing.assert_close(got["out"], ref["out"][rows], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(got["out"], ref["out"][rows], rtol=1e-6 * out_tol, atol=1e-7 * out_tol)
         torch.testing.assert_close(got["grad_x"], ref["grad_x"][rows], rtol=1e-6, atol=1e-8)
         for mine, full in zip(got["grad_experts"], ref["grad_experts"], strict=True):
             assert mine.keys() == full.keys()
@@ -381,8 +382,13 @@ def test_ep4_follows_one_process(ep4):
 
 
 def test_ep2_without_fp8_follows_one_process(ep2):
-    """The control: the same dispatch / combine machinery in high precision."""
-    _assert_follows([rank["high_precision"] for rank in ep2], _one_process("current", 2, fp8=False), "current", 2)
+    """The control: the same dispatch / combine machinery in high precision. Its FP32 expert GEMMs see other
+    group sizes on each rank than in one process, and the CPU GEMM kernels block them differently: on a Zen 5
+    one output element of 1024 differs by 2.4e-7 (3e-6 relative; the FP8 runs, whose bf16 operands are exact,
+    match bit for bit), so the output bounds are 10x the FP8 runs'."""
+    _assert_follows(
+        [rank["high_precision"] for rank in ep2], _one_process("current", 2, fp8=False), "current", 2, out_tol=10.0
+    )
 
 
 def test_ep2_transformers_causal_lm_follows_one_process(ep2):

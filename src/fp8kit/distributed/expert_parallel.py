@@ -436,17 +436,25 @@ class ExpertParallel:
             self._parameters.update(saved)
             self._ep_pinned.pop((0, "input"), None)
 
-    @_compiler_disable
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         """``hidden_states`` ``(T, H)`` of this rank, ``top_k_index`` / ``top_k_weights`` ``(T, k)`` (global
         expert ids); returns ``(T, H)``: the experts' weighted sum for this rank's tokens.
 
-        Never traced by ``torch.compile`` (``torch.compiler.disable``): the all-to-all split sizes are host
-        values of this step's routing (``tolist``), and the received FP8 operands reach the grouped GEMMs
-        through module state, neither of which a graph can hold; a compiled model breaks its graph here
-        and runs this call (dispatch, local FP8 grouped GEMMs, combine, and their backward) eagerly."""
+        Never traced by ``torch.compile`` (``_ep_forward`` is ``torch.compiler.disable``-d): the all-to-all
+        split sizes are host values of this step's routing (``tolist``), and the received FP8 operands reach
+        the grouped GEMMs through module state, neither of which a graph can hold; a compiled model breaks
+        its graph here and runs this call (dispatch, local FP8 grouped GEMMs, combine, and their backward)
+        eagerly. ``forward`` itself stays undecorated: ``nn.experts``' fallback reads the experts class's
+        original forward from ``type(module).forward.__wrapped__``, which a decorator here would shadow
+        (infinite recursion into this method)."""
+        return self._ep_forward(hidden_states, top_k_index, top_k_weights)
+
+    @_compiler_disable
+    def _ep_forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         num_tokens, hidden = hidden_states.shape
         top_k = top_k_index.shape[-1]
         world, total, local, first = self.ep_size, self.ep_num_experts, self.num_experts, self.ep_first_expert
