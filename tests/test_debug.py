@@ -240,3 +240,17 @@ def test_doctor_cli(tmp_path, capsys):
     blocked.write_text("x")
     assert main([*args, "--out", str(blocked / "sub")]) == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_doctor_cli_on_the_moe_demo_reads_every_expert(tmp_path, capsys):
+    """``fp8kit doctor --arch moe``: the report's per-expert readings cover both projections' weights, inputs
+    and output gradients; ``--arch moe`` with another model is refused."""
+    out = tmp_path / "doc"
+    args = ["doctor", "--arch", "moe", "--model-size", "tiny", "--steps", "3", "--batch-size", "2", "--seq-len", "16"]
+    assert main([*args, "--out", str(out)]) == 0
+    assert "fp8kit doctor (delayed vs bf16, 3 steps)" in capsys.readouterr().out
+    recs = [json.loads(line) for line in (out / "fp8_stats.jsonl").read_text().splitlines()]
+    expert = {(r["layer"].rsplit(".", 1)[1], r["operand"]) for r in recs if ".experts[" in r["layer"]}
+    assert expert == {(p, o) for p in ("gate_up_proj", "down_proj") for o in ("input", "weight", "grad")}
+    assert main([*args, "--model", "smollm2", "--out", str(tmp_path / "x")]) == 2
+    assert "--arch moe builds the demo model" in capsys.readouterr().err

@@ -438,25 +438,62 @@ def test_hf_save_and_from_pretrained_restore_fp8_experts(tmp_path):
 
 def test_inspector_reports_each_expert():
     """Per-expert weight and routed-token amax / underflow / SQNR and tokens routed, through the inspector,
-    named ``{experts module}[{expert}].{weight}``."""
+    named ``{experts module}[{expert}].{weight}``: both weights, and both projections' inputs and output
+    gradients."""
     model = fp8kit.convert(tiny_model("qwen3_moe"), "current")
     ids = torch.randint(0, 128, (2, 12))
     with fp8kit.debug.inspect(model, tensorboard=False) as insp:
-        model(ids)
+        model(ids, labels=ids).loss.backward()
     rows = [r for r in insp.table() if ".experts[" in r["layer"]]
-    assert len(rows) == 2 * 8 * 3  # layers x experts x (two weights, the tokens routed to the first)
+    assert len(rows) == 2 * 8 * 2 * 3  # layers x experts x weights x (weight, input, grad)
     layer0 = [r for r in rows if r["layer"].startswith("model.layers.0.mlp.experts[")]
     weights0 = [r for r in layer0 if r["operand"] == "weight" and r["layer"].endswith("].gate_up_proj")]
     assert sum(r["tokens_routed"] for r in weights0) == 2 * 12 * 2
     w = model.model.layers[0].mlp.experts.gate_up_proj[3].detach()
     r3 = next(r for r in weights0 if r["layer"] == "model.layers.0.mlp.experts[3].gate_up_proj")
     assert r3["amax"] == float(w.abs().max()) and 25 < r3["sqnr_db"] < 40
-    inputs0 = [r for r in layer0 if r["operand"] == "input"]
-    assert len(inputs0) == 8 and all(r["layer"].endswith("].gate_up_proj") for r in inputs0)
-    # per-tensor current scaling: every expert's tokens use the one layer-wide scale of all routed tokens
-    routed = [r for r in inputs0 if r["tokens_routed"]]
-    assert len({r["scale"] for r in routed}) == 1
-    assert max(r["amax"] for r in routed) * routed[0]["scale"] == pytest.approx(448.0, rel=1e-6)
+    for param in ("gate_up_proj", "down_proj"):
+        for operand, fmt_max in (("input", 448.0), ("grad", 57344.0)):  # hybrid: E4M3 forward, E5M2 gradients
+            got = [r for r in layer0 if r["operand"] == operand and r["layer"].endswith(f"].{param}")]
+            assert len(got) == 8 and sum(r["tokens_routed"] for r in got) == 2 * 12 * 2, (param, operand)
+            # per-tensor current scaling: every expert's rows use the one layer-wide scale of all routed rows
+            routed = [r for r in got if r["tokens_routed"]]
+            assert len({r["scale"] for r in routed}) == 1
+            assert max(r["amax"] for r in routed) * routed[0]["scale"] == pytest.approx(fmt_max, rel=1e-6)
+    # outside the block the experts run without the tap
+    assert all(m.fp8_operand_tap is None for m in experts_of(model))
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "rowwise", "block"])  # block pads each expert's rows
+def test_inspector_expert_operands_are_the_rows_routed(recipe):
+    """The per-expert input and output-gradient figures are those of the rows each expert received,
+    checked against amaxes computed from the routing (the down projection's output gradient of token t at
+    expert e is its routing weight times the layer's output gradient), an expert with no token included."""
+    gen = torch.Generator().manual_seed(5)
+    module = experts_module(torch.randn(E, 2 * INTER, H, generator=gen) * 0.05, recipe=recipe)
+    holder = torch.nn.Sequential(module)
+    t = 24
+    x = torch.randn(t, H, generator=gen) * torch.exp2(torch.randint(-3, 4, (t, 1), generator=gen).float())
+    first = torch.where(torch.arange(t) % 3 == 0, 0, 2)
+    top_k_index = torch.stack([first, torch.full((t,), 3)], dim=1)  # expert 1 gets no token
+    weights = torch.rand(t, 2, generator=gen)
+    dy = torch.randn(t, H, generator=gen)
+    with fp8kit.debug.inspect(holder, tensorboard=False) as insp:
+        module(x.clone().requires_grad_(), top_k_index, weights).backward(dy)
+    recs = {(r["layer"], r["operand"]): r for r in insp.table()}
+    for e in range(E):
+        routed = (top_k_index == e).any(dim=-1)
+        x_in = recs[(f"0[{e}].gate_up_proj", "input")]
+        g_out = recs[(f"0[{e}].down_proj", "grad")]
+        assert x_in["tokens_routed"] == g_out["tokens_routed"] == int(routed.sum())
+        if not routed.any():
+            assert x_in["amax"] == g_out["amax"] == 0.0 and x_in["sqnr_db"] != x_in["sqnr_db"]  # NaN
+            continue
+        assert x_in["amax"] == float(x[routed].abs().max())
+        slot_w = (weights * (top_k_index == e)).sum(dim=-1)  # token t's routing weight at expert e
+        assert g_out["amax"] == pytest.approx(float((slot_w[:, None] * dy).abs().max()), rel=1e-6)
+        assert 28 < x_in["sqnr_db"] < 40  # E4M3
+        assert 18 < g_out["sqnr_db"] < 32  # E5M2: ~12 dB below E4M3
 
 
 # ---- the BF16 baseline's experts ----------------------------------------------------------------------

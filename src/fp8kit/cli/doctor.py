@@ -37,6 +37,12 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
         help="demo (the fp8kit train Llama), smollm2, or a local HF directory",
     )
     d.add_argument("--model-size", type=model_size, default="small", help="size of the demo model: tiny|small|base")
+    d.add_argument(
+        "--arch",
+        choices=("dense", "moe"),
+        default="dense",
+        help="demo model, as fp8kit train --arch: dense (Llama) or moe (Qwen3-MoE; the report reads each expert)",
+    )
     d.add_argument("--recipe", type=recipe_name, default="delayed", help="delayed|current|rowwise|block|mxfp8")
     d.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, help="training steps of each copy")
     d.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step")
@@ -57,7 +63,11 @@ def run(args: argparse.Namespace) -> int:
     from ..train.loop import TrainConfig, build_base
 
     recipe = recipe_from_name(args.recipe)
-    cfg = TrainConfig(model=args.model, model_size=args.model_size, seq_len=args.seq_len, seed=args.seed)
+    if args.arch != "dense" and args.model != "demo":
+        raise ValueError(f"--arch {args.arch} builds the demo model: leave out --model {args.model}")
+    cfg = TrainConfig(
+        model=args.model, model_size=args.model_size, seq_len=args.seq_len, seed=args.seed, arch=args.arch
+    )
     model, tokenizer = build_base(cfg)
     corpus = load_corpus(args.text, tokenizer)
     corpus.check_fits(args.seq_len)

@@ -9,10 +9,9 @@ with fp8kit.debug.inspect(model, log_dir="runs/inspect", every=10, what_if=["cur
 
 For every ``fp8kit.nn.Linear`` and each GEMM operand (``input``, ``weight``, ``grad``: the output
 gradient), and for every expert of an MoE experts module (``nn.experts.FP8Experts``, as layers
-``"{module}[{expert}].{weight}"``, e.g. ``model.layers.0.mlp.experts[3].gate_up_proj``: its weights and
-the tokens routed to it, with ``tokens_routed``), on the steps where ``step % every == 0``, it records
-the figures of
-``fp8kit.debug.stats.operand_stats`` under the layer's own recipe (``recipe: "actual"``), and under each
+``"{module}[{expert}].{weight}"``, e.g. ``model.layers.0.mlp.experts[3].gate_up_proj``: its weight, and
+the rows routed to it as that projection's ``input`` and ``grad``, with ``tokens_routed``; eager mode),
+on the steps where ``step % every == 0``, it records the figures of ``fp8kit.debug.stats.operand_stats`` under the layer's own recipe (``recipe: "actual"``), and under each
 ``what_if`` recipe on the same tensors (training is unchanged). Hooks exist only inside the ``with``
 block: outside it the model runs exactly as without the inspector (no overhead).
 """
@@ -34,7 +33,7 @@ from ..scaling import compute_scale
 from ..tensor import tensor_amax
 from .stats import ROLES, operand_stats
 
-__all__ = ["Inspector", "expert_stats", "inspect"]
+__all__ = ["Inspector", "expert_stats", "inspect", "routed_stats"]
 
 
 class Inspector:
@@ -95,6 +94,7 @@ class Inspector:
             self._hooks.append(m.register_forward_pre_hook(self._on_forward(name)))
         for name, m in self.experts.items():
             self._hooks.append(m.register_forward_pre_hook(self._on_experts(name)))
+            m.fp8_operand_tap = self._experts_tap(name, m)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -104,6 +104,8 @@ class Inspector:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for m in self.experts.values():
+            m.fp8_operand_tap = None
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
@@ -162,27 +164,38 @@ class Inspector:
         return hook
 
     def _on_experts(self, name: str):
-        """MoE experts, before each forward: per expert, its weights' figures and those of the tokens
-        routed to it (the first projection's input), with the tokens routed (see ``expert_stats``)."""
+        """MoE experts, before each forward: per expert, its weights' figures and the tokens this forward
+        routes to it (see ``expert_stats``; the routed rows come through ``_experts_tap``)."""
 
         def hook(m: FP8Experts, args: tuple[Any, ...]) -> None:
-            if not self.active:
-                return
-            routed = (args[0], args[1]) if len(args) >= 2 else None
-            for stats in expert_stats(m, *(routed or ())):
-                layer = f"{name}[{stats.pop('expert')}].{stats.pop('param')}"
-                operand = stats.pop("operand")
-                rec = {"step": self.current_step, "layer": layer, "operand": operand, "recipe": "actual"}
-                rec.update(recipe_kind=m.active_recipe().kind, **stats)
-                self.records.append(rec)
-                if self._jsonl is not None:
-                    self._jsonl.write(json.dumps(rec) + "\n")
-                if self._tb is not None:
-                    for key in ("amax", "underflow_pct", "sqnr_db", "tokens_routed"):
-                        if stats[key] == stats[key] and abs(stats[key]) != float("inf"):
-                            self._tb.add_scalar(f"{layer}/{operand}/{key}", stats[key], self.current_step)
+            if self.active:
+                self._record_experts(name, m, expert_stats(m, top_k_index=args[1] if len(args) >= 2 else None))
 
         return hook
+
+    def _experts_tap(self, name: str, m: FP8Experts):
+        """``m.fp8_operand_tap``: per expert, the figures of the rows routed to it, for each projection's
+        input (forward) and output gradient (backward), quantized as the layer does (``routed_stats``)."""
+
+        def tap(p: int, role: str, x: torch.Tensor, row_experts: torch.Tensor, recipe: Recipe) -> None:
+            if self.active:
+                self._record_experts(name, m, routed_stats(m, p, role, x, row_experts, recipe))
+
+        return tap
+
+    def _record_experts(self, name: str, m: FP8Experts, rows: list[dict[str, Any]]) -> None:
+        for stats in rows:
+            layer = f"{name}[{stats.pop('expert')}].{stats.pop('param')}"
+            operand = stats.pop("operand")
+            rec = {"step": self.current_step, "layer": layer, "operand": operand, "recipe": "actual"}
+            rec.update(recipe_kind=m.active_recipe().kind, **stats)
+            self.records.append(rec)
+            if self._jsonl is not None:
+                self._jsonl.write(json.dumps(rec) + "\n")
+            if self._tb is not None:
+                for key in ("amax", "underflow_pct", "sqnr_db", "tokens_routed"):
+                    if stats[key] == stats[key] and abs(stats[key]) != float("inf"):
+                        self._tb.add_scalar(f"{layer}/{operand}/{key}", stats[key], self.current_step)
 
     def table(self, step: int | None = None, recipe: str = "actual") -> list[dict[str, Any]]:
         """The records of one step (default: the last one recorded) for ``recipe``."""
@@ -205,13 +218,16 @@ def expert_stats(
     the module's recipe, each row tagged ``expert``, ``param`` (the weight's name) and ``operand``:
 
     * ``"weight"`` of both 3-D weights, with the expert's own scale (delayed: its current one);
-    * given the forward's ``hidden_states`` ``(T, H)`` and ``top_k_index`` ``(T, k)``: ``"input"`` of the
-      first projection, the tokens routed to the expert quantized as the layer does (per-tensor recipes:
-      with the layer-wide activation scale of all routed tokens; an expert with no token reads amax 0).
+    * given a forward's ``hidden_states`` ``(T, H)`` and ``top_k_index`` ``(T, k)``: ``"input"`` of the
+      first projection, the tokens routed to each expert (``routed_stats``).
 
-    ``tokens_routed``: tokens routed to the expert in that forward (else in the module's last forward)."""
+    ``tokens_routed``: tokens routed to the expert in that forward (else in the module's last forward).
+    Under expert parallelism (``parallelize_experts``) the rows are this rank's experts, under their global
+    ids; the routing given is ignored (the tokens an expert receives come from every rank)."""
     recipe = module.active_recipe()
-    e_all = module.num_experts
+    e_all, first = module.num_experts, _first_expert(module)
+    if hasattr(module, "ep_num_experts"):
+        hidden_states = top_k_index = None
     if top_k_index is not None:
         tokens = torch.bincount(top_k_index.reshape(-1), minlength=e_all).tolist()
     else:
@@ -221,26 +237,53 @@ def expert_stats(
     out = []
     if hidden_states is not None and top_k_index is not None:
         x = hidden_states.detach().reshape(-1, hidden_states.shape[-1])
-        scale = None
-        if delayed and bool(module.fp8_seen[0, 0] > 0):
-            scale = module.fp8_scale[0, 0].clone()
-        elif recipe.per_tensor:  # one scale over every routed token (a token routed twice counts once)
-            fmt, margin = recipe.format_for("input"), getattr(recipe, "margin", 0)
-            scale = compute_scale(tensor_amax(x).float(), fmt, margin, getattr(recipe, "power_of_two", False))
-        for e in range(e_all):
-            rows = x[(top_k_index == e).any(dim=-1)]
-            stats = operand_stats(rows, "input", recipe, scale) if rows.shape[0] else _empty_stats()
-            out.append({"expert": e, "param": names[0], "operand": "input", "tokens_routed": tokens[e], **stats})
+        row_experts, perm = torch.sort(top_k_index.reshape(-1), stable=True)
+        out += routed_stats(module, 0, "input", x[perm // top_k_index.shape[-1]], row_experts, recipe)
     for p, param in enumerate(names):
         w = module.fp8_param(p).detach()
         w = w.transpose(1, 2) if module.is_transposed else w
         for e in range(e_all):
-            scale = None
-            if delayed and bool(module.fp8_seen[p, 2 + e] > 0):
-                scale = module.fp8_scale[p, 2 + e].clone()
+            scale, slot = None, 2 + first + e
+            if delayed and bool(module.fp8_seen[p, slot] > 0):
+                scale = module.fp8_scale[p, slot].clone()
             stats = operand_stats(w[e], "weight", recipe, scale)
-            out.append({"expert": e, "param": param, "operand": "weight", "tokens_routed": tokens[e], **stats})
+            out.append({"expert": first + e, "param": param, "operand": "weight", "tokens_routed": tokens[e], **stats})
     return out
+
+
+@torch.no_grad()
+def routed_stats(
+    module: FP8Experts, p: int, role: str, x: torch.Tensor, row_experts: torch.Tensor, recipe: Recipe
+) -> list[dict[str, Any]]:
+    """Per expert, the FP8 figures of the rows of ``x`` ``(S, K)`` routed to it (``row_experts`` ``(S,)``)
+    as projection ``p``'s ``role`` operand ("input" or "grad"), quantized as the layer does: per-tensor
+    recipes with the one layer-wide scale of all routed rows (delayed: the layer's current scale, the
+    fresh one before its first step), the per-token recipes per row or tile. An expert with no row reads
+    amax 0 and SQNR NaN; ``tokens_routed`` counts its rows. ``row_experts`` are the module's own expert
+    indices; the rows name global ids (expert parallelism)."""
+    param, first = expert_param_names(module)[p], _first_expert(module)
+    x = x.detach().reshape(-1, x.shape[-1])
+    fmt, scale = recipe.format_for(role), None
+    if recipe.per_tensor and x.numel():
+        amax = tensor_amax(x).float()
+        if isinstance(recipe, DelayedScaling) and recipe is module.recipe:
+            i = 0 if role == "input" else 1
+            fresh = compute_scale(amax, fmt, recipe.margin, previous=1.0)
+            scale = torch.where(module.fp8_seen[p, i] > 0, module.fp8_scale[p, i], fresh).clone()
+        else:
+            scale = compute_scale(amax, fmt, getattr(recipe, "margin", 0), getattr(recipe, "power_of_two", False))
+    tokens = torch.bincount(row_experts, minlength=module.num_experts).tolist()
+    out = []
+    for e in range(module.num_experts):
+        rows = x[row_experts == e]
+        stats = operand_stats(rows, role, recipe, scale) if rows.shape[0] else _empty_stats()
+        out.append({"expert": first + e, "param": param, "operand": role, "tokens_routed": tokens[e], **stats})
+    return out
+
+
+def _first_expert(module: nn.Module) -> int:
+    """The global id of the module's expert 0 (not 0 only under expert parallelism)."""
+    return int(getattr(module, "ep_first_expert", 0))
 
 
 def _empty_stats() -> dict[str, float]:

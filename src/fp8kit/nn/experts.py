@@ -121,6 +121,11 @@ class FP8Experts:
     # state slots (``fp8_scale[p, slots]`` ...) of this module's expert weights; expert parallelism
     # (``fp8kit.distributed.expert_parallel``) narrows it to the slots of the experts a rank holds
     fp8_weight_slots = slice(2, None)
+    # ``tap(p, role, x, row_experts, recipe)``, called (eager only) with each projection's GEMM activation
+    # before it is quantized: ``role`` "input" in forward, "grad" (the output gradient) in backward, ``x``
+    # the ``(S, K)`` routed rows sorted by expert, ``row_experts`` ``(S,)`` the expert of each row. The
+    # inspector (``fp8kit.debug.inspect``) sets it to read every expert's operands; ``None``: no call.
+    fp8_operand_tap: Any = None
 
     def _init_fp8(self, recipe: Recipe, save_fp8_activations: bool, name: str) -> None:
         if not isinstance(recipe, Recipe):
@@ -405,9 +410,17 @@ def _unpack(tensors: tuple[torch.Tensor, ...], meta: Any) -> Any:
     return cls(**dict(zip(names, tensors, strict=True)), **other)
 
 
+def _tap(module: FP8Experts, p: int, role: str, x: torch.Tensor, group_ids, dest, recipe: Recipe) -> None:
+    """Show the unpadded sorted rows ``x`` of projection ``p`` to the module's ``fp8_operand_tap``, if any."""
+    tap = module.fp8_operand_tap
+    if tap is not None and not torch.compiler.is_compiling():
+        tap(p, role, x.detach(), group_ids if dest is None else group_ids[dest], recipe)
+
+
 class _GroupedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, offs, group_ids, dest, module: FP8Experts, p: int, recipe: Recipe, rows: int):  # type: ignore[override]
+        _tap(module, p, "input", x, group_ids, dest, recipe)
         saved_x: Any = None
         if ctx.needs_input_grad[1] and module.save_fp8_activations and not recipe.per_tensor:
             xq, saved_x = module.quantize_both_ways(x, dest, rows, p, "input", recipe, group_ids)
@@ -440,6 +453,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         offs, group_ids, *rest = saved[nx + nw :]
         dest = rest[0] if rest else None
         g = grad_out.contiguous()
+        _tap(module, ctx.p, "grad", g, group_ids, dest, recipe)
         g_tok: Any = None
         if ctx.needs_input_grad[1] and not recipe.per_tensor:
             gq, g_tok = module.quantize_both_ways(g, dest, ctx.rows, ctx.p, "grad", recipe, group_ids)
