@@ -69,12 +69,15 @@ from .schemes import Scheme, get_scheme
 
 __all__ = [
     "IMPLEMENTATION",
+    "ExpertsHessians",
     "ExpertsObserver",
+    "collect_expert_hessians",
     "block_tiling_problem",
     "dispatch_quant_experts",
     "QuantExperts",
     "experts_projections",
     "find_experts",
+    "gptq_codes",
     "observe_experts",
     "quant_experts_forward",
     "quantize_experts_module",
@@ -131,15 +134,7 @@ class ExpertsObserver:
         self.tokens += torch.bincount(routed.cpu().long(), minlength=e)[:e]
         x = x.detach().reshape(-1, x.shape[-1]).float()
         self.first_input.observe(x)
-        first = experts_projections(module)[0]
-        w = _weight_out_in(module, first)  # (E, out, in)
-        bias = getattr(module, f"{first}_bias", None) if module.has_bias else None
-        chunk = max(1, OBSERVE_ELEMENTS // max(1, x.shape[0] * w.shape[1]))
-        for start in range(0, e, chunk):
-            h = torch.matmul(x.unsqueeze(0), w[start : start + chunk].transpose(1, 2))  # (chunk, T, out)
-            if bias is not None:
-                h = h + bias[start : start + chunk].detach().float().unsqueeze(1)
-            h = _gate(module, h)
+        for start, h in down_inputs_of_all_tokens(module, x):
             for i in range(h.shape[0]):
                 self.down_inputs[start + i].observe(h[i])
 
@@ -153,10 +148,71 @@ class ExpertsObserver:
         return a0, max(per_expert)
 
 
+def down_inputs_of_all_tokens(module: nn.Module, x: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    """Every token of ``x`` ``(T, H)`` through every expert's first projection and activation:
+    ``(first expert, act(gate_up(x)) (chunk, T, I) float32)`` for chunks of experts of at most
+    ``OBSERVE_ELEMENTS`` values (one batched GEMM each), the ``down_proj`` inputs calibration observes."""
+    first = experts_projections(module)[0]
+    w = _weight_out_in(module, first)  # (E, out, in)
+    bias = getattr(module, f"{first}_bias", None) if module.has_bias else None
+    chunk = max(1, OBSERVE_ELEMENTS // max(1, x.shape[0] * w.shape[1]))
+    for start in range(0, module.num_experts, chunk):
+        h = torch.matmul(x.unsqueeze(0), w[start : start + chunk].transpose(1, 2))  # (chunk, T, out)
+        if bias is not None:
+            h = h + bias[start : start + chunk].detach().float().unsqueeze(1)
+        yield start, _gate(module, h)
+
+
+class ExpertsHessians:
+    """GPTQ Hessians ``2 X^T X / N`` (float32) of one experts module's two projections over calibration,
+    every token through every expert (as calibration and llm-compressor's MoE GPTQ do: an expert the
+    router rarely picks still gets a full-rank Hessian): ``gate_up`` ``(H, H)``, one for all experts (they
+    all see the layer's tokens); ``down_proj`` ``(E, I, I)``, each expert's own ``act(gate_up(x))``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.first: torch.Tensor | None = None
+        self.down: torch.Tensor | None = None
+        self.rows = 0
+
+    @torch.no_grad()
+    def observe(self, module: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).float()
+        xtx = x.t() @ x
+        self.first = xtx if self.first is None else self.first + xtx
+        if self.down is None:
+            inter = module.down_proj.shape[1 if module.is_transposed else 2]
+            self.down = torch.zeros(module.num_experts, inter, inter, device=x.device)
+        for start, h in down_inputs_of_all_tokens(module, x):
+            self.down[start : start + h.shape[0]] += h.transpose(1, 2) @ h
+        self.rows += x.shape[0]
+
+    def hessians(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(gate_up (H, H), down_proj (E, I, I))``; clear error if calibration never reached the module."""
+        if not self.rows:
+            raise ValueError(f"GPTQ: experts {self.name!r} saw no calibration data (the forward_loop never reached it)")
+        return 2 * self.first / self.rows, 2 * self.down / self.rows
+
+
 @contextmanager
 def observe_experts(model: nn.Module, names: list[str]) -> Iterator[dict[str, ExpertsObserver]]:
     """Observe the named experts modules while the block runs ``forward_loop`` (hooks removed on exit)."""
     observers = {n: ExpertsObserver(n, model.get_submodule(n).num_experts) for n in names}
+    with _experts_inputs(model, observers):
+        yield observers
+
+
+@contextmanager
+def collect_expert_hessians(model: nn.Module, names: list[str]) -> Iterator[dict[str, ExpertsHessians]]:
+    """Accumulate the named experts modules' GPTQ Hessians while the block runs ``forward_loop``."""
+    collectors = {n: ExpertsHessians(n) for n in names}
+    with _experts_inputs(model, collectors):
+        yield collectors
+
+
+@contextmanager
+def _experts_inputs(model: nn.Module, observers: dict[str, Any]) -> Iterator[None]:
+    """Forward pre-hooks calling ``observers[name].observe(module, hidden_states, top_k_index)``."""
     hooks = []
     for n, obs in observers.items():
 
@@ -167,7 +223,7 @@ def observe_experts(model: nn.Module, names: list[str]) -> Iterator[dict[str, Ex
 
         hooks.append(model.get_submodule(n).register_forward_pre_hook(hook, with_kwargs=True))
     try:
-        yield observers
+        yield
     finally:
         for h in hooks:
             h.remove()
@@ -305,11 +361,14 @@ def quantize_experts_module(
     name: str = "",
     *,
     copy: bool = False,
+    hessians: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> nn.Module:
     """Quantize an experts module in place (class swap, 3-D parameters replaced by code and scale buffers)
     with per-expert weight scales; ``input_amax`` ``(gate_up, down)`` sets the shared static activation
     scales (required by static schemes). ``copy``: leave ``module`` as it is and return a new quantized
-    module object (tensors not copied; ``fp8kit.ptq.quantize`` keeps the original as norm tweaking's teacher)."""
+    module object (tensors not copied; ``fp8kit.ptq.quantize`` keeps the original as norm tweaking's teacher).
+    ``hessians`` (``ExpertsHessians.hessians()``): round each expert's weights with GPTQ instead of to
+    nearest (same scales and codes format)."""
     scheme = get_scheme(scheme)
     what = name or type(module).__name__
     if getattr(module, "_is_expert_parallel", False):
@@ -325,7 +384,10 @@ def quantize_experts_module(
         w = _weight_out_in(module, proj)
         if not torch.isfinite(w).all():
             raise ValueError(f"{what}.{proj} holds NaN or inf; it cannot be quantized")
-        new[proj], new[f"{proj}_weight_scale"] = quantize_codes(w, scheme)
+        if hessians is None:
+            new[proj], new[f"{proj}_weight_scale"] = quantize_codes(w, scheme)
+        else:
+            new[proj], new[f"{proj}_weight_scale"] = gptq_codes(w, hessians[p], scheme, f"{what}.{proj}")
         if scheme.static_activations:
             amax = torch.tensor([float(input_amax[p])])
             new[f"{proj}_input_scale"] = dequant_scale(amax, scheme.act_format)
@@ -373,6 +435,25 @@ def quantize_codes(w: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch
     qt = fp8_quantize(w.float().reshape(e * r, c), scheme.weight_format, gran)
     scale = dequant_scale(qt.amax, scheme.weight_format).reshape(e, -1, 1)
     return qt.data.reshape(e, r, c).contiguous(), scale.contiguous()
+
+
+def gptq_codes(w: torch.Tensor, hessian: torch.Tensor, scheme: Scheme, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_codes``' codes and scales with each expert's weight ``w[e]`` ``(out, in)`` GPTQ-rounded
+    against ``hessian`` ``(in, in)`` (shared) or ``hessian[e]`` (``(E, in, in)``); the scales are fixed
+    from the original weights before the sweep, as for ``gptq_linear``."""
+    from .gptq import gptq_weight
+
+    if scheme.weight_strategy not in ("tensor", "channel"):
+        raise ValueError(f"GPTQ rounds per-tensor or per-channel weights, not {scheme.weight_strategy!r} ({what})")
+    e = w.shape[0]
+    codes, amaxes = [], []
+    for i in range(e):
+        h = hessian if hessian.dim() == 2 else hessian[i]
+        c, amax, _ = gptq_weight(w[i], h, scheme.weight_format, scheme.weight_strategy == "channel")
+        codes.append(c)
+        amaxes.append(amax)
+    scale = dequant_scale(torch.stack(amaxes), scheme.weight_format).reshape(e, -1, 1)
+    return torch.stack(codes).contiguous(), scale.contiguous()
 
 
 def install_quant_experts(

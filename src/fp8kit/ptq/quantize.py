@@ -71,9 +71,15 @@ class PTQReport:
             )
             lines.append(f"  SmoothQuant folded into {len(self.smoothed)} producers{detail}")
         if self.awq:
-            lines.append(f"  AWQ scales folded into {len(self.awq)} producers")
+            lines.append(
+                f"  AWQ scales folded into {len(self.awq)} producers"
+                + ("; MoE experts rounded to nearest (AWQ covers the Linear layers)" if self.experts else "")
+            )
         if self.gptq:
-            lines.append("  GPTQ weight rounding (Hessian-aware error compensation)")
+            lines.append(
+                "  GPTQ weight rounding (Hessian-aware error compensation)"
+                + (", every expert included (Hessians over all calibration tokens)" if self.experts else "")
+            )
         if self.kv_cache:
             lines.append("  FP8 KV cache (per-tensor static k/v scales)")
         if self.norm_tweak is not None:
@@ -181,6 +187,7 @@ class _Run:
     experts: list[str] = field(default_factory=list)  # the MoE experts modules to quantize
     expert_observers: dict[str, ExpertsObserver] = field(default_factory=dict)
     expert_amax: dict[str, tuple[float, float]] = field(default_factory=dict)  # (gate_up, down) input amax
+    expert_hessians: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # GPTQ
 
 
 @dataclass(frozen=True)
@@ -230,7 +237,7 @@ def _select_layers(run: _Run) -> None:
             "no nn.Linear layer to quantize"
             + (" (the module_filter matched none)" if opts.module_filter else " in this model")
         )
-    if opts.keep_bf16 >= len(run.targets):
+    if opts.keep_bf16 and opts.keep_bf16 >= len(run.targets):
         raise ValueError(f"keep_bf16={opts.keep_bf16} would keep all {len(run.targets)} quantizable layers: give fewer")
 
 
@@ -311,10 +318,15 @@ def _kv_scales(run: _Run) -> None:
 
 
 def _hessians(run: _Run) -> None:
+    from .experts import collect_expert_hessians
     from .gptq import collect_hessians
 
-    with run.progress.phase("GPTQ Hessians", run.progress.batches, model=run.model, timed_pass=True):
+    with (
+        run.progress.phase("GPTQ Hessians", run.progress.batches, model=run.model, timed_pass=True),
+        collect_expert_hessians(run.model, run.experts) as experts,
+    ):
         run.hessians = collect_hessians(run.model, run.targets, run.forward_loop)
+    run.expert_hessians = {n: c.hessians() for n, c in experts.items()}
     run.report.gptq = True
 
 
@@ -355,7 +367,8 @@ def _install(run: _Run) -> None:
     for name in run.experts:
         original = run.model.get_submodule(name)
         run.originals[name] = original
-        q = quantize_experts_module(original, run.scheme, run.expert_amax.get(name), name, copy=True)
+        hessians = run.expert_hessians.pop(name, None)  # GPTQ
+        q = quantize_experts_module(original, run.scheme, run.expert_amax.get(name), name, copy=True, hessians=hessians)
         parent_name, _, attr = name.rpartition(".")
         setattr(run.model.get_submodule(parent_name) if parent_name else run.model, attr, q)
         run.report.experts.append(name)
