@@ -278,6 +278,19 @@ def _error(fn) -> str:
     return ""
 
 
+def _inspector_run(mesh) -> dict:
+    """One delayed-scaling step of the EP model under the inspector: ``{(layer, operand): (amax, scale,
+    tokens_routed)}`` of the experts' rows this rank records."""
+    import fp8kit
+
+    model = _ep_model("delayed", mesh)
+    x, _ = batch(1, mesh.size())
+    x = x[mesh.get_local_rank() * BATCH : (mesh.get_local_rank() + 1) * BATCH]
+    with fp8kit.debug.inspect(model, tensorboard=False) as insp:
+        model(x).square().mean().backward()
+    return {(r["layer"], r["operand"]): (r["amax"], r["scale"], r["tokens_routed"]) for r in insp.table()}
+
+
 def _scenarios(mesh, rank: int, world: int) -> dict:
     from fp8kit.distributed.expert_parallel import parallelize_experts
 
@@ -301,6 +314,7 @@ def _scenarios(mesh, rank: int, world: int) -> dict:
             for r in ("current", "rowwise", "block", "mxfp8")
         }
         res["zero_token_rank"] = _zero_token_rank(mesh, rank)
+        res["inspector"] = _inspector_run(mesh)
     return res
 
 
@@ -532,3 +546,29 @@ def test_bad_arguments_name_the_fix():
     fp8kit.convert(late, "current")
     with pytest.raises(RuntimeError, match="call fp8kit.convert first, then parallelize_experts"):
         late(torch.randn(1, 4, H))
+
+
+def test_ep2_inspector_names_each_rank_experts_by_global_id(ep2):
+    """Under expert parallelism each rank's inspector reads its own experts, named by global id, with that
+    expert's weight amax and delayed scale slot; the two ranks' rows together cover every expert once."""
+    import fp8kit
+
+    ref = make("delayed")
+    x, _ = batch(1, 2)
+    with fp8kit.debug.inspect(ref, tensorboard=False) as insp:  # one process, the whole batch
+        ref(x).square().mean().backward()
+    one = {(r["layer"], r["operand"]): r for r in insp.table()}
+    weights = [{k for k in rank["inspector"] if k[1] == "weight" and ".experts[" in k[0]} for rank in ep2]
+    assert not weights[0] & weights[1]
+    assert weights[0] | weights[1] == {k for k in one if k[1] == "weight" and ".experts[" in k[0]}
+    for rank, first in zip(ep2, (0, E // 2), strict=True):
+        named = {int(k[0].split("[")[1].split("]")[0]) for k in rank["inspector"] if ".experts[" in k[0]}
+        assert named == set(range(first, first + E // 2))
+        for key, (amax, scale, _) in rank["inspector"].items():
+            if key[1] == "weight":  # the same expert's weight and (fresh) delayed scale as in one process
+                assert (amax, scale) == (one[key]["amax"], one[key]["scale"]), key
+    # the tokens each expert received from both ranks, as routed in one process
+    for key in one:
+        if key[1] == "input" and ".experts[" in key[0]:
+            got = [rank["inspector"][key][2] for rank in ep2 if key in rank["inspector"]]
+            assert got == [one[key]["tokens_routed"]], key

@@ -241,6 +241,7 @@ def expert_stats(
         out += routed_stats(module, 0, "input", x[perm // top_k_index.shape[-1]], row_experts, recipe)
     for p, param in enumerate(names):
         w = module.fp8_param(p).detach()
+        w = w.to_local() if hasattr(w, "to_local") else w  # expert parallelism: a DTensor of this rank's experts
         w = w.transpose(1, 2) if module.is_transposed else w
         for e in range(e_all):
             scale, slot = None, 2 + first + e
