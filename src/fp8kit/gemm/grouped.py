@@ -247,8 +247,8 @@ def quantize_group_columns(x: torch.Tensor, group_ids: torch.Tensor, num_groups:
     """Quantize ``x.T`` (``x`` is ``(P, R)``, rows grouped by ``group_ids``) with one scale per group and
     column of ``x``: ``scale = fmt.max / amax`` (``compute_scale``), saturating round-to-nearest-even."""
     p, r = x.shape
-    mag = x.detach().abs().float()
-    amax = mag.new_zeros(num_groups, r).scatter_reduce(0, group_ids.reshape(p, 1).expand(p, r), mag, "amax")
+    mag = x.detach().abs()  # the maxima in x's dtype: exact, without a float32 copy of x
+    amax = mag.new_zeros(num_groups, r).scatter_reduce(0, group_ids.reshape(p, 1).expand(p, r), mag, "amax").float()
     scale = compute_scale(amax, fmt)
     data = cast_scaled(x, scale, group_ids, fmt)  # x.float() * scale[group_ids], cast in one loop on CPU
     return GroupColumns(data.t(), (1.0 / scale).float(), fmt, amax)
