@@ -59,7 +59,9 @@ __all__ = [
     "grouped_mm",
     "quantize_experts",
     "quantize_group_columns",
+    "transpose_experts",
     "with_values",
+    "with_weight_values",
 ]
 
 log = logging.getLogger("fp8kit")
@@ -151,6 +153,10 @@ class GroupedWeight:
         scales: ``(E, ceil(R/br), ceil(C/bc))`` per-tile dequantization multipliers (float32, or E8M0
             uint8 codes for MX).
         fmt, block, orig_dtype: element format, tile shape ``(br, bc)`` and the weight's dtype.
+        values: CPU only, where set (``with_weight_values``): the operand the GEMMs read, in the GEMM
+            dtype, shape of ``data``: the unscaled FP8 values where the scales factor out of the GEMM
+            (``scales_factor_out``), else the dequantized weight. One decode then feeds the forward and
+            the input-gradient GEMM of a weight whose transpose is a view (per-tensor, square tiles).
     """
 
     data: torch.Tensor
@@ -159,6 +165,7 @@ class GroupedWeight:
     block: tuple[int, int]
     orig_dtype: torch.dtype
     is_mx: bool = False
+    values: torch.Tensor | None = None
 
     @property
     def scale_inv(self) -> torch.Tensor:
@@ -176,6 +183,7 @@ class GroupedWeight:
             self.block[::-1],
             self.orig_dtype,
             self.is_mx,
+            None if self.values is None else self.values.transpose(1, 2),
         )
 
     def row_scales(self) -> torch.Tensor:
@@ -239,8 +247,8 @@ def quantize_group_columns(x: torch.Tensor, group_ids: torch.Tensor, num_groups:
     """Quantize ``x.T`` (``x`` is ``(P, R)``, rows grouped by ``group_ids``) with one scale per group and
     column of ``x``: ``scale = fmt.max / amax`` (``compute_scale``), saturating round-to-nearest-even."""
     p, r = x.shape
-    mag = x.detach().abs().float()
-    amax = mag.new_zeros(num_groups, r).scatter_reduce(0, group_ids.reshape(p, 1).expand(p, r), mag, "amax")
+    mag = x.detach().abs()  # the maxima in x's dtype: exact, without a float32 copy of x
+    amax = mag.new_zeros(num_groups, r).scatter_reduce(0, group_ids.reshape(p, 1).expand(p, r), mag, "amax").float()
     scale = compute_scale(amax, fmt)
     data = cast_scaled(x, scale, group_ids, fmt)  # x.float() * scale[group_ids], cast in one loop on CPU
     return GroupColumns(data.t(), (1.0 / scale).float(), fmt, amax)
@@ -276,6 +284,38 @@ def with_values(q: QuantizedTensor, out_dtype: torch.dtype) -> QuantizedTensor:
     return dataclasses.replace(q, values=decode_fp8(q.data.view(torch.uint8), q.fmt, _gemm_dtype(out_dtype)))
 
 
+def transpose_experts(w: torch.Tensor) -> torch.Tensor:
+    """``w.transpose(1, 2).contiguous()`` for ``w`` ``(E, R, C)`` (fastest for a contiguous ``w``). Eager
+    CPU: one 2-D transpose copy per expert (torch's blocked 2-D transpose; its strided 3-D copy is about
+    2x slower for bf16 (8, 1024, 1024) weights)."""
+    if torch.compiler.is_compiling() or w.device.type != "cpu":
+        return w.transpose(1, 2).contiguous()
+    out = w.new_empty(w.shape[0], w.shape[2], w.shape[1])
+    for e in range(w.shape[0]):
+        out[e].copy_(w[e].t())
+    return out
+
+
+def with_weight_values(w: GroupedWeight, out_dtype: torch.dtype) -> GroupedWeight:
+    """``w`` with ``values`` computed (CPU) for the GEMM dtype of ``out_dtype`` outputs; ``w`` itself
+    elsewhere. The same values the GEMMs would decode or dequantize from ``w`` on each call."""
+    if w.data.is_cuda or w.values is not None or w.fmt.kind != "float":
+        return w
+    gdt = _gemm_dtype(out_dtype)
+    values = _values(w.data, w.fmt, gdt) if w.scales_factor_out else _dequantize(w, gdt)
+    return dataclasses.replace(w, values=values)
+
+
+def _weight_operand(w: GroupedWeight, dtype: torch.dtype, scaled: bool) -> torch.Tensor:
+    """``w`` as its CPU GEMM reads it: dequantized (``scaled``) or its unscaled FP8 values, in ``dtype``
+    and in the layout the decode would give (a dequantization is contiguous)."""
+    if w.values is not None and w.values.dtype == dtype and scaled != w.scales_factor_out:
+        if scaled and not w.values.is_contiguous():  # W^T's view of W's dequantization: copied contiguous
+            return transpose_experts(w.values.transpose(1, 2))
+        return w.values
+    return _dequantize(w, dtype) if scaled else _values(w.data, w.fmt, dtype)
+
+
 def _gemm_dtype(out_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if out_dtype == torch.bfloat16 and cpu_gemm_backend() == "bf16" else torch.float32
 
@@ -305,10 +345,10 @@ def grouped_gemm(
         return out.to(out_dtype)
     gdt = _gemm_dtype(out_dtype)
     if factor:
-        acc = grouped_mm(_values(x.data, x.fmt, gdt, x.values), _values(w.data, w.fmt, gdt).transpose(1, 2), offs)
+        acc = grouped_mm(_values(x.data, x.fmt, gdt, x.values), _weight_operand(w, gdt, False).transpose(1, 2), offs)
         # (acc * x's row scales * w[e]'s scales of each row's expert e), one loop: scale_output
         return scale_output(acc, _row_scales(x), w.row_scales(), group_ids, out_dtype)
-    return grouped_mm(_dequantize(x, gdt), _dequantize(w, gdt).transpose(1, 2), offs).to(out_dtype)
+    return grouped_mm(_dequantize(x, gdt), _weight_operand(w, gdt, True).transpose(1, 2), offs).to(out_dtype)
 
 
 def grouped_gemm_wgrad(
