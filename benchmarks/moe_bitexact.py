@@ -34,7 +34,8 @@ def mk(dtype, d, inter, e):
 
 
 res = {}
-for d, inter, e, t in [(256, 160, 8, 300), (1024, 512, 8, 2048)]:
+# (192, 128): the down projection's K = 128 is one block tile (its scales factor out), its transpose's is not
+for d, inter, e, t in [(256, 160, 8, 300), (192, 128, 8, 200), (1024, 512, 8, 2048)]:
     for zero in (False, True):
         gen = torch.Generator().manual_seed(1)
         scores = torch.rand(t, e, generator=gen)
@@ -44,9 +45,10 @@ for d, inter, e, t in [(256, 160, 8, 300), (1024, 512, 8, 2048)]:
         x0 = torch.randn(t, d, generator=gen)
         g0 = torch.randn(t, d, generator=gen)
         w0 = top_w / top_w.sum(-1, keepdim=True)
-        for recipe in ("delayed", "current", "rowwise", "block", "mxfp8"):
+        for recipe in ("delayed", "current", "rowwise", "block", "block32", "mxfp8"):
             for dtype in (torch.float32, torch.bfloat16):
-                m = fp8kit.convert(torch.nn.Sequential(mk(dtype, d, inter, e)), recipe)[0]
+                r = fp8kit.BlockScaling(block_size=32) if recipe == "block32" else recipe
+                m = fp8kit.convert(torch.nn.Sequential(mk(dtype, d, inter, e)), r)[0]
                 for step in range(3):
                     m.release_fp8_weights()
                     x = (x0 * (1 + step)).to(dtype).requires_grad_()

@@ -221,6 +221,29 @@ def test_expert_projection_matches_reference(kind):
     check_projection_matches_reference(kind)
 
 
+@pytest.mark.parametrize("kind", ["block", "current"])
+def test_down_projection_whose_k_is_one_tile_matches_reference(kind):
+    """The down projection with K = 128: one 128-wide weight tile spans K (its scales factor out of the
+    forward GEMM) but not the transpose's K = H of the input-gradient GEMM. The CPU GEMMs share one decode
+    of the weight between the two only where both read it alike (a shared unscaled decode gave an input
+    gradient off by the tile scales: 428 where 0.007 was right, on a 1x32-tile model)."""
+    ids, _, w_gate_up, _, sizes = routed_inputs()
+    gen = torch.Generator().manual_seed(6)
+    inter = 128
+    w_down = torch.randn(E, H, inter, generator=gen) * 0.05
+    module = experts_module(torch.randn(E, 2 * inter, H, generator=gen) * 0.05, w_down, recipe=kind)
+    x = torch.randn(ids.numel(), inter, generator=gen)
+    g = torch.randn(ids.numel(), H, generator=gen)
+    xr = x.clone().requires_grad_()
+    y = grouped_linear(xr, module, 1, ids)
+    y.backward(g)
+    ry, rdx, rdw = ref_projection(kind, ids, x, w_down, g, sizes)
+    assert_matches(y, ry, f"{kind} output")
+    assert_matches(xr.grad, rdx, f"{kind} input gradient")
+    for e in range(E):
+        assert_matches(module.down_proj.grad[e], rdw[e], f"{kind} weight gradient of expert {e}")
+
+
 def test_reference_separates_scale_layouts():
     """The reference is not vacuous: a per-tensor weight scale shared by all experts, or 1x128 wgrad tiles
     that straddle experts, give answers that the exact comparison rejects."""

@@ -175,16 +175,20 @@ class GroupedWeight:
         return dequantize_tiles(self.data, self.scale_inv.float(), self.block, dtype).contiguous()
 
     def transpose(self) -> GroupedWeight:
-        """``(E, C, R)``: per-expert transposes (tiles transpose with them; no requantization)."""
-        return GroupedWeight(
+        """``(E, C, R)``: per-expert transposes (tiles transpose with them; no requantization). ``values``
+        go along only where they keep their meaning: unscaled values need the scales to factor out of the
+        transposed GEMM too (a tile spanning K may not span the new K), dequantized values always do."""
+        out = GroupedWeight(
             self.data.transpose(1, 2),
             self.scales.transpose(1, 2),
             self.fmt,
             self.block[::-1],
             self.orig_dtype,
             self.is_mx,
-            None if self.values is None else self.values.transpose(1, 2),
         )
+        if self.values is not None and self.scales_factor_out == out.scales_factor_out:
+            out.values = self.values.transpose(1, 2)
+        return out
 
     def row_scales(self) -> torch.Tensor:
         """``(E, R)`` per-row multipliers (``(E, 1)`` for one scale per expert); needs one tile along C."""
