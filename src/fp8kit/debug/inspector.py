@@ -29,7 +29,6 @@ import torch.nn as nn
 from ..nn.experts import FP8Experts
 from ..nn.linear import Linear as FP8Linear
 from ..recipes import DelayedScaling, Recipe, recipe_from_name
-from ..scaling import compute_scale
 from ..tensor import tensor_amax
 from .stats import ROLES, operand_stats
 
@@ -264,15 +263,9 @@ def routed_stats(
     indices; the rows name global ids (expert parallelism)."""
     param, first = expert_param_names(module)[p], _first_expert(module)
     x = x.detach().reshape(-1, x.shape[-1])
-    fmt, scale = recipe.format_for(role), None
-    if recipe.per_tensor and x.numel():
-        amax = tensor_amax(x).float()
-        if isinstance(recipe, DelayedScaling) and recipe is module.recipe:
-            i = 0 if role == "input" else 1
-            fresh = compute_scale(amax, fmt, recipe.margin, previous=1.0)
-            scale = torch.where(module.fp8_seen[p, i] > 0, module.fp8_scale[p, i], fresh).clone()
-        else:
-            scale = compute_scale(amax, fmt, getattr(recipe, "margin", 0), getattr(recipe, "power_of_two", False))
+    scale = None
+    if recipe.per_tensor and x.numel():  # the scale the layer quantizes these rows with
+        scale = module.activation_scale(tensor_amax(x).float(), p, role, recipe).clone()
     tokens = torch.bincount(row_experts, minlength=module.num_experts).tolist()
     out = []
     for e in range(module.num_experts):

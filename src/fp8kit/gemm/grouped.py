@@ -176,8 +176,8 @@ class GroupedWeight:
 
     def transpose(self) -> GroupedWeight:
         """``(E, C, R)``: per-expert transposes (tiles transpose with them; no requantization). ``values``
-        go along only where they keep their meaning: unscaled values need the scales to factor out of the
-        transposed GEMM too (a tile spanning K may not span the new K), dequantized values always do."""
+        go along only where the scales factor out of both GEMMs or of neither (the values are unscaled in
+        the one case, dequantized in the other; a tile spanning K need not span the transpose's K)."""
         out = GroupedWeight(
             self.data.transpose(1, 2),
             self.scales.transpose(1, 2),

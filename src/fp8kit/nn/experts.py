@@ -170,22 +170,28 @@ class FP8Experts:
         fmt = recipe.format_for(role)
         backend = _BACKEND["name"]
         if isinstance(recipe, DelayedScaling) and recipe is self.recipe:
-            i = 0 if role == "input" else 1
             amax = tensor_amax(x)
-            scale = torch.where(
-                self.fp8_seen[p, i] > 0, self.fp8_scale[p, i], compute_scale(amax, fmt, recipe.margin, previous=1.0)
-            )
+            scale = self.activation_scale(amax, p, role, recipe)
             q = quantize(x, fmt, "tensor", scale=scale, nonfinite="propagate", backend=backend, check_scale=False)
             if self.training:
-                self._record_amax(p, i, amax.reshape(1))
+                self._record_amax(p, 0 if role == "input" else 1, amax.reshape(1))
             return q
         if self.amax_reduce is not None and recipe.per_tensor:  # one scale from the global amax over ranks
-            amax = self.amax_reduce(tensor_amax(x))
-            scale = compute_scale(amax, fmt, getattr(recipe, "margin", 0), getattr(recipe, "power_of_two", False))
+            scale = self.activation_scale(self.amax_reduce(tensor_amax(x)), p, role, recipe)
             return quantize(x, fmt, "tensor", scale=scale, nonfinite="propagate", backend=backend, check_scale=False)
         return quantize(
             x, fmt, recipe.granularity_for(role), nonfinite="propagate", backend=backend, **quantize_knobs(recipe)
         )
+
+    def activation_scale(self, amax: torch.Tensor, p: int, role: str, recipe: Recipe) -> torch.Tensor:
+        """The layer-wide per-tensor scale of projection ``p``'s ``role`` operand whose amax is ``amax``:
+        delayed scaling's current scale (from this amax before the first update), else from ``amax``."""
+        fmt = recipe.format_for(role)
+        if isinstance(recipe, DelayedScaling) and recipe is self.recipe:
+            i = 0 if role == "input" else 1
+            fresh = compute_scale(amax, fmt, recipe.margin, previous=1.0)
+            return torch.where(self.fp8_seen[p, i] > 0, self.fp8_scale[p, i], fresh)
+        return compute_scale(amax, fmt, getattr(recipe, "margin", 0), getattr(recipe, "power_of_two", False))
 
     def quantize_both_ways(
         self,
