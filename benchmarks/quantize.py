@@ -3,7 +3,13 @@
 Prints GB/s of float32 input read (higher is better) and the ratios the foundation issue targets:
 fused / reference (target >= 4x) and fused / clone (target >= 0.5 for per-tensor).
 
+``--pair``: instead, ``x`` and ``x.T`` quantized along their rows (the weight-gradient copy), bf16
+activations of training shapes: the fused pair kernel (one compiled kernel reading ``x`` once, ``x.T``
+strided) beside two row-ordered quantizes of ``x`` and of ``x.t().contiguous()`` (what
+``quantize_with_transpose`` runs for tiles on CPU in eager mode), in ms, with the transpose copy alone.
+
     python benchmarks/quantize.py [--sizes 1,4,16,64] [--device cpu|cuda]
+    python benchmarks/quantize.py --pair [--shapes 2048x2048,2048x8192,4352x1024]
 """
 
 from __future__ import annotations
@@ -34,14 +40,51 @@ def timeit(fn, min_time: float = 0.3, device: str = "cpu") -> float:
     return times[len(times) // 2]
 
 
+def pair(shapes: str, device: str) -> None:
+    """The pair kernel vs two row-ordered quantizes (see the module doc), E4M3, bf16 input."""
+    from fp8kit.kernels import BlockSpec, quantize_pair_fused
+    from fp8kit.scaling import parse_granularity
+
+    def two(x, g):
+        kw = {"backend": "compiled", "nonfinite": "propagate"}
+        return quantize(x, E4M3, g, **kw), quantize(x.t().contiguous(), E4M3, g, **kw)
+
+    print(f"{'shape':>11} {'granularity':>12} {'pair ms':>8} {'two ms':>8} {'pair/two':>9} {'x.T copy ms':>12}")
+    for shape in shapes.split(","):
+        r, c = (int(v) for v in shape.split("x"))
+        x = torch.randn(r, c, device=device, dtype=torch.bfloat16)
+        for gran in ("row", (1, 128), "mx"):
+            g = parse_granularity(gran)
+            mx = "rceil" if g.is_mx else None
+            spec = BlockSpec(E4M3, g.block_shape(r, c), 0, False, mx)
+            spec_t = BlockSpec(E4M3, g.block_shape(c, r), 0, False, mx)
+            t_pair = timeit(lambda x=x, a=spec, b=spec_t: quantize_pair_fused(x, a, b), device=device)
+            t_two = timeit(lambda x=x, g=gran: two(x, g), device=device)
+            t_copy = timeit(lambda x=x: x.t().contiguous(), device=device)
+            print(
+                f"{shape:>11} {str(gran):>12} {t_pair * 1e3:>8.2f} {t_two * 1e3:>8.2f} {t_pair / t_two:>8.2f}x "
+                f"{t_copy * 1e3:>11.2f}",
+                flush=True,
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="1,4,16,64", help="millions of elements")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--pair", action="store_true", help="x and x.T: the pair kernel vs two row-ordered quantizes")
+    ap.add_argument("--shapes", default="2048x2048,2048x8192,4352x1024", help="--pair: rows x cols, comma separated")
     args = ap.parse_args()
+    from fp8kit.kernels.fused import cpu_cast_kernel
+
     print(
-        f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, device {args.device}"
+        f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+        f"device {args.device}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"CPU cast kernel {cpu_cast_kernel()}"
     )
+    if args.pair:
+        pair(args.shapes, args.device)
+        return
     print(
         f"{'elements':>9} {'granularity':>12} {'reference':>10} {'fused':>8} {'clone':>8} {'fused/ref':>10} {'fused/clone':>12}"
     )

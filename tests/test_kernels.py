@@ -86,6 +86,48 @@ def test_compiled_bit_cast_matches_reference_on_every_bfloat16_and_random_bits(f
 
 
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
+def test_compiled_native_cast_matches_reference_on_every_bfloat16_ties_and_random_bits(fmt):
+    """``fused.cast_native`` (torch's float8 conversion after a NaN-safe saturation), compiled as fp8kit
+    compiles it (static and symbolic sizes) and eagerly: all bfloat16 patterns, random float32 bits and
+    the midpoints between neighbouring FP8 values, against the reference cast (NaN signs included)."""
+    from fp8kit.formats import cast_reference
+
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt.dtype).float()
+    grid = grid[grid.isfinite()].sort().values
+    patterns = torch.arange(-(2**15), 2**15, dtype=torch.int16).view(torch.bfloat16).float()
+    rand_bits = torch.randint(
+        -(2**31), 2**31 - 1, (1 << 18,), dtype=torch.int32, generator=torch.Generator().manual_seed(2)
+    ).view(torch.float32)
+    casts = [torch.compile(lambda y: fused.cast_native(y, fmt, view=False), dynamic=d) for d in (False, True)]
+    for y in (patterns, rand_bits, (grid[1:] + grid[:-1]) / 2):
+        want = cast_reference(y, fmt, saturate=True).to(fmt.dtype).view(torch.uint8)
+        for cast in [*casts, lambda y: fused.cast_native(y, fmt, view=False)]:
+            assert torch.equal(cast(y), want)
+
+
+@pytest.mark.parametrize("kernel", ["native", "bits"])
+def test_quantize_gives_reference_codes_with_either_cpu_cast(kernel):
+    """The compiled quantize kernels give the reference codes with either CPU convert, whichever
+    ``choose_cpu_cast`` picked for this CPU; the rule picks ``native`` exactly on AVX-512."""
+    assert fused.choose_cpu_cast("AVX512") == "native" and fused.choose_cpu_cast("AVX2") == "bits"
+    assert fused.choose_cpu_cast("DEFAULT") == "bits"
+    with pytest.raises(ValueError, match="'native' or 'bits'"):
+        fused.set_cpu_cast_kernel("avx")
+    x = torch.randn(192, 256) * torch.exp2(torch.randint(-12, 12, (192, 1)).float())
+    x[3, 5], x[7, 9] = float("nan"), -float("inf")
+    before = fused.cpu_cast_kernel()
+    fused.set_cpu_cast_kernel(kernel)
+    try:
+        for gran, fmt in [("tensor", E4M3), ("row", E5M2), ((1, 128), E4M3), ("mx", E4M3)]:
+            kw = {"nonfinite": "propagate"}
+            assert_same(
+                quantize(x, fmt, gran, backend="compiled", **kw), quantize(x, fmt, gran, backend="reference", **kw)
+            )
+    finally:
+        fused.set_cpu_cast_kernel(before)
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
 def test_round_bits_gives_the_values_the_cast_encodes(fmt):
     """``round_bits`` (the CPU GEMM operand computed beside the cast) equals the reference cast's
     values bit for bit, compiled and eager: every bfloat16 pattern, random float32 bits, and the exact

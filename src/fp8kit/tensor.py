@@ -238,12 +238,18 @@ def quantize_with_transpose(
     """``(quantize(x), quantize(x.T))`` for a 2-D ``x``, both with ``granularity`` along their rows.
 
     The second is the copy that a weight-gradient GEMM needs (``x`` reduced over its first dim). With
-    ``backend="compiled"`` both come from one compiled kernel that reads ``x`` once, without first
-    materialising ``x.T`` in high precision. Results equal two ``quantize`` calls bit for bit.
+    ``backend="compiled"`` both come from one fused kernel that reads ``x`` once, without materialising
+    ``x.T`` in high precision; except for tiles (1xN blocks, MX) on CPU in eager mode, which run two
+    row-ordered quantizes, of ``x`` and of a contiguous copy of ``x.T`` (torch's blocked 2-D transpose):
+    the pair kernel's strided tile reads cost 2.1-3.4x as much there (``benchmarks/quantize.py
+    --pair``; for row scales it is 0.8-1.1x, so it stays). Results equal two ``quantize`` calls bit for
+    bit.
     """
     if x.dim() != 2:
         raise ValueError(f"quantize_with_transpose needs a 2-D tensor, got shape {tuple(x.shape)}")
-    if backend not in ("compiled", "eager"):
+    tiles = parse_granularity(granularity).kind in ("block", "mx")
+    two_passes = tiles and x.device.type == "cpu" and not torch.compiler.is_compiling()
+    if backend not in ("compiled", "eager") or two_passes:
         kw = {"margin": margin, "power_of_two": power_of_two, "mx_rounding": mx_rounding, "nonfinite": nonfinite}
         return (
             quantize(x, fmt, granularity, backend=backend, **kw),

@@ -71,7 +71,7 @@ from ..gemm.grouped import (
 )
 from ..recipes import DelayedScaling, Recipe
 from ..scaling import compute_scale
-from ..tensor import QuantizedTensor, quantize, tensor_amax
+from ..tensor import QuantizedTensor, quantize, quantize_with_transpose, tensor_amax
 from .autocast import fp8_enabled, recipe_override
 from .linear import _BACKEND, FP8_STATE_KEYS, _track_cache, quantize_knobs
 
@@ -203,10 +203,8 @@ class FP8Experts:
         recipe: Recipe,
         group_ids: torch.Tensor,
     ) -> tuple[QuantizedTensor, QuantizedTensor | GroupColumns]:
-        """``(padded x along K, its transpose along the tokens)`` for the tile recipes. Eager: the row
-        kernel on the padded ``x`` and on a contiguous copy of its transpose (the same codes as the fused
-        pair kernel ``quantize_with_transpose``, whose strided transposed reads are slower on CPU: 24 vs
-        40 ms for a (4352, 1024) bf16 ``x``, one thread). Compiled: the transpose is padded on its own, so
+        """``(padded x along K, its transpose along the tokens)`` for the tile recipes. Eager:
+        ``quantize_with_transpose`` of the padded ``x``. Compiled: the transpose is padded on its own, so
         that inductor does not fuse the two casts (its CPU loop-split pass asserts on that pair)."""
         xp = _pad(x, dest, rows)
         if recipe.kind not in ("block", "mxfp8"):
@@ -216,7 +214,7 @@ class FP8Experts:
         fmt, gran = recipe.format_for(role), recipe.granularity_for(role)
         kw = {"nonfinite": "propagate", "backend": _BACKEND["name"], **quantize_knobs(recipe)}
         if not torch.compiler.is_compiling():
-            return quantize(xp, fmt, gran, **kw), quantize(xp.t().contiguous(), fmt, gran, **kw)
+            return quantize_with_transpose(xp, fmt, gran, **kw)
         xpt = x.t().contiguous() if dest is None else x.new_zeros(x.shape[1], rows).index_copy(1, dest, x.t())
         return quantize(xp, fmt, gran, **kw), quantize(xpt, fmt, gran, **kw)
 
