@@ -123,3 +123,30 @@ def test_bf16_backend_rounds_like_a_tensor_core_with_bf16_output(cpu_backend, gr
     got2 = fp8kit.fp8_gemm(qa2, qb2, torch.bfloat16)
     want2 = (qa2.dequantize(torch.float64) @ qb2.dequantize(torch.float64).t()).to(torch.bfloat16)
     assert (got2 == want2).float().mean() > 0.995
+
+
+def test_power_of_two_block_tiles_run_a_bf16_gemm_with_one_rounding(cpu_backend, monkeypatch):
+    """Block tiles with power-of-two scales (the block recipe's default) on the bf16 backend: the
+    operands are dequantized to bf16 (exact there) and multiplied by a bf16 GEMM, so the result is the
+    exact product rounded to bf16 once (up to FP32 summation order); without ``power_of_two`` the FP32
+    GEMM runs. A wrong tile scale would miss by far more than one rounding."""
+    cpu_backend("bf16")
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(64, 384, generator=g) * torch.exp2(
+        torch.randint(-8, 8, (64, 3), generator=g).float()
+    ).repeat_interleave(128, 1)
+    b = torch.randn(128, 384, generator=g)
+    qa = fp8kit.quantize(a, "e4m3", (1, 128), power_of_two=True)
+    qb = fp8kit.quantize(b, "e4m3", (128, 128), power_of_two=True)
+    seen: list[torch.dtype] = []
+    real = torch.matmul
+    monkeypatch.setattr(torch, "matmul", lambda x, y: seen.append(x.dtype) or real(x, y))
+    got = fp8kit.fp8_gemm(qa, qb, torch.bfloat16, power_of_two=True)
+    fp32_path = fp8kit.fp8_gemm(qa, qb, torch.bfloat16)
+    assert seen == [torch.bfloat16, torch.float32]
+    want = (qa.dequantize(torch.float64) @ qb.dequantize(torch.float64).t()).to(torch.bfloat16)
+    assert (got == want).float().mean() > 0.995
+    da, db = qa.dequantize(torch.float64), qb.dequantize(torch.float64)
+    bound = 2**-7 * want.double().abs() + 384 * 2**-24 * (da.abs() @ db.abs().t())  # one bf16 ulp + FP32 order
+    assert ((got.double() - want.double()).abs() <= bound).all()
+    assert (fp32_path == want).float().mean() > 0.995

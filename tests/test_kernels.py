@@ -203,6 +203,25 @@ def test_compile_failure_raises_in_strict_mode_and_warns_otherwise(monkeypatch):
         fused.set_compile_enabled(True)  # the fallback switched compilation off process-wide
 
 
+def test_leading_amax_gives_each_experts_abs_max():
+    """``leading_amax`` (one ``aminmax`` pass per leading index eagerly, a reduction compiled) is
+    ``x[i].abs().max()`` as float32 for each ``i``: an all-negative expert, NaN (propagates to that
+    expert only), -inf, an all-zero expert with -0.0 (gives +0.0), bfloat16."""
+    from fp8kit.tensor import leading_amax
+
+    w = torch.randn(5, 8, 16, dtype=torch.bfloat16) * 10
+    w[0] = -w[0].abs() - 1
+    w[1, 2, 3] = float("nan")
+    w[2, 0, 0] = float("-inf")
+    w[3] = -0.0
+    want = w.float().abs().amax(dim=(1, 2))
+    for got in (leading_amax(w), torch.compile(leading_amax, fullgraph=True)(w), leading_amax(w.float())):
+        assert got.dtype == torch.float32 and got.shape == (5,)
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
+        assert not got[3].signbit()
+
+
 def test_tensor_amax_eager_and_compiled_agree_with_abs_max():
     """``tensor_amax`` (one ``aminmax`` pass eagerly, the kernels' row-then-all reduction compiled) is
     max|x| as float32: all-negative tensors, NaN (propagates), -inf, -0.0 (gives +0.0), bfloat16."""

@@ -568,3 +568,36 @@ def test_to_bf16_gemms_reaches_the_experts_and_trains():
     assert all(torch.isfinite(m.down_proj.grad).all() and m.gate_up_proj.grad.abs().sum() > 0 for m in experts)
     fp8 = to_bf16_gemms(fp8kit.convert(tiny_model("qwen3_moe"), "delayed"))
     assert not any(isinstance(m, BF16Experts) for m in fp8.modules()) and len(experts_of(fp8)) == 2
+
+
+@pytest.mark.parametrize("power_of_two", [False, True])
+def test_block_tile_operands_are_exact_in_the_cpu_gemm(power_of_two, monkeypatch):
+    """bf16 experts on the bf16 CPU backend, block recipe: with power-of-two scales the tile-dequantized
+    operands are exact in bf16 and the grouped GEMMs run in bf16; without, they would round there, so
+    the GEMMs multiply them in float32. Either way the output is the float64 product of the dequantized
+    operands rounded to bf16 once (up to FP32 summation order); bf16-rounded operands of non-power-of-two
+    tiles put about half of the outputs a bf16 step off."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from fp8kit.gemm import probe
+    from fp8kit.recipes import BlockScaling
+
+    monkeypatch.setitem(probe._CPU_BACKEND, "name", "bf16")
+    ids, x, w, _, sizes = routed_inputs()
+    cfg = qwen3_moe_config(hidden_size=H, moe_intermediate_size=INTER, num_experts=E)
+    module = Qwen3MoeExperts(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        module.gate_up_proj.copy_(w)
+    fp8kit.convert(torch.nn.Sequential(module), BlockScaling(power_of_two=power_of_two))
+    xb = x.bfloat16()
+    y = grouped_linear(xb, module, 0, ids)
+    assert y.dtype == torch.bfloat16
+    kw = {"power_of_two": power_of_two}
+    xq = fp8kit.quantize(xb, "e4m3", (1, 128), **kw).dequantize(torch.float64)
+    want = torch.empty(y.shape, dtype=torch.float64)
+    start = 0
+    for e, n in enumerate(sizes):
+        wq = fp8kit.quantize(module.gate_up_proj[e].detach(), "e4m3", (128, 128), **kw).dequantize(torch.float64)
+        want[start : start + n] = xq[start : start + n] @ wq.t()
+        start += n
+    assert (y == want.to(torch.bfloat16)).float().mean() > 0.99

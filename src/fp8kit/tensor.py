@@ -19,7 +19,7 @@ from .kernels import (
 from .kernels.opaque import dequantize_tiles, dequantize_tiles_opaque, is_ragged, quantize_tiles_opaque
 from .scaling import Granularity, parse_granularity
 
-__all__ = ["QuantizedTensor", "quantize", "quantize_with_transpose", "tensor_amax"]
+__all__ = ["QuantizedTensor", "leading_amax", "quantize", "quantize_with_transpose", "tensor_amax"]
 
 
 @dataclass
@@ -114,6 +114,17 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
         return torch.abs(x2).amax(dim=-1).amax().float()
     lo, hi = torch.aminmax(x2)
     return torch.maximum(hi.float(), -lo.float()).abs()  # NaN propagates; abs: -0.0 -> 0.0
+
+
+def leading_amax(x: torch.Tensor) -> torch.Tensor:
+    """Absolute maximum of each ``x[i]`` (over all other dims) as float32 ``(x.shape[0],)``, NaN where
+    ``x[i]`` holds NaN; e.g. each expert's weight amax of ``(E, N, K)`` expert weights. Eager: one
+    ``aminmax`` pass (about 3x faster on CPU than ``abs().amax()``, which writes ``|x|`` first)."""
+    x2 = x.reshape(x.shape[0], -1)
+    if torch.compiler.is_compiling():
+        return torch.abs(x2).amax(dim=-1).float()
+    lo, hi = torch.aminmax(x2, dim=-1)
+    return torch.maximum(hi.float(), -lo.float()).abs()
 
 
 def _as_2d(x: torch.Tensor) -> torch.Tensor:

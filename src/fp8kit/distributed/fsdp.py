@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_map
 
 from ..recipes import DelayedScaling
 from ..scaling import compute_scale
+from ..tensor import leading_amax
 from .scaling import _COUNTS, _compiler_disable, fp8_layers, sync_scaling
 
 __all__ = [
@@ -309,7 +310,7 @@ def _weight_amaxes(m: nn.Module) -> torch.Tensor:
         start, local = _expert_rows(m, m.fp8_param(p))
         m._fp8_gather_rows[p] = start
         if local.numel():
-            out[p, start : start + local.shape[0]] = local.detach().abs().amax(dim=(1, 2)).float()
+            out[p, start : start + local.shape[0]] = leading_amax(local.detach())
     return out.flatten()
 
 

@@ -225,12 +225,20 @@ def _decode(q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def fp8_gemm(
-    a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch.float32, *, use_fast_accum: bool = False
+    a: QuantizedTensor,
+    b: QuantizedTensor,
+    out_dtype: torch.dtype = torch.float32,
+    *,
+    use_fast_accum: bool = False,
+    power_of_two: bool = False,
 ) -> torch.Tensor:
     """``dequant(a) @ dequant(b).T`` for ``a`` ``(M, K)`` and ``b`` ``(N, K)``; result in ``out_dtype``.
 
     ``use_fast_accum``: let Hopper's FP8 tensor cores skip the periodic FP32 promotion (per-tensor and
-    row-wise GEMMs on CUDA only; torchao and Transformer Engine use it for the forward GEMM)."""
+    row-wise GEMMs on CUDA only; torchao and Transformer Engine use it for the forward GEMM).
+    ``power_of_two``: the operands' scales are powers of two (the block recipe's default; MX scales
+    always are): a CPU bf16 GEMM then reads the tile-dequantized operands in bf16, where they are exact
+    (an FP8 value times a power of two, above bf16's subnormal range), instead of an FP32 GEMM."""
     if a.data.dim() != 2 or b.data.dim() != 2 or a.data.shape[1] != b.data.shape[1]:
         raise ValueError(
             f"fp8_gemm needs a (M, K) and b (N, K) with the same K; got {tuple(a.data.shape)} and {tuple(b.data.shape)}"
@@ -253,8 +261,8 @@ def fp8_gemm(
                 return acc.mul((sa * sb).reshape(())).to(out_dtype)  # one pass, fp32 math, bf16 out
             return (acc.float() * sa * sb).to(out_dtype)
         acc = acc * sa * sb
-    elif gemm_dtype == torch.bfloat16 and a.granularity.is_mx and b.granularity.is_mx:
-        # MX scales are powers of two: the dequantized operands are exact in bf16
+    elif gemm_dtype == torch.bfloat16 and (power_of_two or (a.granularity.is_mx and b.granularity.is_mx)):
+        # power-of-two scales: the dequantized operands are exact in bf16
         acc = torch.matmul(a.dequantize(torch.bfloat16), b.dequantize(torch.bfloat16).t())
     else:
         acc = torch.matmul(a.dequantize(torch.float32), b.dequantize(torch.float32).t())

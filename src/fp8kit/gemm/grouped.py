@@ -300,13 +300,16 @@ def transpose_experts(w: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def with_weight_values(w: GroupedWeight, out_dtype: torch.dtype) -> GroupedWeight:
+def with_weight_values(w: GroupedWeight, out_dtype: torch.dtype, *, power_of_two: bool = False) -> GroupedWeight:
     """``w`` with ``values`` computed (CPU) for the GEMM dtype of ``out_dtype`` outputs; ``w`` itself
-    elsewhere. The same values the GEMMs would decode or dequantize from ``w`` on each call."""
+    elsewhere. The same values the GEMMs would decode or dequantize from ``w`` on each call
+    (``power_of_two``: as ``grouped_gemm``'s)."""
     if w.data.is_cuda or w.values is not None or w.fmt.kind != "float":
         return w
-    gdt = _gemm_dtype(out_dtype)
-    values = _values(w.data, w.fmt, gdt) if w.scales_factor_out else _dequantize(w, gdt)
+    if w.scales_factor_out:
+        values = _values(w.data, w.fmt, _gemm_dtype(out_dtype))
+    else:
+        values = _dequantize(w, _tile_gemm_dtype(out_dtype, power_of_two or w.is_mx))
     return dataclasses.replace(w, values=values)
 
 
@@ -324,6 +327,12 @@ def _gemm_dtype(out_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if out_dtype == torch.bfloat16 and cpu_gemm_backend() == "bf16" else torch.float32
 
 
+def _tile_gemm_dtype(out_dtype: torch.dtype, power_of_two: bool) -> torch.dtype:
+    """The CPU GEMM dtype of tile-dequantized operands: the backend's where the scales are powers of two
+    (an FP8 value times a power of two is exact in bf16), else float32 (a bf16 operand would round)."""
+    return _gemm_dtype(out_dtype) if power_of_two else torch.float32
+
+
 def grouped_gemm(
     x: QuantizedTensor,
     w: GroupedWeight,
@@ -332,9 +341,12 @@ def grouped_gemm(
     out_dtype: torch.dtype,
     *,
     kind: str = "forward",
+    power_of_two: bool = False,
 ) -> torch.Tensor:
     """``out[rows of e] = dequant(x)[rows of e] @ dequant(w[e]).T`` for ``x`` ``(P, K)`` quantized along K,
-    ``w`` ``(E, N, K)``; ``group_ids`` ``(P,)`` is each row's expert (padding rows: any valid id)."""
+    ``w`` ``(E, N, K)``; ``group_ids`` ``(P,)`` is each row's expert (padding rows: any valid id).
+    ``power_of_two``: the tile scales are powers of two (the block recipe's default; MX always): CPU
+    then multiplies tile-dequantized operands in the backend's bf16, else in float32 (exact operands)."""
     if not isinstance(x, QuantizedTensor) or not isinstance(w, GroupedWeight):
         raise TypeError("grouped_gemm takes FP8 operands (QuantizedTensor, GroupedWeight)")
     _count(kind)
@@ -352,7 +364,8 @@ def grouped_gemm(
         acc = grouped_mm(_values(x.data, x.fmt, gdt, x.values), _weight_operand(w, gdt, False).transpose(1, 2), offs)
         # (acc * x's row scales * w[e]'s scales of each row's expert e), one loop: scale_output
         return scale_output(acc, _row_scales(x), w.row_scales(), group_ids, out_dtype)
-    return grouped_mm(_dequantize(x, gdt), _weight_operand(w, gdt, True).transpose(1, 2), offs).to(out_dtype)
+    tdt = _tile_gemm_dtype(out_dtype, power_of_two or (x.granularity.is_mx and w.is_mx))
+    return grouped_mm(_dequantize(x, tdt), _weight_operand(w, tdt, True).transpose(1, 2), offs).to(out_dtype)
 
 
 def grouped_gemm_wgrad(
@@ -360,9 +373,12 @@ def grouped_gemm_wgrad(
     b: QuantizedTensor | GroupColumns,
     offs: torch.Tensor,
     out_dtype: torch.dtype,
+    *,
+    power_of_two: bool = False,
 ) -> torch.Tensor:
     """``out[e] = dequant(a)[:, rows of e] @ dequant(b)[:, rows of e].T`` for ``a`` ``(N, P)`` and ``b``
-    ``(K, P)`` quantized along P (per tensor, per expert and row, or in tiles inside each expert)."""
+    ``(K, P)`` quantized along P (per tensor, per expert and row, or in tiles inside each expert);
+    ``power_of_two`` as in ``grouped_gemm``."""
     _count("wgrad")
     gdt = torch.bfloat16 if a.data.is_cuda else _gemm_dtype(out_dtype)
     if isinstance(a, GroupColumns) and isinstance(b, GroupColumns):
@@ -375,6 +391,8 @@ def grouped_gemm_wgrad(
         return scale_output(acc, (a.scale_inv * b.scale_inv).reshape(()), None, None, out_dtype)
     if a.data.is_cuda:
         _fallback(f"wgrad {a.block}x{b.block}", "tile-scaled grouped weight-gradient GEMMs have no native kernel wired")
+    if not a.data.is_cuda:
+        gdt = _tile_gemm_dtype(out_dtype, power_of_two or (a.granularity.is_mx and b.granularity.is_mx))
     return grouped_mm(_dequantize(a, gdt), _dequantize(b, gdt).t(), offs).to(out_dtype)
 
 
