@@ -250,7 +250,7 @@ def quantize_with_transpose(
 
     The second is the copy that a weight-gradient GEMM needs (``x`` reduced over its first dim). With
     ``backend="compiled"`` both come from one fused kernel that reads ``x`` once, without materialising
-    ``x.T`` in high precision; except for tiles (1xN blocks, MX) on CPU in eager mode, which run two
+    ``x.T`` in high precision; except for tiles (blocks, MX) on CPU in eager mode, which run two
     row-ordered quantizes, of ``x`` and of a contiguous copy of ``x.T`` (torch's blocked 2-D transpose):
     the pair kernel's strided tile reads cost 2.1-3.4x as much there (``benchmarks/quantize.py
     --pair``; for row scales it is 0.8-1.1x, so it stays). Results equal two ``quantize`` calls bit for

@@ -391,7 +391,7 @@ def grouped_gemm_wgrad(
         return scale_output(acc, (a.scale_inv * b.scale_inv).reshape(()), None, None, out_dtype)
     if a.data.is_cuda:
         _fallback(f"wgrad {a.block}x{b.block}", "tile-scaled grouped weight-gradient GEMMs have no native kernel wired")
-    if not a.data.is_cuda:
+    else:
         gdt = _tile_gemm_dtype(out_dtype, power_of_two or (a.granularity.is_mx and b.granularity.is_mx))
     return grouped_mm(_dequantize(a, gdt), _dequantize(b, gdt).t(), offs).to(out_dtype)
 
