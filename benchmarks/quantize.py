@@ -8,8 +8,13 @@ activations of training shapes: the fused pair kernel (one compiled kernel readi
 strided) beside two row-ordered quantizes of ``x`` and of ``x.t().contiguous()`` (what
 ``quantize_with_transpose`` runs for tiles on CPU in eager mode), in ms, with the transpose copy alone.
 
+``--casts`` (CPU): the compiled per-tensor and 1x128 quantize of bf16 input with each float32 -> FP8
+convert (``kernels.fused.set_cpu_cast_kernel``: ``native``, torch's conversion; ``bits``, integer
+operations), side by side, to check the rule that picks one by CPU capability.
+
     python benchmarks/quantize.py [--sizes 1,4,16,64] [--device cpu|cuda]
     python benchmarks/quantize.py --pair [--shapes 2048x2048,2048x8192,4352x1024]
+    python benchmarks/quantize.py --casts [--sizes 1,4,16]
 """
 
 from __future__ import annotations
@@ -68,12 +73,36 @@ def pair(shapes: str, device: str) -> None:
             )
 
 
+def casts(sizes: str) -> None:
+    """Both CPU float32 -> FP8 converts, side by side (see the module doc), bf16 input, ms per call."""
+    from fp8kit.kernels import fused
+
+    chosen = fused.cpu_cast_kernel()
+    print(f"{'elements':>9} {'granularity':>12} {'native ms':>10} {'bits ms':>8} {'bits/native':>12}")
+    try:
+        for m in (int(v) for v in sizes.split(",")):
+            x = torch.randn(m * 2**20 // 4096, 4096, dtype=torch.bfloat16)
+            for gran in ("tensor", (1, 128)):
+                t = {}
+                for kernel in ("native", "bits"):
+                    fused.set_cpu_cast_kernel(kernel)
+                    t[kernel] = timeit(lambda x=x, g=gran: quantize(x, E4M3, g, backend="compiled"))
+                print(
+                    f"{m:>8}M {str(gran):>12} {t['native'] * 1e3:>10.2f} {t['bits'] * 1e3:>8.2f} "
+                    f"{t['bits'] / t['native']:>11.2f}x",
+                    flush=True,
+                )
+    finally:
+        fused.set_cpu_cast_kernel(chosen)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="1,4,16,64", help="millions of elements")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--pair", action="store_true", help="x and x.T: the pair kernel vs two row-ordered quantizes")
     ap.add_argument("--shapes", default="2048x2048,2048x8192,4352x1024", help="--pair: rows x cols, comma separated")
+    ap.add_argument("--casts", action="store_true", help="CPU: the native and the bit-level FP8 convert side by side")
     args = ap.parse_args()
     from fp8kit.kernels.fused import cpu_cast_kernel
 
@@ -84,6 +113,9 @@ def main() -> None:
     )
     if args.pair:
         pair(args.shapes, args.device)
+        return
+    if args.casts:
+        casts(args.sizes)
         return
     print(
         f"{'elements':>9} {'granularity':>12} {'reference':>10} {'fused':>8} {'clone':>8} {'fused/ref':>10} {'fused/clone':>12}"
