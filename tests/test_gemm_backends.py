@@ -150,3 +150,14 @@ def test_power_of_two_block_tiles_run_a_bf16_gemm_with_one_rounding(cpu_backend,
     bound = 2**-7 * want.double().abs() + 384 * 2**-24 * (da.abs() @ db.abs().t())  # one bf16 ulp + FP32 order
     assert ((got.double() - want.double()).abs() <= bound).all()
     assert (fp32_path == want).float().mean() > 0.995
+
+
+def test_recipes_say_whether_their_scales_are_powers_of_two():
+    """``Recipe.power_of_two_scales`` picks the CPU GEMM dtype of tile-dequantized operands: MX always,
+    block by default, and a block recipe without power-of-two scales must not claim it."""
+    from fp8kit.recipes import BlockScaling, CurrentScaling, DelayedScaling, MXFP8Scaling, RowwiseScaling
+
+    assert MXFP8Scaling().power_of_two_scales and BlockScaling().power_of_two_scales
+    assert not BlockScaling(power_of_two=False).power_of_two_scales
+    assert CurrentScaling(power_of_two=True).power_of_two_scales and not CurrentScaling().power_of_two_scales
+    assert not DelayedScaling().power_of_two_scales and not RowwiseScaling().power_of_two_scales

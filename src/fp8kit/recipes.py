@@ -55,6 +55,12 @@ class Recipe:
     def per_tensor(self) -> bool:
         return True
 
+    @property
+    def power_of_two_scales(self) -> bool:
+        """Every scale this recipe computes is a power of two (its ``power_of_two`` knob; MX always), so an
+        FP8 value times its scale is exact in bf16 (CPU GEMMs on dequantized tiles use that)."""
+        return bool(getattr(self, "power_of_two", False))
+
     def to_json(self) -> str:
         return json.dumps({"kind": self.kind, **asdict(self)}, sort_keys=True)
 
@@ -167,6 +173,10 @@ class MXFP8Scaling(Recipe):
     @property
     def per_tensor(self) -> bool:
         return False
+
+    @property
+    def power_of_two_scales(self) -> bool:
+        return True
 
 
 _KINDS: dict[str | None, type[Recipe]] = {

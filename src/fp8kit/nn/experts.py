@@ -73,7 +73,7 @@ from ..recipes import DelayedScaling, Recipe
 from ..scaling import compute_scale
 from ..tensor import QuantizedTensor, leading_amax, quantize, quantize_with_transpose, tensor_amax
 from .autocast import fp8_enabled, recipe_override
-from .linear import _BACKEND, FP8_STATE_KEYS, _power_of_two_scales, _track_cache, quantize_knobs
+from .linear import _BACKEND, FP8_STATE_KEYS, _track_cache, quantize_knobs
 
 __all__ = [
     "FP8Experts",
@@ -264,7 +264,7 @@ class FP8Experts:
                 gran = "tensor" if recipe.per_tensor else recipe.granularity_for("weight")
                 wq = quantize_experts(w, fmt, gran, backend=backend, **quantize_knobs(recipe))
             if recipe.per_tensor or recipe.kind == "block":
-                pow2 = _power_of_two_scales(recipe)
+                pow2 = recipe.power_of_two_scales
                 wq = wq if out_dtype is None else with_weight_values(wq, out_dtype, power_of_two=pow2)
                 wq_t = wq.transpose()
             else:
@@ -442,7 +442,7 @@ class _GroupedLinearFn(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 saved_x = xq if module.save_fp8_activations else xp
         wq, wq_t = module.fp8_expert_weights(p, recipe, x.dtype)
-        out = grouped_gemm(xq, wq, offs, group_ids, x.dtype, kind="forward", power_of_two=_power_of_two_scales(recipe))
+        out = grouped_gemm(xq, wq, offs, group_ids, x.dtype, kind="forward", power_of_two=recipe.power_of_two_scales)
         if dest is not None:
             out = out[dest]
         x_tensors, ctx.x_meta = _pack(saved_x)
@@ -465,6 +465,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         offs, group_ids, *rest = saved[nx + nw :]
         dest = rest[0] if rest else None
         g = grad_out.contiguous()
+        pow2 = recipe.power_of_two_scales
         _tap(module, ctx.p, "grad", g, group_ids, dest, recipe)
         g_tok: Any = None
         if ctx.needs_input_grad[1] and not recipe.per_tensor:
@@ -475,9 +476,7 @@ class _GroupedLinearFn(torch.autograd.Function):
                 gq = with_values(gq, ctx.x_dtype)  # one decode for both GEMMs (per-tensor: gq.t() is g_tok)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = grouped_gemm(
-                gq, wq_t, offs, group_ids, ctx.x_dtype, kind="dgrad", power_of_two=_power_of_two_scales(recipe)
-            )
+            dx = grouped_gemm(gq, wq_t, offs, group_ids, ctx.x_dtype, kind="dgrad", power_of_two=pow2)
             if dest is not None:
                 dx = dx[dest]
         if ctx.needs_input_grad[1]:
@@ -493,7 +492,7 @@ class _GroupedLinearFn(torch.autograd.Function):
                     if not isinstance(saved_x, torch.Tensor)
                     else module.quantize_along_tokens(saved_x, "input", recipe, group_ids)
                 )
-            dw = grouped_gemm_wgrad(g_tok, x_tok, offs, ctx.w_dtype, power_of_two=_power_of_two_scales(recipe))
+            dw = grouped_gemm_wgrad(g_tok, x_tok, offs, ctx.w_dtype, power_of_two=pow2)
             if module.is_transposed:
                 dw = dw.transpose(1, 2)
         return dx, dw, None, None, None, None, None, None, None

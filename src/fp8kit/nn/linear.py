@@ -338,11 +338,6 @@ class Linear(nn.Linear):
 _FAST_ACCUM = ("delayed", "current", "rowwise")
 
 
-def _power_of_two_scales(recipe: Recipe) -> bool:
-    """Whether every scale ``recipe`` computes is a power of two (MX; block with ``power_of_two``)."""
-    return recipe.kind == "mxfp8" or (recipe.kind == "block" and bool(getattr(recipe, "power_of_two", False)))
-
-
 def quantize_knobs(recipe: Recipe) -> dict[str, Any]:
     """The recipe's settings as ``quantize`` keyword arguments."""
     if recipe.kind == "current":
@@ -421,8 +416,13 @@ class _FP8LinearFn(torch.autograd.Function):
         wq, wq_t = module.fp8_weights(recipe)
         # fast accumulation only in the forward GEMM of per-tensor / row-wise recipes (as torchao): the
         # gradients' GEMMs and block scaling keep Hopper's periodic FP32 promotion (DeepSeek-V3)
-        pow2 = _power_of_two_scales(recipe)
-        out = fp8_gemm(xq, wq, out_dtype=x.dtype, use_fast_accum=recipe.kind in _FAST_ACCUM, power_of_two=pow2)
+        out = fp8_gemm(
+            xq,
+            wq,
+            out_dtype=x.dtype,
+            use_fast_accum=recipe.kind in _FAST_ACCUM,
+            power_of_two=recipe.power_of_two_scales,
+        )
         if bias is not None:
             out = out + bias.to(out.dtype)
         saved_x: QuantizedTensor | torch.Tensor | None = None
@@ -452,16 +452,17 @@ class _FP8LinearFn(torch.autograd.Function):
         wq_t = _unpack(saved[n:], ctx.w_meta)
         g = grad_out.contiguous()
         dx = dw = db = None
+        pow2 = recipe.power_of_two_scales
         gq = module.quantize_operand(g, "grad", recipe)
         if ctx.needs_input_grad[0]:
-            dx = fp8_gemm(gq, wq_t, out_dtype=ctx.x_dtype, power_of_two=_power_of_two_scales(recipe))
+            dx = fp8_gemm(gq, wq_t, out_dtype=ctx.x_dtype, power_of_two=pow2)
         if ctx.needs_input_grad[1]:
             gq_t = gq.t() if recipe.per_tensor else module.quantize_operand(g.t().contiguous(), "grad", recipe)
             if isinstance(saved_x, QuantizedTensor):
                 xq_t = saved_x.t() if recipe.per_tensor else saved_x
             else:
                 xq_t = module.quantize_operand(saved_x.t().contiguous(), "input", recipe)
-            dw = fp8_gemm(gq_t, xq_t, out_dtype=ctx.w_dtype, power_of_two=_power_of_two_scales(recipe))
+            dw = fp8_gemm(gq_t, xq_t, out_dtype=ctx.w_dtype, power_of_two=pow2)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g.sum(0).to(ctx.w_dtype)
         return dx, dw, db, None, None
