@@ -63,26 +63,40 @@ def test_decode_codes_gives_every_code_exactly(dtype):
 
 
 @pytest.mark.compiled
-@pytest.mark.parametrize("mode", ["bits", "kernel", "in_graph"])
-def test_decode_gives_every_code(mode):
-    """The CPU decode (integer operations and one multiply) equals torch's conversion on every code,
-    bit for bit: signed zeros, subnormals (no flush to zero), the largest values, inf and NaN."""
-    from fp8kit.kernels.fused import decode_bits, decode_fp8
+@pytest.mark.parametrize("kernel", ["native", "bits"])
+@pytest.mark.parametrize("mode", ["eager_ops", "kernel", "in_graph", "dequantize_tiles"])
+def test_decode_gives_every_code(mode, kernel):
+    """The CPU decode, with either conversion (``native``: torch's float8 conversion; ``bits``: integer
+    operations and one multiply), equals ml_dtypes' value of every code bit for bit: signed zeros,
+    subnormals (no flush to zero), the largest values, inf and NaN. Run as plain ops, as fp8kit's
+    compiled kernel, fused into a compiled graph, and inside the tile dequantization (unit scales)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    import numpy as np
+
+    from fp8kit.kernels import fused
 
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    in_graph = torch.compile(decode_fp8, fullgraph=True)
-    for fmt in (fp8kit.E4M3, fp8kit.E5M2):
-        for dtype in (torch.float32, torch.bfloat16):
-            if mode == "bits":
-                got = decode_bits(codes, fmt).to(dtype)
-            else:
-                got = (decode_fp8 if mode == "kernel" else in_graph)(codes.view(fmt.dtype), fmt, dtype)
-            want = codes.view(fmt.dtype).to(dtype)
-            assert got.dtype == dtype
-            assert torch.equal(got.isnan(), want.isnan())
-            bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
-            assert torch.equal(got.nan_to_num(0.0).view(bits), want.nan_to_num(0.0).view(bits))
-            assert torch.equal(got.isinf(), want.isinf())
+    in_graph = torch.compile(fused.decode_fp8, fullgraph=True)
+    before = fused.cpu_cast_kernel()
+    fused.set_cpu_cast_kernel(kernel)
+    try:
+        for fmt, np_dtype in ((fp8kit.E4M3, ml_dtypes.float8_e4m3fn), (fp8kit.E5M2, ml_dtypes.float8_e5m2)):
+            want32 = torch.from_numpy(np.arange(256, dtype=np.uint8).view(np_dtype).astype(np.float32))
+            for dtype in (torch.float32, torch.bfloat16):
+                if mode == "eager_ops":
+                    got = fused.decode_cpu(codes, fmt).to(dtype)
+                elif mode == "dequantize_tiles":
+                    got = fused.dequantize_tiles(codes.reshape(16, 16), torch.ones(1, 1), 16, 16, fmt, dtype).flatten()
+                else:
+                    got = (fused.decode_fp8 if mode == "kernel" else in_graph)(codes.view(fmt.dtype), fmt, dtype)
+                want = want32.to(dtype)
+                assert got.dtype == dtype
+                assert torch.equal(got.isnan(), want.isnan())
+                bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+                assert torch.equal(got.nan_to_num(0.0).view(bits), want.nan_to_num(0.0).view(bits))
+                assert torch.equal(got.isinf(), want.isinf())
+    finally:
+        fused.set_cpu_cast_kernel(before)
 
 
 @pytest.mark.parametrize("gran", ["tensor", "row"])

@@ -127,14 +127,15 @@ def test_quantize_gives_reference_codes_with_either_cpu_cast(kernel):
         fused.set_cpu_cast_kernel(before)
 
 
+@pytest.mark.parametrize("kernel", ["native", "bits"])
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
-def test_round_bits_gives_the_values_the_cast_encodes(fmt):
-    """``round_bits`` (the CPU GEMM operand computed beside the cast) equals the reference cast's
-    values bit for bit, compiled and eager: every bfloat16 pattern, random float32 bits, and the exact
-    midpoints between neighbouring FP8 values (ties to even)."""
+def test_cast_values_give_the_values_the_cast_encodes(fmt, kernel):
+    """``cast_values`` (the CPU GEMM operand computed beside the cast: ``round_bits`` or the native cast
+    read back) equals the reference cast's values bit for bit, compiled and eager, with either CPU
+    conversion: every bfloat16 pattern, random float32 bits, and the exact midpoints between
+    neighbouring FP8 values (ties to even)."""
     from fp8kit.formats import cast_reference
 
-    compiled = torch.compile(lambda y: fused.round_bits(y, fmt), dynamic=False)
     grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt.dtype).float()
     grid = grid[grid.isfinite()].sort().values
     ties = (grid[1:] + grid[:-1]) / 2
@@ -142,11 +143,17 @@ def test_round_bits_gives_the_values_the_cast_encodes(fmt):
     rand_bits = torch.randint(
         -(2**31), 2**31 - 1, (1 << 16,), dtype=torch.int32, generator=torch.Generator().manual_seed(1)
     ).view(torch.float32)
-    for y in (patterns, rand_bits, ties):
-        want = cast_reference(y, fmt, saturate=True).to(fmt.dtype).float()
-        for got in (compiled(y), fused.round_bits(y, fmt)):
-            assert torch.equal(got.isnan(), want.isnan())
-            assert torch.equal(got.nan_to_num(0.0).view(torch.int32), want.nan_to_num(0.0).view(torch.int32))
+    before = fused.cpu_cast_kernel()
+    fused.set_cpu_cast_kernel(kernel)
+    try:
+        compiled = torch.compile(lambda y: fused.cast_values(y, fmt), dynamic=False)
+        for y in (patterns, rand_bits, ties):
+            want = cast_reference(y, fmt, saturate=True).to(fmt.dtype).float()
+            for got in (compiled(y), fused.cast_values(y, fmt)):
+                assert torch.equal(got.isnan(), want.isnan())
+                assert torch.equal(got.nan_to_num(0.0).view(torch.int32), want.nan_to_num(0.0).view(torch.int32))
+    finally:
+        fused.set_cpu_cast_kernel(before)
 
 
 @pytest.mark.parametrize("gran", ["tensor", "row"])
@@ -306,3 +313,39 @@ def test_compiled_scaled_cast_matches_the_eager_cast(fmt):
     want = cast(x.float() * scale[ids], fmt)
     got = fused.cast_scaled(x, scale, ids, fmt)
     assert got.dtype == fmt.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("kernel", ["native", "bits"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_values_written_beside_the_codes_are_the_codes_values(kernel, dtype):
+    """``quantize(values=dtype)`` (CPU, compiled kernel): the codes and scales are the reference's, and
+    ``values`` are exactly the codes' unscaled values in ``dtype`` (NaN, saturated inf, subnormals), for
+    one scale, row scales, scales per group of rows (an expert's weight) and a static scale; tiles that
+    do not span whole rows (1x128, MX) and INT8 get no values (the GEMM decodes them)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(96, 256, generator=g) * torch.exp2(torch.randint(-14, 10, (96, 1), generator=g).float())
+    x[3, 5], x[7, 9], x[50, 0] = float("nan"), -float("inf"), 2.0**-20
+    before = fused.cpu_cast_kernel()
+    fused.set_cpu_cast_kernel(kernel)
+    try:
+        for gran, fmt, scale in [
+            ("tensor", E4M3, None),
+            ("row", E5M2, None),
+            ((32, 256), E4M3, None),
+            ("tensor", E5M2, torch.tensor(3.0)),
+            ((32, 256), E4M3, torch.tensor([[2.0], [0.5], [7.0]])),
+        ]:
+            kw = {"nonfinite": "propagate", "scale": scale}
+            q = quantize(x.bfloat16(), fmt, gran, backend="compiled", values=dtype, **kw)
+            assert_same(q, quantize(x.bfloat16(), fmt, gran, backend="reference", **kw))
+            want = q.data.float().to(dtype)
+            assert q.values is not None and q.values.dtype == dtype and q.values.shape == x.shape
+            assert torch.equal(q.values.isnan(), want.isnan())
+            bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+            assert torch.equal(q.values.nan_to_num(0.0).view(bits), want.nan_to_num(0.0).view(bits))
+        for gran, fmt in [((1, 128), E4M3), ("mx", E4M3), ("tensor", INT8)]:
+            assert quantize(x, fmt, gran, backend="compiled", values=dtype, nonfinite="propagate").values is None
+    finally:
+        fused.set_cpu_cast_kernel(before)
+    with pytest.raises(ValueError, match="values must be"):
+        quantize(x, E4M3, "tensor", backend="compiled", values=torch.float16, nonfinite="propagate")

@@ -9,13 +9,14 @@ import torch
 from .formats import E4M3, Format, check_float_input, e8m0_decode, e8m0_encode, get_format
 from .kernels import (
     BlockSpec,
+    cast_values,
     quantize_blocks_eager,
     quantize_blocks_fused,
     quantize_blocks_reference,
     quantize_pair_eager,
     quantize_pair_fused,
-    round_bits,
 )
+from .kernels.fused import quantize_values_fused
 from .kernels.opaque import dequantize_tiles, dequantize_tiles_opaque, is_ragged, quantize_tiles_opaque
 from .scaling import Granularity, parse_granularity
 
@@ -167,6 +168,7 @@ def quantize(
     nonfinite: str = "raise",
     backend: str = "eager",
     check_scale: bool = True,
+    values: torch.dtype | None = None,
 ) -> QuantizedTensor:
     """Quantize ``x`` with scales shared per tensor, row, column, tile or MX block.
 
@@ -185,6 +187,10 @@ def quantize(
         backend: ``"eager"``, ``"compiled"`` (torch.compile fused kernel) or ``"reference"``.
         check_scale: validate a static ``scale`` (finite, positive); callers that maintain the scale
             themselves turn it off to avoid a device sync.
+        values: CPU GEMM dtype (bfloat16 or float32): also return the unscaled FP8 values in it
+            (``QuantizedTensor.values``) where the compiled kernel can write them beside the codes in the
+            same loop (FP8, eager mode, ``backend="compiled"``, scales that span whole rows: per tensor,
+            per row, per expert); elsewhere ignored (the GEMM decodes the codes).
     """
     fmt, gran = _validate(x, fmt, granularity, nonfinite)
     if gran.kind in ("block", "column") and x.dim() < 2 and gran.block_shape(1, 1)[0] != 1:
@@ -206,10 +212,13 @@ def quantize(
             raise ValueError(f"static scale has shape {tuple(static.shape)}; granularity {gran} needs {nb} or a scalar")
         if check_scale and not bool(torch.isfinite(static).all() & (static > 0).all()):
             raise ValueError("static scale must be finite and positive")
+    vals = None
     if rounding != "nearest" or backend == "reference":
         data, sc, amax = quantize_blocks_reference(x2, spec, static, rounding=rounding, generator=generator)
     elif backend in ("compiled", "eager") and torch.compiler.is_compiling() and is_ragged((rows, cols), block):
         data, sc, amax = quantize_tiles_opaque(x2, spec, static, fused=backend == "compiled")  # kernels.opaque
+    elif backend == "compiled" and _values_in_kernel(values, x2, fmt, gran, block):
+        (data, sc, amax), vals = quantize_values_fused(x2, spec, static, values)
     elif backend == "compiled":
         data, sc, amax = quantize_blocks_fused(x2, spec, static)
     elif backend == "eager":
@@ -217,11 +226,23 @@ def quantize(
     else:
         raise ValueError(f"unknown backend {backend!r}; accepted: 'eager', 'compiled', 'reference'")
     q = _finish(data, sc, amax, x.shape, fmt, gran, block, x.dtype, nonfinite)
+    if vals is not None:
+        q.values = vals.reshape(x.shape)
     per_row = block[1] == cols and block[0] in (1, rows) and not gran.is_mx
     if fmt.kind == "float" and per_row and x.device.type == "cpu" and torch.compiler.is_compiling():
         # the same float32 products the cast rounded, so inductor computes both in one loop
-        q.values = round_bits(x2.float() * sc.reshape(-1, 1), fmt).reshape(x.shape)
+        q.values = cast_values(x2.float() * sc.reshape(-1, 1), fmt).reshape(x.shape)
     return q
+
+
+def _values_in_kernel(values: torch.dtype | None, x2: torch.Tensor, fmt: Format, gran: Granularity, block) -> bool:
+    """Whether ``quantize(values=...)`` gets the values from the compiled CPU kernel (see there)."""
+    if values is not None and values not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"values must be torch.bfloat16 or torch.float32 (a CPU GEMM dtype), got {values}")
+    if values is None or fmt.kind != "float" or gran.is_mx or x2.device.type != "cpu":
+        return False
+    rows, cols = x2.shape
+    return not torch.compiler.is_compiling() and block[1] == cols and rows % block[0] == 0
 
 
 def _finish(data, sc, amax, shape, fmt, gran, block, dtype, nonfinite) -> QuantizedTensor:

@@ -19,6 +19,7 @@ import torch
 
 from ..formats import get_format
 from ..kernels import decode_fp8
+from ..kernels.fused import cpu_cast_kernel
 
 __all__ = ["TILE_ELEMENTS", "codes_mm", "decode_codes", "tile_rows"]
 
@@ -27,13 +28,14 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def decode_codes(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """FP8 or INT8 codes as exact ``dtype`` values (unscaled). FP8 on CPU decodes with integer
-    operations to float32 (``kernels.decode_fp8``, a vectorized compiled loop; a direct bfloat16
-    output vectorizes worse in inductor's CPU code) and converts the exact values to ``dtype``."""
+    """FP8 or INT8 codes as exact ``dtype`` values (unscaled). FP8 on CPU decodes in one compiled loop
+    (``kernels.decode_fp8``) with the native conversion (``cpu_cast_kernel() == "native"``); with the
+    integer decode it decodes to float32 (a direct bfloat16 output vectorizes worse in inductor's CPU
+    code) and converts the exact values to ``dtype``."""
     if codes.dtype not in _FP8:
         return codes.to(dtype)
     fmt = get_format(codes.dtype)
-    if codes.device.type != "cpu" or dtype == torch.float32:
+    if codes.device.type != "cpu" or dtype == torch.float32 or cpu_cast_kernel() == "native":
         return decode_fp8(codes, fmt, dtype)
     return decode_fp8(codes, fmt, torch.float32).to(dtype)
 

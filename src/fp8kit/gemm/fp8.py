@@ -19,8 +19,8 @@ CPU backend: chosen once per process from the CPU's features and logged (``gemm.
 outputs run as bf16 GEMMs on the exact FP8 values (FP32 accumulation inside oneDNN); elsewhere, and
 for FP32 outputs, the FP32 upcast above. The operands reach the GEMM as exact values without a
 table gather: inside compiled graphs the quantizer computes them beside the cast
-(``QuantizedTensor.values``, ``kernels.round_bits``); saved codes, and eager mode, decode with integer
-operations (``gemm.codes.decode_codes``), vectorized by inductor.
+(``QuantizedTensor.values``, ``kernels.cast_values``); saved codes, and eager mode, decode in a compiled
+loop (``gemm.codes.decode_codes``) with the FP8 conversion ``kernels.fused.cpu_cast_kernel`` picks.
 
 CUDA: one native FP8 GEMM per recipe, with the scales applied inside the kernel:
 
@@ -217,8 +217,8 @@ def _relative_error(out: torch.Tensor, a: QuantizedTensor, b: QuantizedTensor) -
 
 def _decode(q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
     """FP8 (or INT8) codes as ``dtype`` values, exactly: the values the quantizer computed beside the
-    cast where it did (compiled CPU graphs), else ``decode_codes`` (vectorized integer
-    operations; compiled on its own in eager mode, fused into the graph when compiling)."""
+    cast where it did (compiled CPU graphs), else ``decode_codes`` (a vectorized decode compiled on
+    its own in eager mode, fused into the graph when compiling)."""
     if q.values is not None:
         return q.values.to(dtype)
     return decode_codes(q.data, dtype)

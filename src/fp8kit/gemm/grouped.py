@@ -60,6 +60,7 @@ __all__ = [
     "quantize_experts",
     "quantize_group_columns",
     "transpose_experts",
+    "values_dtype",
     "with_values",
     "with_weight_values",
 ]
@@ -213,18 +214,28 @@ def quantize_experts(
 ) -> GroupedWeight:
     """Quantize ``w`` ``(E, R, C)`` along C, each expert on its own: ``"tensor"`` (one scale per expert;
     ``scale`` ``(E,)`` gives static ones), ``"row"``, ``"mx"`` or ``(br, bc)`` tiles (R is zero-padded per
-    expert to a multiple of ``br`` so that no tile covers two experts; zeros leave tile amaxes unchanged)."""
+    expert to a multiple of ``br`` so that no tile covers two experts; zeros leave tile amaxes unchanged).
+    ``knobs`` go to ``quantize``; its ``values=`` (a CPU GEMM dtype) keeps the unscaled values the
+    compiled kernel writes beside the codes, per expert or row (``GroupedWeight.values``)."""
     e, r, c = w.shape
     kw = {"nonfinite": "propagate", "backend": backend, **knobs}
     if granularity == "tensor":
         if scale is not None:
             kw["scale"], kw["check_scale"] = scale.reshape(e, 1), False
         q = quantize(w.reshape(e * r, c), fmt, (r, c), **kw)
-        return GroupedWeight(q.data.reshape(e, r, c), q.scales.reshape(e, 1, 1), fmt, (r, c), w.dtype)
+        return GroupedWeight(
+            q.data.reshape(e, r, c), q.scales.reshape(e, 1, 1), fmt, (r, c), w.dtype, values=_expert_values(q, w.shape)
+        )
     if granularity in ("row", "mx"):
         q = quantize(w.reshape(e * r, c), fmt, granularity, **kw)
         return GroupedWeight(
-            q.data.reshape(e, r, c), q.scales.reshape(e, r, -1), fmt, q.block, w.dtype, granularity == "mx"
+            q.data.reshape(e, r, c),
+            q.scales.reshape(e, r, -1),
+            fmt,
+            q.block,
+            w.dtype,
+            granularity == "mx",
+            values=_expert_values(q, w.shape),
         )
     br, bc = granularity  # type: ignore[misc]
     pad = (-r) % br
@@ -232,6 +243,10 @@ def quantize_experts(
     q = quantize(wp.reshape(e * (r + pad), c), fmt, (br, bc), **kw)
     data = q.data.reshape(e, r + pad, c)[:, :r]
     return GroupedWeight(data, q.scales.reshape(e, (r + pad) // br, -1), fmt, (br, bc), w.dtype)
+
+
+def _expert_values(q: QuantizedTensor, shape: torch.Size) -> torch.Tensor | None:
+    return None if q.values is None else q.values.reshape(shape)
 
 
 @dataclass
@@ -321,6 +336,12 @@ def _weight_operand(w: GroupedWeight, dtype: torch.dtype, scaled: bool) -> torch
             return transpose_experts(w.values.transpose(1, 2))
         return w.values
     return _dequantize(w, dtype) if scaled else _values(w.data, w.fmt, dtype)
+
+
+def values_dtype(x: torch.Tensor, out_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype in which a CPU grouped GEMM with ``out_dtype`` outputs reads operands whose scales factor
+    out (``quantize(values=...)`` writes them beside the codes); None off CPU (native FP8 GEMMs)."""
+    return None if x.device.type != "cpu" else _gemm_dtype(out_dtype)
 
 
 def _gemm_dtype(out_dtype: torch.dtype) -> torch.dtype:

@@ -2,14 +2,16 @@
 
 * ``reference``: plain PyTorch, exact rounding written out (``formats.cast_reference``).
 * ``fused``: the same math compiled with ``torch.compile`` (C++/OpenMP on CPU, Triton on CUDA) so
-  that amax, scale and cast read the input twice and write the FP8 output once. On CPU the cast is
-  integer arithmetic on the float32 bits (``cast_bits``), which inductor vectorizes; on CUDA it is
-  torch's native conversion. ``decode_fp8`` is the inverse (codes to exact values) and ``round_bits``
-  the values a cast encodes, computed beside it (the operand of a CPU GEMM). Falls back to eager when compilation is unavailable
+  that amax, scale and cast read the input twice and write the FP8 output once. On CPU the FP8
+  conversions follow the CPU (``fused.cpu_cast_kernel``): torch's own with AVX-512, integer arithmetic
+  on the float32 bits (``cast_bits``) elsewhere, both vectorized by inductor; on CUDA torch's own.
+  ``decode_fp8`` is the inverse (codes to exact values) and ``cast_values`` the values a cast encodes,
+  computed beside it (the operand of a CPU GEMM). Falls back to eager when compilation is unavailable
   (``set_compile_strict(True)`` raises instead).
 """
 
 from .fused import (
+    cast_values,
     decode_fp8,
     quantize_blocks_eager,
     quantize_blocks_fused,
@@ -23,6 +25,7 @@ from .reference import BlockSpec, quantize_blocks_reference
 
 __all__ = [
     "BlockSpec",
+    "cast_values",
     "decode_fp8",
     "quantize_blocks_eager",
     "quantize_blocks_fused",

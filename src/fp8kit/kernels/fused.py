@@ -3,10 +3,12 @@
 The kernel is written once in PyTorch and compiled for the device at hand: C++/OpenMP vector loops
 on CPU, Triton on CUDA. Tile shapes that divide the tensor need no padding; the per-tensor case is a
 max-reduction pass followed by one multiply-clamp-convert pass. On CPU the compiled graphs return uint8
-codes that are viewed as float8 outside the graph, and the convert is chosen by torch's CPU capability
-(``cpu_cast_kernel``): ``cast_native`` (torch's float8 conversion, which inductor vectorizes with
-AVX-512) or ``cast_bits`` (integer operations on the float32 bits; inductor converts to float8 element
-by element without AVX-512). Both give the reference codes bit for bit.
+codes that are viewed as float8 outside the graph, and the FP8 conversions of compiled CPU kernels, both
+ways, are chosen by torch's CPU capability (``cpu_cast_kernel``): ``"native"``, torch's float8
+conversions (``cast_native``, ``decode_native``), which inductor vectorizes with AVX-512; ``"bits"``,
+integer operations on the float32 bits (``cast_bits``, ``decode_bits``, ``round_bits``), since inductor
+converts to and from float8 element by element without AVX-512. Both give the same codes and values bit
+for bit.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ _COMPILE = {"enabled": True, "strict": False}
 
 
 def choose_cpu_cast(capability: str) -> str:
-    """The float32 -> FP8 convert of compiled CPU kernels for torch's CPU ``capability``
-    (``torch.backends.cpu.get_cpu_capability()``): ``"native"`` with AVX-512 (2-core AMX Xeon, torch
-    2.13: 1.1 vs 3.4 ms for a (4096, 1024) bf16 scale-and-cast), ``"bits"`` elsewhere (AVX2: inductor's
-    float8 conversion runs element by element, about 3x slower than ``cast_bits``)."""
+    """The FP8 conversions (float32 -> FP8 casts and FP8 -> float32 decodes) of compiled CPU kernels for
+    torch's CPU ``capability`` (``torch.backends.cpu.get_cpu_capability()``): ``"native"`` with AVX-512
+    (2-core AMX Xeon, torch 2.13: 1.1 vs 3.4 ms for a (4096, 1024) bf16 scale-and-cast, 3.5 vs 8.1 ms
+    for a decode of (4096, 1024) codes to bf16), ``"bits"`` elsewhere (AVX2: inductor's float8
+    conversion runs element by element, about 3x slower than ``cast_bits``)."""
     return "native" if capability.startswith("AVX512") else "bits"
 
 
@@ -34,12 +37,14 @@ _CPU_CAST = {"name": choose_cpu_cast(torch.backends.cpu.get_cpu_capability())}
 
 
 def cpu_cast_kernel() -> str:
-    """The convert compiled CPU kernels use: ``"native"`` (``cast_native``) or ``"bits"`` (``cast_bits``)."""
+    """The FP8 conversions compiled CPU kernels use: ``"native"`` (``cast_native``, ``decode_native``) or
+    ``"bits"`` (``cast_bits``, ``decode_bits``, ``round_bits``)."""
     return _CPU_CAST["name"]
 
 
 def set_cpu_cast_kernel(name: str) -> None:
-    """Override the convert of compiled CPU kernels (``"native"`` or ``"bits"``; the same codes either way;
+    """Override the FP8 conversions of compiled CPU kernels (``"native"`` or ``"bits"``; the same codes
+    and values either way;
     dynamo's guard on this setting recompiles the kernels traced with the other one)."""
     if name not in ("native", "bits"):
         raise ValueError(f"CPU cast kernel must be 'native' or 'bits', got {name!r}")
@@ -159,8 +164,28 @@ def decode_bits(codes: torch.Tensor, fmt: Format) -> torch.Tensor:
     return torch.where(mag == 0x7F, float("nan"), v)
 
 
+def decode_native(codes: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """FP8 codes (uint8 bit patterns or a float8 tensor) as exact float32 values with torch's own float8
+    conversion (vectorized by inductor with AVX-512: 3.5x ``decode_bits``' speed on the AMX Xeon)."""
+    return codes.view(torch.uint8).view(fmt.dtype).to(torch.float32)
+
+
+def decode_cpu(codes: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """FP8 codes as exact float32 values with the decode ``cpu_cast_kernel`` picks (same values)."""
+    return decode_native(codes, fmt) if _CPU_CAST["name"] == "native" else decode_bits(codes, fmt)
+
+
+def cast_values(y: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """The float32 values the saturating RNE cast of ``y`` to ``fmt`` encodes, with the conversions
+    ``cpu_cast_kernel`` picks: the native cast read back (one loop with the cast when compiled, about 2x
+    faster than ``round_bits`` on the AMX Xeon), or ``round_bits``."""
+    if _CPU_CAST["name"] == "native":
+        return cast_native(y.float(), fmt).to(torch.float32)
+    return round_bits(y, fmt)
+
+
 def _decode_to(codes: torch.Tensor, fmt: Format, dtype: torch.dtype) -> torch.Tensor:
-    return decode_bits(codes, fmt).to(dtype)
+    return decode_cpu(codes, fmt).to(dtype)
 
 
 def _decode_torch(codes: torch.Tensor, fmt: Format, dtype: torch.dtype) -> torch.Tensor:
@@ -168,7 +193,7 @@ def _decode_torch(codes: torch.Tensor, fmt: Format, dtype: torch.dtype) -> torch
 
 
 def decode_fp8(codes: torch.Tensor, fmt: Format, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """FP8 codes as exact ``dtype`` values (unscaled). CPU: ``decode_bits``, fused into the caller's
+    """FP8 codes as exact ``dtype`` values (unscaled). CPU: ``decode_cpu``, fused into the caller's
     graph when compiling and compiled on its own in eager mode; elsewhere torch's own conversion."""
     if codes.device.type != "cpu":
         return _decode_torch(codes, fmt, dtype)
@@ -215,7 +240,7 @@ def dequantize_tiles_eager(
     r, c = codes.shape[-2:]
     ri = torch.arange(r, device=codes.device) // br
     ci = torch.arange(c, device=codes.device) // bc
-    return (decode_bits(codes, fmt) * scale_inv[..., ri[:, None], ci[None, :]]).to(dtype).contiguous()
+    return (decode_cpu(codes, fmt) * scale_inv[..., ri[:, None], ci[None, :]]).to(dtype).contiguous()
 
 
 def dequantize_tiles(
@@ -259,6 +284,33 @@ def quantize_blocks_eager(
     return y, scale, amax
 
 
+def quantize_values_eager(
+    x: torch.Tensor, spec: BlockSpec, scale: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_blocks_eager`` (codes as uint8) for tiles that span whole rows (``spec.block[1]`` is
+    the column count, the rows a multiple of ``spec.block[0]``), plus the codes' unscaled exact values in
+    ``dtype`` (``cast_values``: what a CPU GEMM reads), from the same float32 products in the same loop,
+    so that nothing decodes the codes again."""
+    rows, cols = x.shape
+    br = spec.block[0]
+    amax = x.reshape(rows // br, br * cols).abs().amax(dim=1, keepdim=True).float()
+    if scale is None:
+        scale = scale_from_amax(amax, spec)
+    # each row's scale, and every big tensor in x's own layout: a reshape of a compiled output with
+    # symbolic sizes costs inductor a copy
+    y = x.float() * (scale if br == 1 else scale[torch.arange(rows, device=x.device) // br])
+    return _cast(y, spec.fmt, codes=True), scale, amax, cast_values(y, spec.fmt).to(dtype)
+
+
+def quantize_tensor_values_eager(
+    x: torch.Tensor, spec: BlockSpec, scale: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_values_eager`` for one scale over all of ``x`` (``spec.block`` is ``x.shape``; not read,
+    so that one compiled kernel serves every shape)."""
+    codes, scale, amax = _per_tensor(x, spec, scale, codes=True)
+    return codes, scale, amax, cast_values(x.float() * scale.reshape(()), spec.fmt).to(dtype)
+
+
 def _per_tensor(
     x: torch.Tensor, spec: BlockSpec, scale: torch.Tensor | None, *, codes: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -282,7 +334,27 @@ _PLAIN = {
     "scale_output": scale_output_eager,
     "dequantize_tiles": dequantize_tiles_eager,
     "cast_scaled": cast_scaled_eager,
-}  # compiled as they are (the quantize kernels get ``codes=True``)
+    "values": quantize_values_eager,
+    "tensor_values": quantize_tensor_values_eager,
+}  # compiled as they are (the quantize kernels: ``_CODES``)
+
+
+def _per_tensor_codes(x, spec, scale):
+    return _per_tensor(x, spec, scale, codes=True)
+
+
+def _tiles_codes(x, spec, scale):
+    return quantize_blocks_eager(x, spec, scale, codes=True)
+
+
+def _pair_codes(x, spec, spec_t):
+    return quantize_pair_eager(x, spec, spec_t, codes=True)
+
+
+# The quantize kernels with ``codes=True``, each its own function: dynamo keeps compiled variants (and
+# counts them against its recompile limit) per code object, and ``functools.partial``s of them would
+# all share one wrapper's.
+_CODES = {"tensor": _per_tensor_codes, "tiles": _tiles_codes, "pair": _pair_codes}
 
 
 @functools.cache
@@ -293,14 +365,10 @@ def _compiled(kind: str):
     for attr in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, attr):
             setattr(cfg, attr, max(getattr(cfg, attr), 64))
-    if kind in _PLAIN:
-        fn = _PLAIN[kind]
-    else:
-        fn = {"tensor": _per_tensor, "tiles": quantize_blocks_eager, "pair": quantize_pair_eager}[kind]
-        fn = functools.partial(fn, codes=True)
+    fn = _PLAIN[kind] if kind in _PLAIN else _CODES[kind]
     # Static compile; ``_dynamic`` marks the tensor sizes symbolic instead. (``dynamic=True`` would
     # also turn the format's and spec's integers into runtime values, 3x slower kernels on CPU.)
-    return torch.compile(fn, dynamic=False)
+    return torch.compile(fn, dynamic=False, options={"cpp.dynamic_threads": True})
 
 
 def _dynamic(a):
@@ -342,6 +410,18 @@ def quantize_blocks_fused(
     if tuple(spec.block) == tuple(x.shape):
         return _as_format(_run("tensor", _per_tensor, x, spec, scale), spec.fmt)
     return _as_format(_run("tiles", quantize_blocks_eager, x, spec, scale), spec.fmt)
+
+
+def quantize_values_fused(
+    x: torch.Tensor, spec: BlockSpec, scale: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Compiled ``quantize_values_eager`` (``quantize_tensor_values_eager`` for one scale): ``((codes as
+    fmt.dtype, scale, amax), values)``."""
+    if tuple(spec.block) == tuple(x.shape):
+        codes, sc, amax, values = _run("tensor_values", quantize_tensor_values_eager, x, spec, scale, dtype)
+    else:
+        codes, sc, amax, values = _run("values", quantize_values_eager, x, spec, scale, dtype)
+    return _as_format((codes, sc, amax), spec.fmt), values
 
 
 def quantize_pair_fused(x: torch.Tensor, spec: BlockSpec, spec_t: BlockSpec):

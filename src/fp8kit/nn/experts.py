@@ -66,6 +66,7 @@ from ..gemm.grouped import (
     quantize_experts,
     quantize_group_columns,
     transpose_experts,
+    values_dtype,
     with_values,
     with_weight_values,
 )
@@ -168,20 +169,19 @@ class FP8Experts:
         """Quantize the routed tokens ``x`` ``(P, K)`` of projection ``p`` along K (layer-wide per-tensor
         scale, or the recipe's per-token tiles)."""
         fmt = recipe.format_for(role)
-        backend = _BACKEND["name"]
+        # the GEMM operand comes out of the quantize kernel beside the codes (CPU; per-tensor and row scales)
+        kw = {"nonfinite": "propagate", "backend": _BACKEND["name"], "values": values_dtype(x, x.dtype)}
         if isinstance(recipe, DelayedScaling) and recipe is self.recipe:
             amax = tensor_amax(x)
             scale = self.activation_scale(amax, p, role, recipe)
-            q = quantize(x, fmt, "tensor", scale=scale, nonfinite="propagate", backend=backend, check_scale=False)
+            q = quantize(x, fmt, "tensor", scale=scale, check_scale=False, **kw)
             if self.training:
                 self._record_amax(p, 0 if role == "input" else 1, amax.reshape(1))
             return q
         if self.amax_reduce is not None and recipe.per_tensor:  # one scale from the global amax over ranks
             scale = self.activation_scale(self.amax_reduce(tensor_amax(x)), p, role, recipe)
-            return quantize(x, fmt, "tensor", scale=scale, nonfinite="propagate", backend=backend, check_scale=False)
-        return quantize(
-            x, fmt, recipe.granularity_for(role), nonfinite="propagate", backend=backend, **quantize_knobs(recipe)
-        )
+            return quantize(x, fmt, "tensor", scale=scale, check_scale=False, **kw)
+        return quantize(x, fmt, recipe.granularity_for(role), **kw, **quantize_knobs(recipe))
 
     def activation_scale(self, amax: torch.Tensor, p: int, role: str, recipe: Recipe) -> torch.Tensor:
         """The layer-wide per-tensor scale of projection ``p``'s ``role`` operand whose amax is ``amax``:
@@ -252,17 +252,18 @@ class FP8Experts:
             w = transpose_experts(w) if self.is_transposed else w.contiguous()
             fmt = recipe.format_for("weight")
             backend = _BACKEND["name"]
+            values = None if out_dtype is None else values_dtype(w, out_dtype)  # beside the codes (CPU)
             if isinstance(recipe, DelayedScaling) and recipe is self.recipe:
                 amax = leading_amax(w)
                 fresh = compute_scale(amax, fmt, recipe.margin, previous=1.0)
                 slots = self.fp8_weight_slots
                 scale = torch.where(self.fp8_seen[p, slots] > 0, self.fp8_scale[p, slots], fresh)
-                wq = quantize_experts(w, fmt, "tensor", scale=scale, backend=backend)
+                wq = quantize_experts(w, fmt, "tensor", scale=scale, backend=backend, values=values)
                 if self.training:
                     self._record_amax(p, slots, amax)
             else:
                 gran = "tensor" if recipe.per_tensor else recipe.granularity_for("weight")
-                wq = quantize_experts(w, fmt, gran, backend=backend, **quantize_knobs(recipe))
+                wq = quantize_experts(w, fmt, gran, backend=backend, values=values, **quantize_knobs(recipe))
             if recipe.per_tensor or recipe.kind == "block":
                 pow2 = recipe.power_of_two_scales
                 wq = wq if out_dtype is None else with_weight_values(wq, out_dtype, power_of_two=pow2)
@@ -273,6 +274,7 @@ class FP8Experts:
                     fmt,
                     recipe.granularity_for("weight"),
                     backend=backend,
+                    values=values,
                     **quantize_knobs(recipe),
                 )
         if not compiling:
