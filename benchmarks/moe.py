@@ -65,13 +65,28 @@ def step_time(module, inputs, reps: int, requantize: torch.nn.Module | None = No
     step()
     step()
     times = []
+    faults = _minor_faults()
     for _ in range(reps):
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
         module.zero_grad(set_to_none=True)
+    LAST_FAULTS[0] = (_minor_faults() - faults) / reps
     times.sort()
     return times[len(times) // 2]
+
+
+LAST_FAULTS = [0.0]  # minor page faults per step of the last ``step_time``
+
+
+def _minor_faults() -> int:
+    """Minor page faults of this process so far (first touches of memory the allocator got fresh from the
+    OS: glibc returns large freed blocks to the OS, so a step that allocates them again faults again)."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def main() -> None:
@@ -104,17 +119,20 @@ def main() -> None:
         f"FP8 weights {'cached' if args.keep_weight_cache else 'quantized every step'}); "
         f"load average {os.getloadavg()[0]:.2f} at start"
     )
-    rows = []
+    rows: list[tuple[str, float]] = []
+    faults: dict[str, float] = {}  # minor page faults per step, by row
     for impl in ("grouped_mm", "eager"):
         for dtype in (torch.float32, torch.bfloat16):
             name = f"{impl} {'fp32' if dtype == torch.float32 else 'bf16'}"
             rows.append((name, step_time(experts(args, impl, dtype).to(dev), inputs(dtype), args.reps)))
             print(f"  {name}: {rows[-1][1] * 1e3:.1f} ms", flush=True)
+            faults[name] = LAST_FAULTS[0]
     if not args.no_compile:
         name = "grouped_mm bf16 compiled"
         module = torch.compile(experts(args, "grouped_mm", torch.bfloat16).to(dev), fullgraph=True)
         rows.append((name, step_time(module, inputs(torch.bfloat16), args.reps)))
         print(f"  {name}: {rows[-1][1] * 1e3:.1f} ms", flush=True)
+        faults[name] = LAST_FAULTS[0]
     from fp8kit.nn import to_bf16_gemms
 
     name = "bf16 baseline (to_bf16_gemms)"
@@ -127,6 +145,7 @@ def main() -> None:
         )
     )
     print(f"  {name}: {rows[-1][1] * 1e3:.1f} ms", flush=True)
+    faults[name] = LAST_FAULTS[0]
     base = min(s for _, s in rows)  # every row so far is high precision
     for recipe in args.recipes.split(","):
         variants = [(torch.float32, "fp32 weights", False), (torch.bfloat16, "bf16", False)]
@@ -137,11 +156,15 @@ def main() -> None:
             cache = None if args.keep_weight_cache or compiled else holder[0]
             rows.append((f"fp8kit {recipe} ({label})", step_time(module, inputs(dtype), args.reps, cache)))
             print(f"  {rows[-1][0]}: {rows[-1][1] * 1e3:.1f} ms", flush=True)
+            faults[rows[-1][0]] = LAST_FAULTS[0]
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
-    print(f"{'implementation':32s} {'step ms':>9s} {'x fastest high-prec.':>20s} {f'<= {TARGET}x':>8s}")
+    print(
+        f"{'implementation':32s} {'step ms':>9s} {'x fastest high-prec.':>20s} {f'<= {TARGET}x':>8s} "
+        f"{'page faults/step':>16s}"
+    )
     for name, sec in rows:
         meets = "" if not name.startswith("fp8kit") else ("yes" if sec / base <= TARGET else "no")
-        print(f"{name:32s} {sec * 1e3:9.1f} {sec / base:20.2f} {meets:>8s}")
+        print(f"{name:32s} {sec * 1e3:9.1f} {sec / base:20.2f} {meets:>8s} {faults[name]:16.0f}")
     from fp8kit.gemm.grouped import grouped_gemm_fallbacks
 
     for kind, why in grouped_gemm_fallbacks().items():

@@ -131,9 +131,9 @@ def test_quantize_gives_reference_codes_with_either_cpu_cast(kernel):
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
 def test_cast_values_give_the_values_the_cast_encodes(fmt, kernel):
     """``cast_values`` (the CPU GEMM operand computed beside the cast: ``round_bits`` or the native cast
-    read back) equals the reference cast's values bit for bit, compiled and eager, with either CPU
-    conversion: every bfloat16 pattern, random float32 bits, and the exact midpoints between
-    neighbouring FP8 values (ties to even)."""
+    read back) and ``round_split`` (Veltkamp's splitting) equal the reference cast's values bit for bit,
+    compiled and eager, with either CPU conversion: every bfloat16 pattern, random float32 bits, and
+    the exact midpoints between neighbouring FP8 values (ties to even)."""
     from fp8kit.formats import cast_reference
 
     grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt.dtype).float()
@@ -147,9 +147,11 @@ def test_cast_values_give_the_values_the_cast_encodes(fmt, kernel):
     fused.set_cpu_cast_kernel(kernel)
     try:
         compiled = torch.compile(lambda y: fused.cast_values(y, fmt), dynamic=False)
+        # round_split (float arithmetic only) as fp8kit compiles it: FMA contraction off
+        split = torch.compile(lambda y: fused.round_split(y, fmt), dynamic=False, options=fused._compile_options())
         for y in (patterns, rand_bits, ties):
             want = cast_reference(y, fmt, saturate=True).to(fmt.dtype).float()
-            for got in (compiled(y), fused.cast_values(y, fmt)):
+            for got in (compiled(y), fused.cast_values(y, fmt), split(y), fused.round_split(y, fmt)):
                 assert torch.equal(got.isnan(), want.isnan())
                 assert torch.equal(got.nan_to_num(0.0).view(torch.int32), want.nan_to_num(0.0).view(torch.int32))
     finally:
@@ -211,22 +213,24 @@ def test_compile_failure_raises_in_strict_mode_and_warns_otherwise(monkeypatch):
 
 
 def test_leading_amax_gives_each_experts_abs_max():
-    """``leading_amax`` (one ``aminmax`` pass per leading index eagerly, a reduction compiled) is
-    ``x[i].abs().max()`` as float32 for each ``i``: an all-negative expert, NaN (propagates to that
-    expert only), -inf, an all-zero expert with -0.0 (gives +0.0), bfloat16."""
+    """``leading_amax`` (eagerly one ``aminmax`` pass per leading index for few large ones, else
+    ``abs().amax``; a reduction compiled) is ``x[i].abs().max()`` as float32 for each ``i``: an
+    all-negative expert, NaN (propagates to that expert only), -inf, an all-zero expert with -0.0
+    (gives +0.0), bfloat16; small experts and experts of 2**16 elements (the aminmax loop)."""
     from fp8kit.tensor import leading_amax
 
-    w = torch.randn(5, 8, 16, dtype=torch.bfloat16) * 10
-    w[0] = -w[0].abs() - 1
-    w[1, 2, 3] = float("nan")
-    w[2, 0, 0] = float("-inf")
-    w[3] = -0.0
-    want = w.float().abs().amax(dim=(1, 2))
-    for got in (leading_amax(w), torch.compile(leading_amax, fullgraph=True)(w), leading_amax(w.float())):
-        assert got.dtype == torch.float32 and got.shape == (5,)
-        assert torch.equal(got.isnan(), want.isnan())
-        assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
-        assert not got[3].signbit()
+    for shape in [(5, 8, 16), (5, 256, 256)]:
+        w = torch.randn(*shape, dtype=torch.bfloat16) * 10
+        w[0] = -w[0].abs() - 1
+        w[1, 2, 3] = float("nan")
+        w[2, 0, 0] = float("-inf")
+        w[3] = -0.0
+        want = w.float().abs().amax(dim=(1, 2))
+        for got in (leading_amax(w), torch.compile(leading_amax, fullgraph=True)(w), leading_amax(w.float())):
+            assert got.dtype == torch.float32 and got.shape == (5,)
+            assert torch.equal(got.isnan(), want.isnan())
+            assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
+            assert not got[3].signbit()
 
 
 def test_tensor_amax_eager_and_compiled_agree_with_abs_max():

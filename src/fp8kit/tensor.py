@@ -119,13 +119,15 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
 
 def leading_amax(x: torch.Tensor) -> torch.Tensor:
     """Absolute maximum of each ``x[i]`` (over all other dims) as float32 ``(x.shape[0],)``, NaN where
-    ``x[i]`` holds NaN; e.g. each expert's weight amax of ``(E, N, K)`` expert weights. Eager: one
-    ``aminmax`` pass (about 3x faster on CPU than ``abs().amax()``, which writes ``|x|`` first)."""
+    ``x[i]`` holds NaN; e.g. each expert's weight amax of ``(E, N, K)`` expert weights. Eager, few large
+    ``x[i]``: one whole-tensor ``aminmax`` per ``x[i]``, which reads it without writing ``|x|`` (CPU, 2
+    threads, (8, 1024, 1024) bf16: 0.67 ms, against 2.5 ms for ``abs().amax(-1)`` and 6.6 ms for
+    ``aminmax(dim=-1)``, whose per-row reduction is slow); otherwise ``abs().amax(-1)``."""
     x2 = x.reshape(x.shape[0], -1)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or x2.shape[0] > 64 or x2.shape[1] < (1 << 16):
         return torch.abs(x2).amax(dim=-1).float()
-    lo, hi = torch.aminmax(x2, dim=-1)
-    return torch.maximum(hi.float(), -lo.float()).abs()
+    lo, hi = torch.stack([torch.stack(torch.aminmax(row)) for row in x2]).float().unbind(1)
+    return torch.maximum(hi, -lo).abs()
 
 
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
