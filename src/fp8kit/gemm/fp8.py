@@ -47,7 +47,19 @@ from ..tensor import QuantizedTensor
 from .codes import decode_codes
 from .probe import cpu_gemm_backend
 
-__all__ = ["fp8_gemm", "native_gemm_fallbacks", "scales_factor_out"]
+__all__ = ["cpu_gemm_dtype", "fp8_gemm", "gemm_values_dtype", "native_gemm_fallbacks", "scales_factor_out"]
+
+
+def cpu_gemm_dtype(out_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a CPU GEMM on exact FP8 values with ``out_dtype`` outputs: bfloat16 for bfloat16
+    outputs on the bf16 backend (``probe.cpu_gemm_backend``), else float32."""
+    return torch.bfloat16 if out_dtype == torch.bfloat16 and cpu_gemm_backend() == "bf16" else torch.float32
+
+
+def gemm_values_dtype(x: torch.Tensor, out_dtype: torch.dtype) -> torch.dtype | None:
+    """``quantize(values=...)`` for an operand ``x`` of a GEMM with ``out_dtype`` outputs: the CPU GEMM
+    dtype (the quantize kernel then writes the operand beside the codes), None off CPU (native FP8)."""
+    return cpu_gemm_dtype(out_dtype) if x.device.type == "cpu" else None
 
 log = logging.getLogger("fp8kit")
 _FALLBACKS: dict[str, str] = {}  # kind -> reason the native CUDA GEMM was not used (logged once)
@@ -250,7 +262,7 @@ def fp8_gemm(
             return out
         acc = torch.matmul(a.dequantize(torch.bfloat16), b.dequantize(torch.bfloat16).t()).float()
         return acc.to(out_dtype)
-    gemm_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 and cpu_gemm_backend() == "bf16" else torch.float32
+    gemm_dtype = cpu_gemm_dtype(out_dtype)
     if factor:
         acc = torch.matmul(_decode(a, gemm_dtype), _decode(b, gemm_dtype).t())
         sa, sb = _row_scales(a), _row_scales(b).reshape(1, -1)

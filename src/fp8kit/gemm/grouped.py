@@ -47,7 +47,7 @@ from ..kernels.fused import cast_scaled, scale_output
 from ..kernels.opaque import dequantize_tiles, dequantize_tiles_opaque, repeat_tiles
 from ..scaling import compute_scale
 from ..tensor import QuantizedTensor, quantize
-from .probe import cpu_gemm_backend
+from .fp8 import cpu_gemm_dtype
 
 __all__ = [
     "GroupColumns",
@@ -60,7 +60,6 @@ __all__ = [
     "quantize_experts",
     "quantize_group_columns",
     "transpose_experts",
-    "values_dtype",
     "with_values",
     "with_weight_values",
 ]
@@ -338,14 +337,8 @@ def _weight_operand(w: GroupedWeight, dtype: torch.dtype, scaled: bool) -> torch
     return _dequantize(w, dtype) if scaled else _values(w.data, w.fmt, dtype)
 
 
-def values_dtype(x: torch.Tensor, out_dtype: torch.dtype) -> torch.dtype | None:
-    """The dtype in which a CPU grouped GEMM with ``out_dtype`` outputs reads operands whose scales factor
-    out (``quantize(values=...)`` writes them beside the codes); None off CPU (native FP8 GEMMs)."""
-    return None if x.device.type != "cpu" else _gemm_dtype(out_dtype)
-
-
 def _gemm_dtype(out_dtype: torch.dtype) -> torch.dtype:
-    return torch.bfloat16 if out_dtype == torch.bfloat16 and cpu_gemm_backend() == "bf16" else torch.float32
+    return cpu_gemm_dtype(out_dtype)
 
 
 def _tile_gemm_dtype(out_dtype: torch.dtype, power_of_two: bool) -> torch.dtype:

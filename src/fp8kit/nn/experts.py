@@ -58,6 +58,7 @@ import torch
 import torch.nn as nn
 
 from ..formats import E4M3
+from ..gemm.fp8 import gemm_values_dtype
 from ..gemm.grouped import (
     GroupColumns,
     GroupedWeight,
@@ -66,7 +67,6 @@ from ..gemm.grouped import (
     quantize_experts,
     quantize_group_columns,
     transpose_experts,
-    values_dtype,
     with_values,
     with_weight_values,
 )
@@ -170,7 +170,7 @@ class FP8Experts:
         scale, or the recipe's per-token tiles)."""
         fmt = recipe.format_for(role)
         # the GEMM operand comes out of the quantize kernel beside the codes (CPU; per-tensor and row scales)
-        kw = {"nonfinite": "propagate", "backend": _BACKEND["name"], "values": values_dtype(x, x.dtype)}
+        kw = {"nonfinite": "propagate", "backend": _BACKEND["name"], "values": gemm_values_dtype(x, x.dtype)}
         if isinstance(recipe, DelayedScaling) and recipe is self.recipe:
             amax = tensor_amax(x)
             scale = self.activation_scale(amax, p, role, recipe)
@@ -252,7 +252,7 @@ class FP8Experts:
             w = transpose_experts(w) if self.is_transposed else w.contiguous()
             fmt = recipe.format_for("weight")
             backend = _BACKEND["name"]
-            values = None if out_dtype is None else values_dtype(w, out_dtype)  # beside the codes (CPU)
+            values = None if out_dtype is None else gemm_values_dtype(w, out_dtype)  # beside the codes (CPU)
             if isinstance(recipe, DelayedScaling) and recipe is self.recipe:
                 amax = leading_amax(w)
                 fresh = compute_scale(amax, fmt, recipe.margin, previous=1.0)

@@ -40,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..gemm import fp8_gemm
+from ..gemm.fp8 import gemm_values_dtype
 from ..recipes import DelayedScaling, Recipe
 from ..scaling import Granularity, compute_scale
 from ..tensor import QuantizedTensor, quantize, quantize_with_transpose, tensor_amax
@@ -126,22 +127,24 @@ class Linear(nn.Linear):
     def active_recipe(self) -> Recipe:
         return recipe_override() or self.recipe
 
-    def quantize_operand(self, x: torch.Tensor, role: str, recipe: Recipe | None = None) -> QuantizedTensor:
-        """Quantize a 2-D operand along its last dim (the GEMM's reduction dim) for ``role``."""
+    def quantize_operand(
+        self, x: torch.Tensor, role: str, recipe: Recipe | None = None, values: torch.dtype | None = None
+    ) -> QuantizedTensor:
+        """Quantize a 2-D operand along its last dim (the GEMM's reduction dim) for ``role``; ``values``:
+        the CPU GEMM dtype, for the operand written beside the codes (``quantize(values=...)``)."""
         recipe = recipe or self.active_recipe()
         fmt = recipe.format_for(role)
         backend = _BACKEND["name"]
         if isinstance(recipe, DelayedScaling) and recipe is self.recipe:
-            return self._quantize_delayed(x, role, fmt, recipe, backend)
+            return self._quantize_delayed(x, role, fmt, recipe, backend, values)
+        kw = {"nonfinite": "propagate", "backend": backend, "values": values}
         if self.amax_reduce is not None and recipe.per_tensor and role != "weight":
             # current scaling across ranks: one scale from the global amax (MAX over the group)
             amax = self.amax_reduce(tensor_amax(x))
             scale = compute_scale(amax, fmt, getattr(recipe, "margin", 0), getattr(recipe, "power_of_two", False))
-            q = quantize(x, fmt, "tensor", scale=scale, nonfinite="propagate", backend=backend, check_scale=False)
+            q = quantize(x, fmt, "tensor", scale=scale, check_scale=False, **kw)
         else:
-            q = quantize(
-                x, fmt, recipe.granularity_for(role), nonfinite="propagate", backend=backend, **quantize_knobs(recipe)
-            )
+            q = quantize(x, fmt, recipe.granularity_for(role), **kw, **quantize_knobs(recipe))
         self._check_amax(q, role)
         return q
 
@@ -158,7 +161,7 @@ class Linear(nn.Linear):
         return q, q_t
 
     def _quantize_delayed(
-        self, x: torch.Tensor, role: str, fmt, recipe: DelayedScaling, backend: str
+        self, x: torch.Tensor, role: str, fmt, recipe: DelayedScaling, backend: str, values: torch.dtype | None
     ) -> QuantizedTensor:
         i = ROLES.index(role)
         # Graph-friendly first-step rule: an operand never seen (``fp8_seen == 0``) is quantized with the
@@ -176,6 +179,7 @@ class Linear(nn.Linear):
             nonfinite="propagate",
             backend=backend,
             check_scale=False,
+            values=values,
         )
         self._check_amax(q, role)
         if self.training:  # evaluation uses the scaling state but does not change it
@@ -412,7 +416,7 @@ class _FP8LinearFn(torch.autograd.Function):
         if fused_pair:  # tile recipes: both orientations of x from one pass
             xq, xq_t = module.quantize_operand_pair(x, "input", recipe)
         else:
-            xq = module.quantize_operand(x, "input", recipe)
+            xq = module.quantize_operand(x, "input", recipe, gemm_values_dtype(x, x.dtype))
         wq, wq_t = module.fp8_weights(recipe)
         # fast accumulation only in the forward GEMM of per-tensor / row-wise recipes (as torchao): the
         # gradients' GEMMs and block scaling keep Hopper's periodic FP32 promotion (DeepSeek-V3)
@@ -453,7 +457,7 @@ class _FP8LinearFn(torch.autograd.Function):
         g = grad_out.contiguous()
         dx = dw = db = None
         pow2 = recipe.power_of_two_scales
-        gq = module.quantize_operand(g, "grad", recipe)
+        gq = module.quantize_operand(g, "grad", recipe, gemm_values_dtype(g, ctx.x_dtype))
         if ctx.needs_input_grad[0]:
             dx = fp8_gemm(gq, wq_t, out_dtype=ctx.x_dtype, power_of_two=pow2)
         if ctx.needs_input_grad[1]:
