@@ -132,7 +132,9 @@ def test_weight_quantized_once_per_optimizer_step(monkeypatch):
     calls = []
     real = layer.quantize_operand
     monkeypatch.setattr(
-        layer, "quantize_operand", lambda x, role, recipe=None: calls.append(role) or real(x, role, recipe)
+        layer,
+        "quantize_operand",
+        lambda x, role, recipe=None, values=None: calls.append(role) or real(x, role, recipe, values),
     )
     for _step in range(2):
         for _micro in range(4):

@@ -112,8 +112,8 @@ def _record_scales(model: nn.Module, log: list) -> None:
         if isinstance(m, TensorParallelLinear):
             real = m.quantize_operand
 
-            def spy(x, role, recipe=None, _real=real, _name=name):
-                q = _real(x, role, recipe)
+            def spy(x, role, recipe=None, values=None, _real=real, _name=name):
+                q = _real(x, role, recipe, values)
                 log.append((_name, role, q.scale_inv.flatten().tolist()))
                 return q
 

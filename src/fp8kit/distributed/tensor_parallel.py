@@ -318,7 +318,9 @@ class TensorParallelLinear(Linear):
             record_pending_amax(self, i, amax)
         return scale
 
-    def quantize_operand(self, x: torch.Tensor, role: str, recipe: Recipe | None = None) -> QuantizedTensor:
+    def quantize_operand(
+        self, x: torch.Tensor, role: str, recipe: Recipe | None = None, values: torch.dtype | None = None
+    ) -> QuantizedTensor:
         recipe = recipe or self.active_recipe()
         if role == "input" and self.tp_quantized_input is not None:
             q, self.tp_quantized_input = self.tp_quantized_input, None
@@ -336,7 +338,7 @@ class TensorParallelLinear(Linear):
             )
             self._check_amax(q, role)
             return q
-        return super().quantize_operand(x, role, recipe)
+        return super().quantize_operand(x, role, recipe, values)
 
     # -- forward on local shards --
     @contextlib.contextmanager

@@ -61,6 +61,7 @@ def gemm_values_dtype(x: torch.Tensor, out_dtype: torch.dtype) -> torch.dtype | 
     dtype (the quantize kernel then writes the operand beside the codes), None off CPU (native FP8)."""
     return cpu_gemm_dtype(out_dtype) if x.device.type == "cpu" else None
 
+
 log = logging.getLogger("fp8kit")
 _FALLBACKS: dict[str, str] = {}  # kind -> reason the native CUDA GEMM was not used (logged once)
 
