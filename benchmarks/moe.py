@@ -14,7 +14,10 @@ meets issue 22's CPU target (<= 1.5x).
 Fair to the high-precision rows: every fp8kit step quantizes the expert weights again, as a training step
 does after its optimizer update (the eager FP8 weight cache is dropped before each step, as the optimizer
 step hook drops it; compiled graphs never cache). ``--keep-weight-cache`` times cache hits instead (weights
-quantized once, as in inference or gradient accumulation).
+quantized once, as in inference or gradient accumulation). And to every row alike: glibc is told to keep
+freed memory (``keep_freed_memory``), else the rows timed first pay page faults for every large tensor a
+step allocates again (up to 60,000 minor faults per step seen, about 10 ms); the table reports the faults
+per step; ``--allocator-as-is`` leaves the allocator alone.
 
     python benchmarks/moe.py [--experts 8 --topk 2 --d 1024 --inter 512 --tokens 2048] [--recipes delayed,rowwise]
 """
@@ -79,6 +82,24 @@ def step_time(module, inputs, reps: int, requantize: torch.nn.Module | None = No
 LAST_FAULTS = [0.0]  # minor page faults per step of the last ``step_time``
 
 
+def keep_freed_memory() -> str:
+    """Make glibc keep freed memory in the process (``mallopt``: blocks up to 32 MiB from the heap, never
+    trimmed), so that no row pays page faults for memory an earlier step freed; by default glibc gives
+    large freed blocks back to the OS and the rows timed first (the high-precision ones) fault the most.
+    Returns what was done, for the header."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return "allocator as is (not glibc)"
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    if mallopt(m_mmap_threshold, 32 << 20) and mallopt(m_trim_threshold, 2**31 - 1):
+        return "glibc keeps freed memory (mallopt)"
+    return "allocator as is (mallopt refused)"
+
+
 def _minor_faults() -> int:
     """Minor page faults of this process so far (first touches of memory the allocator got fresh from the
     OS: glibc returns large freed blocks to the OS, so a step that allocates them again faults again)."""
@@ -101,7 +122,11 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-compile", action="store_true", help="eager rows only")
     ap.add_argument("--keep-weight-cache", action="store_true", help="quantize the FP8 weights once, not every step")
+    ap.add_argument(
+        "--allocator-as-is", action="store_true", help="leave glibc's allocator as is (freed memory faults again)"
+    )
     args = ap.parse_args()
+    allocator = "allocator as is" if args.allocator_as_is else keep_freed_memory()
     dev = torch.device(args.device)
     gen = torch.Generator().manual_seed(1)
     t = args.tokens
@@ -116,7 +141,7 @@ def main() -> None:
     print(
         f"MoE experts layer: E={args.experts} top-{args.topk} d={args.d} i={args.inter} tokens={t} on {dev} "
         f"(torch {torch.__version__}, {torch.get_num_threads()} threads, CPU FP8 GEMM backend {cpu_gemm_backend()}, "
-        f"FP8 weights {'cached' if args.keep_weight_cache else 'quantized every step'}); "
+        f"FP8 weights {'cached' if args.keep_weight_cache else 'quantized every step'}; {allocator}); "
         f"load average {os.getloadavg()[0]:.2f} at start"
     )
     rows: list[tuple[str, float]] = []
