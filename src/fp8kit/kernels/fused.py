@@ -22,6 +22,7 @@ from ..formats import E4M3, E5M2, Format
 from .reference import BlockSpec, scale_from_amax, tile_view
 
 _COMPILE = {"enabled": True, "strict": False}
+_IN_OWN_KERNEL = [False]  # True while dynamo traces one of fp8kit's own kernels (``_run``)
 
 
 def choose_cpu_cast(capability: str) -> str:
@@ -172,15 +173,21 @@ def decode_native(codes: torch.Tensor, fmt: Format) -> torch.Tensor:
 
 
 def decode_cpu(codes: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """FP8 codes as exact float32 values with the decode ``cpu_cast_kernel`` picks (same values)."""
+    """FP8 codes as exact float32 values (the same either way): in fp8kit's own kernels the decode
+    ``cpu_cast_kernel`` picks; traced into a model's compiled graph, ``decode_bits`` (see ``cast_values``)."""
+    if torch.compiler.is_compiling() and not _IN_OWN_KERNEL[0]:
+        return decode_bits(codes, fmt)
     return decode_native(codes, fmt) if _CPU_CAST["name"] == "native" else decode_bits(codes, fmt)
 
 
 def cast_values(y: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """The float32 values the saturating RNE cast of ``y`` to ``fmt`` encodes, with the conversions
-    ``cpu_cast_kernel`` picks: the native cast read back (one loop with the cast when compiled, about 2x
-    faster than ``round_bits`` on the AMX Xeon), or ``round_bits``."""
-    if _CPU_CAST["name"] == "native":
+    """The float32 values the saturating RNE cast of ``y`` to ``fmt`` encodes: with the native
+    conversions (``cpu_cast_kernel``), the native cast read back (2x faster than ``round_bits`` alone on
+    the AMX Xeon); ``round_bits`` otherwise, and inside a model's compiled graph. There the native
+    conversions, with the native decode, made the MLP step of current scaling 8% faster and that of
+    row-wise scaling 15% slower (``benchmarks/linear.py``, AMX Xeon): inductor fuses them differently.
+    Traced graphs keep the integer conversions they had (decode and values; the cast itself is native)."""
+    if _CPU_CAST["name"] == "native" and (not torch.compiler.is_compiling() or _IN_OWN_KERNEL[0]):
         return cast_native(y.float(), fmt).to(torch.float32)
     return round_bits(y, fmt)
 
@@ -426,7 +433,11 @@ def _run(kind: str, eager, *args):
     if not _COMPILE["enabled"] or torch.compiler.is_compiling():
         return eager(*args)
     try:
-        return _compiled(kind)(*(_dynamic(a) for a in args))
+        _IN_OWN_KERNEL[0] = True
+        try:
+            return _compiled(kind)(*(_dynamic(a) for a in args))
+        finally:
+            _IN_OWN_KERNEL[0] = False
     except Exception as err:  # no C++ compiler, unsupported platform...
         if _COMPILE["strict"]:
             raise RuntimeError(f"fp8kit: compiled quantize kernel {kind!r} failed ({err}); strict mode is on") from err
