@@ -237,6 +237,7 @@ def quantize_experts(
             values=_expert_values(q, w.shape),
         )
     br, bc = granularity  # type: ignore[misc]
+    kw.pop("values", None)  # tiles keep no values: the GEMMs dequantize them
     pad = (-r) % br
     wp = torch.nn.functional.pad(w, (0, 0, 0, pad)) if pad else w
     q = quantize(wp.reshape(e * (r + pad), c), fmt, (br, bc), **kw)
@@ -299,7 +300,7 @@ def with_values(q: QuantizedTensor, out_dtype: torch.dtype) -> QuantizedTensor:
     and weight-gradient GEMMs) do not decode it twice; ``q`` itself elsewhere."""
     if q.data.is_cuda or q.values is not None or q.block[1] < q.data.shape[-1] or q.fmt.kind != "float":
         return q
-    return dataclasses.replace(q, values=decode_fp8(q.data.view(torch.uint8), q.fmt, _gemm_dtype(out_dtype)))
+    return dataclasses.replace(q, values=decode_fp8(q.data.view(torch.uint8), q.fmt, cpu_gemm_dtype(out_dtype)))
 
 
 def transpose_experts(w: torch.Tensor) -> torch.Tensor:
@@ -321,7 +322,7 @@ def with_weight_values(w: GroupedWeight, out_dtype: torch.dtype, *, power_of_two
     if w.data.is_cuda or w.values is not None or w.fmt.kind != "float":
         return w
     if w.scales_factor_out:
-        values = _values(w.data, w.fmt, _gemm_dtype(out_dtype))
+        values = _values(w.data, w.fmt, cpu_gemm_dtype(out_dtype))
     else:
         values = _dequantize(w, _tile_gemm_dtype(out_dtype, power_of_two or w.is_mx))
     return dataclasses.replace(w, values=values)
@@ -337,14 +338,10 @@ def _weight_operand(w: GroupedWeight, dtype: torch.dtype, scaled: bool) -> torch
     return _dequantize(w, dtype) if scaled else _values(w.data, w.fmt, dtype)
 
 
-def _gemm_dtype(out_dtype: torch.dtype) -> torch.dtype:
-    return cpu_gemm_dtype(out_dtype)
-
-
 def _tile_gemm_dtype(out_dtype: torch.dtype, power_of_two: bool) -> torch.dtype:
     """The CPU GEMM dtype of tile-dequantized operands: the backend's where the scales are powers of two
     (an FP8 value times a power of two is exact in bf16), else float32 (a bf16 operand would round)."""
-    return _gemm_dtype(out_dtype) if power_of_two else torch.float32
+    return cpu_gemm_dtype(out_dtype) if power_of_two else torch.float32
 
 
 def grouped_gemm(
@@ -373,7 +370,7 @@ def grouped_gemm(
             xb, wb = x.dequantize(torch.bfloat16), w.dequantize(torch.bfloat16)
             out = grouped_mm(xb, wb.transpose(1, 2), offs)
         return out.to(out_dtype)
-    gdt = _gemm_dtype(out_dtype)
+    gdt = cpu_gemm_dtype(out_dtype)
     if factor:
         acc = grouped_mm(_values(x.data, x.fmt, gdt, x.values), _weight_operand(w, gdt, False).transpose(1, 2), offs)
         # (acc * x's row scales * w[e]'s scales of each row's expert e), one loop: scale_output
@@ -394,7 +391,7 @@ def grouped_gemm_wgrad(
     ``(K, P)`` quantized along P (per tensor, per expert and row, or in tiles inside each expert);
     ``power_of_two`` as in ``grouped_gemm``."""
     _count("wgrad")
-    gdt = torch.bfloat16 if a.data.is_cuda else _gemm_dtype(out_dtype)
+    gdt = torch.bfloat16 if a.data.is_cuda else cpu_gemm_dtype(out_dtype)
     if isinstance(a, GroupColumns) and isinstance(b, GroupColumns):
         acc = grouped_mm(_values(a.data, a.fmt, gdt), _values_t(b, gdt), offs)
         return scale_output(acc, a.scale_inv[:, :, None], b.scale_inv[:, None, :], None, out_dtype)
