@@ -347,9 +347,25 @@ def test_values_written_beside_the_codes_are_the_codes_values(kernel, dtype):
             assert torch.equal(q.values.isnan(), want.isnan())
             bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
             assert torch.equal(q.values.nan_to_num(0.0).view(bits), want.nan_to_num(0.0).view(bits))
+            # lazy_codes: the kernel writes only the values; the codes come from them on first read
+            lazy = quantize(x.bfloat16(), fmt, gran, backend="compiled", values=dtype, lazy_codes=True, **kw)
+            assert lazy.codes is None and lazy.shape == x.shape and lazy.nbytes == q.nbytes
+            assert torch.equal(lazy.values.view(bits), q.values.view(bits)) and torch.equal(lazy.scales, q.scales)
+            assert lazy.t().codes is None and torch.equal(lazy.t().values.view(bits), q.values.t().view(bits))
+            assert torch.equal(lazy.data.view(torch.uint8), q.data.view(torch.uint8)) and lazy.codes is not None
+            # a known amax (delayed scaling reduces first): the kernel reads x once, same result
+            known = quantize(x.bfloat16(), fmt, gran, backend="compiled", values=dtype, amax=q.amax * 1, **kw)
+            assert_same(known, q)
+            assert torch.equal(known.values.view(bits), q.values.view(bits))
+            torch.testing.assert_close(known.amax, q.amax, rtol=0, atol=0, equal_nan=True)
         for gran, fmt in [((1, 128), E4M3), ("mx", E4M3), ("tensor", INT8)]:
-            assert quantize(x, fmt, gran, backend="compiled", values=dtype, nonfinite="propagate").values is None
+            q = quantize(x, fmt, gran, backend="compiled", values=dtype, lazy_codes=True, nonfinite="propagate")
+            assert q.values is None and q.codes is not None  # no values: the codes are written as ever
     finally:
         fused.set_cpu_cast_kernel(before)
     with pytest.raises(ValueError, match="values must be"):
         quantize(x, E4M3, "tensor", backend="compiled", values=torch.float16, nonfinite="propagate")
+    with pytest.raises(ValueError, match="drop amax="):
+        quantize(x, E4M3, "row", amax=torch.ones(3), nonfinite="propagate")
+    with pytest.raises(ValueError, match="drop amax="):
+        quantize(x, E4M3, (1, 128), amax=torch.ones(96), nonfinite="propagate")

@@ -601,3 +601,36 @@ def test_block_tile_operands_are_exact_in_the_cpu_gemm(power_of_two, monkeypatch
         want[start : start + n] = xq[start : start + n] @ wq.t()
         start += n
     assert (y == want.to(torch.bfloat16)).float().mean() > 0.99
+
+
+@pytest.mark.compiled
+@pytest.mark.parametrize("kind", ["current", "rowwise"])
+def test_operands_only_cpu_gemms_read_keep_no_codes(kind):
+    """Expert weights and output gradients reach the CPU GEMMs as the values the quantize kernel writes
+    (``lazy_codes``): no FP8 codes are written for them, and reading ``data`` encodes exactly the codes a
+    plain quantize writes. Saved activations keep their codes (the weight gradient decodes them)."""
+    from fp8kit.formats import E4M3
+    from fp8kit.gemm.grouped import quantize_experts
+    from fp8kit.nn import experts as experts_mod
+
+    ids, x, w, g, _ = routed_inputs()
+    module = experts_module(w, recipe=kind)
+    seen = []
+    real = experts_mod.grouped_gemm
+
+    def spy(xq, wq, *a, **kw):
+        seen.append((kw.get("kind"), xq.codes is None, wq.codes is None))
+        return real(xq, wq, *a, **kw)
+
+    experts_mod.grouped_gemm = spy
+    try:
+        xr = x.clone().requires_grad_()
+        grouped_linear(xr, module, 0, ids).backward(g)
+    finally:
+        experts_mod.grouped_gemm = real
+    # forward: activation codes saved for backward (per tensor) or quantized along tokens apart (row-wise)
+    assert seen == [("forward", kind == "rowwise", True), ("dgrad", True, True)]
+    wq, wq_t = module._weight_cache[0][1:]
+    gran = "tensor" if kind == "current" else "row"
+    want = quantize_experts(w, E4M3, gran).data
+    assert wq.codes is None and torch.equal(wq.data.view(torch.uint8), want.view(torch.uint8))

@@ -20,7 +20,7 @@ from .kernels.fused import quantize_values_fused
 from .kernels.opaque import dequantize_tiles, dequantize_tiles_opaque, is_ragged, quantize_tiles_opaque
 from .scaling import Granularity, parse_granularity
 
-__all__ = ["QuantizedTensor", "leading_amax", "quantize", "quantize_with_transpose", "tensor_amax"]
+__all__ = ["QuantizedTensor", "encode_values", "leading_amax", "quantize", "quantize_with_transpose", "tensor_amax"]
 
 
 @dataclass
@@ -28,7 +28,9 @@ class QuantizedTensor:
     """Quantized values of a tensor and the scales to recover it.
 
     Attributes:
-        data: values in ``fmt.dtype`` (float8_e4m3fn / float8_e5m2 / int8), the original shape.
+        codes: values in ``fmt.dtype`` (float8_e4m3fn / float8_e5m2 / int8), the original shape; None
+            where ``quantize(..., lazy_codes=True)`` had the kernel write only ``values``: ``data`` then
+            encodes them when first read (read ``data``; ``codes`` is what is stored).
         scales: per-tile dequantization multipliers, shape ``(nbr, nbc)`` over the 2-D view
             ``(prod(shape[:-1]), shape[-1])``: float32, or uint8 E8M0 codes for MX.
         fmt: element format.
@@ -42,7 +44,7 @@ class QuantizedTensor:
             GEMMs (``gemm.grouped.with_values``). Never saved for backward or stored.
     """
 
-    data: torch.Tensor
+    codes: torch.Tensor | None
     scales: torch.Tensor
     fmt: Format
     granularity: Granularity
@@ -52,8 +54,19 @@ class QuantizedTensor:
     values: torch.Tensor | None = None
 
     @property
+    def data(self) -> torch.Tensor:
+        """The codes in ``fmt.dtype``, encoded from ``values`` on first read where the kernel skipped them."""
+        if self.codes is None:
+            self.codes = encode_values(self.values, self.fmt)
+        return self.codes
+
+    @property
     def shape(self) -> torch.Size:
-        return self.data.shape
+        return _stored(self).shape
+
+    @property
+    def device(self) -> torch.device:
+        return _stored(self).device
 
     @property
     def scale_inv(self) -> torch.Tensor:
@@ -65,7 +78,7 @@ class QuantizedTensor:
     @property
     def nbytes(self) -> int:
         """Memory footprint in bytes: data plus scales as stored."""
-        return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
+        return self.shape.numel() * self.fmt.dtype.itemsize + self.scales.numel() * self.scales.element_size()
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """High-precision tensor ``data * scale_inv`` (float32 math, returned in ``dtype``)."""
@@ -84,10 +97,10 @@ class QuantizedTensor:
 
     def t(self) -> QuantizedTensor:
         """Transpose of a 2-D quantized tensor (no requantization; tiles transpose with it)."""
-        if self.data.dim() != 2:
-            raise ValueError(f"t() needs a 2-D quantized tensor, got shape {tuple(self.data.shape)}")
+        if len(self.shape) != 2:
+            raise ValueError(f"t() needs a 2-D quantized tensor, got shape {tuple(self.shape)}")
         return QuantizedTensor(
-            self.data.t(),
+            None if self.codes is None else self.codes.t(),
             self.scales.t(),
             self.fmt,
             self.granularity.transposed(),
@@ -102,6 +115,20 @@ class QuantizedTensor:
             f"QuantizedTensor(shape={tuple(self.shape)}, fmt={self.fmt}, granularity={self.granularity}, "
             f"scales={tuple(self.scales.shape)}, nbytes={self.nbytes})"
         )
+
+
+def encode_values(values: torch.Tensor | None, fmt: Format) -> torch.Tensor:
+    """The ``fmt.dtype`` codes of exact unscaled FP8 values (any float dtype, e.g. the GEMM operand
+    ``quantize(..., values=...)`` wrote): the conversion is exact, they lie on ``fmt``'s grid within
+    ``+-fmt.max``."""
+    if values is None:
+        raise ValueError("this quantized operand holds neither codes nor values")
+    return values.to(fmt.dtype)
+
+
+def _stored(q: QuantizedTensor) -> torch.Tensor:
+    """The codes where stored, else the values (same shape and device), without encoding anything."""
+    return q.codes if q.codes is not None else q.data if q.values is None else q.values
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
@@ -171,6 +198,8 @@ def quantize(
     backend: str = "eager",
     check_scale: bool = True,
     values: torch.dtype | None = None,
+    lazy_codes: bool = False,
+    amax: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """Quantize ``x`` with scales shared per tensor, row, column, tile or MX block.
 
@@ -193,6 +222,12 @@ def quantize(
             (``QuantizedTensor.values``) where the compiled kernel can write them beside the codes in the
             same loop (FP8, eager mode, ``backend="compiled"``, scales that span whole rows: per tensor,
             per row, per expert); elsewhere ignored (the GEMM decodes the codes).
+        lazy_codes: where ``values`` come from the kernel, it writes only them (the FP8 cast is most of
+            its time) and ``data`` encodes them on first read (``QuantizedTensor.codes`` stays None
+            until then): for operands that only CPU GEMMs read, e.g. an output gradient.
+        amax: ``x``'s absolute maximum per tile (shape of the scales, float32), where the caller already
+            reduced it (delayed scaling records it): the kernel that writes ``values`` then reads ``x``
+            once instead of twice. Trusted as given (it becomes ``QuantizedTensor.amax``).
     """
     fmt, gran = _validate(x, fmt, granularity, nonfinite)
     if gran.kind in ("block", "column") and x.dim() < 2 and gran.block_shape(1, 1)[0] != 1:
@@ -215,21 +250,30 @@ def quantize(
         if check_scale and not bool(torch.isfinite(static).all() & (static > 0).all()):
             raise ValueError("static scale must be finite and positive")
     vals = None
+    known_amax = None
+    if amax is not None:
+        nb = (-(-rows // block[0]), -(-cols // block[1]))
+        known_amax = torch.as_tensor(amax, dtype=torch.float32, device=x.device).reshape(-1, 1)
+        if nb[1] != 1 or known_amax.numel() != nb[0]:
+            raise ValueError(
+                f"amax= takes one value per tile of scales that span whole rows ({nb[0]} here); granularity "
+                f"{gran} gives {nb} tiles and it got {known_amax.numel()}: drop amax= for it"
+            )
     if rounding != "nearest" or backend == "reference":
         data, sc, amax = quantize_blocks_reference(x2, spec, static, rounding=rounding, generator=generator)
     elif backend in ("compiled", "eager") and torch.compiler.is_compiling() and is_ragged((rows, cols), block):
         data, sc, amax = quantize_tiles_opaque(x2, spec, static, fused=backend == "compiled")  # kernels.opaque
     elif backend == "compiled" and _values_in_kernel(values, x2, fmt, gran, block):
-        (data, sc, amax), vals = quantize_values_fused(x2, spec, static, values)
+        (data, sc, amax), vals = quantize_values_fused(
+            x2, spec, static, values, with_codes=not lazy_codes, amax=known_amax
+        )
     elif backend == "compiled":
         data, sc, amax = quantize_blocks_fused(x2, spec, static)
     elif backend == "eager":
         data, sc, amax = quantize_blocks_eager(x2, spec, static)
     else:
         raise ValueError(f"unknown backend {backend!r}; accepted: 'eager', 'compiled', 'reference'")
-    q = _finish(data, sc, amax, x.shape, fmt, gran, block, x.dtype, nonfinite)
-    if vals is not None:
-        q.values = vals.reshape(x.shape)
+    q = _finish(data, sc, amax, x.shape, fmt, gran, block, x.dtype, nonfinite, vals)
     per_row = block[1] == cols and block[0] in (1, rows) and not gran.is_mx
     if fmt.kind == "float" and per_row and x.device.type == "cpu" and torch.compiler.is_compiling():
         # the same float32 products the cast rounded, so inductor computes both in one loop
@@ -247,7 +291,7 @@ def _values_in_kernel(values: torch.dtype | None, x2: torch.Tensor, fmt: Format,
     return not torch.compiler.is_compiling() and block[1] == cols and rows % block[0] == 0
 
 
-def _finish(data, sc, amax, shape, fmt, gran, block, dtype, nonfinite) -> QuantizedTensor:
+def _finish(data, sc, amax, shape, fmt, gran, block, dtype, nonfinite, values=None) -> QuantizedTensor:
     if nonfinite == "raise" and not bool(torch.isfinite(amax).all()):
         raise ValueError(
             "tensor to quantize holds NaN or inf; fix the producer of the values, or pass "
@@ -255,7 +299,16 @@ def _finish(data, sc, amax, shape, fmt, gran, block, dtype, nonfinite) -> Quanti
         )
     scale_inv = (1.0 / sc).float()
     scales = e8m0_encode(scale_inv) if gran.is_mx else scale_inv
-    return QuantizedTensor(data.reshape(shape), scales, fmt, gran, block, dtype, amax)
+    return QuantizedTensor(
+        None if data is None else data.reshape(shape),
+        scales,
+        fmt,
+        gran,
+        block,
+        dtype,
+        amax,
+        None if values is None else values.reshape(shape),
+    )
 
 
 def quantize_with_transpose(

@@ -395,7 +395,9 @@ class ExpertParallel:
     def _take_pinned(self, p: int, role: str) -> QuantizedTensor | None:
         return self._ep_pinned.pop((p, role), None)
 
-    def quantize_activation(self, x: torch.Tensor, p: int, role: str, recipe: Recipe) -> QuantizedTensor:
+    def quantize_activation(
+        self, x: torch.Tensor, p: int, role: str, recipe: Recipe, *, saved: bool = True
+    ) -> QuantizedTensor:
         pinned = self._take_pinned(p, role)
         if pinned is not None:
             return pinned  # received in FP8: the GEMM operand as is
@@ -413,7 +415,7 @@ class ExpertParallel:
                 backend=quantize_backend(),
                 check_scale=False,
             )
-        return super().quantize_activation(x, p, role, recipe)  # type: ignore[misc]
+        return super().quantize_activation(x, p, role, recipe, saved=saved)  # type: ignore[misc]
 
     def quantize_both_ways(self, x, dest, rows, p, role, recipe, group_ids):  # type: ignore[no-untyped-def]
         pinned = self._take_pinned(p, role)

@@ -79,7 +79,7 @@ def _fallback(kind: str, reason: str) -> None:
 
 def scales_factor_out(q: QuantizedTensor) -> bool:
     """True when every scale of ``q`` covers a whole row (per tensor or per row)."""
-    return q.block[1] >= q.data.shape[-1]
+    return q.block[1] >= q.shape[-1]
 
 
 def _row_scales(q: QuantizedTensor) -> torch.Tensor:
@@ -87,7 +87,7 @@ def _row_scales(q: QuantizedTensor) -> torch.Tensor:
     s = q.scale_inv
     if s.numel() == 1:
         return s.reshape(1, 1)
-    rows = q.data.shape[0]
+    rows = q.shape[0]
     return repeat_tiles(s.reshape(-1, 1), q.block[0], 0, rows)
 
 
@@ -252,12 +252,12 @@ def fp8_gemm(
     ``power_of_two``: the operands' scales are powers of two (the block recipe's default; MX scales
     always are): a CPU bf16 GEMM then reads the tile-dequantized operands in bf16, where they are exact
     (an FP8 value times a power of two, above bf16's subnormal range), instead of an FP32 GEMM."""
-    if a.data.dim() != 2 or b.data.dim() != 2 or a.data.shape[1] != b.data.shape[1]:
+    if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(
-            f"fp8_gemm needs a (M, K) and b (N, K) with the same K; got {tuple(a.data.shape)} and {tuple(b.data.shape)}"
+            f"fp8_gemm needs a (M, K) and b (N, K) with the same K; got {tuple(a.shape)} and {tuple(b.shape)}"
         )
     factor = scales_factor_out(a) and scales_factor_out(b)
-    if a.data.is_cuda:
+    if a.device.type == "cuda":
         out = _try_scaled_mm(a, b, out_dtype, use_fast_accum) if factor else _try_block_scaled_mm(a, b, out_dtype)
         if out is not None:
             return out

@@ -46,7 +46,7 @@ from ..kernels import decode_fp8
 from ..kernels.fused import cast_scaled, scale_output
 from ..kernels.opaque import dequantize_tiles, dequantize_tiles_opaque, repeat_tiles
 from ..scaling import compute_scale
-from ..tensor import QuantizedTensor, quantize
+from ..tensor import QuantizedTensor, encode_values, quantize
 from .fp8 import cpu_gemm_dtype
 
 __all__ = [
@@ -149,7 +149,8 @@ class GroupedWeight:
     """Expert weights quantized per expert.
 
     Attributes:
-        data: ``(E, R, C)`` FP8 codes, ``C`` the GEMM's reduction dim.
+        codes: ``(E, R, C)`` FP8 codes, ``C`` the GEMM's reduction dim; None where the kernel wrote only
+            ``values`` (``quantize_experts(..., lazy_codes=True)``): ``data`` encodes them on first read.
         scales: ``(E, ceil(R/br), ceil(C/bc))`` per-tile dequantization multipliers (float32, or E8M0
             uint8 codes for MX).
         fmt, block, orig_dtype: element format, tile shape ``(br, bc)`` and the weight's dtype.
@@ -159,13 +160,28 @@ class GroupedWeight:
             the input-gradient GEMM of a weight whose transpose is a view (per-tensor, square tiles).
     """
 
-    data: torch.Tensor
+    codes: torch.Tensor | None
     scales: torch.Tensor
     fmt: Format
     block: tuple[int, int]
     orig_dtype: torch.dtype
     is_mx: bool = False
     values: torch.Tensor | None = None
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The FP8 codes, encoded from ``values`` on first read where the kernel skipped them."""
+        if self.codes is None:
+            self.codes = encode_values(self.values, self.fmt)
+        return self.codes
+
+    @property
+    def shape(self) -> torch.Size:
+        return (self.codes if self.codes is not None else self.data if self.values is None else self.values).shape
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.scales.is_cuda
 
     @property
     def scale_inv(self) -> torch.Tensor:
@@ -178,28 +194,22 @@ class GroupedWeight:
         """``(E, C, R)``: per-expert transposes (tiles transpose with them; no requantization). ``values``
         go along only where the scales factor out of both GEMMs or of neither (the values are unscaled in
         the one case, dequantized in the other; a tile spanning K need not span the transpose's K)."""
-        out = GroupedWeight(
-            self.data.transpose(1, 2),
-            self.scales.transpose(1, 2),
-            self.fmt,
-            self.block[::-1],
-            self.orig_dtype,
-            self.is_mx,
-        )
-        if self.values is not None and self.scales_factor_out == out.scales_factor_out:
-            out.values = self.values.transpose(1, 2)
-        return out
+        flipped = (self.scales.transpose(1, 2), self.fmt, self.block[::-1], self.orig_dtype, self.is_mx)
+        if self.values is not None and self.scales_factor_out == (self.block[0] >= self.shape[1]):
+            codes = None if self.codes is None else self.codes.transpose(1, 2)
+            return GroupedWeight(codes, *flipped, values=self.values.transpose(1, 2))
+        return GroupedWeight(self.data.transpose(1, 2), *flipped)
 
     def row_scales(self) -> torch.Tensor:
         """``(E, R)`` per-row multipliers (``(E, 1)`` for one scale per expert); needs one tile along C."""
         s = self.scale_inv[:, :, 0]
         if s.shape[1] == 1:
             return s
-        return repeat_tiles(s, self.block[0], 1, self.data.shape[1])
+        return repeat_tiles(s, self.block[0], 1, self.shape[1])
 
     @property
     def scales_factor_out(self) -> bool:
-        return self.block[1] >= self.data.shape[2]
+        return self.block[1] >= self.shape[2]
 
 
 def quantize_experts(
@@ -208,27 +218,37 @@ def quantize_experts(
     granularity: str | tuple[int, int],
     *,
     scale: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
     backend: str = "eager",
     **knobs: object,
 ) -> GroupedWeight:
     """Quantize ``w`` ``(E, R, C)`` along C, each expert on its own: ``"tensor"`` (one scale per expert;
-    ``scale`` ``(E,)`` gives static ones), ``"row"``, ``"mx"`` or ``(br, bc)`` tiles (R is zero-padded per
-    expert to a multiple of ``br`` so that no tile covers two experts; zeros leave tile amaxes unchanged).
+    ``scale`` ``(E,)`` gives static ones, ``amax`` ``(E,)`` the experts' known amaxes), ``"row"``, ``"mx"``
+    or ``(br, bc)`` tiles (R is zero-padded per expert to a multiple of ``br`` so that no tile covers two
+    experts; zeros leave tile amaxes unchanged).
     ``knobs`` go to ``quantize``; its ``values=`` (a CPU GEMM dtype) keeps the unscaled values the
-    compiled kernel writes beside the codes, per expert or row (``GroupedWeight.values``)."""
+    compiled kernel writes beside the codes, per expert or row (``GroupedWeight.values``), and
+    ``lazy_codes=True`` has it write only those (``GroupedWeight.codes`` None until ``data`` is read)."""
     e, r, c = w.shape
     kw = {"nonfinite": "propagate", "backend": backend, **knobs}
     if granularity == "tensor":
         if scale is not None:
             kw["scale"], kw["check_scale"] = scale.reshape(e, 1), False
+        if amax is not None:
+            kw["amax"] = amax.reshape(e, 1)
         q = quantize(w.reshape(e * r, c), fmt, (r, c), **kw)
         return GroupedWeight(
-            q.data.reshape(e, r, c), q.scales.reshape(e, 1, 1), fmt, (r, c), w.dtype, values=_expert_values(q, w.shape)
+            _expert_codes(q, w.shape),
+            q.scales.reshape(e, 1, 1),
+            fmt,
+            (r, c),
+            w.dtype,
+            values=_expert_values(q, w.shape),
         )
     if granularity in ("row", "mx"):
         q = quantize(w.reshape(e * r, c), fmt, granularity, **kw)
         return GroupedWeight(
-            q.data.reshape(e, r, c),
+            _expert_codes(q, w.shape),
             q.scales.reshape(e, r, -1),
             fmt,
             q.block,
@@ -237,7 +257,8 @@ def quantize_experts(
             values=_expert_values(q, w.shape),
         )
     br, bc = granularity  # type: ignore[misc]
-    kw.pop("values", None)  # tiles keep no values: the GEMMs dequantize them
+    kw.pop("values", None)  # tiles keep no values (the GEMMs dequantize them), so they keep their codes
+    kw.pop("lazy_codes", None)
     pad = (-r) % br
     wp = torch.nn.functional.pad(w, (0, 0, 0, pad)) if pad else w
     q = quantize(wp.reshape(e * (r + pad), c), fmt, (br, bc), **kw)
@@ -247,6 +268,10 @@ def quantize_experts(
 
 def _expert_values(q: QuantizedTensor, shape: torch.Size) -> torch.Tensor | None:
     return None if q.values is None else q.values.reshape(shape)
+
+
+def _expert_codes(q: QuantizedTensor, shape: torch.Size) -> torch.Tensor | None:
+    return None if q.codes is None else q.codes.reshape(shape)
 
 
 @dataclass
@@ -281,24 +306,24 @@ def _row_scales(q: QuantizedTensor) -> torch.Tensor:
     return s.reshape(1, 1) if s.numel() == 1 else s.reshape(-1, 1)
 
 
-def _values(codes: torch.Tensor, fmt: Format, dtype: torch.dtype, values: torch.Tensor | None = None) -> torch.Tensor:
-    if values is not None:
-        return values.to(dtype)
-    return decode_fp8(codes, fmt, dtype)
+def _values(q: QuantizedTensor | GroupedWeight | GroupColumns, dtype: torch.dtype) -> torch.Tensor:
+    """``q``'s unscaled FP8 values in ``dtype``: its ``values`` where kept, else decoded from its codes."""
+    values = getattr(q, "values", None)
+    return decode_fp8(q.data, q.fmt, dtype) if values is None else values.to(dtype)
 
 
 def _values_t(q: QuantizedTensor | GroupColumns, dtype: torch.dtype) -> torch.Tensor:
     """``values(q).t()`` decoded in the codes' storage order (``q`` is a transposed view along the
     tokens): a compiled graph then decodes without a transposing gather."""
     values = getattr(q, "values", None)
-    return _values(q.data.t(), q.fmt, dtype, None if values is None else values.t())
+    return decode_fp8(q.data.t(), q.fmt, dtype) if values is None else values.t().to(dtype)
 
 
 def with_values(q: QuantizedTensor, out_dtype: torch.dtype) -> QuantizedTensor:
     """``q`` with its exact FP8 values decoded once (CPU, scales that factor out of the GEMM) for the
     GEMM dtype of ``out_dtype`` outputs, so that two GEMMs on one operand (an output gradient's input-
     and weight-gradient GEMMs) do not decode it twice; ``q`` itself elsewhere."""
-    if q.data.is_cuda or q.values is not None or q.block[1] < q.data.shape[-1] or q.fmt.kind != "float":
+    if q.values is not None or q.data.is_cuda or q.block[1] < q.data.shape[-1] or q.fmt.kind != "float":
         return q
     return dataclasses.replace(q, values=decode_fp8(q.data.view(torch.uint8), q.fmt, cpu_gemm_dtype(out_dtype)))
 
@@ -319,10 +344,10 @@ def with_weight_values(w: GroupedWeight, out_dtype: torch.dtype, *, power_of_two
     """``w`` with ``values`` computed (CPU) for the GEMM dtype of ``out_dtype`` outputs; ``w`` itself
     elsewhere. The same values the GEMMs would decode or dequantize from ``w`` on each call
     (``power_of_two``: as ``grouped_gemm``'s)."""
-    if w.data.is_cuda or w.values is not None or w.fmt.kind != "float":
+    if w.values is not None or w.is_cuda or w.fmt.kind != "float":
         return w
     if w.scales_factor_out:
-        values = _values(w.data, w.fmt, cpu_gemm_dtype(out_dtype))
+        values = _values(w, cpu_gemm_dtype(out_dtype))
     else:
         values = _dequantize(w, _tile_gemm_dtype(out_dtype, power_of_two or w.is_mx))
     return dataclasses.replace(w, values=values)
@@ -335,7 +360,7 @@ def _weight_operand(w: GroupedWeight, dtype: torch.dtype, scaled: bool) -> torch
         if scaled and not w.values.is_contiguous():  # W^T's view of W's dequantization: copied contiguous
             return transpose_experts(w.values.transpose(1, 2))
         return w.values
-    return _dequantize(w, dtype) if scaled else _values(w.data, w.fmt, dtype)
+    return _dequantize(w, dtype) if scaled else decode_fp8(w.data, w.fmt, dtype)
 
 
 def _tile_gemm_dtype(out_dtype: torch.dtype, power_of_two: bool) -> torch.dtype:
@@ -361,8 +386,8 @@ def grouped_gemm(
     if not isinstance(x, QuantizedTensor) or not isinstance(w, GroupedWeight):
         raise TypeError("grouped_gemm takes FP8 operands (QuantizedTensor, GroupedWeight)")
     _count(kind)
-    factor = x.block[1] >= x.data.shape[1] and w.scales_factor_out
-    if x.data.is_cuda:
+    factor = x.block[1] >= x.shape[1] and w.scales_factor_out
+    if x.device.type == "cuda":
         out = _try_scaled_grouped_mm(x, w, offs, out_dtype) if factor else None
         if out is None:
             if not factor:
@@ -372,7 +397,7 @@ def grouped_gemm(
         return out.to(out_dtype)
     gdt = cpu_gemm_dtype(out_dtype)
     if factor:
-        acc = grouped_mm(_values(x.data, x.fmt, gdt, x.values), _weight_operand(w, gdt, False).transpose(1, 2), offs)
+        acc = grouped_mm(_values(x, gdt), _weight_operand(w, gdt, False).transpose(1, 2), offs)
         # (acc * x's row scales * w[e]'s scales of each row's expert e), one loop: scale_output
         return scale_output(acc, _row_scales(x), w.row_scales(), group_ids, out_dtype)
     tdt = _tile_gemm_dtype(out_dtype, power_of_two or (x.granularity.is_mx and w.is_mx))
@@ -391,16 +416,17 @@ def grouped_gemm_wgrad(
     ``(K, P)`` quantized along P (per tensor, per expert and row, or in tiles inside each expert);
     ``power_of_two`` as in ``grouped_gemm``."""
     _count("wgrad")
-    gdt = torch.bfloat16 if a.data.is_cuda else cpu_gemm_dtype(out_dtype)
+    cuda = a.scale_inv.is_cuda
+    gdt = torch.bfloat16 if cuda else cpu_gemm_dtype(out_dtype)
     if isinstance(a, GroupColumns) and isinstance(b, GroupColumns):
-        acc = grouped_mm(_values(a.data, a.fmt, gdt), _values_t(b, gdt), offs)
+        acc = grouped_mm(_values(a, gdt), _values_t(b, gdt), offs)
         return scale_output(acc, a.scale_inv[:, :, None], b.scale_inv[:, None, :], None, out_dtype)
     if not isinstance(a, QuantizedTensor) or not isinstance(b, QuantizedTensor):
         raise TypeError("grouped_gemm_wgrad takes two QuantizedTensor or two GroupColumns operands")
     if a.scales.numel() == 1 and b.scales.numel() == 1:  # per-tensor: the scales factor out of every group
-        acc = grouped_mm(_values(a.data, a.fmt, gdt, a.values), _values_t(b, gdt), offs)
+        acc = grouped_mm(_values(a, gdt), _values_t(b, gdt), offs)
         return scale_output(acc, (a.scale_inv * b.scale_inv).reshape(()), None, None, out_dtype)
-    if a.data.is_cuda:
+    if cuda:
         _fallback(f"wgrad {a.block}x{b.block}", "tile-scaled grouped weight-gradient GEMMs have no native kernel wired")
     else:
         gdt = _tile_gemm_dtype(out_dtype, power_of_two or (a.granularity.is_mx and b.granularity.is_mx))

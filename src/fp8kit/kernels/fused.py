@@ -318,40 +318,70 @@ def quantize_blocks_eager(
 
 
 def quantize_values_eager(
-    x: torch.Tensor, spec: BlockSpec, scale: torch.Tensor | None, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    spec: BlockSpec,
+    scale: torch.Tensor | None,
+    dtype: torch.dtype,
+    with_codes: bool = True,
+    amax: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quantize_blocks_eager`` (codes as uint8) for tiles that span whole rows (``spec.block[1]`` is
     the column count, the rows a multiple of ``spec.block[0]``), plus the codes' unscaled exact values in
     ``dtype`` (``_kernel_values``: what a CPU GEMM reads), from the same float32 products in the same loop,
-    so that nothing decodes the codes again."""
+    so that nothing decodes the codes again. ``with_codes=False``: the values only (codes None), for
+    operands that only CPU GEMMs read (the FP8 cast is most of the kernel's time). ``amax``: each tile's
+    amax where the caller has it (delayed scaling reduces before it quantizes), so ``x`` is read once."""
     rows, cols = x.shape
     br = spec.block[0]
-    amax = x.reshape(rows // br, br * cols).abs().amax(dim=1, keepdim=True).float()
+    if amax is None:
+        amax = x.reshape(rows // br, br * cols).abs().amax(dim=1, keepdim=True).float()
     if scale is None:
         scale = scale_from_amax(amax, spec)
     # each row's scale, and every big tensor in x's own layout: a reshape of a compiled output with
     # symbolic sizes costs inductor a copy
     y = x.float() * (scale if br == 1 else scale[torch.arange(rows, device=x.device) // br])
-    return _cast(y, spec.fmt, codes=True), scale, amax, _kernel_values(y, spec.fmt).to(dtype)
+    codes = _cast(y, spec.fmt, codes=True) if with_codes else None
+    return codes, scale, amax, _kernel_values(y, spec.fmt).to(dtype)
 
 
 def quantize_tensor_values_eager(
-    x: torch.Tensor, spec: BlockSpec, scale: torch.Tensor | None, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    spec: BlockSpec,
+    scale: torch.Tensor | None,
+    dtype: torch.dtype,
+    with_codes: bool = True,
+    amax: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quantize_values_eager`` for one scale over all of ``x`` (``spec.block`` is ``x.shape``; not read,
     so that one compiled kernel serves every shape)."""
-    codes, scale, amax = _per_tensor(x, spec, scale, codes=True)
-    return codes, scale, amax, _kernel_values(x.float() * scale.reshape(()), spec.fmt).to(dtype)
+    amax, scale = _tensor_scale(x, spec, scale, amax)
+    y = x.float() * scale.reshape(())
+    codes = _cast(y, spec.fmt, codes=True) if with_codes else None
+    return codes, scale, amax, _kernel_values(y, spec.fmt).to(dtype)
+
+
+def _values_only(x, spec, scale, dtype, amax=None):
+    return quantize_values_eager(x, spec, scale, dtype, False, amax)
+
+
+def _tensor_values_only(x, spec, scale, dtype, amax=None):
+    return quantize_tensor_values_eager(x, spec, scale, dtype, False, amax)
+
+
+def _tensor_scale(
+    x: torch.Tensor, spec: BlockSpec, scale: torch.Tensor | None, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # rows first, then across rows: compiled for symbolic sizes, a single flat max-reduction stays in
+    # one Triton program on CUDA; per-row maxima spread over the GPU (max is exact in any order).
+    if amax is None:
+        amax = torch.abs(x).amax(dim=-1).amax().float().reshape(1, 1)
+    return amax, scale_from_amax(amax, spec) if scale is None else scale
 
 
 def _per_tensor(
     x: torch.Tensor, spec: BlockSpec, scale: torch.Tensor | None, *, codes: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # rows first, then across rows: compiled for symbolic sizes, a single flat max-reduction stays in
-    # one Triton program on CUDA; per-row maxima spread over the GPU (max is exact in any order).
-    amax = torch.abs(x).amax(dim=-1).amax().float().reshape(1, 1)
-    if scale is None:
-        scale = scale_from_amax(amax, spec)
+    amax, scale = _tensor_scale(x, spec, scale)
     return _cast(x.float() * scale.reshape(()), spec.fmt, codes), scale, amax
 
 
@@ -369,6 +399,8 @@ _PLAIN = {
     "cast_scaled": cast_scaled_eager,
     "values": quantize_values_eager,
     "tensor_values": quantize_tensor_values_eager,
+    "values_only": _values_only,
+    "tensor_values_only": _tensor_values_only,
 }  # compiled as they are (the quantize kernels: ``_CODES``)
 
 
@@ -465,15 +497,25 @@ def quantize_blocks_fused(
 
 
 def quantize_values_fused(
-    x: torch.Tensor, spec: BlockSpec, scale: torch.Tensor | None, dtype: torch.dtype
-) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    x: torch.Tensor,
+    spec: BlockSpec,
+    scale: torch.Tensor | None,
+    dtype: torch.dtype,
+    with_codes: bool = True,
+    amax: torch.Tensor | None = None,
+) -> tuple[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor], torch.Tensor]:
     """Compiled ``quantize_values_eager`` (``quantize_tensor_values_eager`` for one scale): ``((codes as
-    fmt.dtype, scale, amax), values)``."""
-    if tuple(spec.block) == tuple(x.shape):
-        codes, sc, amax, values = _run("tensor_values", quantize_tensor_values_eager, x, spec, scale, dtype)
-    else:
-        codes, sc, amax, values = _run("values", quantize_values_eager, x, spec, scale, dtype)
-    return _as_format((codes, sc, amax), spec.fmt), values
+    fmt.dtype, scale, amax), values)``; ``with_codes=False``: codes None; ``amax``: known tile amaxes."""
+    per_tensor = tuple(spec.block) == tuple(x.shape)
+    if with_codes:
+        kind, eager = (
+            ("tensor_values", quantize_tensor_values_eager) if per_tensor else ("values", quantize_values_eager)
+        )
+        codes, sc, amax, values = _run(kind, eager, x, spec, scale, dtype, True, amax)
+        return _as_format((codes, sc, amax), spec.fmt), values
+    kind, eager = ("tensor_values_only", _tensor_values_only) if per_tensor else ("values_only", _values_only)
+    _, sc, amax, values = _run(kind, eager, x, spec, scale, dtype, amax)
+    return (None, sc, amax), values
 
 
 def quantize_pair_fused(x: torch.Tensor, spec: BlockSpec, spec_t: BlockSpec):

@@ -165,16 +165,22 @@ class FP8Experts:
         return (self.fp8_param(0), self.fp8_param(1))
 
     # ---- scaling -------------------------------------------------------------------------------
-    def quantize_activation(self, x: torch.Tensor, p: int, role: str, recipe: Recipe) -> QuantizedTensor:
+    def quantize_activation(
+        self, x: torch.Tensor, p: int, role: str, recipe: Recipe, *, saved: bool = True
+    ) -> QuantizedTensor:
         """Quantize the routed tokens ``x`` ``(P, K)`` of projection ``p`` along K (layer-wide per-tensor
-        scale, or the recipe's per-token tiles)."""
+        scale, or the recipe's per-token tiles). ``saved=False``: the codes are not saved for backward,
+        so where the CPU GEMMs read the values the kernel writes, it writes only those (``lazy_codes``)."""
         fmt = recipe.format_for(role)
         # the GEMM operand comes out of the quantize kernel beside the codes (CPU; per-tensor and row scales)
-        kw = {"nonfinite": "propagate", "backend": _BACKEND["name"], "values": gemm_values_dtype(x, x.dtype)}
+        values = gemm_values_dtype(x, x.dtype)
+        kw = {"nonfinite": "propagate", "backend": _BACKEND["name"], "values": values}
+        if values is not None and not saved:
+            kw["lazy_codes"] = True
         if isinstance(recipe, DelayedScaling) and recipe is self.recipe:
             amax = tensor_amax(x)
             scale = self.activation_scale(amax, p, role, recipe)
-            q = quantize(x, fmt, "tensor", scale=scale, check_scale=False, **kw)
+            q = quantize(x, fmt, "tensor", scale=scale, check_scale=False, amax=amax, **kw)
             if self.training:
                 self._record_amax(p, 0 if role == "input" else 1, amax.reshape(1))
             return q
@@ -208,7 +214,7 @@ class FP8Experts:
         that inductor does not fuse the two casts (its CPU loop-split pass asserts on that pair)."""
         xp = _pad(x, dest, rows)
         if recipe.kind not in ("block", "mxfp8"):
-            return self.quantize_activation(xp, p, role, recipe), self.quantize_along_tokens(
+            return self.quantize_activation(xp, p, role, recipe, saved=False), self.quantize_along_tokens(
                 xp, role, recipe, group_ids
             )
         fmt, gran = recipe.format_for(role), recipe.granularity_for(role)
@@ -252,18 +258,19 @@ class FP8Experts:
             w = transpose_experts(w) if self.is_transposed else w.contiguous()
             fmt = recipe.format_for("weight")
             backend = _BACKEND["name"]
-            values = None if out_dtype is None else gemm_values_dtype(w, out_dtype)  # beside the codes (CPU)
+            values = None if out_dtype is None else gemm_values_dtype(w, out_dtype)  # instead of the codes (CPU)
+            lazy = {"lazy_codes": True} if values is not None else {}  # the CPU GEMMs read only the values
             if isinstance(recipe, DelayedScaling) and recipe is self.recipe:
                 amax = leading_amax(w)
                 fresh = compute_scale(amax, fmt, recipe.margin, previous=1.0)
                 slots = self.fp8_weight_slots
                 scale = torch.where(self.fp8_seen[p, slots] > 0, self.fp8_scale[p, slots], fresh)
-                wq = quantize_experts(w, fmt, "tensor", scale=scale, backend=backend, values=values)
+                wq = quantize_experts(w, fmt, "tensor", scale=scale, amax=amax, backend=backend, values=values, **lazy)
                 if self.training:
                     self._record_amax(p, slots, amax)
             else:
                 gran = "tensor" if recipe.per_tensor else recipe.granularity_for("weight")
-                wq = quantize_experts(w, fmt, gran, backend=backend, values=values, **quantize_knobs(recipe))
+                wq = quantize_experts(w, fmt, gran, backend=backend, values=values, **lazy, **quantize_knobs(recipe))
             if recipe.per_tensor or recipe.kind == "block":
                 pow2 = recipe.power_of_two_scales
                 wq = wq if out_dtype is None else with_weight_values(wq, out_dtype, power_of_two=pow2)
@@ -275,6 +282,7 @@ class FP8Experts:
                     recipe.granularity_for("weight"),
                     backend=backend,
                     values=values,
+                    **lazy,
                     **quantize_knobs(recipe),
                 )
         if not compiling:
@@ -410,7 +418,8 @@ def _pack(obj: Any) -> tuple[list[torch.Tensor], Any]:
         return ([] if obj is None else [obj]), None
     names = [f.name for f in dataclasses.fields(obj) if isinstance(getattr(obj, f.name), torch.Tensor)]
     if isinstance(obj, QuantizedTensor):
-        names = ["data", "scales"]  # values / amax are not needed in backward
+        obj.data  # noqa: B018 - encodes codes the kernel skipped (saved activations keep theirs)
+        names = ["codes", "scales"]  # values / amax are not needed in backward
     other = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.name not in names}
     if isinstance(obj, QuantizedTensor):
         other.update(amax=None, values=None)
@@ -440,7 +449,8 @@ class _GroupedLinearFn(torch.autograd.Function):
             xq, saved_x = module.quantize_both_ways(x, dest, rows, p, "input", recipe, group_ids)
         else:
             xp = _pad(x, dest, rows)
-            xq = module.quantize_activation(xp, p, "input", recipe)
+            keep = ctx.needs_input_grad[1] and module.save_fp8_activations  # the codes are saved for backward
+            xq = module.quantize_activation(xp, p, "input", recipe, saved=keep)
             if ctx.needs_input_grad[1]:
                 saved_x = xq if module.save_fp8_activations else xp
         wq, wq_t = module.fp8_expert_weights(p, recipe, x.dtype)
@@ -473,7 +483,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[1] and not recipe.per_tensor:
             gq, g_tok = module.quantize_both_ways(g, dest, ctx.rows, ctx.p, "grad", recipe, group_ids)
         else:
-            gq = module.quantize_activation(_pad(g, dest, ctx.rows), ctx.p, "grad", recipe)
+            gq = module.quantize_activation(_pad(g, dest, ctx.rows), ctx.p, "grad", recipe, saved=False)
             if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
                 gq = with_values(gq, ctx.x_dtype)  # one decode for both GEMMs (per-tensor: gq.t() is g_tok)
         dx = dw = None
@@ -487,7 +497,7 @@ class _GroupedLinearFn(torch.autograd.Function):
                 if isinstance(saved_x, QuantizedTensor):
                     x_tok = saved_x.t()
                 else:
-                    x_tok = module.quantize_activation(saved_x, ctx.p, "input", recipe).t()
+                    x_tok = module.quantize_activation(saved_x, ctx.p, "input", recipe, saved=False).t()
             else:
                 x_tok = (
                     saved_x

@@ -131,13 +131,14 @@ class Linear(nn.Linear):
         self, x: torch.Tensor, role: str, recipe: Recipe | None = None, values: torch.dtype | None = None
     ) -> QuantizedTensor:
         """Quantize a 2-D operand along its last dim (the GEMM's reduction dim) for ``role``; ``values``:
-        the CPU GEMM dtype, for the operand written beside the codes (``quantize(values=...)``)."""
+        the CPU GEMM dtype, for the operand written beside the codes (``quantize(values=...)``). A
+        gradient is never saved for backward, so only its values are written (``lazy_codes``)."""
         recipe = recipe or self.active_recipe()
         fmt = recipe.format_for(role)
         backend = _BACKEND["name"]
         if isinstance(recipe, DelayedScaling) and recipe is self.recipe:
             return self._quantize_delayed(x, role, fmt, recipe, backend, values)
-        kw = {"nonfinite": "propagate", "backend": backend, "values": values}
+        kw = {"nonfinite": "propagate", "backend": backend, "values": values, "lazy_codes": role == "grad"}
         if self.amax_reduce is not None and recipe.per_tensor and role != "weight":
             # current scaling across ranks: one scale from the global amax (MAX over the group)
             amax = self.amax_reduce(tensor_amax(x))
@@ -180,6 +181,8 @@ class Linear(nn.Linear):
             backend=backend,
             check_scale=False,
             values=values,
+            lazy_codes=role == "grad",
+            amax=amax_now,
         )
         self._check_amax(q, role)
         if self.training:  # evaluation uses the scaling state but does not change it
