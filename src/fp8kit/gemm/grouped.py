@@ -154,6 +154,7 @@ class GroupedWeight:
         scales: ``(E, ceil(R/br), ceil(C/bc))`` per-tile dequantization multipliers (float32, or E8M0
             uint8 codes for MX).
         fmt, block, orig_dtype: element format, tile shape ``(br, bc)`` and the weight's dtype.
+        amax: ``(E,)`` each expert's amax (float32), where quantized with one scale per expert.
         values: CPU only, where set (``with_weight_values``): the operand the GEMMs read, in the GEMM
             dtype, shape of ``data``: the unscaled FP8 values where the scales factor out of the GEMM
             (``scales_factor_out``), else the dequantized weight. One decode then feeds the forward and
@@ -167,6 +168,7 @@ class GroupedWeight:
     orig_dtype: torch.dtype
     is_mx: bool = False
     values: torch.Tensor | None = None
+    amax: torch.Tensor | None = None
 
     @property
     def data(self) -> torch.Tensor:
@@ -244,6 +246,7 @@ def quantize_experts(
             (r, c),
             w.dtype,
             values=_expert_values(q, w.shape),
+            amax=None if q.amax is None else q.amax.reshape(e),
         )
     if granularity in ("row", "mx"):
         q = quantize(w.reshape(e * r, c), fmt, granularity, **kw)

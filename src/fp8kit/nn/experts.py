@@ -178,11 +178,17 @@ class FP8Experts:
         if values is not None and not saved:
             kw["lazy_codes"] = True
         if isinstance(recipe, DelayedScaling) and recipe is self.recipe:
-            amax = tensor_amax(x)
-            scale = self.activation_scale(amax, p, role, recipe)
-            q = quantize(x, fmt, "tensor", scale=scale, check_scale=False, amax=amax, **kw)
+            i = 0 if role == "input" else 1
+            if _seen_on_host(self.fp8_seen[p, i]):
+                # the history's scale does not depend on x: the kernel reduces x's amax as it casts
+                q = quantize(x, fmt, "tensor", scale=self.fp8_scale[p, i], check_scale=False, **kw)
+                amax = q.amax
+            else:
+                amax = tensor_amax(x)
+                scale = self.activation_scale(amax, p, role, recipe)
+                q = quantize(x, fmt, "tensor", scale=scale, check_scale=False, amax=amax, **kw)
             if self.training:
-                self._record_amax(p, 0 if role == "input" else 1, amax.reshape(1))
+                self._record_amax(p, i, amax.reshape(1))
             return q
         if self.amax_reduce is not None and recipe.per_tensor:  # one scale from the global amax over ranks
             scale = self.activation_scale(self.amax_reduce(tensor_amax(x)), p, role, recipe)
@@ -261,11 +267,19 @@ class FP8Experts:
             values = None if out_dtype is None else gemm_values_dtype(w, out_dtype)  # instead of the codes (CPU)
             lazy = {"lazy_codes": True} if values is not None else {}  # the CPU GEMMs read only the values
             if isinstance(recipe, DelayedScaling) and recipe is self.recipe:
-                amax = leading_amax(w)
-                fresh = compute_scale(amax, fmt, recipe.margin, previous=1.0)
                 slots = self.fp8_weight_slots
-                scale = torch.where(self.fp8_seen[p, slots] > 0, self.fp8_scale[p, slots], fresh)
-                wq = quantize_experts(w, fmt, "tensor", scale=scale, amax=amax, backend=backend, values=values, **lazy)
+                if _seen_on_host(self.fp8_seen[p, slots]):  # the kernel reduces each expert's amax as it casts
+                    wq = quantize_experts(
+                        w, fmt, "tensor", scale=self.fp8_scale[p, slots], backend=backend, values=values, **lazy
+                    )
+                    amax = wq.amax
+                else:
+                    amax = leading_amax(w)
+                    fresh = compute_scale(amax, fmt, recipe.margin, previous=1.0)
+                    scale = torch.where(self.fp8_seen[p, slots] > 0, self.fp8_scale[p, slots], fresh)
+                    wq = quantize_experts(
+                        w, fmt, "tensor", scale=scale, amax=amax, backend=backend, values=values, **lazy
+                    )
                 if self.training:
                     self._record_amax(p, slots, amax)
             else:
@@ -345,6 +359,12 @@ class FP8Experts:
         fresh = {prefix + k for k in FP8_STATE_KEYS}
         missing_keys[:] = [k for k in missing_keys if k not in fresh]
         self._weight_cache = {}
+
+
+def _seen_on_host(seen: torch.Tensor) -> bool:
+    """Whether delayed scaling has a history for every slot of ``seen``, read where that costs no device
+    sync (CPU tensors, eager mode); False elsewhere (the graph-friendly ``torch.where`` path then)."""
+    return seen.device.type == "cpu" and not torch.compiler.is_compiling() and bool((seen > 0).all())
 
 
 @functools.cache

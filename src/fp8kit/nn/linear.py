@@ -165,25 +165,19 @@ class Linear(nn.Linear):
         self, x: torch.Tensor, role: str, fmt, recipe: DelayedScaling, backend: str, values: torch.dtype | None
     ) -> QuantizedTensor:
         i = ROLES.index(role)
-        # Graph-friendly first-step rule: an operand never seen (``fp8_seen == 0``) is quantized with the
-        # scale of its own amax (current scaling), chosen by ``torch.where``: no Python flag, no sync.
-        amax_now = tensor_amax(x)
-        scale = torch.where(
-            self.fp8_seen[i] > 0, self.fp8_scale[i], compute_scale(amax_now, fmt, recipe.margin, previous=1.0)
-        )
-        q = quantize(
-            x,
-            fmt,
-            "tensor",
-            scale=scale,
-            margin=recipe.margin,
-            nonfinite="propagate",
-            backend=backend,
-            check_scale=False,
-            values=values,
-            lazy_codes=role == "grad",
-            amax=amax_now,
-        )
+        kw = {"margin": recipe.margin, "nonfinite": "propagate", "backend": backend, "check_scale": False}
+        kw.update(values=values, lazy_codes=role == "grad")
+        seen = self.fp8_seen[i]
+        if seen.device.type == "cpu" and not torch.compiler.is_compiling() and bool(seen > 0):
+            # the history's scale does not depend on x: the kernel reduces x's amax as it casts (one read)
+            q = quantize(x, fmt, "tensor", scale=self.fp8_scale[i], **kw)
+            amax_now = q.amax
+        else:
+            # Graph-friendly first-step rule: an operand never seen (``fp8_seen == 0``) is quantized with the
+            # scale of its own amax (current scaling), chosen by ``torch.where``: no Python flag, no sync.
+            amax_now = tensor_amax(x)
+            fresh = compute_scale(amax_now, fmt, recipe.margin, previous=1.0)
+            q = quantize(x, fmt, "tensor", scale=torch.where(seen > 0, self.fp8_scale[i], fresh), amax=amax_now, **kw)
         self._check_amax(q, role)
         if self.training:  # evaluation uses the scaling state but does not change it
             self._record_amax(i, amax_now, recipe)
