@@ -42,8 +42,8 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import Format, e8m0_decode
-from ..kernels import decode_fp8
-from ..kernels.fused import cast_scaled, scale_output
+from ..kernels import BlockSpec, decode_fp8
+from ..kernels.fused import cast_scaled, quantize_columns_values, scale_output, scaled_values, transpose_last
 from ..kernels.opaque import dequantize_tiles, dequantize_tiles_opaque, repeat_tiles
 from ..scaling import compute_scale
 from ..tensor import QuantizedTensor, encode_values, quantize
@@ -58,6 +58,7 @@ __all__ = [
     "grouped_gemm_wgrad",
     "grouped_mm",
     "quantize_experts",
+    "quantize_experts_columns",
     "quantize_group_columns",
     "transpose_experts",
     "with_values",
@@ -269,6 +270,19 @@ def quantize_experts(
     return GroupedWeight(data, q.scales.reshape(e, (r + pad) // br, -1), fmt, (br, bc), w.dtype)
 
 
+def quantize_experts_columns(w: torch.Tensor, fmt: Format, values: torch.dtype, *, margin: float = 0) -> GroupedWeight:
+    """``quantize_experts(w.transpose(1, 2), fmt, "row", values=values, lazy_codes=True)`` without the
+    transposed copy (CPU): ``w`` ``(E, N, K)`` is read in place, one scale per expert and column, and the
+    values (``values`` dtype) are written in ``w``'s layout; the result's ``values`` are their transposed
+    view ``(E, K, N)``, which the input-gradient GEMM reads as a row-major ``(E, N, K)`` operand. Bit for
+    bit the transposed quantization (same amaxes, scales and products); codes encoded on first read."""
+    e, n, k = w.shape
+    spec = BlockSpec(fmt, (1, n), margin)
+    scale, amax, vals = quantize_columns_values(w, spec, values)
+    scale_inv = (1.0 / scale).float().reshape(e, k, 1)
+    return GroupedWeight(None, scale_inv, fmt, (1, n), w.dtype, values=vals.transpose(1, 2))
+
+
 def _expert_values(q: QuantizedTensor, shape: torch.Size) -> torch.Tensor | None:
     return None if q.values is None else q.values.reshape(shape)
 
@@ -282,23 +296,39 @@ class GroupColumns:
     """A ``(R, P)`` operand of the weight-gradient GEMM quantized with one scale per expert and row
     (row-wise scaling along the token dim P, never across two experts' tokens).
 
-    ``data`` ``(R, P)`` FP8 codes; ``scale_inv`` ``(E, R)`` float32; ``amax`` ``(E, R)``."""
+    ``codes`` ``(R, P)`` FP8 codes (a transposed view), None where only ``values`` were written (``data``
+    encodes them on first read); ``scale_inv`` ``(E, R)`` float32; ``amax`` ``(E, R)``; ``values``: the
+    unscaled exact FP8 values in the CPU GEMM dtype, ``(R, P)``, where kept."""
 
-    data: torch.Tensor
+    codes: torch.Tensor | None
     scale_inv: torch.Tensor
     fmt: Format
     amax: torch.Tensor
+    values: torch.Tensor | None = None
+
+    @property
+    def data(self) -> torch.Tensor:
+        if self.codes is None:
+            self.codes = encode_values(self.values, self.fmt)
+        return self.codes
 
 
-def quantize_group_columns(x: torch.Tensor, group_ids: torch.Tensor, num_groups: int, fmt: Format) -> GroupColumns:
+def quantize_group_columns(
+    x: torch.Tensor, group_ids: torch.Tensor, num_groups: int, fmt: Format, *, values: torch.dtype | None = None
+) -> GroupColumns:
     """Quantize ``x.T`` (``x`` is ``(P, R)``, rows grouped by ``group_ids``) with one scale per group and
-    column of ``x``: ``scale = fmt.max / amax`` (``compute_scale``), saturating round-to-nearest-even."""
+    column of ``x``: ``scale = fmt.max / amax`` (``compute_scale``), saturating round-to-nearest-even.
+    ``values`` (a CPU GEMM dtype; FP8, CPU): write only the GEMM operand's values, no codes (an output
+    gradient: its codes are never saved)."""
     p, r = x.shape
     mag = x.detach().abs()  # the maxima in x's dtype: exact, without a float32 copy of x
     amax = mag.new_zeros(num_groups, r).scatter_reduce(0, group_ids.reshape(p, 1).expand(p, r), mag, "amax").float()
     scale = compute_scale(amax, fmt)
+    scale_inv = (1.0 / scale).float()
+    if values is not None and x.device.type == "cpu" and fmt.kind == "float":
+        return GroupColumns(None, scale_inv, fmt, amax, scaled_values(x, scale, group_ids, fmt, values).t())
     data = cast_scaled(x, scale, group_ids, fmt)  # x.float() * scale[group_ids], cast in one loop on CPU
-    return GroupColumns(data.t(), (1.0 / scale).float(), fmt, amax)
+    return GroupColumns(data.t(), scale_inv, fmt, amax)
 
 
 # ---- the GEMMs ---------------------------------------------------------------------------------------
@@ -332,15 +362,9 @@ def with_values(q: QuantizedTensor, out_dtype: torch.dtype) -> QuantizedTensor:
 
 
 def transpose_experts(w: torch.Tensor) -> torch.Tensor:
-    """``w.transpose(1, 2).contiguous()`` for ``w`` ``(E, R, C)`` (fastest for a contiguous ``w``). Eager
-    CPU: one 2-D transpose copy per expert (torch's blocked 2-D transpose; its strided 3-D copy is about
-    2x slower for bf16 (8, 1024, 1024) weights)."""
-    if torch.compiler.is_compiling() or w.device.type != "cpu":
-        return w.transpose(1, 2).contiguous()
-    out = w.new_empty(w.shape[0], w.shape[2], w.shape[1])
-    for e in range(w.shape[0]):
-        out[e].copy_(w[e].t())
-    return out
+    """``w.transpose(1, 2).contiguous()`` for ``w`` ``(E, R, C)``: the compiled tiled copy on CPU
+    (``kernels.fused.transpose_last``)."""
+    return transpose_last(w)
 
 
 def with_weight_values(w: GroupedWeight, out_dtype: torch.dtype, *, power_of_two: bool = False) -> GroupedWeight:

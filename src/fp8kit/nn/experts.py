@@ -65,6 +65,7 @@ from ..gemm.grouped import (
     grouped_gemm,
     grouped_gemm_wgrad,
     quantize_experts,
+    quantize_experts_columns,
     quantize_group_columns,
     transpose_experts,
     with_values,
@@ -235,8 +236,9 @@ class FP8Experts:
     ) -> QuantizedTensor | GroupColumns:
         """``xp.T`` quantized along the token dim for the weight-gradient GEMM (tile recipes)."""
         fmt = recipe.format_for(role)
-        if recipe.kind == "rowwise":
-            return quantize_group_columns(xp, group_ids, self.num_experts, fmt)
+        if recipe.kind == "rowwise":  # a gradient's codes are never saved: its GEMM values only (CPU)
+            values = gemm_values_dtype(xp, xp.dtype) if role == "grad" and _BACKEND["name"] == "compiled" else None
+            return quantize_group_columns(xp, group_ids, self.num_experts, fmt, values=values)
         return quantize(
             xp.t().contiguous(),
             fmt,
@@ -289,6 +291,8 @@ class FP8Experts:
                 pow2 = recipe.power_of_two_scales
                 wq = wq if out_dtype is None else with_weight_values(wq, out_dtype, power_of_two=pow2)
                 wq_t = wq.transpose()
+            elif recipe.kind == "rowwise" and values is not None and backend == "compiled" and not compiling:
+                wq_t = quantize_experts_columns(w, fmt, values)  # W^T row-wise without a transposed copy
             else:
                 wq_t = quantize_experts(
                     transpose_experts(w),
