@@ -20,11 +20,30 @@ from .kernels.fused import quantize_values_fused
 from .kernels.opaque import dequantize_tiles, dequantize_tiles_opaque, is_ragged, quantize_tiles_opaque
 from .scaling import Granularity, parse_granularity
 
-__all__ = ["QuantizedTensor", "encode_values", "leading_amax", "quantize", "quantize_with_transpose", "tensor_amax"]
+__all__ = [
+    "CodesFromValues",
+    "QuantizedTensor",
+    "encode_values",
+    "leading_amax",
+    "quantize",
+    "quantize_with_transpose",
+    "tensor_amax",
+]
+
+
+class CodesFromValues:
+    """Mixin of the quantized operands (``codes``, ``values``, ``fmt`` fields): ``data`` is the codes,
+    encoded from ``values`` on first read where the kernel wrote only those (``lazy_codes``)."""
+
+    @property
+    def data(self) -> torch.Tensor:
+        if self.codes is None:  # type: ignore[attr-defined]
+            self.codes = encode_values(self.values, self.fmt)  # type: ignore[attr-defined]
+        return self.codes  # type: ignore[attr-defined]
 
 
 @dataclass
-class QuantizedTensor:
+class QuantizedTensor(CodesFromValues):
     """Quantized values of a tensor and the scales to recover it.
 
     Attributes:
@@ -52,13 +71,6 @@ class QuantizedTensor:
     orig_dtype: torch.dtype
     amax: torch.Tensor | None = None
     values: torch.Tensor | None = None
-
-    @property
-    def data(self) -> torch.Tensor:
-        """The codes in ``fmt.dtype``, encoded from ``values`` on first read where the kernel skipped them."""
-        if self.codes is None:
-            self.codes = encode_values(self.values, self.fmt)
-        return self.codes
 
     @property
     def shape(self) -> torch.Size:

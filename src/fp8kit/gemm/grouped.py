@@ -46,7 +46,7 @@ from ..kernels import BlockSpec, decode_fp8
 from ..kernels.fused import cast_scaled, quantize_columns_values, scale_output, scaled_values, transpose_last
 from ..kernels.opaque import dequantize_tiles, dequantize_tiles_opaque, repeat_tiles
 from ..scaling import compute_scale
-from ..tensor import QuantizedTensor, encode_values, quantize
+from ..tensor import CodesFromValues, QuantizedTensor, quantize
 from .fp8 import cpu_gemm_dtype
 
 __all__ = [
@@ -146,7 +146,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 
 @dataclass
-class GroupedWeight:
+class GroupedWeight(CodesFromValues):
     """Expert weights quantized per expert.
 
     Attributes:
@@ -170,13 +170,6 @@ class GroupedWeight:
     is_mx: bool = False
     values: torch.Tensor | None = None
     amax: torch.Tensor | None = None
-
-    @property
-    def data(self) -> torch.Tensor:
-        """The FP8 codes, encoded from ``values`` on first read where the kernel skipped them."""
-        if self.codes is None:
-            self.codes = encode_values(self.values, self.fmt)
-        return self.codes
 
     @property
     def shape(self) -> torch.Size:
@@ -292,7 +285,7 @@ def _expert_codes(q: QuantizedTensor, shape: torch.Size) -> torch.Tensor | None:
 
 
 @dataclass
-class GroupColumns:
+class GroupColumns(CodesFromValues):
     """A ``(R, P)`` operand of the weight-gradient GEMM quantized with one scale per expert and row
     (row-wise scaling along the token dim P, never across two experts' tokens).
 
@@ -305,12 +298,6 @@ class GroupColumns:
     fmt: Format
     amax: torch.Tensor
     values: torch.Tensor | None = None
-
-    @property
-    def data(self) -> torch.Tensor:
-        if self.codes is None:
-            self.codes = encode_values(self.values, self.fmt)
-        return self.codes
 
 
 def quantize_group_columns(

@@ -345,7 +345,7 @@ def quantize_values_eager(
     the column count, the rows a multiple of ``spec.block[0]``), plus the codes' unscaled exact values in
     ``dtype`` (``_kernel_values``: what a CPU GEMM reads), from the same float32 products in the same loop,
     so that nothing decodes the codes again. ``with_codes=False``: the values only (codes None), for
-    operands that only CPU GEMMs read (the FP8 cast is most of the kernel's time). ``amax``: each tile's
+    operands that only CPU GEMMs read (no cast, no code bytes). ``amax``: each tile's
     amax where the caller has it (delayed scaling reduces before it quantizes), so ``x`` is read once."""
     rows, cols = x.shape
     br = spec.block[0]
