@@ -41,6 +41,19 @@ class CodesFromValues:
             self.codes = encode_values(self.values, self.fmt)  # type: ignore[attr-defined]
         return self.codes  # type: ignore[attr-defined]
 
+    def _stored(self) -> torch.Tensor:
+        """The codes where stored, else the values (same shape and device), encoding nothing."""
+        codes = self.codes  # type: ignore[attr-defined]
+        return codes if codes is not None else self.data if self.values is None else self.values  # type: ignore[attr-defined]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._stored().shape
+
+    @property
+    def device(self) -> torch.device:
+        return self._stored().device
+
 
 @dataclass
 class QuantizedTensor(CodesFromValues):
@@ -71,14 +84,6 @@ class QuantizedTensor(CodesFromValues):
     orig_dtype: torch.dtype
     amax: torch.Tensor | None = None
     values: torch.Tensor | None = None
-
-    @property
-    def shape(self) -> torch.Size:
-        return _stored(self).shape
-
-    @property
-    def device(self) -> torch.device:
-        return _stored(self).device
 
     @property
     def scale_inv(self) -> torch.Tensor:
@@ -136,11 +141,6 @@ def encode_values(values: torch.Tensor | None, fmt: Format) -> torch.Tensor:
     if values is None:
         raise ValueError("this quantized operand holds neither codes nor values")
     return values.to(fmt.dtype)
-
-
-def _stored(q: QuantizedTensor) -> torch.Tensor:
-    """The codes where stored, else the values (same shape and device), without encoding anything."""
-    return q.codes if q.codes is not None else q.data if q.values is None else q.values
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:

@@ -172,14 +172,6 @@ class GroupedWeight(CodesFromValues):
     amax: torch.Tensor | None = None
 
     @property
-    def shape(self) -> torch.Size:
-        return (self.codes if self.codes is not None else self.data if self.values is None else self.values).shape
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.scales.is_cuda
-
-    @property
     def scale_inv(self) -> torch.Tensor:
         return e8m0_decode(self.scales) if self.scales.dtype == torch.uint8 else self.scales
 
@@ -358,7 +350,7 @@ def with_weight_values(w: GroupedWeight, out_dtype: torch.dtype, *, power_of_two
     """``w`` with ``values`` computed (CPU) for the GEMM dtype of ``out_dtype`` outputs; ``w`` itself
     elsewhere. The same values the GEMMs would decode or dequantize from ``w`` on each call
     (``power_of_two``: as ``grouped_gemm``'s)."""
-    if w.values is not None or w.is_cuda or w.fmt.kind != "float":
+    if w.values is not None or w.device.type == "cuda" or w.fmt.kind != "float":
         return w
     if w.scales_factor_out:
         values = _values(w, cpu_gemm_dtype(out_dtype))

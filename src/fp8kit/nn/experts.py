@@ -75,7 +75,7 @@ from ..recipes import DelayedScaling, Recipe
 from ..scaling import compute_scale
 from ..tensor import QuantizedTensor, leading_amax, quantize, quantize_with_transpose, tensor_amax
 from .autocast import fp8_enabled, recipe_override
-from .linear import _BACKEND, FP8_STATE_KEYS, _track_cache, quantize_knobs
+from .linear import _BACKEND, FP8_STATE_KEYS, _seen_on_host, _track_cache, quantize_knobs
 
 __all__ = [
     "FP8Experts",
@@ -363,12 +363,6 @@ class FP8Experts:
         fresh = {prefix + k for k in FP8_STATE_KEYS}
         missing_keys[:] = [k for k in missing_keys if k not in fresh]
         self._weight_cache = {}
-
-
-def _seen_on_host(seen: torch.Tensor) -> bool:
-    """Whether delayed scaling has a history for every slot of ``seen``, read where that costs no device
-    sync (CPU tensors, eager mode); False elsewhere (the graph-friendly ``torch.where`` path then)."""
-    return seen.device.type == "cpu" and not torch.compiler.is_compiling() and bool((seen > 0).all())
 
 
 @functools.cache

@@ -168,7 +168,7 @@ class Linear(nn.Linear):
         kw = {"margin": recipe.margin, "nonfinite": "propagate", "backend": backend, "check_scale": False}
         kw.update(values=values, lazy_codes=role == "grad")
         seen = self.fp8_seen[i]
-        if seen.device.type == "cpu" and not torch.compiler.is_compiling() and bool(seen > 0):
+        if _seen_on_host(seen):
             # the history's scale does not depend on x: the kernel reduces x's amax as it casts (one read)
             q = quantize(x, fmt, "tensor", scale=self.fp8_scale[i], **kw)
             amax_now = q.amax
@@ -337,6 +337,12 @@ class Linear(nn.Linear):
 
 
 _FAST_ACCUM = ("delayed", "current", "rowwise")
+
+
+def _seen_on_host(seen: torch.Tensor) -> bool:
+    """Whether delayed scaling has a history for every slot of ``seen``, read where that costs no device
+    sync (CPU tensors, eager mode); False elsewhere (the graph-friendly ``torch.where`` path then)."""
+    return seen.device.type == "cpu" and not torch.compiler.is_compiling() and bool((seen > 0).all())
 
 
 def quantize_knobs(recipe: Recipe) -> dict[str, Any]:
