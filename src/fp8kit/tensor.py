@@ -234,8 +234,8 @@ def quantize(
             (``QuantizedTensor.values``) where the compiled kernel can write them beside the codes in the
             same loop (FP8, eager mode, ``backend="compiled"``, scales that span whole rows: per tensor,
             per row, per expert); elsewhere ignored (the GEMM decodes the codes).
-        lazy_codes: where ``values`` come from the kernel, it writes only them (the FP8 cast is most of
-            its time) and ``data`` encodes them on first read (``QuantizedTensor.codes`` stays None
+        lazy_codes: where ``values`` come from the kernel, it writes only them (no cast, no code bytes)
+            and ``data`` encodes them on first read (``QuantizedTensor.codes`` stays None
             until then): for operands that only CPU GEMMs read, e.g. an output gradient.
         amax: ``x``'s absolute maximum per tile (shape of the scales, float32), where the caller already
             reduced it (delayed scaling records it): the kernel that writes ``values`` then reads ``x``

@@ -226,24 +226,24 @@ def quantize_experts(
             kw["amax"] = amax.reshape(e, 1)
         q = quantize(w.reshape(e * r, c), fmt, (r, c), **kw)
         return GroupedWeight(
-            _expert_codes(q, w.shape),
+            _reshaped(q.codes, w.shape),
             q.scales.reshape(e, 1, 1),
             fmt,
             (r, c),
             w.dtype,
-            values=_expert_values(q, w.shape),
+            values=_reshaped(q.values, w.shape),
             amax=None if q.amax is None else q.amax.reshape(e),
         )
     if granularity in ("row", "mx"):
         q = quantize(w.reshape(e * r, c), fmt, granularity, **kw)
         return GroupedWeight(
-            _expert_codes(q, w.shape),
+            _reshaped(q.codes, w.shape),
             q.scales.reshape(e, r, -1),
             fmt,
             q.block,
             w.dtype,
             granularity == "mx",
-            values=_expert_values(q, w.shape),
+            values=_reshaped(q.values, w.shape),
         )
     br, bc = granularity  # type: ignore[misc]
     kw.pop("values", None)  # tiles keep no values (the GEMMs dequantize them), so they keep their codes
@@ -255,25 +255,21 @@ def quantize_experts(
     return GroupedWeight(data, q.scales.reshape(e, (r + pad) // br, -1), fmt, (br, bc), w.dtype)
 
 
-def quantize_experts_columns(w: torch.Tensor, fmt: Format, values: torch.dtype, *, margin: float = 0) -> GroupedWeight:
+def quantize_experts_columns(w: torch.Tensor, fmt: Format, values: torch.dtype) -> GroupedWeight:
     """``quantize_experts(w.transpose(1, 2), fmt, "row", values=values, lazy_codes=True)`` without the
     transposed copy (CPU): ``w`` ``(E, N, K)`` is read in place, one scale per expert and column, and the
     values (``values`` dtype) are written in ``w``'s layout; the result's ``values`` are their transposed
     view ``(E, K, N)``, which the input-gradient GEMM reads as a row-major ``(E, N, K)`` operand. Bit for
     bit the transposed quantization (same amaxes, scales and products); codes encoded on first read."""
     e, n, k = w.shape
-    spec = BlockSpec(fmt, (1, n), margin)
+    spec = BlockSpec(fmt, (1, n))
     scale, amax, vals = quantize_columns_values(w, spec, values)
     scale_inv = (1.0 / scale).float().reshape(e, k, 1)
     return GroupedWeight(None, scale_inv, fmt, (1, n), w.dtype, values=vals.transpose(1, 2))
 
 
-def _expert_values(q: QuantizedTensor, shape: torch.Size) -> torch.Tensor | None:
-    return None if q.values is None else q.values.reshape(shape)
-
-
-def _expert_codes(q: QuantizedTensor, shape: torch.Size) -> torch.Tensor | None:
-    return None if q.codes is None else q.codes.reshape(shape)
+def _reshaped(t: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
+    return None if t is None else t.reshape(shape)
 
 
 @dataclass
@@ -335,7 +331,7 @@ def with_values(q: QuantizedTensor, out_dtype: torch.dtype) -> QuantizedTensor:
     """``q`` with its exact FP8 values decoded once (CPU, scales that factor out of the GEMM) for the
     GEMM dtype of ``out_dtype`` outputs, so that two GEMMs on one operand (an output gradient's input-
     and weight-gradient GEMMs) do not decode it twice; ``q`` itself elsewhere."""
-    if q.values is not None or q.data.is_cuda or q.block[1] < q.data.shape[-1] or q.fmt.kind != "float":
+    if q.values is not None or q.device.type == "cuda" or q.block[1] < q.shape[-1] or q.fmt.kind != "float":
         return q
     return dataclasses.replace(q, values=decode_fp8(q.data.view(torch.uint8), q.fmt, cpu_gemm_dtype(out_dtype)))
 
@@ -422,7 +418,7 @@ def grouped_gemm_wgrad(
     ``(K, P)`` quantized along P (per tensor, per expert and row, or in tiles inside each expert);
     ``power_of_two`` as in ``grouped_gemm``."""
     _count("wgrad")
-    cuda = a.scale_inv.is_cuda
+    cuda = a.device.type == "cuda"
     gdt = torch.bfloat16 if cuda else cpu_gemm_dtype(out_dtype)
     if isinstance(a, GroupColumns) and isinstance(b, GroupColumns):
         acc = grouped_mm(_values(a, gdt), _values_t(b, gdt), offs)

@@ -333,6 +333,14 @@ def quantize_blocks_eager(
     return y, scale, amax
 
 
+def _codes_and_values(
+    y: torch.Tensor, fmt: Format, dtype: torch.dtype, with_codes: bool
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The uint8 codes of the scaled float32 ``y`` (None without ``with_codes``) and their exact values in
+    ``dtype``, from the same products in one loop."""
+    return (_cast(y, fmt, codes=True) if with_codes else None), _kernel_values(y, fmt).to(dtype)
+
+
 def quantize_values_eager(
     x: torch.Tensor,
     spec: BlockSpec,
@@ -356,8 +364,8 @@ def quantize_values_eager(
     # each row's scale, and every big tensor in x's own layout: a reshape of a compiled output with
     # symbolic sizes costs inductor a copy
     y = x.float() * (scale if br == 1 else scale[torch.arange(rows, device=x.device) // br])
-    codes = _cast(y, spec.fmt, codes=True) if with_codes else None
-    return codes, scale, amax, _kernel_values(y, spec.fmt).to(dtype)
+    codes, values = _codes_and_values(y, spec.fmt, dtype, with_codes)
+    return codes, scale, amax, values
 
 
 def quantize_tensor_values_eager(
@@ -371,9 +379,8 @@ def quantize_tensor_values_eager(
     """``quantize_values_eager`` for one scale over all of ``x`` (``spec.block`` is ``x.shape``; not read,
     so that one compiled kernel serves every shape)."""
     amax, scale = _tensor_scale(x, spec, scale, amax)
-    y = x.float() * scale.reshape(())
-    codes = _cast(y, spec.fmt, codes=True) if with_codes else None
-    return codes, scale, amax, _kernel_values(y, spec.fmt).to(dtype)
+    codes, values = _codes_and_values(x.float() * scale.reshape(()), spec.fmt, dtype, with_codes)
+    return codes, scale, amax, values
 
 
 def quantize_columns_values_eager(
