@@ -428,7 +428,8 @@ def test_rowwise_gate_up_weight_gradient(ep2):
             one = ref["grad_experts"][b]["gate_up_proj"][rows]
             hp = exact["grad_experts"][b]["gate_up_proj"][rows]
             assert sqnr_db(one, got) >= 20, sqnr_db(one, got)
-            assert sqnr_db(hp, got) >= sqnr_db(hp, one) - 1.0, (sqnr_db(hp, got), sqnr_db(hp, one))
+            # one more rounding of one operand at most doubles that operand's noise power: <= 3 dB
+            assert sqnr_db(hp, got) >= sqnr_db(hp, one) - 3.0, (sqnr_db(hp, got), sqnr_db(hp, one))
 
 
 SCALE_BYTES = {"current": 0, "rowwise": 4, "block": 4, "mxfp8": H // 32}  # per token at H = 64

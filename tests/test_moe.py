@@ -647,3 +647,104 @@ def test_operands_only_cpu_gemms_read_keep_no_codes(kind):
     gran = "tensor" if kind == "current" else "row"
     want = quantize_experts(w, E4M3, gran).data
     assert wq.codes is None and torch.equal(wq.data.view(torch.uint8), want.view(torch.uint8))
+
+
+def _emulate_scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs):
+    """``torch._scaled_grouped_mm``'s documented result in float64: 2-D x 3-D (groups along the rows of
+    ``mat_a``, per-row and per-expert-and-column scales) or 2-D x 2-D (groups along the reduction dim,
+    expert-major per-row scales of both operands)."""
+    a, b = mat_a.double(), mat_b.double()
+    ends = offs.tolist()
+    starts = [0, *ends[:-1]]
+    if b.dim() == 3:
+        out = torch.zeros(a.shape[0], b.shape[2], dtype=torch.float64)
+        for e, (s, t) in enumerate(zip(starts, ends, strict=True)):
+            out[s:t] = (a[s:t] * scale_a[s:t, None].double()) @ (b[e] * scale_b[e][None, :].double())
+        return out
+    n, k = a.shape[0], b.shape[1]
+    out = torch.zeros(len(ends), n, k, dtype=torch.float64)
+    for e, (s, t) in enumerate(zip(starts, ends, strict=True)):
+        sa, sb = scale_a[e * n : (e + 1) * n].double(), scale_b[e * k : (e + 1) * k].double()
+        out[e] = (a[:, s:t] * sa[:, None]) @ (b[s:t] * sb[None, :])
+    return out
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "current-e4m3"])
+def test_cuda_native_operands_keep_the_numerics_and_pass_torch_checks(recipe, monkeypatch):
+    """The CUDA SM90 path, checked on CPU: (1) padding every expert's tokens to 16 rows (what CUDA does for
+    the native weight-gradient kernel) changes no bit of the output or either gradient; (2) the operands
+    the native path hands ``torch._scaled_grouped_mm`` for all three GEMMs give, under the kernel's
+    documented semantics, the results the CPU path computed (scale layouts: per row, per expert and
+    column, expert-major); (3) torch's own checks of that op (its meta kernel: dtypes, strides, scale
+    shapes) accept them, so on a GPU they reach the kernel rather than a logged fallback."""
+    from fp8kit.gemm import grouped
+    from fp8kit.nn import experts as experts_mod
+    from fp8kit.recipes import CurrentScaling, RowwiseScaling
+
+    rec = RowwiseScaling() if recipe == "rowwise" else CurrentScaling(fp8_format="e4m3")
+    ids, x, w, g, _ = routed_inputs()
+
+    def run():
+        module = experts_module(w, recipe=rec)
+        xr = x.clone().requires_grad_()
+        y = grouped_linear(xr, module, 0, ids)
+        y.backward(g)
+        return y.detach(), xr.grad, module.gate_up_proj.grad
+
+    plain = run()
+    monkeypatch.setattr(experts_mod, "token_alignment", lambda r, device=None: grouped.SCALED_GROUPED_MM_ALIGN)
+    calls = []
+    real_gemm, real_wgrad = experts_mod.grouped_gemm, experts_mod.grouped_gemm_wgrad
+
+    def spy_gemm(xq, wq, offs, group_ids, out_dtype, **kw):
+        out = real_gemm(xq, wq, offs, group_ids, out_dtype, **kw)
+        calls.append((grouped.scaled_grouped_mm_args(xq, wq), offs, out))
+        return out
+
+    def spy_wgrad(a, b, offs, out_dtype, **kw):
+        assert kw["token_align"] == 16
+        out = real_wgrad(a, b, offs, out_dtype, **kw)
+        calls.append((grouped.scaled_grouped_mm_wgrad_args(a, b, offs.numel()), offs, out))
+        return out
+
+    monkeypatch.setattr(experts_mod, "grouped_gemm", spy_gemm)
+    monkeypatch.setattr(experts_mod, "grouped_gemm_wgrad", spy_wgrad)
+    padded = run()
+    for name, want, got in zip(("output", "input gradient", "weight gradient"), plain, padded, strict=True):
+        assert torch.equal(want, got), name
+    assert len(calls) == 3  # forward, dgrad, wgrad
+    for args, offs, out in calls:
+        assert offs.remainder(16).eq(0).all()
+        want = _emulate_scaled_grouped_mm(*args, offs)
+        rows = slice(None) if want.dim() == 3 else slice(0, int(offs[-1]))  # rows past offs[-1]: padding
+        # FP32 accumulation against float64: a wrong scale or layout is off by far more than this
+        torch.testing.assert_close(out[rows].double(), want[rows], rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+        meta = [t.to("meta") for t in args]
+        assert [t.stride() for t in meta] == [t.stride() for t in args]
+        got = torch._scaled_grouped_mm(*meta, offs=offs.to("meta"), out_dtype=torch.bfloat16)
+        assert got.shape == out.shape
+
+
+def test_hybrid_gradients_and_alignment_choose_the_cuda_fallback(monkeypatch):
+    """Under the hybrid format the gradient GEMMs' E5M2 operands cannot run ``torch._scaled_grouped_mm``
+    (E4M3 only), and the reason says how to get them native; token groups are padded to 16 on a native
+    device only where the gradients are E4M3 (block and MX keep their tiles)."""
+    from fp8kit.gemm import grouped
+    from fp8kit.nn import experts as experts_mod
+    from fp8kit.recipes import BlockScaling, CurrentScaling, DelayedScaling, RowwiseScaling
+
+    ids, x, w, g, _ = routed_inputs()
+    gq = fp8kit.quantize(g, "e5m2", "tensor")
+    wq = grouped.quantize_experts(w.transpose(1, 2).contiguous(), fp8kit.E4M3, "tensor")
+    with pytest.raises(grouped._NotNative, match="E4M3 operands only.*fp8_format='e4m3'"):
+        grouped.scaled_grouped_mm_args(gq, wq)
+    cuda = torch.device("cuda")
+    native = grouped.native_grouped_device(cuda)  # False without CUDA, or off SM90
+    assert experts_mod.token_alignment(RowwiseScaling(), cuda) == (16 if native else 1)
+    monkeypatch.setattr(experts_mod, "native_grouped_device", lambda device: device.type == "cuda")
+    got = {
+        r.kind + "-" + r.fp8_format: experts_mod.token_alignment(r, cuda)
+        for r in (RowwiseScaling(), DelayedScaling(), CurrentScaling(fp8_format="e4m3"), BlockScaling())
+    }
+    assert got == {"rowwise-e4m3": 16, "delayed-hybrid": 1, "current-e4m3": 16, "block-e4m3": 128}
+    assert experts_mod.token_alignment(RowwiseScaling(), torch.device("cpu")) == 1

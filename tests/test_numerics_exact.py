@@ -37,7 +37,7 @@ LAYOUT: dict[str, dict[str, tuple[object, str]]] = {
 }
 HYBRID = {"input": E4M3, "weight": E4M3, "grad": E5M2}
 E4M3_ONLY = {"input": E4M3, "weight": E4M3, "grad": E4M3}
-FORMATS = {"delayed": HYBRID, "current": HYBRID, "rowwise": HYBRID, "block": E4M3_ONLY, "mxfp8": E4M3_ONLY}
+FORMATS = {"delayed": HYBRID, "current": HYBRID, "rowwise": E4M3_ONLY, "block": E4M3_ONLY, "mxfp8": E4M3_ONLY}
 KINDS = list(LAYOUT)
 
 

@@ -113,7 +113,13 @@ class CurrentScaling(Recipe):
 
 @dataclass(frozen=True)
 class RowwiseScaling(Recipe):
-    """One scale per row of each operand along the GEMM's reduction dim (per token / per channel)."""
+    """One scale per row of each operand along the GEMM's reduction dim (per token / per channel).
+
+    E4M3 everywhere by default, as torchao's row-wise recipe and DeepSeek-V3: a row's own scale leaves no
+    need for E5M2's range, and CUDA's row-wise grouped GEMM (``torch._scaled_grouped_mm``, the MoE
+    experts) takes E4M3 operands only. ``fp8_format="hybrid"`` gives E5M2 gradients."""
+
+    fp8_format: str = "e4m3"
 
     kind = "rowwise"
 

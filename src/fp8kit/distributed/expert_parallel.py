@@ -51,8 +51,9 @@ gradient before its dispatch too): per-tensor recipes with the gradient scale ag
 (codes only), block (power-of-two scales, its default) and MXFP8 with the recipe's per-token gradient
 tiles; the received codes are the down projection's gradient operand as is, and its weight gradient's
 token-major operand is re-quantized from them (exact with power-of-two scales but for subnormals).
-Row-wise sends it in the model's dtype: its arbitrary scales would re-round the E5M2 gradient (2.2 dB of
-the down projection's weight-gradient SQNR lost in the tests). The dispatch's backward (the input
+Row-wise sends it in the model's dtype: its arbitrary scales would round the gradient a second time (with
+E5M2 gradients, before row-wise defaulted to E4M3, that cost 2.2 dB of the down projection's
+weight-gradient SQNR in the tests). The dispatch's backward (the input
 gradients back to the tokens' ranks, DeepSeek-V3's "backward combine") stays in the model's dtype: it is
 summed into the residual stream's gradient, where a second FP8 rounding would be pure loss.
 
@@ -503,7 +504,7 @@ class ExpertParallel:
         with self._local_parameters():
             if "received" in plan:
                 q = _rows(plan["received"], order)
-                _, _, _, dest, rows = routing_plan(local_sorted, local, token_alignment(recipe))
+                _, _, _, dest, rows = routing_plan(local_sorted, local, token_alignment(recipe, dev))
                 self._ep_pinned = {(0, "input"): _pad_rows(q, dest, rows)}
                 if _fp8_gradient_dispatch(self, recipe):
                     plan.update(grad_fp8=recipe, module=self, order=order, dest=dest, rows=rows)
@@ -525,8 +526,8 @@ def _fp8_gradient_dispatch(module: nn.Module, recipe: Recipe) -> bool:
     """Whether the combine's backward sends the output gradients in FP8: where the expert rank's gradient
     operands then equal one process's (per-tensor: the agreed scale, no re-quantization; power-of-two
     tile scales, block's default and MXFP8: re-rounding the token-major operand is exact but for
-    subnormals). Row-wise scales are arbitrary: re-rounding E5M2 gradients cost 2.2 dB of the down
-    projection's weight-gradient SQNR in the tests, so row-wise sends them in the model's dtype. Never
+    subnormals). Row-wise scales are arbitrary: re-rounding its gradients (E5M2 at the time) cost 2.2 dB of
+    the down projection's weight-gradient SQNR in the tests, so row-wise sends them in the model's dtype. Never
     with a post-expert norm (the gradient changes between the combine and the down projection)."""
     if getattr(module, "has_post_expert_norm", False):
         return False

@@ -57,15 +57,19 @@ __all__ = [
     "grouped_gemm_fallbacks",
     "grouped_gemm_wgrad",
     "grouped_mm",
+    "native_grouped_device",
     "quantize_experts",
     "quantize_experts_columns",
     "quantize_group_columns",
+    "scaled_grouped_mm_args",
+    "scaled_grouped_mm_wgrad_args",
     "transpose_experts",
     "with_values",
     "with_weight_values",
 ]
 
 log = logging.getLogger("fp8kit")
+SCALED_GROUPED_MM_ALIGN = 16  # rows: torch._scaled_grouped_mm's FP8 rows start on 16-byte boundaries
 _COUNTS: Counter[str] = Counter()
 _FALLBACKS: dict[str, str] = {}
 
@@ -390,10 +394,8 @@ def grouped_gemm(
     _count(kind)
     factor = x.block[1] >= x.shape[1] and w.scales_factor_out
     if x.device.type == "cuda":
-        out = _try_scaled_grouped_mm(x, w, offs, out_dtype) if factor else None
+        out = _try_scaled_grouped_mm(x, w, offs, out_dtype, kind)
         if out is None:
-            if not factor:
-                _fallback(f"{x.block}x{w.block}", "tile-scaled grouped GEMMs have no native kernel wired in fp8kit")
             xb, wb = x.dequantize(torch.bfloat16), w.dequantize(torch.bfloat16)
             out = grouped_mm(xb, wb.transpose(1, 2), offs)
         return out.to(out_dtype)
@@ -413,12 +415,18 @@ def grouped_gemm_wgrad(
     out_dtype: torch.dtype,
     *,
     power_of_two: bool = False,
+    token_align: int = 1,
 ) -> torch.Tensor:
     """``out[e] = dequant(a)[:, rows of e] @ dequant(b)[:, rows of e].T`` for ``a`` ``(N, P)`` and ``b``
     ``(K, P)`` quantized along P (per tensor, per expert and row, or in tiles inside each expert);
-    ``power_of_two`` as in ``grouped_gemm``."""
+    ``power_of_two`` as in ``grouped_gemm``; ``token_align``: every expert's group of rows starts at a
+    multiple of it (CUDA's native kernel needs 16)."""
     _count("wgrad")
     cuda = a.device.type == "cuda"
+    if cuda:
+        out = _try_scaled_grouped_mm_wgrad(a, b, offs, out_dtype, token_align)
+        if out is not None:
+            return out
     gdt = torch.bfloat16 if cuda else cpu_gemm_dtype(out_dtype)
     if isinstance(a, GroupColumns) and isinstance(b, GroupColumns):
         acc = grouped_mm(_values(a, gdt), _values_t(b, gdt), offs)
@@ -428,44 +436,130 @@ def grouped_gemm_wgrad(
     if a.scales.numel() == 1 and b.scales.numel() == 1:  # per-tensor: the scales factor out of every group
         acc = grouped_mm(_values(a, gdt), _values_t(b, gdt), offs)
         return scale_output(acc, (a.scale_inv * b.scale_inv).reshape(()), None, None, out_dtype)
-    if cuda:
-        _fallback(f"wgrad {a.block}x{b.block}", "tile-scaled grouped weight-gradient GEMMs have no native kernel wired")
-    else:
+    if not cuda:
         gdt = _tile_gemm_dtype(out_dtype, power_of_two or (a.granularity.is_mx and b.granularity.is_mx))
     return grouped_mm(_dequantize(a, gdt), _dequantize(b, gdt).t(), offs).to(out_dtype)
 
 
+class _NotNative(Exception):
+    """Why ``torch._scaled_grouped_mm`` cannot take these operands (the fallback's logged reason)."""
+
+
+def native_grouped_device(device: torch.device) -> bool:
+    """Whether ``torch._scaled_grouped_mm``'s row-wise FP8 kernel exists for ``device``: CUDA SM90 and a
+    torch that has the op (its SM100 kernels take MXFP8 only)."""
+    if device.type != "cuda" or getattr(torch, "_scaled_grouped_mm", None) is None or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+def _e4m3_codes(*codes: torch.Tensor) -> None:
+    for c in codes:
+        if c.dtype != torch.float8_e4m3fn:
+            raise _NotNative(
+                f"torch._scaled_grouped_mm takes E4M3 operands only, got {c.dtype} (the hybrid format's E5M2 "
+                "gradients; fp8_format='e4m3' keeps every GEMM native)"
+            )
+
+
+def _multiples_of_16(**dims: int) -> None:
+    bad = {k: v for k, v in dims.items() if v % SCALED_GROUPED_MM_ALIGN}
+    if bad:
+        raise _NotNative(f"{', '.join(f'{k}={v}' for k, v in bad.items())} not multiples of 16 (16-byte FP8 rows)")
+
+
+def _row_scale_vector(q: QuantizedTensor | GroupColumns, rows: int) -> torch.Tensor:
+    """``q``'s dequantization scales as the float32 vector of ``rows`` entries the kernel reads (a
+    per-tensor scale broadcast; row-wise and per-expert-and-row scales as stored, expert-major)."""
+    s = q.scale_inv.float().reshape(-1)
+    return (s.expand(rows) if s.numel() == 1 else s).contiguous()
+
+
+def scaled_grouped_mm_args(
+    x: QuantizedTensor, w: GroupedWeight
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(mat_a, mat_b, scale_a, scale_b)`` of ``torch._scaled_grouped_mm`` (2-D x 3-D, groups along the
+    rows of ``x``) for ``grouped_gemm``'s operands: ``x`` codes ``(P, K)`` row-major with per-row (or
+    per-tensor) scales, ``w`` codes as ``(E, K, N)`` column-major (``w``'s own ``(E, N, K)`` storage) with
+    per-expert, per-output-column scales. Raises ``_NotNative`` where the kernel cannot take them."""
+    if x.block[1] < x.shape[1] or not w.scales_factor_out:
+        raise _NotNative("tile-scaled operands (the kernel takes row-wise scales only)")
+    a, b = x.data, w.data
+    _e4m3_codes(a, b)
+    p, k = a.shape
+    e, n, _ = b.shape
+    _multiples_of_16(K=k, N=n)
+    return (
+        a.contiguous(),
+        b.contiguous().transpose(1, 2),
+        _row_scale_vector(x, p),
+        w.row_scales().float().expand(e, n).contiguous(),
+    )
+
+
+def scaled_grouped_mm_wgrad_args(
+    a: QuantizedTensor | GroupColumns, b: QuantizedTensor | GroupColumns, num_groups: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(mat_a, mat_b, scale_a, scale_b)`` of ``torch._scaled_grouped_mm`` (2-D x 2-D, groups along the
+    token dim P) for ``grouped_gemm_wgrad``'s operands ``a`` ``(N, P)`` and ``b`` ``(K, P)``, each per
+    tensor or per expert and row (``GroupColumns``): ``a`` row-major, ``b.T`` ``(P, K)`` column-major,
+    scales ``(E * N,)`` and ``(E * K,)`` expert-major. Raises ``_NotNative`` where the kernel cannot take them."""
+    for q in (a, b):
+        if isinstance(q, QuantizedTensor) and q.scales.numel() != 1:
+            raise _NotNative("tile-scaled operands (the kernel takes per-expert row scales only)")
+    ca, cb = a.data, b.data
+    _e4m3_codes(ca, cb)
+    (n, p), (k, _) = ca.shape, cb.shape
+    _multiples_of_16(N=n, K=k, P=p)
+    return (
+        ca.contiguous(),
+        cb.contiguous().t(),
+        _row_scale_vector(a, num_groups * n),
+        _row_scale_vector(b, num_groups * k),
+    )
+
+
 def _try_scaled_grouped_mm(
-    x: QuantizedTensor, w: GroupedWeight, offs: torch.Tensor, out_dtype: torch.dtype
+    x: QuantizedTensor, w: GroupedWeight, offs: torch.Tensor, out_dtype: torch.dtype, kind: str
 ) -> torch.Tensor | None:
-    """Row-wise ``torch._scaled_grouped_mm`` (SM90): per-row ``x`` scales and per-expert per-column ``w``
-    scales (per-tensor scales broadcast), bf16 output; None (reason logged) where it cannot run."""
-    fn = getattr(torch, "_scaled_grouped_mm", None)
-    if fn is None:
-        _fallback("row-wise", "this torch has no torch._scaled_grouped_mm")
+    """Row-wise ``torch._scaled_grouped_mm`` (SM90) of ``grouped_gemm``'s operands (per-tensor scales
+    broadcast to rows), bf16 output; None (reason logged) where it cannot run."""
+    if not native_grouped_device(x.device):
+        _fallback(kind, "torch._scaled_grouped_mm row-wise needs CUDA SM90 and a torch that has it")
         return None
-    major = torch.cuda.get_device_capability(x.data.device)[0]
-    if major != 9:
-        _fallback("row-wise", f"torch._scaled_grouped_mm row-wise needs SM90; this GPU is SM{major}x")
-        return None
-    p, k = x.data.shape
-    e, n, _ = w.data.shape
-    if k % 16 or n % 16:
-        _fallback("row-wise", f"K={k}, N={n} are not multiples of 16")
-        return None
-    sa = x.scale_inv.reshape(-1).float().expand(p).contiguous() if x.scales.numel() == 1 else x.scale_inv.reshape(-1)
-    sb = w.row_scales().float().expand(e, n).contiguous()
     try:
-        out = fn(
-            x.data.contiguous(),
-            w.data.transpose(1, 2),  # (E, K, N), column-major per expert as the kernel wants
-            sa.contiguous(),
-            sb,
-            offs=offs,
-            out_dtype=torch.bfloat16,
-            use_fast_accum=True,
-        )
+        args = scaled_grouped_mm_args(x, w)
+        out = torch._scaled_grouped_mm(*args, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=kind == "forward")
+    except _NotNative as why:
+        _fallback(kind, str(why))
+        return None
     except (RuntimeError, TypeError, ValueError) as err:
-        _fallback("row-wise", f"torch._scaled_grouped_mm refused: {err}")
+        _fallback(kind, f"torch._scaled_grouped_mm refused: {err}")
+        return None
+    return out.to(out_dtype)
+
+
+def _try_scaled_grouped_mm_wgrad(
+    a: QuantizedTensor | GroupColumns,
+    b: QuantizedTensor | GroupColumns,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+    token_align: int,
+) -> torch.Tensor | None:
+    """``grouped_gemm_wgrad`` on ``torch._scaled_grouped_mm`` (2-D x 2-D, SM90); None (reason logged) where
+    it cannot run. Every expert's token group must start at a multiple of 16 rows (``token_align``)."""
+    if not native_grouped_device(a.device):
+        _fallback("wgrad", "torch._scaled_grouped_mm row-wise needs CUDA SM90 and a torch that has it")
+        return None
+    try:
+        if token_align % SCALED_GROUPED_MM_ALIGN:
+            raise _NotNative(f"token groups padded to {token_align} rows, not to a multiple of 16")
+        args = scaled_grouped_mm_wgrad_args(a, b, offs.numel())
+        out = torch._scaled_grouped_mm(*args, offs=offs, out_dtype=torch.bfloat16)
+    except _NotNative as why:
+        _fallback("wgrad", str(why))
+        return None
+    except (RuntimeError, TypeError, ValueError) as err:
+        _fallback("wgrad", f"torch._scaled_grouped_mm refused: {err}")
         return None
     return out.to(out_dtype)

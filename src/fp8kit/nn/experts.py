@@ -60,10 +60,12 @@ import torch.nn as nn
 from ..formats import E4M3
 from ..gemm.fp8 import gemm_values_dtype
 from ..gemm.grouped import (
+    SCALED_GROUPED_MM_ALIGN,
     GroupColumns,
     GroupedWeight,
     grouped_gemm,
     grouped_gemm_wgrad,
+    native_grouped_device,
     quantize_experts,
     quantize_experts_columns,
     quantize_group_columns,
@@ -291,6 +293,8 @@ class FP8Experts:
                 pow2 = recipe.power_of_two_scales
                 wq = wq if out_dtype is None else with_weight_values(wq, out_dtype, power_of_two=pow2)
                 wq_t = wq.transpose()
+                if recipe.per_tensor and native_grouped_device(w.device):  # dgrad's kernel reads W^T contiguous
+                    wq_t = dataclasses.replace(wq_t, codes=wq_t.data.contiguous())
             elif recipe.kind == "rowwise" and values is not None and backend == "compiled" and not compiling:
                 wq_t = quantize_experts_columns(w, fmt, values)  # W^T row-wise without a transposed copy
             else:
@@ -394,12 +398,16 @@ def convert_experts(
 # ---- routing ----------------------------------------------------------------------------------------
 
 
-def token_alignment(recipe: Recipe) -> int:
-    """Rows each expert's group is padded to a multiple of (tiles along the token dim of the wgrad GEMM)."""
+def token_alignment(recipe: Recipe, device: torch.device | None = None) -> int:
+    """Rows each expert's group is padded to a multiple of: the tiles along the token dim of the weight-
+    gradient GEMM (block, MXFP8), or 16 where that GEMM runs ``torch._scaled_grouped_mm`` (CUDA SM90, E4M3
+    gradients: its FP8 rows start on 16-byte boundaries, as torchao and torchtitan pad them); else 1."""
     if recipe.kind == "block":
         return recipe.block_size  # type: ignore[attr-defined]
     if recipe.kind == "mxfp8":
         return 32
+    if device is not None and recipe.format_for("grad") == E4M3 and native_grouped_device(device):
+        return SCALED_GROUPED_MM_ALIGN
     return 1
 
 
@@ -522,7 +530,8 @@ class _GroupedLinearFn(torch.autograd.Function):
                     if not isinstance(saved_x, torch.Tensor)
                     else module.quantize_along_tokens(saved_x, "input", recipe, group_ids)
                 )
-            dw = grouped_gemm_wgrad(g_tok, x_tok, offs, ctx.w_dtype, power_of_two=pow2)
+            align = token_alignment(recipe, g.device)
+            dw = grouped_gemm_wgrad(g_tok, x_tok, offs, ctx.w_dtype, power_of_two=pow2, token_align=align)
             if module.is_transposed:
                 dw = dw.transpose(1, 2)
         return dx, dw, None, None, None, None, None, None, None
@@ -550,7 +559,9 @@ def grouped_linear(
     (``expert_ids_sorted`` ``(S,)``, ascending), ``W`` the module's projection ``0`` (gate_up / up) or ``1``
     (down) as ``(E, N, K)``; differentiable in ``x`` and the weight. No bias."""
     recipe = recipe or module.active_recipe()
-    counts, offs, group_ids, dest, rows = routing_plan(expert_ids_sorted, module.num_experts, token_alignment(recipe))
+    counts, offs, group_ids, dest, rows = routing_plan(
+        expert_ids_sorted, module.num_experts, token_alignment(recipe, x.device)
+    )
     with torch.no_grad():
         module.fp8_tokens_per_expert.copy_(counts)
     return _GroupedLinearFn.apply(
@@ -611,7 +622,7 @@ def fp8_experts_forward(
 
     def project(x: torch.Tensor, p: int, expert_ids_g: torch.Tensor) -> torch.Tensor:
         if not plan:  # one routing plan for both projections
-            plan.extend(routing_plan(expert_ids_g, self.num_experts, token_alignment(recipe)))
+            plan.extend(routing_plan(expert_ids_g, self.num_experts, token_alignment(recipe, x.device)))
             with torch.no_grad():
                 self.fp8_tokens_per_expert.copy_(plan[0])
         _, offs, group_ids, dest, rows = plan
