@@ -23,10 +23,14 @@ no ``.item()`` or Python loop over experts; torch without a CPU ``_grouped_mm`` 
 op). The GEMM dtype follows ``gemm.cpu_gemm_backend()`` (bfloat16 for bfloat16 outputs on CPUs with
 native bf16, else float32).
 
-CUDA: ``torch._scaled_grouped_mm`` with row-wise scales (per-tensor scales broadcast to rows) on SM90
-for per-tensor and row-wise recipes; other cases (block tiles, MXFP8, other GPUs, old torch) run
-``torch._grouped_mm`` on dequantized bf16 operands (exact for power-of-two scales) and log the reason
-once (``grouped_gemm_fallbacks()``).
+CUDA: ``torch._scaled_grouped_mm`` on SM90 for per-tensor and row-wise scales (per-tensor scales
+broadcast to rows): forward and input gradient as 2-D x 3-D grouped GEMMs (the weight read column-major
+from its ``(E, N, K)`` storage), the weight gradient as 2-D x 2-D with one scale per expert and row, which
+needs every expert's token group to start at a multiple of 16 rows (``SCALED_GROUPED_MM_ALIGN``; the
+experts pad them, as torchao and torchtitan do). The kernel takes E4M3 operands only, so the hybrid
+format's E5M2 gradients, block tiles, MXFP8, other GPUs and old torch run ``torch._grouped_mm`` on
+dequantized bf16 operands (exact for power-of-two scales) and log the reason once per kind
+(``grouped_gemm_fallbacks()``).
 
 ``grouped_gemm_counts()`` counts the FP8 grouped GEMMs run in eager mode by kind (``"forward"``,
 ``"dgrad"``, ``"wgrad"``): tests use it to show that every expert GEMM ran in FP8.
@@ -80,7 +84,8 @@ def grouped_gemm_counts() -> dict[str, int]:
 
 
 def grouped_gemm_fallbacks() -> dict[str, str]:
-    """Kinds of CUDA grouped GEMM that ran on dequantized bf16 operands, with the reason."""
+    """CUDA grouped GEMMs that ran on bf16 operands instead of ``torch._scaled_grouped_mm``, by GEMM and
+    scaling (``"dgrad per-tensor"``, ``"wgrad row-wise"``, ...), with the reason."""
     return dict(_FALLBACKS)
 
 
@@ -519,11 +524,19 @@ def scaled_grouped_mm_wgrad_args(
     )
 
 
+def _scaling_label(q: QuantizedTensor | GroupColumns) -> str:
+    """How ``q`` is scaled, for the fallback log: ``per-tensor``, ``row-wise`` or its tile."""
+    if isinstance(q, GroupColumns) or q.block[1] >= q.shape[-1] and q.scales.numel() > 1:
+        return "row-wise"
+    return "per-tensor" if q.scales.numel() == 1 else f"{q.block[0]}x{q.block[1]} tiles"
+
+
 def _try_scaled_grouped_mm(
     x: QuantizedTensor, w: GroupedWeight, offs: torch.Tensor, out_dtype: torch.dtype, kind: str
 ) -> torch.Tensor | None:
     """Row-wise ``torch._scaled_grouped_mm`` (SM90) of ``grouped_gemm``'s operands (per-tensor scales
     broadcast to rows), bf16 output; None (reason logged) where it cannot run."""
+    kind = f"{kind} {_scaling_label(x)}"
     if not native_grouped_device(x.device):
         _fallback(kind, "torch._scaled_grouped_mm row-wise needs CUDA SM90 and a torch that has it")
         return None
@@ -548,8 +561,9 @@ def _try_scaled_grouped_mm_wgrad(
 ) -> torch.Tensor | None:
     """``grouped_gemm_wgrad`` on ``torch._scaled_grouped_mm`` (2-D x 2-D, SM90); None (reason logged) where
     it cannot run. Every expert's token group must start at a multiple of 16 rows (``token_align``)."""
+    kind = f"wgrad {_scaling_label(a)}"
     if not native_grouped_device(a.device):
-        _fallback("wgrad", "torch._scaled_grouped_mm row-wise needs CUDA SM90 and a torch that has it")
+        _fallback(kind, "torch._scaled_grouped_mm row-wise needs CUDA SM90 and a torch that has it")
         return None
     try:
         if token_align % SCALED_GROUPED_MM_ALIGN:
@@ -557,9 +571,9 @@ def _try_scaled_grouped_mm_wgrad(
         args = scaled_grouped_mm_wgrad_args(a, b, offs.numel())
         out = torch._scaled_grouped_mm(*args, offs=offs, out_dtype=torch.bfloat16)
     except _NotNative as why:
-        _fallback("wgrad", str(why))
+        _fallback(kind, str(why))
         return None
     except (RuntimeError, TypeError, ValueError) as err:
-        _fallback("wgrad", f"torch._scaled_grouped_mm refused: {err}")
+        _fallback(kind, f"torch._scaled_grouped_mm refused: {err}")
         return None
     return out.to(out_dtype)

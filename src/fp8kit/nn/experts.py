@@ -28,7 +28,9 @@ across tokens. Their weight-gradient operands are quantized along the token dim,
 not cover two experts: row-wise uses one scale per expert and channel (``GroupColumns``); block (1x128)
 and MXFP8 (1x32) pad each expert's group of rows with zeros to a multiple of the tile (DeepGEMM's
 M-alignment), so that every tile holds one expert's tokens. The padding costs at most ``E * (tile - 1)``
-rows; it is built and dropped with index operations from the routing counts, with no host sync.
+rows; it is built and dropped with index operations from the routing counts, with no host sync. On CUDA
+SM90 with E4M3 gradients (row-wise's default) every expert's tokens are padded to 16 rows the same way,
+for ``torch._scaled_grouped_mm``'s weight-gradient kernel (``token_alignment``).
 
 An expert that receives no token is valid: its rows are empty, its GEMMs are empty groups, its weight
 gradient is zero; layer-wide activation amaxes are taken over the real tokens only (padding rows are
