@@ -449,7 +449,7 @@ def test_dispatch_moves_fp8_bytes(ep2, recipe):
         assert fp8["dispatch"] <= 0.55 * bf16["dispatch"]
         assert fp8["combine"] == bf16["combine"]  # the combine stays BF16 (the rows a rank's experts received)
         # its backward sends the output gradients of the same pairs to the expert ranks: in FP8 likewise, but
-        # in BF16 for row-wise (its arbitrary scales would re-round the down projection's E5M2 gradients)
+        # in BF16 for row-wise (its arbitrary scales would re-round the down projection's gradients)
         assert bf16["combine_grad"] == bf16["dispatch"]
         assert fp8["combine_grad"] == (bf16["dispatch"] if recipe == "rowwise" else fp8["dispatch"])
         for counted in (fp8, bf16):  # counted at the collective: (dispatch, combine) per block

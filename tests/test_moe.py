@@ -529,7 +529,10 @@ def test_inspector_expert_operands_are_the_rows_routed(recipe):
         slot_w = (weights * (top_k_index == e)).sum(dim=-1)  # token t's routing weight at expert e
         assert g_out["amax"] == pytest.approx(float((slot_w[:, None] * dy).abs().max()), rel=1e-6)
         assert 28 < x_in["sqnr_db"] < 40  # E4M3
-        assert 18 < g_out["sqnr_db"] < 32  # E5M2: ~12 dB below E4M3
+        if recipe == "delayed":  # the hybrid format's E5M2 gradients: ~6 dB (one mantissa bit) below E4M3
+            assert 18 < g_out["sqnr_db"] < 28, g_out["sqnr_db"]
+        else:  # E4M3 everywhere
+            assert 28 < g_out["sqnr_db"] < 40, g_out["sqnr_db"]
 
 
 # ---- the BF16 baseline's experts ----------------------------------------------------------------------
