@@ -751,3 +751,68 @@ def test_hybrid_gradients_and_alignment_choose_the_cuda_fallback(monkeypatch):
     }
     assert got == {"rowwise-e4m3": 16, "delayed-hybrid": 1, "current-e4m3": 16, "block-e4m3": 128}
     assert experts_mod.token_alignment(RowwiseScaling(), torch.device("cpu")) == 1
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_slot_gather_backward_equals_indexing(k):
+    """The routing's gather with a gathering backward (``_SlotGather``): the same rows as ``x[slots // k]``,
+    and the gradient autograd's scatter-with-accumulation gives, bit for bit for k <= 2 (one rounding of
+    a + b either way), within one bf16 rounding of the exact sum for more slots."""
+    from fp8kit.nn.experts import _SlotGather
+
+    gen = torch.Generator().manual_seed(k)
+    t, h = 37, 16
+    x = torch.randn(t, h, generator=gen).bfloat16().requires_grad_()
+    slots = torch.randperm(t * k, generator=gen)
+    inverse = torch.empty_like(slots)
+    inverse[slots] = torch.arange(t * k)
+    g = torch.randn(t * k, h, generator=gen).bfloat16()
+    out = _SlotGather.apply(x, slots, inverse, k)
+    out.backward(g)
+    ref_x = x.detach().clone().requires_grad_()
+    ref = ref_x[slots // k]
+    ref.backward(g)
+    assert torch.equal(out, ref)
+    if k <= 2:
+        assert torch.equal(x.grad, ref_x.grad)
+    exact = torch.zeros(t, h, dtype=torch.float64).index_add_(0, slots // k, g.double())
+    torch.testing.assert_close(x.grad.double(), exact, rtol=2**-8, atol=0)
+
+
+def test_fp8kit_routing_equals_transformers_routing():
+    """fp8kit's routing around plain FP32 grouped GEMMs (``routed_experts_forward``) gives transformers'
+    ``grouped_mm`` experts' output and gradients (input, both weights), a zero-token expert included."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from fp8kit.nn.experts import routed_experts_forward
+
+    cfg = qwen3_moe_config(hidden_size=H, moe_intermediate_size=INTER, num_experts=E)
+    cfg._experts_implementation = "grouped_mm"
+    torch.manual_seed(4)
+    module = Qwen3MoeExperts(cfg)
+    with torch.no_grad():
+        module.gate_up_proj.normal_(0, 0.05)
+        module.down_proj.normal_(0, 0.05)
+    t = 50
+    x = torch.randn(t, H)
+    top_k_index = torch.stack([torch.randint(0, 2, (t,)), torch.full((t,), 3)], 1)  # expert 2 gets no token
+    top_k_weights = torch.rand(t, 2)
+    g = torch.randn(t, H)
+
+    def project(xs, p, expert_ids):
+        offs = torch.cumsum(torch.bincount(expert_ids, minlength=E), 0).to(torch.int32)
+        weight = module.gate_up_proj if p == 0 else module.down_proj
+        return torch._grouped_mm(xs, weight.transpose(1, 2), offs=offs)
+
+    results = []
+    for run in (
+        lambda xr: module(xr, top_k_index, top_k_weights),
+        lambda xr: routed_experts_forward(module, xr, top_k_index, top_k_weights, project),
+    ):
+        module.zero_grad(set_to_none=True)
+        xr = x.clone().requires_grad_()
+        out = run(xr)
+        out.backward(g)
+        results.append([out.detach(), xr.grad, module.gate_up_proj.grad, module.down_proj.grad])
+    for want, got in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
