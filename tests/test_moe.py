@@ -816,3 +816,24 @@ def test_fp8kit_routing_equals_transformers_routing():
         results.append([out.detach(), xr.grad, module.gate_up_proj.grad, module.down_proj.grad])
     for want, got in zip(*results, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_input_kept_in_high_precision_is_recorded_once_per_step():
+    """``save_fp8_activations=False``: the backward re-quantizes the input kept in high precision with
+    delayed scaling's scale but records its amax only once per step (the forward's), for the dense layer
+    and the experts alike, so the history window still spans ``amax_history_len`` steps."""
+    from fp8kit.nn.experts import grouped_linear
+
+    dense = fp8kit.convert(torch.nn.Sequential(torch.nn.Linear(64, 64)), "delayed")[0]
+    dense.save_fp8_activations = False
+    ids, x, w, g, _ = routed_inputs()
+    experts = experts_module(w, recipe="delayed")
+    experts.save_fp8_activations = False
+    for step in (1, 2):
+        xd = torch.randn(16, 64, requires_grad=True)
+        dense(xd).sum().backward()
+        assert dense.fp8_seen.tolist() == [step, step, step]  # input, weight, grad
+        grouped_linear(x.clone().requires_grad_(), experts, 0, ids).backward(g)
+        assert experts.fp8_seen[0].tolist() == [step] * (2 + E)  # input, grad, each expert's weight
+        dense.release_fp8_weights()  # what an optimizer step does: the weights are quantized again
+        experts.release_fp8_weights()

@@ -397,7 +397,7 @@ class ExpertParallel:
         return self._ep_pinned.pop((p, role), None)
 
     def quantize_activation(
-        self, x: torch.Tensor, p: int, role: str, recipe: Recipe, *, saved: bool = True
+        self, x: torch.Tensor, p: int, role: str, recipe: Recipe, *, saved: bool = True, record: bool = True
     ) -> QuantizedTensor:
         pinned = self._take_pinned(p, role)
         if pinned is not None:
@@ -416,7 +416,7 @@ class ExpertParallel:
                 backend=quantize_backend(),
                 check_scale=False,
             )
-        return super().quantize_activation(x, p, role, recipe, saved=saved)  # type: ignore[misc]
+        return super().quantize_activation(x, p, role, recipe, saved=saved, record=record)  # type: ignore[misc]
 
     def quantize_both_ways(self, x, dest, rows, p, role, recipe, group_ids):  # type: ignore[no-untyped-def]
         pinned = self._take_pinned(p, role)

@@ -319,7 +319,13 @@ class TensorParallelLinear(Linear):
         return scale
 
     def quantize_operand(
-        self, x: torch.Tensor, role: str, recipe: Recipe | None = None, values: torch.dtype | None = None
+        self,
+        x: torch.Tensor,
+        role: str,
+        recipe: Recipe | None = None,
+        values: torch.dtype | None = None,
+        *,
+        record: bool = True,
     ) -> QuantizedTensor:
         recipe = recipe or self.active_recipe()
         if role == "input" and self.tp_quantized_input is not None:
@@ -338,7 +344,7 @@ class TensorParallelLinear(Linear):
             )
             self._check_amax(q, role)
             return q
-        return super().quantize_operand(x, role, recipe, values)
+        return super().quantize_operand(x, role, recipe, values, record=record)
 
     # -- forward on local shards --
     @contextlib.contextmanager

@@ -171,11 +171,13 @@ class FP8Experts:
 
     # ---- scaling -------------------------------------------------------------------------------
     def quantize_activation(
-        self, x: torch.Tensor, p: int, role: str, recipe: Recipe, *, saved: bool = True
+        self, x: torch.Tensor, p: int, role: str, recipe: Recipe, *, saved: bool = True, record: bool = True
     ) -> QuantizedTensor:
         """Quantize the routed tokens ``x`` ``(P, K)`` of projection ``p`` along K (layer-wide per-tensor
         scale, or the recipe's per-token tiles). ``saved=False``: the codes are not saved for backward,
-        so where the CPU GEMMs read the values the kernel writes, it writes only those (``lazy_codes``)."""
+        so where the CPU GEMMs read the values the kernel writes, it writes only those (``lazy_codes``).
+        ``record=False``: delayed scaling records no amax (the backward's re-quantization of an input kept
+        in high precision, whose amax the forward recorded)."""
         fmt = recipe.format_for(role)
         # the GEMM operand comes out of the quantize kernel beside the codes (CPU; per-tensor and row scales)
         values = gemm_values_dtype(x, x.dtype)
@@ -192,7 +194,7 @@ class FP8Experts:
                 amax = tensor_amax(x)
                 scale = self.activation_scale(amax, p, role, recipe)
                 q = quantize(x, fmt, "tensor", scale=scale, check_scale=False, amax=amax, **kw)
-            if self.training:
+            if self.training and record:
                 self._record_amax(p, i, amax.reshape(1))
             return q
         if self.amax_reduce is not None and recipe.per_tensor:  # one scale from the global amax over ranks
@@ -525,7 +527,7 @@ class _GroupedLinearFn(torch.autograd.Function):
                 if isinstance(saved_x, QuantizedTensor):
                     x_tok = saved_x.t()
                 else:
-                    x_tok = module.quantize_activation(saved_x, ctx.p, "input", recipe, saved=False).t()
+                    x_tok = module.quantize_activation(saved_x, ctx.p, "input", recipe, saved=False, record=False).t()
             else:
                 x_tok = (
                     saved_x

@@ -128,16 +128,24 @@ class Linear(nn.Linear):
         return recipe_override() or self.recipe
 
     def quantize_operand(
-        self, x: torch.Tensor, role: str, recipe: Recipe | None = None, values: torch.dtype | None = None
+        self,
+        x: torch.Tensor,
+        role: str,
+        recipe: Recipe | None = None,
+        values: torch.dtype | None = None,
+        *,
+        record: bool = True,
     ) -> QuantizedTensor:
         """Quantize a 2-D operand along its last dim (the GEMM's reduction dim) for ``role``; ``values``:
         the CPU GEMM dtype, for the operand written beside the codes (``quantize(values=...)``). A
-        gradient is never saved for backward, so only its values are written (``lazy_codes``)."""
+        gradient is never saved for backward, so only its values are written (``lazy_codes``).
+        ``record=False``: delayed scaling uses its scale but records no amax (the backward's
+        re-quantization of an input kept in high precision: its amax is already in the history)."""
         recipe = recipe or self.active_recipe()
         fmt = recipe.format_for(role)
         backend = _BACKEND["name"]
         if isinstance(recipe, DelayedScaling) and recipe is self.recipe:
-            return self._quantize_delayed(x, role, fmt, recipe, backend, values)
+            return self._quantize_delayed(x, role, fmt, recipe, backend, values, record)
         kw = {"nonfinite": "propagate", "backend": backend, "values": values, "lazy_codes": role == "grad"}
         if self.amax_reduce is not None and recipe.per_tensor and role != "weight":
             # current scaling across ranks: one scale from the global amax (MAX over the group)
@@ -162,7 +170,14 @@ class Linear(nn.Linear):
         return q, q_t
 
     def _quantize_delayed(
-        self, x: torch.Tensor, role: str, fmt, recipe: DelayedScaling, backend: str, values: torch.dtype | None
+        self,
+        x: torch.Tensor,
+        role: str,
+        fmt,
+        recipe: DelayedScaling,
+        backend: str,
+        values: torch.dtype | None,
+        record: bool = True,
     ) -> QuantizedTensor:
         i = ROLES.index(role)
         kw = {"margin": recipe.margin, "nonfinite": "propagate", "backend": backend, "check_scale": False}
@@ -179,7 +194,7 @@ class Linear(nn.Linear):
             fresh = compute_scale(amax_now, fmt, recipe.margin, previous=1.0)
             q = quantize(x, fmt, "tensor", scale=torch.where(seen > 0, self.fp8_scale[i], fresh), amax=amax_now, **kw)
         self._check_amax(q, role)
-        if self.training:  # evaluation uses the scaling state but does not change it
+        if self.training and record:  # evaluation uses the scaling state but does not change it
             self._record_amax(i, amax_now, recipe)
         return q
 
@@ -468,7 +483,7 @@ class _FP8LinearFn(torch.autograd.Function):
             if isinstance(saved_x, QuantizedTensor):
                 xq_t = saved_x.t() if recipe.per_tensor else saved_x
             else:
-                xq_t = module.quantize_operand(saved_x.t().contiguous(), "input", recipe)
+                xq_t = module.quantize_operand(saved_x.t().contiguous(), "input", recipe, record=False)
             dw = fp8_gemm(gq_t, xq_t, out_dtype=ctx.w_dtype, power_of_two=pow2)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g.sum(0).to(ctx.w_dtype)
