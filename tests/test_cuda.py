@@ -149,8 +149,10 @@ def test_moe_experts_on_cuda_match_the_cpu_layer(recipe):
         xr = x.to(dev, dt).requires_grad_()
         out = module(xr, top_k_index.to(dev), top_k_weights.to(dev, dt))
         out.backward(g.to(dev, dt))
-        results.append([out.detach().float().cpu(), xr.grad.float().cpu(), module.gate_up_proj.grad.float().cpu()])
-    for name, want, got in zip(("output", "input gradient", "gate/up weight gradient"), *results, strict=True):
+        grads = [module.gate_up_proj.grad.float().cpu(), module.down_proj.grad.float().cpu()]
+        results.append([out.detach().float().cpu(), xr.grad.float().cpu(), *grads])
+    names = ("output", "input gradient", "gate/up weight gradient", "down weight gradient")
+    for name, want, got in zip(names, *results, strict=True):
         assert torch.isfinite(got).all(), name
         assert sqnr_db(want, got) > 25.0, (name, sqnr_db(want, got))  # FP8 vs its emulation: bf16-level gaps
     assert torch.equal(results[1][2][7], torch.zeros_like(results[1][2][7]))  # the expert without tokens

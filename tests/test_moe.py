@@ -679,7 +679,10 @@ def test_cuda_native_operands_keep_the_numerics_and_pass_torch_checks(recipe, mo
     the native path hands ``torch._scaled_grouped_mm`` for all three GEMMs give, under the kernel's
     documented semantics, the results the CPU path computed (scale layouts: per row, per expert and
     column, expert-major); (3) torch's own checks of that op (its meta kernel: dtypes, strides, scale
-    shapes) accept them, so on a GPU they reach the kernel rather than a logged fallback."""
+    shapes) accept them, so on a GPU they reach the kernel rather than a logged fallback; (4) the wrappers
+    that call the kernel pass it those operands and ``offs`` (the kernel stubbed by that emulation), and the
+    weight gradient's refuses token groups not padded to 16 with the reason. As on CUDA, the expert without
+    tokens gets 16 zero rows (no empty weight-gradient group)."""
     from fp8kit.gemm import grouped
     from fp8kit.nn import experts as experts_mod
     from fp8kit.recipes import CurrentScaling, RowwiseScaling
@@ -696,18 +699,20 @@ def test_cuda_native_operands_keep_the_numerics_and_pass_torch_checks(recipe, mo
 
     plain = run()
     monkeypatch.setattr(experts_mod, "token_alignment", lambda r, device=None: grouped.SCALED_GROUPED_MM_ALIGN)
+    real_plan = experts_mod.routing_plan
+    monkeypatch.setattr(experts_mod, "routing_plan", lambda *a, **kw: real_plan(*a, pad_empty=True))
     calls = []
     real_gemm, real_wgrad = experts_mod.grouped_gemm, experts_mod.grouped_gemm_wgrad
 
     def spy_gemm(xq, wq, offs, group_ids, out_dtype, **kw):
         out = real_gemm(xq, wq, offs, group_ids, out_dtype, **kw)
-        calls.append((grouped.scaled_grouped_mm_args(xq, wq), offs, out))
+        calls.append((grouped.scaled_grouped_mm_args(xq, wq), offs, out, (xq, wq)))
         return out
 
     def spy_wgrad(a, b, offs, out_dtype, **kw):
         assert kw["token_align"] == 16
         out = real_wgrad(a, b, offs, out_dtype, **kw)
-        calls.append((grouped.scaled_grouped_mm_wgrad_args(a, b, offs.numel()), offs, out))
+        calls.append((grouped.scaled_grouped_mm_wgrad_args(a, b, offs.numel()), offs, out, (a, b)))
         return out
 
     monkeypatch.setattr(experts_mod, "grouped_gemm", spy_gemm)
@@ -716,8 +721,8 @@ def test_cuda_native_operands_keep_the_numerics_and_pass_torch_checks(recipe, mo
     for name, want, got in zip(("output", "input gradient", "weight gradient"), plain, padded, strict=True):
         assert torch.equal(want, got), name
     assert len(calls) == 3  # forward, dgrad, wgrad
-    for args, offs, out in calls:
-        assert offs.remainder(16).eq(0).all()
+    for args, offs, out, _ in calls:
+        assert offs.remainder(16).eq(0).all() and offs.diff(prepend=offs.new_zeros(1)).gt(0).all()
         want = _emulate_scaled_grouped_mm(*args, offs)
         rows = slice(None) if want.dim() == 3 else slice(0, int(offs[-1]))  # rows past offs[-1]: padding
         # FP32 accumulation against float64: a wrong scale or layout is off by far more than this
@@ -726,6 +731,26 @@ def test_cuda_native_operands_keep_the_numerics_and_pass_torch_checks(recipe, mo
         assert [t.stride() for t in meta] == [t.stride() for t in args]
         got = torch._scaled_grouped_mm(*meta, offs=offs.to("meta"), out_dtype=torch.bfloat16)
         assert got.shape == out.shape
+    # (4) the wrappers, with the kernel stubbed by the emulation (bf16 output, as the kernel's)
+    monkeypatch.setattr(grouped, "native_grouped_device", lambda device: True)
+    monkeypatch.setattr(
+        torch,
+        "_scaled_grouped_mm",
+        lambda *a, offs, out_dtype, **kw: _emulate_scaled_grouped_mm(*a, offs).to(out_dtype),
+    )
+    grouped._FALLBACKS.clear()
+    (_, offs_f, out_f, (xq, wq)), (_, offs_d, out_d, (gq, wq_t)), (_, offs_w, out_w, (ga, xb)) = calls
+    for got, want in (
+        (grouped._try_scaled_grouped_mm(xq, wq, offs_f, torch.float32, "forward"), out_f),
+        (grouped._try_scaled_grouped_mm(gq, wq_t, offs_d, torch.float32, "dgrad"), out_d),
+        (grouped._try_scaled_grouped_mm_wgrad(ga, xb, offs_w, torch.float32, 16), out_w),
+    ):
+        rows = slice(None) if got.dim() == 3 else slice(0, int(offs_f[-1]))
+        assert sqnr_db(want[rows], got[rows]) > 45  # bf16 outputs of the same products
+    assert not grouped.grouped_gemm_fallbacks()
+    assert grouped._try_scaled_grouped_mm_wgrad(ga, xb, offs_w, torch.float32, 1) is None
+    label = "wgrad row-wise" if recipe == "rowwise" else "wgrad per-tensor"
+    assert "not to a multiple of 16" in grouped.grouped_gemm_fallbacks()[label]
 
 
 def test_hybrid_gradients_and_alignment_choose_the_cuda_fallback(monkeypatch):

@@ -452,8 +452,10 @@ class _NotNative(Exception):
 
 def native_grouped_device(device: torch.device) -> bool:
     """Whether ``torch._scaled_grouped_mm``'s row-wise FP8 kernel exists for ``device``: CUDA SM90 and a
-    torch that has the op (its SM100 kernels take MXFP8 only)."""
+    torch that has the op (its SM100 kernels take MXFP8 only; ROCm wants ``float8_e4m3fnuz`` operands)."""
     if device.type != "cuda" or getattr(torch, "_scaled_grouped_mm", None) is None or not torch.cuda.is_available():
+        return False
+    if torch.version.hip is not None:
         return False
     return torch.cuda.get_device_capability(device)[0] == 9
 

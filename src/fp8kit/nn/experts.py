@@ -297,7 +297,8 @@ class FP8Experts:
                 pow2 = recipe.power_of_two_scales
                 wq = wq if out_dtype is None else with_weight_values(wq, out_dtype, power_of_two=pow2)
                 wq_t = wq.transpose()
-                if recipe.per_tensor and native_grouped_device(w.device):  # dgrad's kernel reads W^T contiguous
+                if recipe.per_tensor and recipe.format_for("grad") == E4M3 and native_grouped_device(w.device):
+                    # the native input-gradient GEMM (E4M3 gradients only) reads W^T contiguous
                     wq_t = dataclasses.replace(wq_t, codes=wq_t.data.contiguous())
             elif recipe.kind == "rowwise" and values is not None and backend == "compiled" and not compiling:
                 wq_t = quantize_experts_columns(w, fmt, values)  # W^T row-wise without a transposed copy
@@ -415,22 +416,28 @@ def token_alignment(recipe: Recipe, device: torch.device | None = None) -> int:
     return 1
 
 
-def routing_plan(expert_ids_sorted: torch.Tensor, num_experts: int, align: int):
+def routing_plan(expert_ids_sorted: torch.Tensor, num_experts: int, align: int, *, pad_empty: bool | None = None):
     """``(tokens per expert (E,) float32, offs (E,) int32, group id per row, dest rows or None, rows)``.
 
     With ``align > 1`` the sorted token ``j`` of expert ``e`` goes to padded row ``dest[j]``; each
-    expert's group starts at a multiple of ``align`` and ``rows`` (static) bounds the padded total."""
+    expert's group starts at a multiple of ``align`` and ``rows`` (static) bounds the padded total.
+    ``pad_empty`` (default: on CUDA): an expert without tokens still gets ``align`` zero rows, so that no
+    weight-gradient group is empty (CUDA's grouped GEMM kernels assert or hang on a group whose reduction
+    length is 0 in some torch versions; torchtitan pads the same way)."""
     s = expert_ids_sorted.numel()
     dev = expert_ids_sorted.device
     counts = torch.histc(expert_ids_sorted.float(), bins=num_experts, min=0, max=num_experts - 1)
     if align == 1:
         offs = torch.cumsum(counts, 0).to(torch.int32)
         return counts, offs, expert_ids_sorted, None, s
+    pad_empty = dev.type == "cuda" if pad_empty is None else pad_empty
     n = counts.long()
     padded = (n + align - 1) // align * align
+    if pad_empty:
+        padded = torch.where(n == 0, align, padded)
     ends, pends = torch.cumsum(n, 0), torch.cumsum(padded, 0)
     dest = torch.arange(s, device=dev) - (ends - n)[expert_ids_sorted] + (pends - padded)[expert_ids_sorted]
-    rows = -(-(s + num_experts * (align - 1)) // align) * align
+    rows = -(-(s + num_experts * (align if pad_empty else align - 1)) // align) * align
     group_ids = torch.searchsorted(pends, torch.arange(rows, device=dev), right=True).clamp_max(num_experts - 1)
     return counts, pends.to(torch.int32), group_ids, dest, rows
 
