@@ -32,7 +32,8 @@ rows; it is built and dropped with index operations from the routing counts, wit
 SM90 with E4M3 gradients (row-wise's default) every expert's tokens are padded to 16 rows the same way,
 for ``torch._scaled_grouped_mm``'s weight-gradient kernel (``token_alignment``).
 
-An expert that receives no token is valid: its rows are empty, its GEMMs are empty groups, its weight
+An expert that receives no token is valid: its rows are empty, its GEMMs are empty groups (on CUDA,
+where rows are padded, one group of zero rows instead: ``routing_plan(pad_empty=)``), its weight
 gradient is zero; layer-wide activation amaxes are taken over the real tokens only (padding rows are
 zeros, which never raise an amax), so nothing pollutes the delayed-scaling history.
 
