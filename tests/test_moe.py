@@ -733,11 +733,13 @@ def test_cuda_native_operands_keep_the_numerics_and_pass_torch_checks(recipe, mo
         assert got.shape == out.shape
     # (4) the wrappers, with the kernel stubbed by the emulation (bf16 output, as the kernel's)
     monkeypatch.setattr(grouped, "native_grouped_device", lambda device: True)
-    monkeypatch.setattr(
-        torch,
-        "_scaled_grouped_mm",
-        lambda *a, offs, out_dtype, **kw: _emulate_scaled_grouped_mm(*a, offs).to(out_dtype),
-    )
+    fast_accum = []
+
+    def stub(*a, offs, out_dtype, use_fast_accum=False):
+        fast_accum.append(use_fast_accum)
+        return _emulate_scaled_grouped_mm(*a, offs).to(out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", stub)
     grouped._FALLBACKS.clear()
     (_, offs_f, out_f, (xq, wq)), (_, offs_d, out_d, (gq, wq_t)), (_, offs_w, out_w, (ga, xb)) = calls
     for got, want in (
@@ -748,6 +750,7 @@ def test_cuda_native_operands_keep_the_numerics_and_pass_torch_checks(recipe, mo
         rows = slice(None) if got.dim() == 3 else slice(0, int(offs_f[-1]))
         assert sqnr_db(want[rows], got[rows]) > 45  # bf16 outputs of the same products
     assert not grouped.grouped_gemm_fallbacks()
+    assert fast_accum == [True, False, False]  # fast accumulation in the forward GEMM only
     assert grouped._try_scaled_grouped_mm_wgrad(ga, xb, offs_w, torch.float32, 1) is None
     label = "wgrad row-wise" if recipe == "rowwise" else "wgrad per-tensor"
     assert "not to a multiple of 16" in grouped.grouped_gemm_fallbacks()[label]

@@ -533,18 +533,14 @@ def _scaling_label(q: QuantizedTensor | GroupColumns) -> str:
     return "per-tensor" if q.scales.numel() == 1 else f"{q.block[0]}x{q.block[1]} tiles"
 
 
-def _try_scaled_grouped_mm(
-    x: QuantizedTensor, w: GroupedWeight, offs: torch.Tensor, out_dtype: torch.dtype, kind: str
-) -> torch.Tensor | None:
-    """Row-wise ``torch._scaled_grouped_mm`` (SM90) of ``grouped_gemm``'s operands (per-tensor scales
-    broadcast to rows), bf16 output; None (reason logged) where it cannot run."""
-    kind = f"{kind} {_scaling_label(x)}"
-    if not native_grouped_device(x.device):
+def _run_native(kind: str, device: torch.device, build_args, out_dtype: torch.dtype, **kw) -> torch.Tensor | None:
+    """``torch._scaled_grouped_mm(*build_args(), out_dtype=bf16, **kw)`` as ``out_dtype``; None, with the
+    reason logged once under ``kind``, where the device, the operands (``_NotNative``) or the op refuse."""
+    if not native_grouped_device(device):
         _fallback(kind, "torch._scaled_grouped_mm row-wise needs CUDA SM90 and a torch that has it")
         return None
     try:
-        args = scaled_grouped_mm_args(x, w)
-        out = torch._scaled_grouped_mm(*args, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=kind == "forward")
+        out = torch._scaled_grouped_mm(*build_args(), out_dtype=torch.bfloat16, **kw)
     except _NotNative as why:
         _fallback(kind, str(why))
         return None
@@ -552,6 +548,18 @@ def _try_scaled_grouped_mm(
         _fallback(kind, f"torch._scaled_grouped_mm refused: {err}")
         return None
     return out.to(out_dtype)
+
+
+def _try_scaled_grouped_mm(
+    x: QuantizedTensor, w: GroupedWeight, offs: torch.Tensor, out_dtype: torch.dtype, kind: str
+) -> torch.Tensor | None:
+    """Row-wise ``torch._scaled_grouped_mm`` (SM90) of ``grouped_gemm``'s operands (per-tensor scales
+    broadcast to rows), bf16 output, fast accumulation in the forward GEMM only (as the dense layers);
+    None (reason logged) where it cannot run."""
+    label = f"{kind} {_scaling_label(x)}"
+    return _run_native(
+        label, x.device, lambda: scaled_grouped_mm_args(x, w), out_dtype, offs=offs, use_fast_accum=kind == "forward"
+    )
 
 
 def _try_scaled_grouped_mm_wgrad(
@@ -563,19 +571,10 @@ def _try_scaled_grouped_mm_wgrad(
 ) -> torch.Tensor | None:
     """``grouped_gemm_wgrad`` on ``torch._scaled_grouped_mm`` (2-D x 2-D, SM90); None (reason logged) where
     it cannot run. Every expert's token group must start at a multiple of 16 rows (``token_align``)."""
-    kind = f"wgrad {_scaling_label(a)}"
-    if not native_grouped_device(a.device):
-        _fallback(kind, "torch._scaled_grouped_mm row-wise needs CUDA SM90 and a torch that has it")
-        return None
-    try:
+
+    def build_args():
         if token_align % SCALED_GROUPED_MM_ALIGN:
             raise _NotNative(f"token groups padded to {token_align} rows, not to a multiple of 16")
-        args = scaled_grouped_mm_wgrad_args(a, b, offs.numel())
-        out = torch._scaled_grouped_mm(*args, offs=offs, out_dtype=torch.bfloat16)
-    except _NotNative as why:
-        _fallback(kind, str(why))
-        return None
-    except (RuntimeError, TypeError, ValueError) as err:
-        _fallback(kind, f"torch._scaled_grouped_mm refused: {err}")
-        return None
-    return out.to(out_dtype)
+        return scaled_grouped_mm_wgrad_args(a, b, offs.numel())
+
+    return _run_native(f"wgrad {_scaling_label(a)}", a.device, build_args, out_dtype, offs=offs)
