@@ -106,7 +106,12 @@ else:
     bad = 0
     for k, a in ref.items():
         b = res.get(k)
-        same = b is not None and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        same = (
+            b is not None
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        )
         if not same:
             bad += 1
             diff = "missing" if b is None else (a.float() - b.float()).abs().max().item()

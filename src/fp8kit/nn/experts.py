@@ -5,7 +5,7 @@ Since transformers 5 an MoE layer's experts are one module with 3-D parameters (
 ``is_transposed``; optional per-expert biases ``*_bias`` ``(E, out)``), whose forward is chosen through
 ``transformers.integrations.moe.ExpertsInterface``. ``fp8kit.convert`` turns such a module into an
 ``FP8Experts`` in place (its class gains this mixin; object, parameters, hooks and attributes stay) and
-points the model's ``config._experts_implementation`` at ``"fp8kit"`` (``integrations.hf_experts``), whose
+points the model's ``config._experts_implementation`` at ``"fp8kit"`` (``nn.experts_interface``), whose
 forward is ``fp8_experts_forward`` below: the routed tokens are sorted by expert, and each projection is
 three grouped GEMMs on FP8 operands (``fp8kit.gemm.grouped``): forward, input gradient and weight
 gradient, E4M3 x E4M3 forward and E5M2 gradients under the hybrid format, FP32 accumulation. The router
@@ -54,7 +54,6 @@ weights are cached per optimizer step as ``Linear`` does (eager mode).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import torch
@@ -64,23 +63,28 @@ from ..formats import E4M3
 from ..gemm.fp8 import gemm_values_dtype
 from ..gemm.grouped import (
     SCALED_GROUPED_MM_ALIGN,
-    GroupColumns,
-    GroupedWeight,
     grouped_gemm,
     grouped_gemm_wgrad,
     native_grouped_device,
-    quantize_experts,
-    quantize_experts_columns,
-    quantize_group_columns,
     transpose_experts,
     with_values,
     with_weight_values,
+)
+from ..grouped_tensor import (
+    GroupColumns,
+    GroupedWeight,
+    quantize_experts,
+    quantize_experts_columns,
+    quantize_group_columns,
 )
 from ..recipes import DelayedScaling, Recipe
 from ..scaling import compute_scale
 from ..tensor import QuantizedTensor, leading_amax, quantize, quantize_with_transpose, tensor_amax
 from .autocast import fp8_enabled, recipe_override
+from .class_swap import swap_class
+from .experts_interface import IMPLEMENTATION, fallback_forward
 from .linear import _BACKEND, FP8_STATE_KEYS, _seen_on_host, _track_cache, quantize_knobs
+from .routing import RoutingPlan, combine, gather, permute, routing_plan
 
 __all__ = [
     "FP8Experts",
@@ -375,11 +379,6 @@ class FP8Experts:
         self._weight_cache = {}
 
 
-@functools.cache
-def _fp8_class(cls: type) -> type:
-    return type(f"FP8{cls.__name__}", (FP8Experts, cls), {"__module__": __name__, "__qualname__": f"FP8{cls.__name__}"})
-
-
 def convert_experts(
     module: nn.Module, recipe: Recipe, *, save_fp8_activations: bool = True, name: str = ""
 ) -> nn.Module:
@@ -391,8 +390,7 @@ def convert_experts(
     why = experts_why_not(module)
     if why:
         raise ValueError(f"cannot convert {name or 'these experts'} to FP8: {why}")
-    old = module.__class__
-    module.__class__ = _fp8_class(old)
+    old = swap_class(module, FP8Experts, "FP8")
     try:
         module._init_fp8(recipe, save_fp8_activations, name)  # type: ignore[attr-defined]
     except BaseException:
@@ -417,32 +415,6 @@ def token_alignment(recipe: Recipe, device: torch.device | None = None) -> int:
     return 1
 
 
-def routing_plan(expert_ids_sorted: torch.Tensor, num_experts: int, align: int, *, pad_empty: bool | None = None):
-    """``(tokens per expert (E,) float32, offs (E,) int32, group id per row, dest rows or None, rows)``.
-
-    With ``align > 1`` the sorted token ``j`` of expert ``e`` goes to padded row ``dest[j]``; each
-    expert's group starts at a multiple of ``align`` and ``rows`` (static) bounds the padded total.
-    ``pad_empty`` (default: on CUDA): an expert without tokens still gets ``align`` zero rows, so that no
-    weight-gradient group is empty (CUDA's grouped GEMM kernels assert or hang on a group whose reduction
-    length is 0 in some torch versions; torchtitan pads the same way)."""
-    s = expert_ids_sorted.numel()
-    dev = expert_ids_sorted.device
-    counts = torch.histc(expert_ids_sorted.float(), bins=num_experts, min=0, max=num_experts - 1)
-    if align == 1:
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        return counts, offs, expert_ids_sorted, None, s
-    pad_empty = dev.type == "cuda" if pad_empty is None else pad_empty
-    n = counts.long()
-    padded = (n + align - 1) // align * align
-    if pad_empty:
-        padded = torch.where(n == 0, align, padded)
-    ends, pends = torch.cumsum(n, 0), torch.cumsum(padded, 0)
-    dest = torch.arange(s, device=dev) - (ends - n)[expert_ids_sorted] + (pends - padded)[expert_ids_sorted]
-    rows = -(-(s + num_experts * (align if pad_empty else align - 1)) // align) * align
-    group_ids = torch.searchsorted(pends, torch.arange(rows, device=dev), right=True).clamp_max(num_experts - 1)
-    return counts, pends.to(torch.int32), group_ids, dest, rows
-
-
 def _pad(x: torch.Tensor, dest: torch.Tensor | None, rows: int) -> torch.Tensor:
     if dest is None:
         return x
@@ -458,9 +430,13 @@ def _pack(obj: Any) -> tuple[list[torch.Tensor], Any]:
     if isinstance(obj, QuantizedTensor):
         obj.data  # noqa: B018 - encodes codes the kernel skipped (saved activations keep theirs)
         names = ["codes", "scales"]  # values / amax are not needed in backward
+    if isinstance(obj, GroupedWeight):
+        names = [n for n in names if n != "amax"]  # not needed in backward
     other = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.name not in names}
     if isinstance(obj, QuantizedTensor):
         other.update(amax=None, values=None)
+    if isinstance(obj, GroupedWeight):
+        other.update(amax=None)
     return [getattr(obj, n) for n in names], (type(obj), names, other)
 
 
@@ -549,15 +525,12 @@ class _GroupedLinearFn(torch.autograd.Function):
         return dx, dw, None, None, None, None, None, None, None
 
 
-def _fallback_forward(module: nn.Module):
-    """The experts forward in use before conversion (unconverted modules, or FP8 disabled)."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    original = getattr(type(module).forward, "__wrapped__", None)
-    name = getattr(module, "_fp8kit_fallback", "grouped_mm")
-    if name in (None, "eager") and original is not None:
-        return original
-    return ALL_EXPERTS_FUNCTIONS.get_interface("grouped_mm" if name in (None, "eager", "fp8kit") else name, original)
+def _apply_grouped_linear(
+    x: torch.Tensor, module: FP8Experts, p: int, recipe: Recipe, plan: RoutingPlan
+) -> torch.Tensor:
+    return _GroupedLinearFn.apply(
+        x, module.fp8_param(p), plan.offs, plan.group_ids, plan.dest, module, p, recipe, plan.rows
+    )
 
 
 def grouped_linear(
@@ -571,36 +544,10 @@ def grouped_linear(
     (``expert_ids_sorted`` ``(S,)``, ascending), ``W`` the module's projection ``0`` (gate_up / up) or ``1``
     (down) as ``(E, N, K)``; differentiable in ``x`` and the weight. No bias."""
     recipe = recipe or module.active_recipe()
-    counts, offs, group_ids, dest, rows = routing_plan(
-        expert_ids_sorted, module.num_experts, token_alignment(recipe, x.device)
-    )
+    plan = routing_plan(expert_ids_sorted, module.num_experts, token_alignment(recipe, x.device))
     with torch.no_grad():
-        module.fp8_tokens_per_expert.copy_(counts)
-    return _GroupedLinearFn.apply(
-        x, module.fp8_param(projection), offs, group_ids, dest, module, projection, recipe, rows
-    )
-
-
-class _SlotGather(torch.autograd.Function):
-    """``x[slots // k]`` for ``slots`` a permutation of ``x.shape[0] * k`` routing slots (every row of ``x``
-    read by its ``k`` slots; ``k = 1``: a row permutation), whose backward gathers as well:
-    ``grad[inverse]`` summed over each row's ``k`` slots (``inverse`` the inverse permutation). Autograd's
-    own backward of the indexing scatters with accumulation (``index_put_``), about 2x slower on CPU; the
-    sum is the same for ``k <= 2`` (one rounding of ``a + b``; more slots are summed in float32 first)."""
-
-    @staticmethod
-    def forward(ctx, x, slots, inverse, k):  # type: ignore[override]
-        ctx.save_for_backward(inverse)
-        ctx.k = k
-        return x[slots // k] if k > 1 else x[slots]
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        (inverse,) = ctx.saved_tensors
-        g = grad[inverse]
-        if ctx.k > 1:
-            g = g.view(-1, ctx.k, g.shape[-1]).sum(dim=1)
-        return g, None, None, None
+        module.fp8_tokens_per_expert.copy_(plan.counts)
+    return _apply_grouped_linear(x, module, projection, recipe, plan)
 
 
 def routed_experts_forward(
@@ -609,33 +556,31 @@ def routed_experts_forward(
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
     project: Any,
+    *,
+    norm_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``grouped_mm_experts_forward``'s routing around two expert projections: tokens sorted by expert,
-    ``project(x, p, expert_ids_sorted)`` computes projection ``p`` (0 gate_up / up, 1 down) of the sorted
-    rows ``x`` (no bias), then biases, gating, the routing weights and the sum over the top-k.
+    """``grouped_mm_experts_forward``'s routing around two expert projections (``fp8kit.nn.routing``):
+    tokens sorted by expert, ``project(x, p, expert_ids_sorted)`` computes projection ``p`` (0 gate_up /
+    up, 1 down) of the sorted rows ``x`` (no bias), then biases, gating, the routing weights and the sum
+    over the top-k. ``norm_dtype``: the dtype a post-expert norm runs in (default: the projection's).
 
     ``hidden_states`` ``(T, H)``, ``top_k_index`` / ``top_k_weights`` ``(T, k)``; returns ``(T, H)``."""
-    num_top_k = top_k_index.size(-1)
-    num_tokens, hidden_dim = hidden_states.shape
-    expert_ids = top_k_index.reshape(-1)
-    sample_weights = top_k_weights.reshape(-1)
-    expert_ids_g, perm = torch.sort(expert_ids, stable=True)
-    inv_perm = torch.empty_like(perm)
-    inv_perm[perm] = torch.arange(perm.numel(), device=perm.device)
-    x = _SlotGather.apply(hidden_states, perm, inv_perm, num_top_k)
-    proj = project(x, 0, expert_ids_g)
+    perm = permute(top_k_index)
+    expert_ids = perm.expert_ids
+    proj = project(gather(hidden_states, perm), 0, expert_ids)
     if module.has_bias:
         bias = module.gate_up_proj_bias if module.has_gate else module.up_proj_bias
-        proj = proj + bias[expert_ids_g].to(proj.dtype)
+        proj = proj + bias[expert_ids].to(proj.dtype)
     proj = module._apply_gate(proj) if module.has_gate else module.act_fn(proj)
-    proj = project(proj, 1, expert_ids_g)
+    proj = project(proj, 1, expert_ids)
     if module.has_bias:
-        proj = proj + module.down_proj_bias[expert_ids_g].to(proj.dtype)
+        proj = proj + module.down_proj_bias[expert_ids].to(proj.dtype)
     if getattr(module, "has_post_expert_norm", False):
-        proj = module.post_expert_norm(proj)
-    weighted = proj * sample_weights[perm].unsqueeze(-1).to(proj.dtype)
-    out = _SlotGather.apply(weighted, inv_perm, perm, 1).view(num_tokens, num_top_k, hidden_dim).sum(dim=1)
-    return out.to(hidden_states.dtype)
+        if norm_dtype is None:
+            proj = module.post_expert_norm(proj)
+        else:
+            proj = module.post_expert_norm(proj.to(norm_dtype)).to(proj.dtype)
+    return combine(proj, top_k_weights, perm).to(hidden_states.dtype)
 
 
 def fp8_experts_forward(
@@ -645,21 +590,20 @@ def fp8_experts_forward(
 
     ``hidden_states`` ``(T, H)``, ``top_k_index`` / ``top_k_weights`` ``(T, k)``; returns ``(T, H)``."""
     if not isinstance(self, FP8Experts) or not fp8_enabled():
-        return _fallback_forward(self)(self, hidden_states, top_k_index, top_k_weights)
+        return fallback_forward(self, IMPLEMENTATION)(self, hidden_states, top_k_index, top_k_weights)
     if getattr(self, "_is_expert_parallel", False):
         raise NotImplementedError(
             f"{self.fp8_name}: transformers' own expert parallelism is not supported by fp8kit experts; use "
             "fp8kit.distributed.expert_parallel.parallelize_experts"
         )
     recipe = self.active_recipe()
-    plan: list[Any] = []
+    plans: list[RoutingPlan] = []
 
-    def project(x: torch.Tensor, p: int, expert_ids_g: torch.Tensor) -> torch.Tensor:
-        if not plan:  # one routing plan for both projections
-            plan.extend(routing_plan(expert_ids_g, self.num_experts, token_alignment(recipe, x.device)))
+    def project(x: torch.Tensor, p: int, expert_ids: torch.Tensor) -> torch.Tensor:
+        if not plans:  # one routing plan for both projections
+            plans.append(routing_plan(expert_ids, self.num_experts, token_alignment(recipe, x.device)))
             with torch.no_grad():
-                self.fp8_tokens_per_expert.copy_(plan[0])
-        _, offs, group_ids, dest, rows = plan
-        return _GroupedLinearFn.apply(x, self.fp8_param(p), offs, group_ids, dest, self, p, recipe, rows)
+                self.fp8_tokens_per_expert.copy_(plans[0].counts)
+        return _apply_grouped_linear(x, self, p, recipe, plans[0])
 
     return routed_experts_forward(self, hidden_states, top_k_index, top_k_weights, project)
