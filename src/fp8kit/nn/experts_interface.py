@@ -26,15 +26,10 @@ IMPLEMENTATION = "fp8kit"
 _RECORDED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # modules holding a ``_fp8kit_fallbacks`` record
 
 
-def register(name: str = IMPLEMENTATION, forward: Callable[..., torch.Tensor] | None = None) -> None:
-    """Register ``forward`` as ``name`` in ``transformers``' ``ExpertsInterface`` (idempotent); by default
-    the FP8 training experts as ``"fp8kit"``."""
+def register(name: str, forward: Callable[..., torch.Tensor]) -> None:
+    """Register ``forward`` as ``name`` in ``transformers``' ``ExpertsInterface`` (idempotent)."""
     from transformers.integrations.moe import ExpertsInterface
 
-    if forward is None:
-        from .experts import fp8_experts_forward
-
-        forward = fp8_experts_forward
     ExpertsInterface.register(name, forward)
 
 
@@ -59,9 +54,7 @@ def _previous(module: nn.Module, name: str) -> str | None:
     return next((m._fp8kit_fallbacks[name] for m in _sharing(module, name)), None)
 
 
-def use_implementation(
-    experts: Iterable[nn.Module], name: str = IMPLEMENTATION, forward: Callable[..., torch.Tensor] | None = None
-) -> None:
+def use_implementation(experts: Iterable[nn.Module], name: str, forward: Callable[..., torch.Tensor]) -> None:
     """Register ``forward`` as ``name`` and point the configs of these experts modules at it; each module
     records the implementation its config named before (a config already pointing at ``name`` passes
     on a sibling's record)."""
