@@ -87,12 +87,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ..nn.autocast import fp8_enabled
+from ..nn.backend import quantize_backend
 from ..nn.class_swap import swap_class
 from ..nn.experts import FP8Experts, is_experts_module, token_alignment
-from ..nn.linear import quantize_backend, quantize_knobs
 from ..nn.routing import Permutation, RoutingPlan, combine_slots, gather, permute, routing_plan, unpermute
 from ..recipes import DelayedScaling, Recipe
-from ..scaling import compute_scale, parse_granularity
+from ..scaling import parse_granularity
+from ..scaling_state import operand_scale
 from ..tensor import QuantizedTensor, quantize, tensor_amax
 from .scaling import _COUNTS, _compiler_disable
 
@@ -294,7 +295,7 @@ class _Combine(torch.autograd.Function):
         g = grad.contiguous()
         fmt, gran = recipe.format_for("grad"), recipe.granularity_for("grad")
         scale = module.agreed_scale(g.detach(), 1, "grad", recipe) if recipe.per_tensor else None
-        cast = (fmt, gran, scale, {} if recipe.per_tensor else quantize_knobs(recipe))
+        cast = (fmt, gran, scale, {} if recipe.per_tensor else recipe.quantize_kwargs)
         received = _send_fp8(g, cast, td.recv, td.send, td.group, "combine_grad")
         module._ep_pinned[(1, "grad")] = _pad_rows(_rows(received, td.arrival.order), td.plan.dest, td.plan.rows)
         return received.dequantize(grad.dtype), None
@@ -356,7 +357,6 @@ class ExpertParallel:
         # received FP8 operands, by (projection, role): the first projection's input (forward) and the down
         # projection's output gradient (backward), each consumed once by the grouped GEMMs
         self._ep_pinned: dict[tuple[int, str], QuantizedTensor] = {}
-        self._ep_seen: set[tuple[int, int]] = set()
         if mesh is not None and world > 1:
             for pname, p in list(self._parameters.items()):
                 if p is not None and not isinstance(p, DTensor) and p.dim() >= 1 and p.shape[0] == total:
@@ -405,20 +405,15 @@ class ExpertParallel:
     def agreed_scale(self, x: torch.Tensor, p: int, role: str, recipe: Recipe) -> torch.Tensor:
         """The per-tensor scale of the routed tokens ``x`` (this rank's part) that one process would use, the
         same on every EP rank; records delayed scaling's local amax (training; the step's sync reduces it)."""
-        fmt, i = recipe.format_for(role), (0 if role == "input" else 1)
-        delayed = isinstance(recipe, DelayedScaling) and recipe is self.recipe
+        slot = (p, 0 if role == "input" else 1)
+        state = self.delayed_state(recipe)
         amax = _safe_amax(x)
-        if delayed and (p, i) not in self._ep_seen and bool(self.fp8_seen[p, i] > 0):  # synced: same on all ranks
-            self._ep_seen.add((p, i))
-        if delayed and (p, i) in self._ep_seen:
-            scale = self.fp8_scale[p, i]
-        elif delayed:
-            scale = compute_scale(self._max_over_group(amax), fmt, recipe.margin, previous=1.0)
+        if state is not None and state.has_history(slot, synced=True):  # synced: the same on all ranks
+            scale = state.scale[slot]
         else:
-            kw = quantize_knobs(recipe)
-            scale = compute_scale(self._max_over_group(amax), fmt, kw.get("margin", 0), kw.get("power_of_two", False))
-        if delayed and self.training:
-            self._record_amax(p, i, amax.reshape(1))
+            scale = operand_scale(state, recipe, slot, role, self._max_over_group(amax))
+        if state is not None and self.training:
+            state.record(slot, amax, fold=not self.defer_scaling_update)
         return scale
 
     def _take_pinned(self, p: int, role: str) -> QuantizedTensor | None:
@@ -533,7 +528,7 @@ class ExpertParallel:
                     scale = self.agreed_scale(x_send.detach(), 0, "input", recipe)
                 td.cast = (fmt, "tensor", scale, {})
             else:
-                td.cast = (fmt, recipe.granularity_for("input"), None, quantize_knobs(recipe))
+                td.cast = (fmt, recipe.granularity_for("input"), None, recipe.quantize_kwargs)
         return td
 
     def _local_experts(
@@ -556,10 +551,6 @@ class ExpertParallel:
             ones = torch.ones(x_recv.shape[0], 1, dtype=dtype, device=dev)
             return super().forward(gather(x_recv, td.arrival), td.arrival.expert_ids[:, None], ones)  # type: ignore[misc]
 
-    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        super()._load_from_state_dict(*args, **kwargs)  # type: ignore[misc]
-        self._ep_seen = set()
-
 
 def _fp8_gradient_dispatch(module: nn.Module, recipe: Recipe) -> bool:
     """Whether the combine's backward sends the output gradients in FP8: where the expert rank's gradient
@@ -570,4 +561,4 @@ def _fp8_gradient_dispatch(module: nn.Module, recipe: Recipe) -> bool:
     with a post-expert norm (the gradient changes between the combine and the down projection)."""
     if getattr(module, "has_post_expert_norm", False):
         return False
-    return recipe.per_tensor or recipe.kind == "mxfp8" or (recipe.kind == "block" and recipe.power_of_two)
+    return recipe.per_tensor or recipe.power_of_two_scales

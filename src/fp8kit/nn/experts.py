@@ -78,13 +78,20 @@ from ..grouped_tensor import (
     quantize_group_columns,
 )
 from ..recipes import DelayedScaling, Recipe
-from ..scaling import compute_scale
+from ..scaling_state import (
+    DelayedScalingState,
+    check_recipe_extra_state,
+    forgive_missing_fp8_state,
+    operand_scale,
+    recipe_extra_state,
+)
 from ..tensor import QuantizedTensor, leading_amax, quantize, quantize_with_transpose, tensor_amax
 from .autocast import fp8_enabled, recipe_override
+from .backend import quantize_backend
 from .class_swap import swap_class
 from .experts_interface import IMPLEMENTATION, fallback_forward
-from .linear import _BACKEND, FP8_STATE_KEYS, _seen_on_host, _track_cache, quantize_knobs
 from .routing import RoutingPlan, combine, gather, permute, routing_plan
+from .weight_cache import track_weight_cache
 
 __all__ = [
     "FP8Experts",
@@ -154,15 +161,13 @@ class FP8Experts:
         self.amax_reduce: Any = None
         e = self.num_experts
         dev = self.down_proj.device
-        for key in ("fp8_amax_history", "fp8_scale", "fp8_seen", "fp8_amax_pending", "fp8_tokens_per_expert"):
-            self._buffers.pop(key, None)
+        self._buffers.pop("fp8_tokens_per_expert", None)
         self.register_buffer("fp8_tokens_per_expert", torch.zeros(e, device=dev), persistent=False)
+        # delayed scaling: per projection, the input, output gradient and each expert's weight; else None
+        self.fp8_state: DelayedScalingState | None = None
+        DelayedScalingState.drop(self)
         if isinstance(recipe, DelayedScaling):
-            n = recipe.amax_history_len
-            self.register_buffer("fp8_amax_history", torch.zeros(2, 2 + e, n, device=dev))
-            self.register_buffer("fp8_scale", torch.ones(2, 2 + e, device=dev))
-            self.register_buffer("fp8_seen", torch.zeros(2, 2 + e, dtype=torch.int64, device=dev))
-            self.register_buffer("fp8_amax_pending", torch.full((2, 2 + e), -1.0, device=dev))
+            self.fp8_state = DelayedScalingState(self, recipe, ("input", "grad", *("weight",) * e), lead=(2,))
 
     def active_recipe(self) -> Recipe:
         return recipe_override() or self.recipe
@@ -186,36 +191,37 @@ class FP8Experts:
         fmt = recipe.format_for(role)
         # the GEMM operand comes out of the quantize kernel beside the codes (CPU; per-tensor and row scales)
         values = gemm_values_dtype(x, x.dtype)
-        kw = {"nonfinite": "propagate", "backend": _BACKEND["name"], "values": values}
+        kw = {"nonfinite": "propagate", "backend": quantize_backend(), "values": values}
         if values is not None and not saved:
             kw["lazy_codes"] = True
-        if isinstance(recipe, DelayedScaling) and recipe is self.recipe:
-            i = 0 if role == "input" else 1
-            if _seen_on_host(self.fp8_seen[p, i]):
+        state = self.delayed_state(recipe)
+        if state is not None:
+            slot = (p, 0 if role == "input" else 1)
+            if state.has_history(slot):
                 # the history's scale does not depend on x: the kernel reduces x's amax as it casts
-                q = quantize(x, fmt, "tensor", scale=self.fp8_scale[p, i], check_scale=False, **kw)
+                q = quantize(x, fmt, "tensor", scale=state.scale[slot], check_scale=False, **kw)
                 amax = q.amax
             else:
                 amax = tensor_amax(x)
-                scale = self.activation_scale(amax, p, role, recipe)
-                q = quantize(x, fmt, "tensor", scale=scale, check_scale=False, amax=amax, **kw)
+                q = quantize(
+                    x, fmt, "tensor", scale=state.scale_for(slot, role, amax), check_scale=False, amax=amax, **kw
+                )
             if self.training and record:
-                self._record_amax(p, i, amax.reshape(1))
+                state.record(slot, amax, fold=not self.defer_scaling_update)
             return q
         if self.amax_reduce is not None and recipe.per_tensor:  # one scale from the global amax over ranks
             scale = self.activation_scale(self.amax_reduce(tensor_amax(x)), p, role, recipe)
             return quantize(x, fmt, "tensor", scale=scale, check_scale=False, **kw)
-        return quantize(x, fmt, recipe.granularity_for(role), **kw, **quantize_knobs(recipe))
+        return quantize(x, fmt, recipe.granularity_for(role), **kw, **recipe.quantize_kwargs)
+
+    def delayed_state(self, recipe: Recipe) -> DelayedScalingState | None:
+        """The delayed-scaling state that quantizes under ``recipe`` (the module's own), else None."""
+        return self.fp8_state if recipe is self.recipe else None
 
     def activation_scale(self, amax: torch.Tensor, p: int, role: str, recipe: Recipe) -> torch.Tensor:
         """The layer-wide per-tensor scale of projection ``p``'s ``role`` operand whose amax is ``amax``:
         delayed scaling's current scale (from this amax before the first update), else from ``amax``."""
-        fmt = recipe.format_for(role)
-        if isinstance(recipe, DelayedScaling) and recipe is self.recipe:
-            i = 0 if role == "input" else 1
-            fresh = compute_scale(amax, fmt, recipe.margin, previous=1.0)
-            return torch.where(self.fp8_seen[p, i] > 0, self.fp8_scale[p, i], fresh)
-        return compute_scale(amax, fmt, getattr(recipe, "margin", 0), getattr(recipe, "power_of_two", False))
+        return operand_scale(self.delayed_state(recipe), recipe, (p, 0 if role == "input" else 1), role, amax)
 
     def quantize_both_ways(
         self,
@@ -231,12 +237,12 @@ class FP8Experts:
         ``quantize_with_transpose`` of the padded ``x``. Compiled: the transpose is padded on its own, so
         that inductor does not fuse the two casts (its CPU loop-split pass asserts on that pair)."""
         xp = _pad(x, dest, rows)
-        if recipe.kind not in ("block", "mxfp8"):
+        if recipe.scales_whole_rows:
             return self.quantize_activation(xp, p, role, recipe, saved=False), self.quantize_along_tokens(
                 xp, role, recipe, group_ids
             )
         fmt, gran = recipe.format_for(role), recipe.granularity_for(role)
-        kw = {"nonfinite": "propagate", "backend": _BACKEND["name"], **quantize_knobs(recipe)}
+        kw = {"nonfinite": "propagate", "backend": quantize_backend(), **recipe.quantize_kwargs}
         if not torch.compiler.is_compiling():
             return quantize_with_transpose(xp, fmt, gran, **kw)
         xpt = x.t().contiguous() if dest is None else x.new_zeros(x.shape[1], rows).index_copy(1, dest, x.t())
@@ -247,16 +253,16 @@ class FP8Experts:
     ) -> QuantizedTensor | GroupColumns:
         """``xp.T`` quantized along the token dim for the weight-gradient GEMM (tile recipes)."""
         fmt = recipe.format_for(role)
-        if recipe.kind == "rowwise":  # a gradient's codes are never saved: its GEMM values only (CPU)
-            values = gemm_values_dtype(xp, xp.dtype) if role == "grad" and _BACKEND["name"] == "compiled" else None
+        if recipe.scales_whole_rows:  # a gradient's codes are never saved: its GEMM values only (CPU)
+            values = gemm_values_dtype(xp, xp.dtype) if role == "grad" and quantize_backend() == "compiled" else None
             return quantize_group_columns(xp, group_ids, self.num_experts, fmt, values=values)
         return quantize(
             xp.t().contiguous(),
             fmt,
             recipe.granularity_for(role),
             nonfinite="propagate",
-            backend=_BACKEND["name"],
-            **quantize_knobs(recipe),
+            backend=quantize_backend(),
+            **recipe.quantize_kwargs,
         )
 
     def fp8_expert_weights(
@@ -276,36 +282,36 @@ class FP8Experts:
             w = param.detach()
             w = transpose_experts(w) if self.is_transposed else w.contiguous()
             fmt = recipe.format_for("weight")
-            backend = _BACKEND["name"]
+            backend = quantize_backend()
             values = None if out_dtype is None else gemm_values_dtype(w, out_dtype)  # instead of the codes (CPU)
             lazy = {"lazy_codes": True} if values is not None else {}  # the CPU GEMMs read only the values
-            if isinstance(recipe, DelayedScaling) and recipe is self.recipe:
-                slots = self.fp8_weight_slots
-                if _seen_on_host(self.fp8_seen[p, slots]):  # the kernel reduces each expert's amax as it casts
+            state = self.delayed_state(recipe)
+            if state is not None:
+                slots = (p, self.fp8_weight_slots)
+                if state.has_history(slots):  # the kernel reduces each expert's amax as it casts
                     wq = quantize_experts(
-                        w, fmt, "tensor", scale=self.fp8_scale[p, slots], backend=backend, values=values, **lazy
+                        w, fmt, "tensor", scale=state.scale[slots], backend=backend, values=values, **lazy
                     )
                     amax = wq.amax
                 else:
                     amax = leading_amax(w)
-                    fresh = compute_scale(amax, fmt, recipe.margin, previous=1.0)
-                    scale = torch.where(self.fp8_seen[p, slots] > 0, self.fp8_scale[p, slots], fresh)
+                    scale = state.scale_for(slots, "weight", amax)
                     wq = quantize_experts(
                         w, fmt, "tensor", scale=scale, amax=amax, backend=backend, values=values, **lazy
                     )
                 if self.training:
-                    self._record_amax(p, slots, amax)
+                    state.record(slots, amax, fold=not self.defer_scaling_update)
             else:
                 gran = "tensor" if recipe.per_tensor else recipe.granularity_for("weight")
-                wq = quantize_experts(w, fmt, gran, backend=backend, values=values, **lazy, **quantize_knobs(recipe))
-            if recipe.per_tensor or recipe.kind == "block":
+                wq = quantize_experts(w, fmt, gran, backend=backend, values=values, **lazy, **recipe.quantize_kwargs)
+            if recipe.weight_transposes_codes:
                 pow2 = recipe.power_of_two_scales
                 wq = wq if out_dtype is None else with_weight_values(wq, out_dtype, power_of_two=pow2)
                 wq_t = wq.transpose()
                 if recipe.per_tensor and recipe.format_for("grad") == E4M3 and native_grouped_device(w.device):
                     # the native input-gradient GEMM (E4M3 gradients only) reads W^T contiguous
                     wq_t = dataclasses.replace(wq_t, codes=wq_t.data.contiguous())
-            elif recipe.kind == "rowwise" and values is not None and backend == "compiled" and not compiling:
+            elif recipe.scales_whole_rows and values is not None and backend == "compiled" and not compiling:
                 wq_t = quantize_experts_columns(w, fmt, values)  # W^T row-wise without a transposed copy
             else:
                 wq_t = quantize_experts(
@@ -315,57 +321,28 @@ class FP8Experts:
                     backend=backend,
                     values=values,
                     **lazy,
-                    **quantize_knobs(recipe),
+                    **recipe.quantize_kwargs,
                 )
         if not compiling:
             self._weight_cache[p] = (key, wq, wq_t)
-            _track_cache(self)
+            track_weight_cache(self)
         return wq, wq_t
 
     def release_fp8_weights(self) -> None:
         self._weight_cache = {}
 
     @torch.no_grad()
-    def _record_amax(self, p: int, slots: int | slice, amax: torch.Tensor) -> None:
-        pending = self.fp8_amax_pending[p, slots]
-        amax = amax.float().reshape(pending.shape)
-        self.fp8_amax_pending[p, slots] = torch.where(torch.isfinite(amax), torch.maximum(pending, amax), pending)
-        if not self.defer_scaling_update:
-            self.fold_amax_pending()
-
-    @torch.no_grad()
     def fold_amax_pending(self) -> None:
         """Move pending amaxes into the histories and recompute those scales (in place, no sync)."""
-        recipe = self.recipe
-        if not isinstance(recipe, DelayedScaling):
-            return
-        pending, hist = self.fp8_amax_pending, self.fp8_amax_history
-        has = pending >= 0
-        rolled = torch.roll(hist, 1, dims=-1)
-        rolled[..., 0] = pending.clamp_min(0)
-        hist.copy_(torch.where(has[..., None], rolled, hist))
-        self.fp8_seen.add_(has.to(torch.int64))
-        ref = hist.amax(dim=-1) if recipe.amax_compute_algo == "max" else hist[..., 0]
-        prev = self.fp8_scale
-        fwd = compute_scale(ref, E4M3, recipe.margin, previous=prev)
-        bwd = compute_scale(ref, recipe.format_for("grad"), recipe.margin, previous=prev)
-        grad_slot = torch.arange(prev.shape[1], device=prev.device) == 1
-        self.fp8_scale.copy_(torch.where(has, torch.where(grad_slot, bwd, fwd), prev))
-        pending.copy_(torch.where(has, torch.full_like(pending, -1.0), pending))
+        if self.fp8_state is not None:
+            self.fp8_state.fold()
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def get_extra_state(self) -> torch.Tensor:
-        return torch.frombuffer(bytearray(self.recipe.to_json().encode()), dtype=torch.uint8).clone()
+        return recipe_extra_state(self.recipe)
 
     def set_extra_state(self, state: Any) -> None:
-        if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
-            raise ValueError(f"{self.fp8_name}: FP8 state in the checkpoint is not fp8kit's (expected a uint8 tensor)")
-        other = Recipe.from_json(bytes(state.cpu().tolist()).decode())
-        if other != self.recipe:
-            raise ValueError(
-                f"{self.fp8_name}: checkpoint was written with recipe {other} but this model uses {self.recipe}; "
-                "convert the model with the checkpoint's recipe, or load fp8kit.nn.strip_fp8_state(state_dict)"
-            )
+        check_recipe_extra_state(state, self.recipe, self.fp8_name)
         self._weight_cache = {}
 
     def _load_from_state_dict(
@@ -374,9 +351,10 @@ class FP8Experts:
         super()._load_from_state_dict(  # type: ignore[misc]
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
-        fresh = {prefix + k for k in FP8_STATE_KEYS}
-        missing_keys[:] = [k for k in missing_keys if k not in fresh]
+        forgive_missing_fp8_state(prefix, missing_keys)
         self._weight_cache = {}
+        if self.fp8_state is not None:
+            self.fp8_state.forget_reads()
 
 
 def convert_experts(
@@ -406,10 +384,8 @@ def token_alignment(recipe: Recipe, device: torch.device | None = None) -> int:
     """Rows each expert's group is padded to a multiple of: the tiles along the token dim of the weight-
     gradient GEMM (block, MXFP8), or 16 where that GEMM runs ``torch._scaled_grouped_mm`` (CUDA SM90, E4M3
     gradients: its FP8 rows start on 16-byte boundaries, as torchao and torchtitan pad them); else 1."""
-    if recipe.kind == "block":
-        return recipe.block_size  # type: ignore[attr-defined]
-    if recipe.kind == "mxfp8":
-        return 32
+    if recipe.tile_width is not None:
+        return recipe.tile_width
     if device is not None and recipe.format_for("grad") == E4M3 and native_grouped_device(device):
         return SCALED_GROUPED_MM_ALIGN
     return 1
