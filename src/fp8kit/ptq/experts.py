@@ -6,10 +6,10 @@ optional ``*_bias`` ``(E, out)``), and its forward is looked up by name in
 ``transformers.integrations.moe.ExpertsInterface``. ``quantize_experts_module`` turns such a module into a
 ``QuantExperts`` in place (a class swap, as ``fp8kit.convert`` does for training: the object, its hooks,
 ``act_fn`` / ``_apply_gate`` stay) and points the model's ``config._experts_implementation`` at
-``"fp8kit_ptq"``, whose forward (``quant_experts_forward``) sorts the routed tokens by expert and runs
-each projection as one grouped GEMM (``fp8kit.gemm.grouped.grouped_mm``, ``torch._grouped_mm`` with
-offsets) on the exact 8-bit code values, FP32 accumulation on CPU, the scales applied to the accumulator.
-No Python loop over experts.
+``"fp8kit_ptq"``, whose forward (``quant_experts_forward``) routes the tokens as the training experts do
+(``fp8kit.nn.routing``) and runs each projection as one grouped GEMM of the GEMM floor
+(``gemm.grouped.grouped_scaled_mm``: the exact 8-bit code values, FP32 accumulation on CPU, the scales
+applied to the accumulator; block FP8: ``gemm.scaled.block_scaled_mm``). No Python loop over experts.
 
 Stored per projection ``P`` (``gate_up_proj`` or ``up_proj``, and ``down_proj``), as buffers:
 
