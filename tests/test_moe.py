@@ -19,6 +19,7 @@ from test_numerics_exact import KINDS, assert_matches, ref_operand
 
 import fp8kit
 from fp8kit.gemm.grouped import grouped_gemm_counts
+from fp8kit.grouped_tensor import quantize_experts
 from fp8kit.nn.experts import FP8Experts, grouped_linear
 from tests.conftest import sqnr_db
 
@@ -626,7 +627,6 @@ def test_operands_only_cpu_gemms_read_keep_no_codes(kind):
     (``lazy_codes``): no FP8 codes are written for them, and reading ``data`` encodes exactly the codes a
     plain quantize writes. Saved activations keep their codes (the weight gradient decodes them)."""
     from fp8kit.formats import E4M3
-    from fp8kit.gemm.grouped import quantize_experts
     from fp8kit.nn import experts as experts_mod
 
     ids, x, w, g, _ = routed_inputs()
@@ -766,7 +766,7 @@ def test_hybrid_gradients_and_alignment_choose_the_cuda_fallback(monkeypatch):
 
     ids, x, w, g, _ = routed_inputs()
     gq = fp8kit.quantize(g, "e5m2", "tensor")
-    wq = grouped.quantize_experts(w.transpose(1, 2).contiguous(), fp8kit.E4M3, "tensor")
+    wq = quantize_experts(w.transpose(1, 2).contiguous(), fp8kit.E4M3, "tensor")
     with pytest.raises(grouped._NotNative, match="E4M3 operands only.*fp8_format='e4m3'"):
         grouped.scaled_grouped_mm_args(gq, wq)
     cuda = torch.device("cuda")
@@ -786,7 +786,7 @@ def test_slot_gather_backward_equals_indexing(k):
     """The routing's gather with a gathering backward (``_SlotGather``): the same rows as ``x[slots // k]``,
     and the gradient autograd's scatter-with-accumulation gives, bit for bit for k <= 2 (one rounding of
     a + b either way), within one bf16 rounding of the exact sum for more slots."""
-    from fp8kit.nn.experts import _SlotGather
+    from fp8kit.nn.routing import _SlotGather
 
     gen = torch.Generator().manual_seed(k)
     t, h = 37, 16

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
 
 from .formats import E4M3, E5M2, Format
+from .scaling import compute_scale
 
 __all__ = [
     "BlockScaling",
@@ -61,6 +65,43 @@ class Recipe:
         FP8 value times its scale is exact in bf16 (CPU GEMMs on dequantized tiles use that)."""
         return bool(getattr(self, "power_of_two", False))
 
+    @property
+    def fast_accumulation(self) -> bool:
+        """The forward GEMM may use the GPU's fast FP8 accumulation (per-tensor and row-wise recipes, as
+        torchao); the gradients' GEMMs and tile recipes keep Hopper's periodic FP32 promotion (DeepSeek-V3)."""
+        return False
+
+    @property
+    def weight_transposes_codes(self) -> bool:
+        """The quantized weight's transpose is its codes transposed (one scale, or square tiles), so the
+        transposed GEMM operand needs no second quantization."""
+        return self.per_tensor
+
+    @property
+    def scales_whole_rows(self) -> bool:
+        """One scale per whole row of an operand (row-wise): a split of the reduction dim splits every
+        scale, and the transposed operand needs its own per-column scales."""
+        return False
+
+    @property
+    def tile_width(self) -> int | None:
+        """Width of the scaling tiles along the reduction dim (block, MX), or ``None`` (no tiles)."""
+        return None
+
+    @property
+    def quantize_kwargs(self) -> dict[str, Any]:
+        """The recipe's settings as ``fp8kit.quantize`` keyword arguments."""
+        return {}
+
+    def scale_from_amax(
+        self, amax: torch.Tensor, role: str, previous: torch.Tensor | float | None = None
+    ) -> torch.Tensor:
+        """The per-tensor scale of a ``role`` operand whose absolute maximum is ``amax``: the pure rule
+        ``fmt.max / amax / 2**margin`` (``compute_scale``, with the recipe's margin and power-of-two
+        rounding); ``previous`` is kept where ``amax`` is zero or non-finite (else 1.0)."""
+        margin = getattr(self, "margin", 0)
+        return compute_scale(amax, self.format_for(role), margin, self.power_of_two_scales, previous=previous)
+
     def to_json(self) -> str:
         return json.dumps({"kind": self.kind, **asdict(self)}, sort_keys=True)
 
@@ -91,6 +132,10 @@ class DelayedScaling(Recipe):
 
     kind = "delayed"
 
+    @property
+    def fast_accumulation(self) -> bool:
+        return True
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.amax_history_len < 1:
@@ -109,6 +154,14 @@ class CurrentScaling(Recipe):
     margin: int = 0
 
     kind = "current"
+
+    @property
+    def fast_accumulation(self) -> bool:
+        return True
+
+    @property
+    def quantize_kwargs(self) -> dict[str, Any]:
+        return {"margin": self.margin, "power_of_two": self.power_of_two}
 
 
 @dataclass(frozen=True)
@@ -129,6 +182,14 @@ class RowwiseScaling(Recipe):
     @property
     def per_tensor(self) -> bool:
         return False
+
+    @property
+    def fast_accumulation(self) -> bool:
+        return True
+
+    @property
+    def scales_whole_rows(self) -> bool:
+        return True
 
 
 @dataclass(frozen=True)
@@ -158,6 +219,18 @@ class BlockScaling(Recipe):
     def per_tensor(self) -> bool:
         return False
 
+    @property
+    def weight_transposes_codes(self) -> bool:
+        return True  # square weight tiles
+
+    @property
+    def tile_width(self) -> int | None:
+        return self.block_size
+
+    @property
+    def quantize_kwargs(self) -> dict[str, Any]:
+        return {"power_of_two": self.power_of_two}
+
 
 @dataclass(frozen=True)
 class MXFP8Scaling(Recipe):
@@ -183,6 +256,14 @@ class MXFP8Scaling(Recipe):
     @property
     def power_of_two_scales(self) -> bool:
         return True
+
+    @property
+    def tile_width(self) -> int | None:
+        return 32
+
+    @property
+    def quantize_kwargs(self) -> dict[str, Any]:
+        return {"mx_rounding": self.rounding}
 
 
 _KINDS: dict[str | None, type[Recipe]] = {

@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from ..nn.experts import FP8Experts
 from ..nn.linear import Linear as FP8Linear
+from ..nn.routing import gather, permute
 from ..recipes import DelayedScaling, Recipe, recipe_from_name
 from ..tensor import tensor_amax
 from .stats import ROLES, operand_stats
@@ -236,8 +237,8 @@ def expert_stats(
     out = []
     if hidden_states is not None and top_k_index is not None:
         x = hidden_states.detach().reshape(-1, hidden_states.shape[-1])
-        row_experts, perm = torch.sort(top_k_index.reshape(-1), stable=True)
-        out += routed_stats(module, 0, "input", x[perm // top_k_index.shape[-1]], row_experts, recipe)
+        perm = permute(top_k_index)
+        out += routed_stats(module, 0, "input", gather(x, perm), perm.expert_ids, recipe)
     for p, param in enumerate(names):
         w = module.fp8_param(p).detach()
         w = w.to_local() if hasattr(w, "to_local") else w  # expert parallelism: a DTensor of this rank's experts

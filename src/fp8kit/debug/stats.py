@@ -19,7 +19,6 @@ import torch
 
 from ..formats import Format
 from ..kernels.reference import expand_tiles
-from ..nn.linear import quantize_knobs
 from ..recipes import DelayedScaling, Recipe
 from ..tensor import QuantizedTensor, quantize
 
@@ -45,7 +44,7 @@ def quantize_for_stats(
         if delayed_scale is not None:
             return quantize(x2, fmt, "tensor", scale=delayed_scale, nonfinite="propagate", check_scale=False)
         return quantize(x2, fmt, "tensor", margin=recipe.margin, nonfinite="propagate")
-    return quantize(x2, fmt, recipe.granularity_for(role), nonfinite="propagate", **quantize_knobs(recipe))
+    return quantize(x2, fmt, recipe.granularity_for(role), nonfinite="propagate", **recipe.quantize_kwargs)
 
 
 @torch.no_grad()

@@ -75,9 +75,9 @@ reference the EP tests compare to).
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -87,10 +87,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ..nn.autocast import fp8_enabled
-from ..nn.experts import FP8Experts, is_experts_module, routing_plan, token_alignment
-from ..nn.linear import quantize_backend, quantize_knobs
+from ..nn.backend import quantize_backend
+from ..nn.class_swap import swap_class
+from ..nn.experts import FP8Experts, is_experts_module, token_alignment
+from ..nn.routing import Permutation, RoutingPlan, combine_slots, gather, permute, routing_plan, unpermute
 from ..recipes import DelayedScaling, Recipe
-from ..scaling import compute_scale, parse_granularity
+from ..scaling import parse_granularity
+from ..scaling_state import operand_scale
 from ..tensor import QuantizedTensor, quantize, tensor_amax
 from .scaling import _COUNTS, _compiler_disable
 
@@ -136,7 +139,7 @@ def parallelize_experts(
                 f"choose an expert-parallel degree that divides {m.num_experts}"
             )
     for name, m in found:
-        m.__class__ = _ep_class(type(m))
+        swap_class(m, ExpertParallel, "EP")
         m._setup_ep(name, ep_mesh, capacity_factor, fp8_dispatch)
     return [name for name, _ in found]
 
@@ -226,49 +229,75 @@ def _send_fp8(x: torch.Tensor, cast: tuple, out_splits: list[int], in_splits: li
     return QuantizedTensor(data, scales, fmt, q.granularity, block, x.dtype)
 
 
+@dataclass
+class TokenDispatch:
+    """One EP forward's token exchange (torchtitan's partition, token dispatch and token combine).
+
+    Attributes:
+        group: the EP process group (``None``: one process).
+        send: rows this rank sends to each rank; ``recv``: rows it receives from each.
+        cast: the dispatch's FP8 cast ``(fmt, granularity, agreed scale or None, quantize knobs)``, or
+            ``None`` to send the model's dtype.
+        received: the received FP8 rows (arrival order), where ``cast`` is set.
+        arrival: the received rows sorted by local expert (``nn.routing.Permutation``).
+        plan: the local grouped GEMMs' ``RoutingPlan`` of the sorted received rows.
+        grad_recipe: the recipe whose gradient format the combine's backward sends in, or ``None`` (the
+            model's dtype); ``module``: the experts module that consumes it.
+    """
+
+    group: Any
+    send: list[int]
+    recv: list[int]
+    cast: tuple | None = None
+    received: QuantizedTensor | None = None
+    arrival: Permutation | None = None
+    plan: RoutingPlan | None = None
+    grad_recipe: Recipe | None = None
+    module: Any = None
+
+
 class _Dispatch(torch.autograd.Function):
-    """Kept pairs' hidden states to their expert ranks (FP8 codes + scales when ``plan["fp8"]``, else the
+    """Kept pairs' hidden states to their expert ranks (FP8 codes + scales when ``td.cast`` is set, else the
     dtype of ``x``); returns the received rows in arrival order (dequantized). Backward: the gradient back
     to the source ranks in the model's dtype."""
 
     @staticmethod
-    def forward(ctx, x, plan):  # type: ignore[override]
-        ctx.plan = plan
-        group, out_splits, in_splits = plan["group"], plan["recv"], plan["send"]
-        if plan["fp8"] is None:
-            return _all_to_all(x, out_splits, in_splits, group, "dispatch")
-        plan["received"] = _send_fp8(x, plan["fp8"], out_splits, in_splits, group, "dispatch")
-        return plan["received"].dequantize(x.dtype)
+    def forward(ctx, x, td: TokenDispatch):  # type: ignore[override]
+        ctx.td = td
+        if td.cast is None:
+            return _all_to_all(x, td.recv, td.send, td.group, "dispatch")
+        td.received = _send_fp8(x, td.cast, td.recv, td.send, td.group, "dispatch")
+        return td.received.dequantize(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        plan = ctx.plan
-        return _all_to_all(grad, plan["send"], plan["recv"], plan["group"], "dispatch_grad"), None
+        td = ctx.td
+        return _all_to_all(grad, td.send, td.recv, td.group, "dispatch_grad"), None
 
 
 class _Combine(torch.autograd.Function):
     """Expert outputs back to the tokens' ranks in the model's dtype. Backward: the output gradient to the
-    expert ranks, in FP8 when ``plan["grad_fp8"]`` (the recipe's gradient format and per-token scales, or
-    the agreed per-tensor scale; the received codes become the down projection's gradient operand), else
+    expert ranks, in FP8 when ``td.grad_recipe`` is set (the recipe's gradient format and per-token scales,
+    or the agreed per-tensor scale; the received codes become the down projection's gradient operand), else
     in the model's dtype."""
 
     @staticmethod
-    def forward(ctx, y, plan):  # type: ignore[override]
-        ctx.plan = plan
-        return _all_to_all(y, plan["send"], plan["recv"], plan["group"], "combine")
+    def forward(ctx, y, td: TokenDispatch):  # type: ignore[override]
+        ctx.td = td
+        return _all_to_all(y, td.send, td.recv, td.group, "combine")
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        plan = ctx.plan
-        if plan.get("grad_fp8") is None:
-            return _all_to_all(grad, plan["recv"], plan["send"], plan["group"], "combine_grad"), None
-        module, recipe = plan["module"], plan["grad_fp8"]
+        td = ctx.td
+        if td.grad_recipe is None:
+            return _all_to_all(grad, td.recv, td.send, td.group, "combine_grad"), None
+        module, recipe = td.module, td.grad_recipe
         g = grad.contiguous()
         fmt, gran = recipe.format_for("grad"), recipe.granularity_for("grad")
         scale = module.agreed_scale(g.detach(), 1, "grad", recipe) if recipe.per_tensor else None
-        cast = (fmt, gran, scale, {} if recipe.per_tensor else quantize_knobs(recipe))
-        received = _send_fp8(g, cast, plan["recv"], plan["send"], plan["group"], "combine_grad")
-        module._ep_pinned[(1, "grad")] = _pad_rows(_rows(received, plan["order"]), plan["dest"], plan["rows"])
+        cast = (fmt, gran, scale, {} if recipe.per_tensor else recipe.quantize_kwargs)
+        received = _send_fp8(g, cast, td.recv, td.send, td.group, "combine_grad")
+        module._ep_pinned[(1, "grad")] = _pad_rows(_rows(received, td.arrival.order), td.plan.dest, td.plan.rows)
         return received.dequantize(grad.dtype), None
 
 
@@ -328,7 +357,6 @@ class ExpertParallel:
         # received FP8 operands, by (projection, role): the first projection's input (forward) and the down
         # projection's output gradient (backward), each consumed once by the grouped GEMMs
         self._ep_pinned: dict[tuple[int, str], QuantizedTensor] = {}
-        self._ep_seen: set[tuple[int, int]] = set()
         if mesh is not None and world > 1:
             for pname, p in list(self._parameters.items()):
                 if p is not None and not isinstance(p, DTensor) and p.dim() >= 1 and p.shape[0] == total:
@@ -377,20 +405,15 @@ class ExpertParallel:
     def agreed_scale(self, x: torch.Tensor, p: int, role: str, recipe: Recipe) -> torch.Tensor:
         """The per-tensor scale of the routed tokens ``x`` (this rank's part) that one process would use, the
         same on every EP rank; records delayed scaling's local amax (training; the step's sync reduces it)."""
-        fmt, i = recipe.format_for(role), (0 if role == "input" else 1)
-        delayed = isinstance(recipe, DelayedScaling) and recipe is self.recipe
+        slot = (p, 0 if role == "input" else 1)
+        state = self.delayed_state(recipe)
         amax = _safe_amax(x)
-        if delayed and (p, i) not in self._ep_seen and bool(self.fp8_seen[p, i] > 0):  # synced: same on all ranks
-            self._ep_seen.add((p, i))
-        if delayed and (p, i) in self._ep_seen:
-            scale = self.fp8_scale[p, i]
-        elif delayed:
-            scale = compute_scale(self._max_over_group(amax), fmt, recipe.margin, previous=1.0)
+        if state is not None and state.has_history(slot, synced=True):  # synced: the same on all ranks
+            scale = state.scale[slot]
         else:
-            kw = quantize_knobs(recipe)
-            scale = compute_scale(self._max_over_group(amax), fmt, kw.get("margin", 0), kw.get("power_of_two", False))
-        if delayed and self.training:
-            self._record_amax(p, i, amax.reshape(1))
+            scale = operand_scale(state, recipe, slot, role, self._max_over_group(amax))
+        if state is not None and self.training:
+            state.record(slot, amax, fold=not self.defer_scaling_update)
         return scale
 
     def _take_pinned(self, p: int, role: str) -> QuantizedTensor | None:
@@ -458,18 +481,28 @@ class ExpertParallel:
     def _ep_forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        num_tokens, hidden = hidden_states.shape
-        top_k = top_k_index.shape[-1]
-        world, total, local, first = self.ep_size, self.ep_num_experts, self.num_experts, self.ep_first_expert
         fp8 = isinstance(self, FP8Experts) and fp8_enabled()
         recipe = self.active_recipe() if fp8 else None
         if fp8:
             self._check_order(recipe)
-        ids = top_k_index.reshape(-1)
-        ids_sorted, perm = torch.sort(ids, stable=True)
+        perm = permute(top_k_index)
+        send_pairs, keep = self._partition(perm, hidden_states.shape[0])
+        x_send = hidden_states[send_pairs // perm.top_k]
+        td = self._token_dispatch(keep, x_send, recipe)
+        x_recv = _Dispatch.apply(x_send, td)
+        y_local = self._local_experts(x_recv, td, keep, recipe, top_k_weights.dtype)
+        y_back = _Combine.apply(unpermute(y_local, td.arrival), td)
+        pairs = y_back.new_zeros(perm.order.numel(), y_back.shape[-1]).index_copy(0, send_pairs, y_back)
+        return combine_slots(pairs, top_k_weights).to(hidden_states.dtype)
+
+    def _partition(self, perm: Permutation, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(this rank's kept slots in expert order, the kept pairs per (source rank, expert) (W, E))``
+        after the count exchange and capacity; updates the token counters."""
+        total, local, first = self.ep_num_experts, self.num_experts, self.ep_first_expert
+        ids = perm.expert_ids
         counts = torch.bincount(ids, minlength=total)
-        table = _gather_counts(counts, num_tokens, self.ep_group, world)
-        keep = capacity_keep(table[:, :total], table[:, total], top_k, self.ep_capacity_factor)
+        table = _gather_counts(counts, num_tokens, self.ep_group, self.ep_size)
+        keep = capacity_keep(table[:, :total], table[:, total], perm.top_k, self.ep_capacity_factor)
         mine = keep[self.ep_rank]
         with torch.no_grad():
             self.ep_tokens_dispatched += mine.to(self.ep_tokens_dispatched.device)
@@ -477,49 +510,46 @@ class ExpertParallel:
             self.ep_tokens_received += keep[:, first : first + local].sum(0).to(self.ep_tokens_received.device)
         # the sender's kept pairs, in expert order (token order within an expert)
         dev = ids.device
-        starts = (torch.cumsum(counts, 0) - counts)[ids_sorted]
-        position = torch.arange(ids.numel(), device=dev) - starts
-        send_pairs = perm[position < mine.to(dev)[ids_sorted]]
-        x_send = hidden_states[send_pairs // top_k]
-        recv_block = keep[:, first : first + local]  # (W, local): pairs from each rank to each local expert
-        plan: dict[str, Any] = {
-            "group": self.ep_group,
-            "send": mine.view(world, local).sum(1).tolist(),
-            "recv": recv_block.sum(1).tolist(),
-            "fp8": None,
-        }
-        if fp8 and self.ep_fp8_dispatch and world > 1:
+        position = torch.arange(ids.numel(), device=dev) - (torch.cumsum(counts, 0) - counts)[ids]
+        return perm.order[position < mine.to(dev)[ids]], keep
+
+    def _token_dispatch(self, keep: torch.Tensor, x_send: torch.Tensor, recipe: Recipe | None) -> TokenDispatch:
+        """The ``TokenDispatch`` of this rank's kept rows ``x_send`` (split sizes, FP8 cast)."""
+        world, local, first = self.ep_size, self.num_experts, self.ep_first_expert
+        td = TokenDispatch(
+            self.ep_group,
+            keep[self.ep_rank].view(world, local).sum(1).tolist(),
+            keep[:, first : first + local].sum(1).tolist(),
+        )
+        if recipe is not None and self.ep_fp8_dispatch and world > 1:
             fmt = recipe.format_for("input")
             if recipe.per_tensor:
                 with torch.no_grad():
                     scale = self.agreed_scale(x_send.detach(), 0, "input", recipe)
-                plan["fp8"] = (fmt, "tensor", scale, {})
+                td.cast = (fmt, "tensor", scale, {})
             else:
-                plan["fp8"] = (fmt, recipe.granularity_for("input"), None, quantize_knobs(recipe))
-        x_recv = _Dispatch.apply(x_send, plan)
-        # arrival order (by source rank, then expert) -> expert order (then source rank: global token order)
-        arrival_ids = torch.arange(local).repeat(world).repeat_interleave(recv_block.flatten()).to(dev)
-        local_sorted, order = torch.sort(arrival_ids, stable=True)
-        x_local = x_recv[order]
-        with self._local_parameters():
-            if "received" in plan:
-                q = _rows(plan["received"], order)
-                _, _, _, dest, rows = routing_plan(local_sorted, local, token_alignment(recipe, dev))
-                self._ep_pinned = {(0, "input"): _pad_rows(q, dest, rows)}
-                if _fp8_gradient_dispatch(self, recipe):
-                    plan.update(grad_fp8=recipe, module=self, order=order, dest=dest, rows=rows)
-            ones = torch.ones(local_sorted.numel(), 1, dtype=top_k_weights.dtype, device=dev)
-            y_local = super().forward(x_local, local_sorted[:, None], ones)  # type: ignore[misc]
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=dev)
-        y_back = _Combine.apply(y_local[inverse], plan)
-        pairs = y_back.new_zeros(ids.numel(), hidden).index_copy(0, send_pairs, y_back)
-        weighted = pairs * top_k_weights.reshape(-1, 1).to(pairs.dtype)
-        return weighted.view(num_tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+                td.cast = (fmt, recipe.granularity_for("input"), None, recipe.quantize_kwargs)
+        return td
 
-    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        super()._load_from_state_dict(*args, **kwargs)  # type: ignore[misc]
-        self._ep_seen = set()
+    def _local_experts(
+        self, x_recv: torch.Tensor, td: TokenDispatch, keep: torch.Tensor, recipe: Recipe | None, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The local experts on the received rows (arrival order: by source rank, then expert), sorted by
+        local expert (then source rank: global token order); returns their outputs in sorted order."""
+        world, local, first = self.ep_size, self.num_experts, self.ep_first_expert
+        dev = x_recv.device
+        recv_block = keep[:, first : first + local]  # (W, local): pairs from each rank to each local expert
+        arrival_ids = torch.arange(local).repeat(world).repeat_interleave(recv_block.flatten()).to(dev)
+        td.arrival = permute(arrival_ids)
+        with self._local_parameters():
+            if td.received is not None:
+                q = _rows(td.received, td.arrival.order)
+                td.plan = routing_plan(td.arrival.expert_ids, local, token_alignment(recipe, dev))
+                self._ep_pinned = {(0, "input"): _pad_rows(q, td.plan.dest, td.plan.rows)}
+                if _fp8_gradient_dispatch(self, recipe):
+                    td.grad_recipe, td.module = recipe, self
+            ones = torch.ones(x_recv.shape[0], 1, dtype=dtype, device=dev)
+            return super().forward(gather(x_recv, td.arrival), td.arrival.expert_ids[:, None], ones)  # type: ignore[misc]
 
 
 def _fp8_gradient_dispatch(module: nn.Module, recipe: Recipe) -> bool:
@@ -531,11 +561,4 @@ def _fp8_gradient_dispatch(module: nn.Module, recipe: Recipe) -> bool:
     with a post-expert norm (the gradient changes between the combine and the down projection)."""
     if getattr(module, "has_post_expert_norm", False):
         return False
-    return recipe.per_tensor or recipe.kind == "mxfp8" or (recipe.kind == "block" and recipe.power_of_two)
-
-
-@functools.cache
-def _ep_class(cls: type) -> type:
-    return type(
-        f"EP{cls.__name__}", (ExpertParallel, cls), {"__module__": __name__, "__qualname__": f"EP{cls.__name__}"}
-    )
+    return recipe.per_tensor or recipe.power_of_two_scales

@@ -38,8 +38,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from ..recipes import DelayedScaling
-from ..scaling import compute_scale
+from ..formats import E4M3, cast
+from ..scaling_state import operand_scale
 from ..tensor import leading_amax
 from .scaling import _COUNTS, _compiler_disable, fp8_layers, sync_scaling
 
@@ -52,8 +52,6 @@ __all__ = [
     "shard_model",
 ]
 
-_FP8 = torch.float8_e4m3fn
-_FP8_MAX = 448.0
 _aten = torch.ops.aten
 # ops through which FSDP2 shards, pads, moves and copies a parameter: their results stay wrapped
 _KEEP = {
@@ -145,13 +143,13 @@ class FP8GatherWeight(torch.Tensor):
             first = getattr(self._layer, "ep_first_expert", 0)  # expert parallel: this EP rank's experts only
             shard_scale = scale[start : start + n]
             meta = (scale[first : first + outer_size[0]], tuple(outer_size))
-        codes = (self._data.float() * shard_scale).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8)
+        codes = cast(self._data.float() * shard_scale, E4M3)  # saturating
         return (codes.view(torch.uint8),), meta
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         (codes,) = all_gather_outputs
         scale, *shape = metadata
-        codes = codes.view(_FP8)
+        codes = codes.view(E4M3.dtype)
         if shape:  # experts: FSDP2 hands the gathered (E, R, C) codes back flattened to the shard's trailing dims
             codes = codes.reshape(shape[0])
         weight = (codes.float() / scale).to(param_dtype)
@@ -325,40 +323,20 @@ def _set_gather_scales(model: nn.Module, group: Any) -> None:
     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     _COUNTS["weight_amax"] += 1
     for m, a in zip(layers, amax.split([t.numel() for t in local]), strict=True):
-        recipe = m.recipe
-        fmt = recipe.format_for("weight")
-        if hasattr(m, "fp8_param"):
-            _set_expert_gather_scales(m, a.view(2, -1))
-            continue
-        a = a.reshape(())
-        if isinstance(recipe, DelayedScaling):
-            own = compute_scale(a, fmt, recipe.margin, previous=1.0)
-            m._fp8_gather_scale = torch.where(m.fp8_seen[1] > 0, m.fp8_scale[1], own)
-            if m.training:  # the true amax (the gathered FP8 copy saturates where the weight outgrew the scale)
-                pending = m.fp8_amax_pending[1]
-                m.fp8_amax_pending[1] = torch.where(torch.isfinite(a), torch.maximum(pending, a), pending)
-        else:
-            m._fp8_gather_scale = compute_scale(
-                a, fmt, getattr(recipe, "margin", 0), getattr(recipe, "power_of_two", False)
-            )
+        _set_gather_scale(m, a)
 
 
-def _set_expert_gather_scales(m: nn.Module, amax: torch.Tensor) -> None:
-    """An experts module's ``(2, E)`` gather scales from the global per-expert weight amaxes ``(2, E)``: its
-    delayed per-expert weight scales (slots ``2:``; the amax's scale before the first record, whose true
-    value also goes into the pending amax) or, for current scaling, the scale of each expert's amax."""
-    recipe = m.recipe
-    fmt = recipe.format_for("weight")
-    if isinstance(recipe, DelayedScaling):
-        own = compute_scale(amax, fmt, recipe.margin, previous=1.0)
-        m._fp8_gather_scale = torch.where(m.fp8_seen[:, 2:] > 0, m.fp8_scale[:, 2:], own)
-        if m.training:
-            pending = m.fp8_amax_pending[:, 2:]
-            m.fp8_amax_pending[:, 2:] = torch.where(torch.isfinite(amax), torch.maximum(pending, amax), pending)
-    else:
-        m._fp8_gather_scale = compute_scale(
-            amax, fmt, getattr(recipe, "margin", 0), getattr(recipe, "power_of_two", False)
-        )
+def _set_gather_scale(m: nn.Module, amax: torch.Tensor) -> None:
+    """A layer's gather scale from its global weight amax: a ``Linear``'s one, an experts module's ``(2, E)``
+    (one per projection and expert, delayed slots ``2:``). Delayed scaling: its weight scale (the amax's own
+    before the first record), and the true amax goes into the pending amax (the gathered FP8 copy saturates
+    where the weight outgrew the scale); current scaling: the scale of the amax."""
+    state = getattr(m, "fp8_state", None)
+    slots = (slice(None), slice(2, None)) if hasattr(m, "fp8_param") else 1
+    amax = amax.view(2, -1) if hasattr(m, "fp8_param") else amax.reshape(())
+    m._fp8_gather_scale = operand_scale(state, m.recipe, slots, "weight", amax)
+    if state is not None and m.training:
+        state.record(slots, amax, fold=False)
 
 
 def shard_model(

@@ -143,12 +143,12 @@ def check_tp_model(tp: int, heads: int, kv_heads: int, hidden: int, intermediate
             raise ValueError(f"--tp {tp} does not divide the model's {size} {what}: choose a --tp that divides {size}")
     for name in recipes:
         recipe = recipe_from_name(name)
-        if recipe.kind == "rowwise":
+        if recipe.scales_whole_rows:
             raise ValueError(
                 f"--tp {tp}: the rowwise recipe's scales span the features tensor parallelism splits; use the "
                 "delayed, current, block or mxfp8 recipe"
             )
-        tile = {"block": getattr(recipe, "block_size", 0), "mxfp8": 32}.get(recipe.kind)
+        tile = recipe.tile_width
         for size in (hidden, intermediate):
             if tile and (size // tp) % tile:
                 raise ValueError(

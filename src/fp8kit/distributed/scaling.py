@@ -90,9 +90,7 @@ def delayed_layers(model: nn.Module) -> list[nn.Module]:
 def record_pending_amax(layer: nn.Module, role: int, amax: torch.Tensor) -> None:
     """Fold ``amax`` (float32 scalar) into a delayed layer's pending amax of operand ``role`` (0 input, 1 weight,
     2 grad) by MAX; a non-finite amax is dropped, as the layer itself does. The next sync reduces it."""
-    pending = layer.fp8_amax_pending[role]
-    amax = amax.reshape(()).float()
-    layer.fp8_amax_pending[role] = torch.where(torch.isfinite(amax), torch.maximum(pending, amax), pending)
+    layer.fp8_state.record(role, amax, fold=False)
 
 
 class AmaxAllReduce:

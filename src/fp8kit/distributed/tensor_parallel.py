@@ -63,7 +63,7 @@ from torch.distributed.tensor.placement_types import Placement
 from ..nn.autocast import fp8_enabled
 from ..nn.linear import ROLES, Linear
 from ..recipes import DelayedScaling, Recipe
-from ..scaling import compute_scale
+from ..scaling_state import operand_scale
 from ..tensor import QuantizedTensor, quantize, tensor_amax
 from .scaling import _COUNTS, record_pending_amax
 
@@ -107,12 +107,12 @@ def check_tensor_parallel_layout(module: nn.Module, style: str, tp_size: int) ->
         )
     recipe: Recipe = module.recipe
     local = size // tp_size
-    if recipe.kind == "rowwise" and tp_size > 1:
+    if recipe.scales_whole_rows and tp_size > 1:
         raise ValueError(
             f"{name}: the row-wise recipe's scales span the {dim_name} that {style} parallelism splits over "
             f"{tp_size} ranks; use the 'block' or 'mxfp8' recipe (tiles within a shard) or a per-tensor one"
         )
-    tile = {"block": getattr(recipe, "block_size", 0), "mxfp8": 32}.get(recipe.kind)
+    tile = recipe.tile_width
     if tile and local % tile:
         raise ValueError(
             f"{name}: each rank holds {local} of {dim_name}={size}, which splits a {tile}-wide {recipe.kind} "
@@ -285,7 +285,6 @@ class TensorParallelLinear(Linear):
         self.tp_split_roles = ("weight", "grad") if style == "colwise" else ("weight", "input")
         self.tp_quantized_input: QuantizedTensor | None = None  # consumed by the next input quantization
         self.tp_prepared: tuple[torch.Tensor, QuantizedTensor | None] | None = None  # PrepareFloat8ModuleInput
-        self.tp_seen: set[int] = set()  # delayed roles known to have a history (fp8_seen > 0 on every rank)
         weight_place, bias_place = (Shard(0), Shard(0)) if style == "colwise" else (Shard(1), Replicate())
         for pname, place in (("weight", weight_place), ("bias", bias_place)):
             p = self._parameters.get(pname)
@@ -295,26 +294,18 @@ class TensorParallelLinear(Linear):
         self.release_fp8_weights()
 
     # -- scale agreement --
-    def _delayed_seen(self, i: int) -> bool:
-        if i not in self.tp_seen and bool(self.fp8_seen[i] > 0):  # identical on every rank (synced state)
-            self.tp_seen.add(i)
-        return i in self.tp_seen
-
     def agreed_scale(self, x: torch.Tensor, role: str, recipe: Recipe) -> torch.Tensor:
         """The per-tensor scale of operand ``x`` (this rank's part) that every TP rank uses: the synced delayed
         scale, or the scale of the MAX amax over the group. Records delayed scaling's amax (training)."""
-        fmt, i = recipe.format_for(role), ROLES.index(role)
-        delayed = isinstance(recipe, DelayedScaling) and recipe is self.recipe
-        if delayed and self._delayed_seen(i):
-            scale = self.fp8_scale[i]
+        i = ROLES.index(role)
+        state = self.delayed_state(recipe)
+        if state is not None and state.has_history(i, synced=True):
+            scale = state.scale[i]
             amax = tensor_amax(x) if self.training else None  # local amax: MAX-reduced by the step's sync
         else:
             amax = _amax_over(x, self.tp_amax_group)
-            if delayed:
-                scale = compute_scale(amax, fmt, recipe.margin, previous=1.0)
-            else:
-                scale = compute_scale(amax, fmt, getattr(recipe, "margin", 0), getattr(recipe, "power_of_two", False))
-        if delayed and amax is not None and self.training:
+            scale = operand_scale(state, recipe, i, role, amax)
+        if state is not None and amax is not None and self.training:
             record_pending_amax(self, i, amax)
         return scale
 
@@ -394,10 +385,6 @@ class TensorParallelLinear(Linear):
             if late_bias is not None:
                 out = out + late_bias.to(out.dtype)
         return out
-
-    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        super()._load_from_state_dict(*args, **kwargs)
-        self.tp_seen = set()
 
 
 def _fp8_gather_plan(consumers: Sequence[TensorParallelLinear]) -> tuple[Recipe, Any] | None:

@@ -3,8 +3,9 @@
 Weights are ``float8_e4m3fn`` codes with one float32 dequant multiplier per 128x128 tile
 (``weight_scale_inv``, shape ``(ceil(out / 128), ceil(in / 128))``, ``real = code * scale_inv``);
 activations are quantized at run time per 1x128 group along K with ``scale_inv = amax / 448``, as the
-serving kernels (DeepGEMM, vLLM, SGLang, ``transformers``' Triton kernel) do. The GEMM runs on the
-exact dequantized values with FP32 accumulation (exact emulation of the FP8 products).
+serving kernels (DeepGEMM, vLLM, SGLang, ``transformers``' Triton kernel) do. The GEMM is the floor's
+``gemm.scaled.block_scaled_mm``: the exact dequantized values with FP32 accumulation (exact emulation of
+the FP8 products), on a float32 copy of the weight the layer keeps until its codes or scales change.
 
 ``dynamic_activations=False`` keeps the activations in high precision: what ``transformers`` computes
 when it loads a block-FP8 checkpoint on a machine without an FP8 GPU (it dequantizes the weights).
@@ -16,16 +17,13 @@ import torch
 import torch.nn as nn
 
 from ..formats import E4M3
+from ..gemm.scaled import block_scaled_mm
+from ..scaling import parse_granularity
 from ..tensor import QuantizedTensor, quantize
 
 __all__ = ["BlockQuantLinear", "BLOCK"]
 
 BLOCK = 128
-
-
-def _expand(scale_inv: torch.Tensor, rows: int, cols: int, block: int) -> torch.Tensor:
-    """Per-tile multipliers broadcast to every element of a ``(rows, cols)`` matrix (ragged edges cut)."""
-    return scale_inv.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
 
 
 class BlockQuantLinear(nn.Module):
@@ -64,10 +62,16 @@ class BlockQuantLinear(nn.Module):
             q.bias = bias.detach().float().clone()
         return q
 
+    def weight_tiles(self) -> QuantizedTensor:
+        """The weight's codes and tile scales as the GEMM floor's operand."""
+        block = (self.block, self.block)
+        return QuantizedTensor(
+            self.weight, self.weight_scale_inv.float(), E4M3, parse_granularity(block), block, torch.float32
+        )
+
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``codes * weight_scale_inv`` per tile, the weight the layer computes with."""
-        s = _expand(self.weight_scale_inv.float(), self.out_features, self.in_features, self.block)
-        return (self.weight.float() * s).to(dtype)
+        return self.weight_tiles().dequantize(dtype)
 
     def _apply(self, fn, *args, **kwargs):
         self._cache = None  # .to(device/dtype): drop the float32 copy of the old weight
@@ -80,19 +84,21 @@ class BlockQuantLinear(nn.Module):
             self._cache = c = (w, w._version, s, s._version, self.dequantized_weight())
         return c[4]
 
+    def quantize_groups(self, x2: torch.Tensor) -> QuantizedTensor:
+        """A 2-D input quantized to E4M3 per 1x``block`` group (``scale_inv = amax / 448``)."""
+        return quantize(x2.float(), E4M3, (1, self.block), nonfinite="propagate")
+
     def quantize_input(self, x2: torch.Tensor) -> torch.Tensor:
-        """A 2-D input rounded to E4M3 per 1x``block`` group (``scale_inv = amax / 448``), dequantized."""
-        return quantize(x2.float(), E4M3, (1, self.block), nonfinite="propagate").dequantize(torch.float32)
+        """A 2-D input rounded to E4M3 per 1x``block`` group, dequantized."""
+        return self.quantize_groups(x2).dequantize(torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"BlockQuantLinear expects inputs with last dim {self.in_features}, got {tuple(x.shape)}")
         x2 = x.reshape(-1, self.in_features)
-        xd = self.quantize_input(x2) if self.dynamic_activations else x2.float()
-        out = xd @ self._compute_weight().t()
-        if self.bias is not None:
-            out = out + self.bias
-        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        xq = self.quantize_groups(x2) if self.dynamic_activations else x2
+        out = block_scaled_mm(xq, self.weight_tiles(), self.bias, x.dtype, cached=self._compute_weight())
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}x{self.block}"

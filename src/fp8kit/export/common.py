@@ -23,6 +23,7 @@ import torch.nn as nn
 from ..state_dict import tied_aliases
 
 __all__ = [
+    "stored_codes",
     "MANIFEST",
     "ExportError",
     "check_export_dir",
@@ -41,6 +42,19 @@ MANIFEST = ".fp8kit-export"  # the files an export wrote: a later export may rep
 
 class ExportError(ValueError):
     """A directory that is not a (supported) checkpoint, or a model that cannot be saved in a format."""
+
+
+def stored_codes(t: torch.Tensor, dtype: torch.dtype, where: str) -> torch.Tensor:
+    """A checkpoint tensor that must hold 8-bit codes of ``dtype`` (``where`` names it in the error): returned
+    as is, or refused when it holds another dtype (a cast would round high-precision values into codes
+    without their scales)."""
+    if t.dtype != dtype:
+        raise ExportError(
+            f"{where} holds {t.dtype} values, not {dtype} codes; this is not a checkpoint of that format. Load "
+            "the high-precision model and quantize it with fp8kit.ptq.quantize (block FP8: "
+            "fp8kit.export.quantize_block), or re-export it with fp8kit.export.save_pretrained"
+        )
+    return t
 
 
 def _foreign_entries(path: Path) -> list[str]:

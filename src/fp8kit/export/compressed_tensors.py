@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from ..ptq.linear import QuantLinear
 from ..ptq.schemes import SCHEMES, Scheme
-from .common import ExportError, load_layer, load_rest, model_from_config, read_tensors
+from .common import ExportError, load_layer, load_rest, model_from_config, read_tensors, stored_codes
 from .experts import experts_naming, has_expert_tensors, load_experts, model_key
 
 __all__ = ["QUANT_METHOD", "export_tensors", "load", "pack_int8", "quantization_config", "unpack_int8"]
@@ -200,7 +200,7 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
             q.weight = unpack_int8(tensors.pop(f"{name}.weight_packed"), lin.in_features)
             tensors.pop(f"{name}.weight_shape", None)
         else:
-            q.weight = tensors.pop(f"{name}.weight").to(scheme.weight_format.dtype)
+            q.weight = stored_codes(tensors.pop(f"{name}.weight"), scheme.weight_format.dtype, f"{path}: {name}.weight")
         q.weight_scale = tensors.pop(f"{name}.weight_scale").float().reshape(q.weight_scale.shape)
         if scheme.static_activations:
             q.input_scale = tensors.pop(f"{name}.input_scale").float().reshape(1)
@@ -216,7 +216,7 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
             codes = unpack_int8(tensors.pop(f"{key}.weight_packed"), in_features)
             tensors.pop(f"{key}.weight_shape", None)
         else:
-            codes = tensors.pop(f"{key}.weight").to(scheme.weight_format.dtype)
+            codes = stored_codes(tensors.pop(f"{key}.weight"), scheme.weight_format.dtype, f"{path}: {key}.weight")
         if tuple(codes.shape) != (out_features, in_features):
             raise ExportError(
                 f"{path}: {key} has shape {tuple(codes.shape)}, the model needs {(out_features, in_features)}"

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from ..ptq.schemes import FP8_BLOCK
 from .block_linear import BLOCK, BlockQuantLinear
-from .common import ExportError, load_rest, model_from_config, read_tensors, replace_module
+from .common import ExportError, load_rest, model_from_config, read_tensors, replace_module, stored_codes
 from .experts import expert_tensors, experts_naming, has_expert_tensors, load_experts, model_key
 from .support import BLOCK_SCHEME
 
@@ -96,7 +96,8 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
         lin = model.get_submodule(name)
         q = BlockQuantLinear(lin.in_features, lin.out_features, lin.bias is not None, block)
         try:
-            q.weight = tensors.pop(f"{name}.weight").to(torch.float8_e4m3fn).reshape(q.weight.shape)
+            codes = stored_codes(tensors.pop(f"{name}.weight"), torch.float8_e4m3fn, f"{path}: {name}.weight")
+            q.weight = codes.reshape(q.weight.shape)
             q.weight_scale_inv = tensors.pop(f"{name}.weight_scale_inv").float().reshape(q.weight_scale_inv.shape)
             if lin.bias is not None:
                 q.bias = tensors.pop(f"{name}.bias").float()
@@ -116,7 +117,7 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
                     f"{path}: {prefix} has weight {tuple(codes.shape)} and weight_scale_inv {tuple(scale.shape)}; "
                     f"the model's config needs {(rows, cols)} and {tiles} ({block}x{block} tiles)"
                 )
-            return codes.to(torch.float8_e4m3fn), scale.float(), None
+            return stored_codes(codes, torch.float8_e4m3fn, f"{path}: {prefix}.weight"), scale.float(), None
 
         experts = load_experts(model, path, tensors, scheme, read)
         names += experts

@@ -39,7 +39,7 @@ import torch.nn as nn
 from ..ptq.linear import QuantLinear
 from ..ptq.schemes import SCHEMES
 from .block_linear import BlockQuantLinear
-from .common import ExportError, load_layer, load_rest, model_from_config, read_tensors
+from .common import ExportError, load_layer, load_rest, model_from_config, read_tensors, stored_codes
 from .experts import experts_naming, has_expert_tensors, load_experts, model_key
 from .support import BLOCK_SCHEME, MODELOPT_ALGOS
 
@@ -184,7 +184,9 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
             raise ExportError(f"{path}: fp8kit does not load block-FP8 MoE experts yet")
 
         def read_expert(key: str, out_features: int, in_features: int):
-            codes = tensors.pop(f"{key}.weight").to(SCHEMES[scheme].weight_format.dtype)
+            codes = stored_codes(
+                tensors.pop(f"{key}.weight"), SCHEMES[scheme].weight_format.dtype, f"{path}: {key}.weight"
+            )
             if tuple(codes.shape) != (out_features, in_features):
                 raise ExportError(f"{path}: {key} has shape {tuple(codes.shape)}, not {(out_features, in_features)}")
             pre = tensors.pop(f"{key}.pre_quant_scale", None)
@@ -210,12 +212,12 @@ def _layer(tensors: dict[str, torch.Tensor], name: str, lin: nn.Linear, scheme: 
         raise KeyError(f"{name}.bias")
     if scheme == BLOCK_SCHEME:
         new: nn.Module = BlockQuantLinear(lin.in_features, lin.out_features, lin.bias is not None)
-        new.weight = weight.to(torch.float8_e4m3fn)
+        new.weight = stored_codes(weight, torch.float8_e4m3fn, f"{name}.weight")
         new.weight_scale_inv = scale.reshape(new.weight_scale_inv.shape)
         new.dynamic_activations = False  # fp8_pb_wo: weight-only
     else:
         new = QuantLinear(lin.in_features, lin.out_features, lin.bias is not None, scheme)
-        new.weight = weight.to(new.scheme.weight_format.dtype)
+        new.weight = stored_codes(weight, new.scheme.weight_format.dtype, f"{name}.weight")
         new.weight_scale = scale.reshape(new.weight_scale.shape)
         if new.scheme.static_activations:
             new.input_scale = tensors.pop(f"{name}.input_scale").float().reshape(1)

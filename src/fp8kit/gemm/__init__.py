@@ -5,12 +5,16 @@
 * ``fp8``: ``fp8_gemm``, the training GEMM on ``QuantizedTensor`` operands (per-tensor, per-row, block
   and MX scales; exact CPU emulation, native ``_scaled_mm`` / ``scaled_mm`` on CUDA).
 * ``scaled``: ``choose_kernel`` + ``scaled_mm``, the inference GEMM on stored 8-bit codes with
-  per-tensor / per-row scales: FP8 and INT8 W8A8, weight-only INT8 (``fp8kit.ptq.QuantLinear``).
+  per-tensor / per-row scales: FP8 and INT8 W8A8, weight-only INT8 (``fp8kit.ptq.QuantLinear``);
+  ``block_scaled_mm``, the one on tile-scaled (block FP8) codes (``export.BlockQuantLinear``, block-FP8
+  experts).
 * ``codes``: ``codes_mm``, the CPU GEMM on 8-bit codes: lean (tiles decoded per call, codes-only
   resident) or on a cached decoded copy.
 * ``grouped``: ``grouped_gemm`` / ``grouped_gemm_wgrad``, the MoE experts' FP8 grouped GEMMs (one
   ``torch._grouped_mm`` over all experts on CPU, ``torch._scaled_grouped_mm`` on CUDA), on the same probe
-  and decode; imported on use (``fp8kit.gemm.grouped``), as it registers custom ops.
+  and decode, and ``grouped_scaled_mm``, the PTQ experts' grouped GEMM on 8-bit codes; imported on use
+  (``fp8kit.gemm.grouped``), as it registers custom ops. Their operands (``GroupedWeight``,
+  ``GroupColumns``) and quantizers are in ``fp8kit.grouped_tensor``.
 """
 
 from .codes import TILE_ELEMENTS, codes_mm, decode_codes

@@ -3,8 +3,8 @@
 The tokens routed to the experts are sorted by expert into one ``(P, K)`` matrix whose rows ``[offs[e-1],
 offs[e])`` belong to expert ``e`` (``offs``: int32 cumulative row ends, as ``torch._grouped_mm`` takes;
 rows past ``offs[-1]`` are padding and their outputs are undefined). Expert weights are one 3-D operand
-``(E, N, K)``, quantized per expert (``GroupedWeight``: an expert's weight never shares a scale with
-another expert's). Three GEMMs:
+``(E, N, K)``, quantized per expert (``fp8kit.grouped_tensor.GroupedWeight``: an expert's weight never
+shares a scale with another expert's). Three GEMMs of the FP8 training experts:
 
 * ``grouped_gemm(x, w, offs, group_ids)``: ``out[rows of e] = x[rows of e] @ w[e].T`` (forward, and the
   input gradient with ``w`` the transposed weights);
@@ -41,30 +41,25 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import Counter
-from dataclasses import dataclass
 
 import torch
 
-from ..formats import Format, e8m0_decode
-from ..kernels import BlockSpec, decode_fp8
-from ..kernels.fused import cast_scaled, quantize_columns_values, scale_output, scaled_values, transpose_last
-from ..kernels.opaque import dequantize_tiles, dequantize_tiles_opaque, repeat_tiles
-from ..scaling import compute_scale
-from ..tensor import CodesFromValues, QuantizedTensor, quantize
+from ..grouped_tensor import GroupColumns, GroupedWeight
+from ..kernels import decode_fp8
+from ..kernels.fused import scale_output, transpose_last
+from ..kernels.opaque import dequantize_tiles_opaque
+from ..tensor import QuantizedTensor
 from .fp8 import cpu_gemm_dtype
 
 __all__ = [
-    "GroupColumns",
-    "GroupedWeight",
     "grouped_gemm",
     "grouped_gemm_counts",
     "grouped_gemm_fallbacks",
     "grouped_gemm_wgrad",
+    "grouped_codes_dtype",
     "grouped_mm",
+    "grouped_scaled_mm",
     "native_grouped_device",
-    "quantize_experts",
-    "quantize_experts_columns",
-    "quantize_group_columns",
     "scaled_grouped_mm_args",
     "scaled_grouped_mm_wgrad_args",
     "transpose_experts",
@@ -151,168 +146,31 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return _OP(a, b, offs)
 
 
-# ---- quantized operands ----------------------------------------------------------------------------
+def grouped_codes_dtype(device: torch.device) -> torch.dtype:
+    """The dtype of an inference grouped GEMM on 8-bit codes (``grouped_scaled_mm``): float32 on CPU (exact
+    products of codes and of high-precision activations, FP32 accumulation), bfloat16 elsewhere
+    (``torch._grouped_mm``'s dtype on CUDA)."""
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
-@dataclass
-class GroupedWeight(CodesFromValues):
-    """Expert weights quantized per expert.
-
-    Attributes:
-        codes: ``(E, R, C)`` FP8 codes, ``C`` the GEMM's reduction dim; None where the kernel wrote only
-            ``values`` (``quantize_experts(..., lazy_codes=True)``): ``data`` encodes them on first read.
-        scales: ``(E, ceil(R/br), ceil(C/bc))`` per-tile dequantization multipliers (float32, or E8M0
-            uint8 codes for MX).
-        fmt, block, orig_dtype: element format, tile shape ``(br, bc)`` and the weight's dtype.
-        amax: ``(E,)`` each expert's amax (float32), where quantized with one scale per expert.
-        values: CPU only, where set (``with_weight_values``): the operand the GEMMs read, in the GEMM
-            dtype, shape of ``data``: the unscaled FP8 values where the scales factor out of the GEMM
-            (``scales_factor_out``), else the dequantized weight. One decode then feeds the forward and
-            the input-gradient GEMM of a weight whose transpose is a view (per-tensor, square tiles).
-    """
-
-    codes: torch.Tensor | None
-    scales: torch.Tensor
-    fmt: Format
-    block: tuple[int, int]
-    orig_dtype: torch.dtype
-    is_mx: bool = False
-    values: torch.Tensor | None = None
-    amax: torch.Tensor | None = None
-
-    @property
-    def scale_inv(self) -> torch.Tensor:
-        return e8m0_decode(self.scales) if self.scales.dtype == torch.uint8 else self.scales
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_tiles(self.data, self.scale_inv.float(), self.block, dtype).contiguous()
-
-    def transpose(self) -> GroupedWeight:
-        """``(E, C, R)``: per-expert transposes (tiles transpose with them; no requantization). ``values``
-        go along only where the scales factor out of both GEMMs or of neither (the values are unscaled in
-        the one case, dequantized in the other; a tile spanning K need not span the transpose's K)."""
-        flipped = (self.scales.transpose(1, 2), self.fmt, self.block[::-1], self.orig_dtype, self.is_mx)
-        if self.values is not None and self.scales_factor_out == (self.block[0] >= self.shape[1]):
-            codes = None if self.codes is None else self.codes.transpose(1, 2)
-            return GroupedWeight(codes, *flipped, values=self.values.transpose(1, 2))
-        return GroupedWeight(self.data.transpose(1, 2), *flipped)
-
-    def row_scales(self) -> torch.Tensor:
-        """``(E, R)`` per-row multipliers (``(E, 1)`` for one scale per expert); needs one tile along C."""
-        s = self.scale_inv[:, :, 0]
-        if s.shape[1] == 1:
-            return s
-        return repeat_tiles(s, self.block[0], 1, self.shape[1])
-
-    @property
-    def scales_factor_out(self) -> bool:
-        return self.block[1] >= self.shape[2]
-
-
-def quantize_experts(
+def grouped_scaled_mm(
+    x: torch.Tensor,
     w: torch.Tensor,
-    fmt: Format,
-    granularity: str | tuple[int, int],
-    *,
-    scale: torch.Tensor | None = None,
-    amax: torch.Tensor | None = None,
-    backend: str = "eager",
-    **knobs: object,
-) -> GroupedWeight:
-    """Quantize ``w`` ``(E, R, C)`` along C, each expert on its own: ``"tensor"`` (one scale per expert;
-    ``scale`` ``(E,)`` gives static ones, ``amax`` ``(E,)`` the experts' known amaxes), ``"row"``, ``"mx"``
-    or ``(br, bc)`` tiles (R is zero-padded per expert to a multiple of ``br`` so that no tile covers two
-    experts; zeros leave tile amaxes unchanged).
-    ``knobs`` go to ``quantize``; its ``values=`` (a CPU GEMM dtype) keeps the unscaled values the
-    compiled kernel writes beside the codes, per expert or row (``GroupedWeight.values``), and
-    ``lazy_codes=True`` has it write only those (``GroupedWeight.codes`` None until ``data`` is read)."""
-    e, r, c = w.shape
-    kw = {"nonfinite": "propagate", "backend": backend, **knobs}
-    if granularity == "tensor":
-        if scale is not None:
-            kw["scale"], kw["check_scale"] = scale.reshape(e, 1), False
-        if amax is not None:
-            kw["amax"] = amax.reshape(e, 1)
-        q = quantize(w.reshape(e * r, c), fmt, (r, c), **kw)
-        return GroupedWeight(
-            _reshaped(q.codes, w.shape),
-            q.scales.reshape(e, 1, 1),
-            fmt,
-            (r, c),
-            w.dtype,
-            values=_reshaped(q.values, w.shape),
-            amax=None if q.amax is None else q.amax.reshape(e),
-        )
-    if granularity in ("row", "mx"):
-        q = quantize(w.reshape(e * r, c), fmt, granularity, **kw)
-        return GroupedWeight(
-            _reshaped(q.codes, w.shape),
-            q.scales.reshape(e, r, -1),
-            fmt,
-            q.block,
-            w.dtype,
-            granularity == "mx",
-            values=_reshaped(q.values, w.shape),
-        )
-    br, bc = granularity  # type: ignore[misc]
-    kw.pop("values", None)  # tiles keep no values (the GEMMs dequantize them), so they keep their codes
-    kw.pop("lazy_codes", None)
-    pad = (-r) % br
-    wp = torch.nn.functional.pad(w, (0, 0, 0, pad)) if pad else w
-    q = quantize(wp.reshape(e * (r + pad), c), fmt, (br, bc), **kw)
-    data = q.data.reshape(e, r + pad, c)[:, :r]
-    return GroupedWeight(data, q.scales.reshape(e, (r + pad) // br, -1), fmt, (br, bc), w.dtype)
-
-
-def quantize_experts_columns(w: torch.Tensor, fmt: Format, values: torch.dtype) -> GroupedWeight:
-    """``quantize_experts(w.transpose(1, 2), fmt, "row", values=values, lazy_codes=True)`` without the
-    transposed copy (CPU): ``w`` ``(E, N, K)`` is read in place, one scale per expert and column, and the
-    values (``values`` dtype) are written in ``w``'s layout; the result's ``values`` are their transposed
-    view ``(E, K, N)``, which the input-gradient GEMM reads as a row-major ``(E, N, K)`` operand. Bit for
-    bit the transposed quantization (same amaxes, scales and products); codes encoded on first read."""
-    e, n, k = w.shape
-    spec = BlockSpec(fmt, (1, n))
-    scale, amax, vals = quantize_columns_values(w, spec, values)
-    scale_inv = (1.0 / scale).float().reshape(e, k, 1)
-    return GroupedWeight(None, scale_inv, fmt, (1, n), w.dtype, values=vals.transpose(1, 2))
-
-
-def _reshaped(t: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
-    return None if t is None else t.reshape(shape)
-
-
-@dataclass
-class GroupColumns(CodesFromValues):
-    """A ``(R, P)`` operand of the weight-gradient GEMM quantized with one scale per expert and row
-    (row-wise scaling along the token dim P, never across two experts' tokens).
-
-    ``codes`` ``(R, P)`` FP8 codes (a transposed view), None where only ``values`` were written (``data``
-    encodes them on first read); ``scale_inv`` ``(E, R)`` float32; ``amax`` ``(E, R)``; ``values``: the
-    unscaled exact FP8 values in the CPU GEMM dtype, ``(R, P)``, where kept."""
-
-    codes: torch.Tensor | None
-    scale_inv: torch.Tensor
-    fmt: Format
-    amax: torch.Tensor
-    values: torch.Tensor | None = None
-
-
-def quantize_group_columns(
-    x: torch.Tensor, group_ids: torch.Tensor, num_groups: int, fmt: Format, *, values: torch.dtype | None = None
-) -> GroupColumns:
-    """Quantize ``x.T`` (``x`` is ``(P, R)``, rows grouped by ``group_ids``) with one scale per group and
-    column of ``x``: ``scale = fmt.max / amax`` (``compute_scale``), saturating round-to-nearest-even.
-    ``values`` (a CPU GEMM dtype; FP8, CPU): write only the GEMM operand's values, no codes (an output
-    gradient: its codes are never saved)."""
-    p, r = x.shape
-    mag = x.detach().abs()  # the maxima in x's dtype: exact, without a float32 copy of x
-    amax = mag.new_zeros(num_groups, r).scatter_reduce(0, group_ids.reshape(p, 1).expand(p, r), mag, "amax").float()
-    scale = compute_scale(amax, fmt)
-    scale_inv = (1.0 / scale).float()
-    if values is not None and x.device.type == "cpu" and fmt.kind == "float":
-        return GroupColumns(None, scale_inv, fmt, amax, scaled_values(x, scale, group_ids, fmt, values).t())
-    data = cast_scaled(x, scale, group_ids, fmt)  # x.float() * scale[group_ids], cast in one loop on CPU
-    return GroupColumns(data.t(), scale_inv, fmt, amax)
+    w_scale: torch.Tensor,
+    offs: torch.Tensor,
+    group_ids: torch.Tensor,
+    x_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The inference grouped GEMM on 8-bit codes: ``out[j] = (x[j] @ w[e_j].T) * x_scale * w_scale[e_j]``,
+    float32, for rows ``x`` ``(S, K)`` sorted by expert (``offs`` the experts' row ends, ``group_ids`` the
+    expert of each row): FP8 / INT8 codes with dequant multipliers ``x_scale`` ``(1,)`` or ``(S, 1)``, or
+    high-precision activations (weight-only, ``x_scale=None``); ``w`` ``(E, N, K)`` codes with
+    ``w_scale`` ``(E, 1, 1)`` (per expert) or ``(E, N, 1)`` (per expert and channel). One grouped GEMM in
+    ``grouped_codes_dtype``, the scales applied to the accumulator."""
+    gdt = grouped_codes_dtype(x.device)
+    acc = grouped_mm(x.to(gdt), w.to(gdt).transpose(1, 2), offs)
+    ws = w_scale.reshape(w.shape[0], -1)[group_ids]  # (S, 1) or (S, N)
+    return acc.float() * ws if x_scale is None else acc.float() * x_scale.reshape(-1, 1) * ws
 
 
 # ---- the GEMMs ---------------------------------------------------------------------------------------

@@ -25,14 +25,27 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..formats import get_format
+from ..tensor import QuantizedTensor
 from .codes import codes_mm
 from .probe import cpu_gemm_backend, cpu_int8_backend
 
-__all__ = ["COMPILE_MIN_ELEMENTS", "KERNELS", "KernelChoice", "choose_kernel", "scaled_mm", "use_compiled"]
+if TYPE_CHECKING:
+    from ..grouped_tensor import GroupedWeight
+
+__all__ = [
+    "COMPILE_MIN_ELEMENTS",
+    "KERNELS",
+    "KernelChoice",
+    "block_scaled_mm",
+    "choose_kernel",
+    "scaled_mm",
+    "use_compiled",
+]
 
 log = logging.getLogger("fp8kit.ptq")
 
@@ -201,3 +214,32 @@ def scaled_mm(
     else:
         raise ValueError(f"unknown 8-bit GEMM kernel {name!r}; accepted: {', '.join(KERNELS[1:])}")
     return _add_bias(out, bias, out_dtype)
+
+
+def block_scaled_mm(
+    x: QuantizedTensor | torch.Tensor,
+    w: QuantizedTensor | GroupedWeight,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    *,
+    offs: torch.Tensor | None = None,
+    cached: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The inference GEMM on tile-scaled codes (block FP8): ``dequant(x) @ dequant(w).T (+ bias)`` on the
+    exact dequantized values in float32 (FP32 accumulation of exact products).
+
+    ``x``: ``(M, K)`` quantized per ``1 x b`` group, or high-precision activations (weight-only). ``w``:
+    ``(N, K)`` tiles, or per-expert tiles ``(E, N, K)`` (``GroupedWeight``) with ``offs`` the experts' row
+    ends of ``x`` (one grouped GEMM). ``cached``: ``w`` dequantized to float32 (a copy the caller keeps);
+    ``bias`` ``(N,)`` float32. Result in ``out_dtype``."""
+    xd = x.dequantize(torch.float32) if isinstance(x, QuantizedTensor) else x.float()
+    wd = w.dequantize(torch.float32) if cached is None else cached
+    if offs is None:
+        out = xd @ wd.t()
+    else:
+        from .grouped import grouped_mm
+
+        out = grouped_mm(xd, wd.transpose(1, 2), offs)
+    if bias is not None:
+        out = out + bias
+    return out.to(out_dtype)

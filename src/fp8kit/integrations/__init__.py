@@ -1,8 +1,9 @@
 """Glue to the libraries users already train with (Hugging Face ``transformers`` / ``accelerate``).
 
-Importing it is light: ``transformers`` is imported only inside the functions that need it.
+The MoE experts are dispatched through ``transformers``' ``ExpertsInterface`` by
+``fp8kit.nn.experts_interface``. Importing it is light: ``transformers`` is imported only inside the functions that need it.
 """
 
-from . import hf, hf_experts
+from . import hf
 
-__all__ = ["hf", "hf_experts"]
+__all__ = ["hf"]

@@ -64,7 +64,7 @@ def set_compile_strict(strict: bool) -> None:
     _COMPILE["strict"] = bool(strict)
 
 
-def _cast(y: torch.Tensor, fmt: Format, codes: bool = False) -> torch.Tensor:
+def cast_to_format(y: torch.Tensor, fmt: Format, codes: bool = False) -> torch.Tensor:
     """Saturating RNE cast of scaled values; ``codes=True`` returns FP8 as its uint8 bit patterns
     (what fp8kit's own compiled kernels return: a float8 view inside an inductor CPU graph makes
     the store element-wise; ``_as_format`` reinterprets the codes outside the graph for free)."""
@@ -211,7 +211,7 @@ def round_split(y: torch.Tensor, fmt: Format) -> torch.Tensor:
     return torch.where(a.abs() < fmt.min_normal, sub, hi)
 
 
-def _kernel_values(y: torch.Tensor, fmt: Format) -> torch.Tensor:
+def kernel_values(y: torch.Tensor, fmt: Format) -> torch.Tensor:
     """``cast_values`` in fp8kit's own compiled kernels: ``round_split`` where their compile options turn
     FMA contraction off (``_CPU_CAST["split"]``, set by ``_compile_options``), else ``cast_values``."""
     return round_split(y, fmt) if _CPU_CAST.get("split") else cast_values(y, fmt)
@@ -232,7 +232,7 @@ def decode_fp8(codes: torch.Tensor, fmt: Format, dtype: torch.dtype = torch.floa
         return _decode_torch(codes, fmt, dtype)
     if torch.compiler.is_compiling():
         return _decode_to(codes, fmt, dtype)
-    return _run("decode", _decode_torch, codes.view(torch.uint8), fmt, dtype)
+    return run_kernel("decode", _decode_torch, codes.view(torch.uint8), fmt, dtype)
 
 
 def scale_output_eager(
@@ -262,7 +262,7 @@ def scale_output(
     of scales, e.g. an expert's scales for each of its tokens)."""
     if acc.device.type != "cpu":
         return scale_output_eager(acc, s1, s2, ids, dtype)
-    return _run("scale_output", scale_output_eager, acc, s1, s2, ids, dtype)
+    return run_kernel("scale_output", scale_output_eager, acc, s1, s2, ids, dtype)
 
 
 def dequantize_tiles_eager(
@@ -283,36 +283,7 @@ def dequantize_tiles(
     instead of being expanded to the element grid first. Same values bit for bit."""
     if codes.device.type != "cpu":
         return dequantize_tiles_eager(codes, scale_inv, br, bc, fmt, dtype)
-    return _run("dequantize_tiles", dequantize_tiles_eager, codes, scale_inv, br, bc, fmt, dtype).contiguous()
-
-
-def cast_scaled_eager(x: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor | None, fmt: Format) -> torch.Tensor:
-    """``x.float() * scale[ids]`` (``scale`` where ``ids`` is None) cast to ``fmt``, as uint8 codes
-    (saturating, round to nearest even)."""
-    return _cast(x.float() * (scale if ids is None else scale[ids]), fmt, codes=True)
-
-
-def cast_scaled(x: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor | None, fmt: Format) -> torch.Tensor:
-    """``cast_scaled_eager`` as one compiled loop on CPU (eager mode), viewed as ``fmt.dtype``."""
-    if x.device.type != "cpu" or fmt.kind != "float":
-        return _cast(x.float() * (scale if ids is None else scale[ids]), fmt)
-    return _run("cast_scaled", cast_scaled_eager, x, scale, ids, fmt).view(fmt.dtype)
-
-
-def scaled_values_eager(
-    x: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor | None, fmt: Format, dtype: torch.dtype
-) -> torch.Tensor:
-    """The exact values of ``cast_scaled_eager``'s codes in ``dtype`` (``_kernel_values``), without the codes."""
-    return _kernel_values(x.float() * (scale if ids is None else scale[ids]), fmt).to(dtype)
-
-
-def scaled_values(
-    x: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor | None, fmt: Format, dtype: torch.dtype
-) -> torch.Tensor:
-    """``scaled_values_eager`` as one compiled loop on CPU (eager mode)."""
-    if x.device.type != "cpu" or torch.compiler.is_compiling():
-        return scaled_values_eager(x, scale, ids, fmt, dtype)
-    return _run("scaled_values", scaled_values_eager, x, scale, ids, fmt, dtype)
+    return run_kernel("dequantize_tiles", dequantize_tiles_eager, codes, scale_inv, br, bc, fmt, dtype).contiguous()
 
 
 def quantize_blocks_eager(
@@ -325,7 +296,7 @@ def quantize_blocks_eager(
     amax = tiles.abs().amax(dim=(1, 3)).float()
     if scale is None:
         scale = scale_from_amax(amax, spec)
-    y = _cast(tiles.float() * scale[:, None, :, None], spec.fmt, codes).reshape(
+    y = cast_to_format(tiles.float() * scale[:, None, :, None], spec.fmt, codes).reshape(
         tiles.shape[0] * br, tiles.shape[2] * bc
     )
     if y.shape != (rows, cols):
@@ -338,7 +309,7 @@ def _codes_and_values(
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The uint8 codes of the scaled float32 ``y`` (None without ``with_codes``) and their exact values in
     ``dtype``, from the same products in one loop."""
-    return (_cast(y, fmt, codes=True) if with_codes else None), _kernel_values(y, fmt).to(dtype)
+    return (cast_to_format(y, fmt, codes=True) if with_codes else None), kernel_values(y, fmt).to(dtype)
 
 
 def quantize_values_eager(
@@ -351,7 +322,7 @@ def quantize_values_eager(
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quantize_blocks_eager`` (codes as uint8) for tiles that span whole rows (``spec.block[1]`` is
     the column count, the rows a multiple of ``spec.block[0]``), plus the codes' unscaled exact values in
-    ``dtype`` (``_kernel_values``: what a CPU GEMM reads), from the same float32 products in the same loop,
+    ``dtype`` (``kernel_values``: what a CPU GEMM reads), from the same float32 products in the same loop,
     so that nothing decodes the codes again. ``with_codes=False``: the values only (codes None), for
     operands that only CPU GEMMs read (no cast, no code bytes). ``amax``: each tile's
     amax where the caller has it (delayed scaling reduces before it quantizes), so ``x`` is read once."""
@@ -383,27 +354,6 @@ def quantize_tensor_values_eager(
     return codes, scale, amax, values
 
 
-def quantize_columns_values_eager(
-    w: torch.Tensor, spec: BlockSpec, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Row-wise quantization of each ``w[e].T`` without a transposed copy: ``w`` ``(E, N, K)``, one scale per
-    expert and column (the amax over N), returned as ``(scale (E, 1, K), amax (E, 1, K), values (E, N, K))``
-    with the unscaled exact FP8 values in ``dtype`` (``_kernel_values``), laid out as ``w``: their
-    ``transpose(1, 2)`` is the row-quantized ``w.transpose(1, 2)``, bit for bit."""
-    amax = w.abs().amax(dim=1, keepdim=True).float()
-    scale = scale_from_amax(amax, spec)
-    return scale, amax, _kernel_values(w.float() * scale, spec.fmt).to(dtype)
-
-
-def quantize_columns_values(
-    w: torch.Tensor, spec: BlockSpec, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``quantize_columns_values_eager`` compiled into one kernel (CPU, eager mode)."""
-    if w.device.type != "cpu" or torch.compiler.is_compiling():
-        return quantize_columns_values_eager(w, spec, dtype)
-    return _run("column_values", quantize_columns_values_eager, w, spec, dtype)
-
-
 def _values_only(x, spec, scale, dtype, amax=None):
     return quantize_values_eager(x, spec, scale, dtype, False, amax)
 
@@ -426,7 +376,7 @@ def _per_tensor(
     x: torch.Tensor, spec: BlockSpec, scale: torch.Tensor | None, *, codes: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     amax, scale = _tensor_scale(x, spec, scale)
-    return _cast(x.float() * scale.reshape(()), spec.fmt, codes), scale, amax
+    return cast_to_format(x.float() * scale.reshape(()), spec.fmt, codes), scale, amax
 
 
 def quantize_pair_eager(
@@ -448,7 +398,7 @@ def transpose_last(x: torch.Tensor) -> torch.Tensor:
     16.2 ms; ``benchmarks/moe.py``'s MXFP8 steps quantize one such copy per weight)."""
     if x.device.type != "cpu" or torch.compiler.is_compiling():
         return transpose_last_eager(x)
-    return _run("transpose", transpose_last_eager, x)
+    return run_kernel("transpose", transpose_last_eager, x)
 
 
 _PLAIN = {
@@ -456,14 +406,16 @@ _PLAIN = {
     "decode": _decode_to,
     "scale_output": scale_output_eager,
     "dequantize_tiles": dequantize_tiles_eager,
-    "cast_scaled": cast_scaled_eager,
-    "scaled_values": scaled_values_eager,
     "values": quantize_values_eager,
     "tensor_values": quantize_tensor_values_eager,
     "values_only": _values_only,
-    "column_values": quantize_columns_values_eager,
     "tensor_values_only": _tensor_values_only,
 }  # compiled as they are (the quantize kernels: ``_CODES``)
+
+
+def register_kernel(kind: str, eager) -> None:
+    """Compile ``eager`` as kernel ``kind`` (``run_kernel(kind, eager, ...)``), as fp8kit's own kernels are."""
+    _PLAIN[kind] = eager
 
 
 def _per_tensor_codes(x, spec, scale):
@@ -523,7 +475,7 @@ def _dynamic(a):
     return a
 
 
-def _run(kind: str, eager, *args):
+def run_kernel(kind: str, eager, *args):
     """Run the compiled kernel ``kind``; use ``eager`` when compiling is off, nested or unavailable."""
     if not _COMPILE["enabled"] or torch.compiler.is_compiling():
         return eager(*args)
@@ -554,8 +506,8 @@ def quantize_blocks_fused(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compiled tile quantizer; bit-exact to ``quantize_blocks_reference`` with saturation and RNE."""
     if tuple(spec.block) == tuple(x.shape):
-        return _as_format(_run("tensor", _per_tensor, x, spec, scale), spec.fmt)
-    return _as_format(_run("tiles", quantize_blocks_eager, x, spec, scale), spec.fmt)
+        return _as_format(run_kernel("tensor", _per_tensor, x, spec, scale), spec.fmt)
+    return _as_format(run_kernel("tiles", quantize_blocks_eager, x, spec, scale), spec.fmt)
 
 
 def quantize_values_fused(
@@ -573,14 +525,14 @@ def quantize_values_fused(
         kind, eager = (
             ("tensor_values", quantize_tensor_values_eager) if per_tensor else ("values", quantize_values_eager)
         )
-        codes, sc, amax, values = _run(kind, eager, x, spec, scale, dtype, True, amax)
+        codes, sc, amax, values = run_kernel(kind, eager, x, spec, scale, dtype, True, amax)
         return _as_format((codes, sc, amax), spec.fmt), values
     kind, eager = ("tensor_values_only", _tensor_values_only) if per_tensor else ("values_only", _values_only)
-    _, sc, amax, values = _run(kind, eager, x, spec, scale, dtype, amax)
+    _, sc, amax, values = run_kernel(kind, eager, x, spec, scale, dtype, amax)
     return (None, sc, amax), values
 
 
 def quantize_pair_fused(x: torch.Tensor, spec: BlockSpec, spec_t: BlockSpec):
     """Compiled ``quantize_pair_eager``: both orientations from one graph that reads ``x``."""
-    out, out_t = _run("pair", quantize_pair_eager, x, spec, spec_t)
+    out, out_t = run_kernel("pair", quantize_pair_eager, x, spec, spec_t)
     return _as_format(out, spec.fmt), _as_format(out_t, spec_t.fmt)

@@ -33,7 +33,7 @@ import torch
 from ..formats import get_format
 from .fused import dequantize_tiles as fused_dequantize_tiles
 from .fused import quantize_blocks_eager, quantize_blocks_fused
-from .reference import BlockSpec
+from .reference import BlockSpec, expand_tiles, repeat_tiles_eager
 
 __all__ = ["dequantize_tiles", "dequantize_tiles_opaque", "is_ragged", "quantize_tiles_opaque", "repeat_tiles"]
 
@@ -51,10 +51,7 @@ def dequantize_tiles(
 ) -> torch.Tensor:
     """``codes * scale_inv`` tile by tile (float32 math, result in ``dtype``): ``codes`` ``(..., R, C)``,
     ``scale_inv`` ``(..., ceil(R/br), ceil(C/bc))`` float32, any tile shape (ragged edges included)."""
-    br, bc = block
-    r, c = codes.shape[-2:]
-    s = scale_inv.repeat_interleave(br, -2)[..., :r, :].repeat_interleave(bc, -1)[..., :c]
-    return (codes.float() * s).to(dtype)
+    return (codes.float() * expand_tiles(scale_inv, block, tuple(codes.shape[-2:]))).to(dtype)
 
 
 def _dequantize_impl(
@@ -146,7 +143,7 @@ def quantize_tiles_opaque(
 
 
 def _repeat_impl(s: torch.Tensor, block: int, dim: int, size: int) -> torch.Tensor:
-    return s.repeat_interleave(block, dim).narrow(dim, 0, size).contiguous()
+    return repeat_tiles_eager(s, block, dim, size).contiguous()
 
 
 def _repeat_fake(s: torch.Tensor, block: int, dim: int, size: int) -> torch.Tensor:
@@ -164,4 +161,4 @@ def repeat_tiles(s: torch.Tensor, block: int, dim: int, size: int) -> torch.Tens
     last tile); in the op ``fp8kit::repeat_tiles`` when compiling a ragged case."""
     if size % block and torch.compiler.is_compiling():
         return _REPEAT(s, block, dim, size)
-    return s.repeat_interleave(block, dim).narrow(dim, 0, size)
+    return repeat_tiles_eager(s, block, dim, size)

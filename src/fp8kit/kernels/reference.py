@@ -46,11 +46,15 @@ def scale_from_amax(amax: torch.Tensor, spec: BlockSpec) -> torch.Tensor:
     return compute_scale(amax, spec.fmt, spec.margin, spec.power_of_two)
 
 
+def repeat_tiles_eager(s: torch.Tensor, block: int, dim: int, size: int) -> torch.Tensor:
+    """Per-tile values ``s`` repeated ``block`` times along ``dim``, the first ``size`` kept (a ragged last
+    tile cut): the one per-tile scale expansion (``expand_tiles``, ``kernels.opaque.repeat_tiles``)."""
+    return s.repeat_interleave(block, dim).narrow(dim, 0, size)
+
+
 def expand_tiles(s: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
-    """Broadcast a per-tile tensor ``(nbr, nbc)`` back to the element grid ``shape``."""
-    br, bc = block
-    full = s.repeat_interleave(br, dim=0).repeat_interleave(bc, dim=1)
-    return full[: shape[0], : shape[1]]
+    """Broadcast a per-tile tensor ``(..., nbr, nbc)`` back to the element grid ``(..., *shape)``."""
+    return repeat_tiles_eager(repeat_tiles_eager(s, block[0], -2, shape[0]), block[1], -1, shape[1])
 
 
 def quantize_blocks_reference(

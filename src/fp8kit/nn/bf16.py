@@ -11,10 +11,11 @@ slower). Master weights stay FP32, as under ``torch.autocast``.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn as nn
+
+from .class_swap import swap_class
+from .routing import routing_plan
 
 __all__ = ["BF16Experts", "BF16Linear", "bf16_grouped_linear", "to_bf16_gemms"]
 
@@ -81,9 +82,7 @@ class _BF16GroupedFn(torch.autograd.Function):
 def bf16_grouped_linear(x: torch.Tensor, weight: torch.Tensor, expert_ids_sorted: torch.Tensor) -> torch.Tensor:
     """``out[j] = x[j] @ weight[e_j].T`` for rows ``x`` ``(S, K)`` sorted by expert (``expert_ids_sorted``
     ``(S,)``), ``weight`` ``(E, N, K)``: one grouped GEMM each way, bf16 operands, FP32 accumulation."""
-    counts = torch.histc(expert_ids_sorted.float(), bins=weight.shape[0], min=0, max=weight.shape[0] - 1)
-    offs = torch.cumsum(counts, 0).to(torch.int32)
-    return _BF16GroupedFn.apply(x, weight, offs)
+    return _BF16GroupedFn.apply(x, weight, routing_plan(expert_ids_sorted, weight.shape[0], 1).offs)
 
 
 class BF16Experts:
@@ -101,13 +100,6 @@ class BF16Experts:
         return routed_experts_forward(self, hidden_states, top_k_index, top_k_weights, project)
 
 
-@functools.cache
-def _bf16_experts_class(cls: type) -> type:
-    return type(
-        f"BF16{cls.__name__}", (BF16Experts, cls), {"__module__": __name__, "__qualname__": f"BF16{cls.__name__}"}
-    )
-
-
 def to_bf16_gemms(model: nn.Module) -> nn.Module:
     """Turn every plain ``nn.Linear`` of ``model`` into a ``BF16Linear`` and every ``transformers`` experts
     module not converted to FP8 into a ``BF16Experts``, in place (same parameters)."""
@@ -117,5 +109,5 @@ def to_bf16_gemms(model: nn.Module) -> nn.Module:
         if type(module) is nn.Linear:
             module.__class__ = BF16Linear
         elif is_experts_module(module) and not isinstance(module, (FP8Experts, BF16Experts)):
-            module.__class__ = _bf16_experts_class(type(module))
+            swap_class(module, BF16Experts, "BF16")
     return model

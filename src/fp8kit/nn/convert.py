@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from ..recipes import DelayedScaling, Recipe, recipe_from_name
-from .experts import convert_experts, experts_why_not, is_experts_module
+from .experts import convert_experts, experts_why_not, fp8_experts_forward, is_experts_module
 from .linear import Linear
 
 __all__ = ["ConversionReport", "convert", "convert_layer", "default_module_filter"]
@@ -245,7 +245,7 @@ def _convert_experts(
     found = [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
     if not found:
         return found
-    from ..integrations.hf_experts import use_fp8_experts
+    from .experts_interface import IMPLEMENTATION, use_implementation
 
     chosen = []
     for name, module in found:
@@ -256,7 +256,7 @@ def _convert_experts(
         else:
             chosen.append((name, module))
     if chosen:
-        use_fp8_experts([m for _, m in found])
+        use_implementation([m for _, m in found], IMPLEMENTATION, fp8_experts_forward)
     for name, module in chosen:
         convert_experts(module, recipe, save_fp8_activations=save_fp8_activations, name=name)
         report.converted.append(name)

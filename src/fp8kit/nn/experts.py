@@ -5,7 +5,7 @@ Since transformers 5 an MoE layer's experts are one module with 3-D parameters (
 ``is_transposed``; optional per-expert biases ``*_bias`` ``(E, out)``), whose forward is chosen through
 ``transformers.integrations.moe.ExpertsInterface``. ``fp8kit.convert`` turns such a module into an
 ``FP8Experts`` in place (its class gains this mixin; object, parameters, hooks and attributes stay) and
-points the model's ``config._experts_implementation`` at ``"fp8kit"`` (``integrations.hf_experts``), whose
+points the model's ``config._experts_implementation`` at ``"fp8kit"`` (``nn.experts_interface``), whose
 forward is ``fp8_experts_forward`` below: the routed tokens are sorted by expert, and each projection is
 three grouped GEMMs on FP8 operands (``fp8kit.gemm.grouped``): forward, input gradient and weight
 gradient, E4M3 x E4M3 forward and E5M2 gradients under the hybrid format, FP32 accumulation. The router
@@ -54,7 +54,6 @@ weights are cached per optimizer step as ``Linear`` does (eager mode).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import torch
@@ -64,23 +63,35 @@ from ..formats import E4M3
 from ..gemm.fp8 import gemm_values_dtype
 from ..gemm.grouped import (
     SCALED_GROUPED_MM_ALIGN,
-    GroupColumns,
-    GroupedWeight,
     grouped_gemm,
     grouped_gemm_wgrad,
     native_grouped_device,
-    quantize_experts,
-    quantize_experts_columns,
-    quantize_group_columns,
     transpose_experts,
     with_values,
     with_weight_values,
 )
+from ..grouped_tensor import (
+    GroupColumns,
+    GroupedWeight,
+    quantize_experts,
+    quantize_experts_columns,
+    quantize_group_columns,
+)
 from ..recipes import DelayedScaling, Recipe
-from ..scaling import compute_scale
+from ..scaling_state import (
+    DelayedScalingState,
+    check_recipe_extra_state,
+    forgive_missing_fp8_state,
+    operand_scale,
+    recipe_extra_state,
+)
 from ..tensor import QuantizedTensor, leading_amax, quantize, quantize_with_transpose, tensor_amax
 from .autocast import fp8_enabled, recipe_override
-from .linear import _BACKEND, FP8_STATE_KEYS, _seen_on_host, _track_cache, quantize_knobs
+from .backend import quantize_backend
+from .class_swap import swap_class
+from .experts_interface import IMPLEMENTATION, fallback_forward
+from .routing import RoutingPlan, combine, gather, permute, routing_plan
+from .weight_cache import track_weight_cache
 
 __all__ = [
     "FP8Experts",
@@ -150,15 +161,13 @@ class FP8Experts:
         self.amax_reduce: Any = None
         e = self.num_experts
         dev = self.down_proj.device
-        for key in ("fp8_amax_history", "fp8_scale", "fp8_seen", "fp8_amax_pending", "fp8_tokens_per_expert"):
-            self._buffers.pop(key, None)
+        self._buffers.pop("fp8_tokens_per_expert", None)
         self.register_buffer("fp8_tokens_per_expert", torch.zeros(e, device=dev), persistent=False)
+        # delayed scaling: per projection, the input, output gradient and each expert's weight; else None
+        self.fp8_state: DelayedScalingState | None = None
+        DelayedScalingState.drop(self)
         if isinstance(recipe, DelayedScaling):
-            n = recipe.amax_history_len
-            self.register_buffer("fp8_amax_history", torch.zeros(2, 2 + e, n, device=dev))
-            self.register_buffer("fp8_scale", torch.ones(2, 2 + e, device=dev))
-            self.register_buffer("fp8_seen", torch.zeros(2, 2 + e, dtype=torch.int64, device=dev))
-            self.register_buffer("fp8_amax_pending", torch.full((2, 2 + e), -1.0, device=dev))
+            self.fp8_state = DelayedScalingState(self, recipe, ("input", "grad", *("weight",) * e), lead=(2,))
 
     def active_recipe(self) -> Recipe:
         return recipe_override() or self.recipe
@@ -182,36 +191,37 @@ class FP8Experts:
         fmt = recipe.format_for(role)
         # the GEMM operand comes out of the quantize kernel beside the codes (CPU; per-tensor and row scales)
         values = gemm_values_dtype(x, x.dtype)
-        kw = {"nonfinite": "propagate", "backend": _BACKEND["name"], "values": values}
+        kw = {"nonfinite": "propagate", "backend": quantize_backend(), "values": values}
         if values is not None and not saved:
             kw["lazy_codes"] = True
-        if isinstance(recipe, DelayedScaling) and recipe is self.recipe:
-            i = 0 if role == "input" else 1
-            if _seen_on_host(self.fp8_seen[p, i]):
+        state = self.delayed_state(recipe)
+        if state is not None:
+            slot = (p, 0 if role == "input" else 1)
+            if state.has_history(slot):
                 # the history's scale does not depend on x: the kernel reduces x's amax as it casts
-                q = quantize(x, fmt, "tensor", scale=self.fp8_scale[p, i], check_scale=False, **kw)
+                q = quantize(x, fmt, "tensor", scale=state.scale[slot], check_scale=False, **kw)
                 amax = q.amax
             else:
                 amax = tensor_amax(x)
-                scale = self.activation_scale(amax, p, role, recipe)
-                q = quantize(x, fmt, "tensor", scale=scale, check_scale=False, amax=amax, **kw)
+                q = quantize(
+                    x, fmt, "tensor", scale=state.scale_for(slot, role, amax), check_scale=False, amax=amax, **kw
+                )
             if self.training and record:
-                self._record_amax(p, i, amax.reshape(1))
+                state.record(slot, amax, fold=not self.defer_scaling_update)
             return q
         if self.amax_reduce is not None and recipe.per_tensor:  # one scale from the global amax over ranks
             scale = self.activation_scale(self.amax_reduce(tensor_amax(x)), p, role, recipe)
             return quantize(x, fmt, "tensor", scale=scale, check_scale=False, **kw)
-        return quantize(x, fmt, recipe.granularity_for(role), **kw, **quantize_knobs(recipe))
+        return quantize(x, fmt, recipe.granularity_for(role), **kw, **recipe.quantize_kwargs)
+
+    def delayed_state(self, recipe: Recipe) -> DelayedScalingState | None:
+        """The delayed-scaling state that quantizes under ``recipe`` (the module's own), else None."""
+        return self.fp8_state if recipe is self.recipe else None
 
     def activation_scale(self, amax: torch.Tensor, p: int, role: str, recipe: Recipe) -> torch.Tensor:
         """The layer-wide per-tensor scale of projection ``p``'s ``role`` operand whose amax is ``amax``:
         delayed scaling's current scale (from this amax before the first update), else from ``amax``."""
-        fmt = recipe.format_for(role)
-        if isinstance(recipe, DelayedScaling) and recipe is self.recipe:
-            i = 0 if role == "input" else 1
-            fresh = compute_scale(amax, fmt, recipe.margin, previous=1.0)
-            return torch.where(self.fp8_seen[p, i] > 0, self.fp8_scale[p, i], fresh)
-        return compute_scale(amax, fmt, getattr(recipe, "margin", 0), getattr(recipe, "power_of_two", False))
+        return operand_scale(self.delayed_state(recipe), recipe, (p, 0 if role == "input" else 1), role, amax)
 
     def quantize_both_ways(
         self,
@@ -227,12 +237,12 @@ class FP8Experts:
         ``quantize_with_transpose`` of the padded ``x``. Compiled: the transpose is padded on its own, so
         that inductor does not fuse the two casts (its CPU loop-split pass asserts on that pair)."""
         xp = _pad(x, dest, rows)
-        if recipe.kind not in ("block", "mxfp8"):
+        if recipe.scales_whole_rows:
             return self.quantize_activation(xp, p, role, recipe, saved=False), self.quantize_along_tokens(
                 xp, role, recipe, group_ids
             )
         fmt, gran = recipe.format_for(role), recipe.granularity_for(role)
-        kw = {"nonfinite": "propagate", "backend": _BACKEND["name"], **quantize_knobs(recipe)}
+        kw = {"nonfinite": "propagate", "backend": quantize_backend(), **recipe.quantize_kwargs}
         if not torch.compiler.is_compiling():
             return quantize_with_transpose(xp, fmt, gran, **kw)
         xpt = x.t().contiguous() if dest is None else x.new_zeros(x.shape[1], rows).index_copy(1, dest, x.t())
@@ -243,16 +253,16 @@ class FP8Experts:
     ) -> QuantizedTensor | GroupColumns:
         """``xp.T`` quantized along the token dim for the weight-gradient GEMM (tile recipes)."""
         fmt = recipe.format_for(role)
-        if recipe.kind == "rowwise":  # a gradient's codes are never saved: its GEMM values only (CPU)
-            values = gemm_values_dtype(xp, xp.dtype) if role == "grad" and _BACKEND["name"] == "compiled" else None
+        if recipe.scales_whole_rows:  # a gradient's codes are never saved: its GEMM values only (CPU)
+            values = gemm_values_dtype(xp, xp.dtype) if role == "grad" and quantize_backend() == "compiled" else None
             return quantize_group_columns(xp, group_ids, self.num_experts, fmt, values=values)
         return quantize(
             xp.t().contiguous(),
             fmt,
             recipe.granularity_for(role),
             nonfinite="propagate",
-            backend=_BACKEND["name"],
-            **quantize_knobs(recipe),
+            backend=quantize_backend(),
+            **recipe.quantize_kwargs,
         )
 
     def fp8_expert_weights(
@@ -272,36 +282,36 @@ class FP8Experts:
             w = param.detach()
             w = transpose_experts(w) if self.is_transposed else w.contiguous()
             fmt = recipe.format_for("weight")
-            backend = _BACKEND["name"]
+            backend = quantize_backend()
             values = None if out_dtype is None else gemm_values_dtype(w, out_dtype)  # instead of the codes (CPU)
             lazy = {"lazy_codes": True} if values is not None else {}  # the CPU GEMMs read only the values
-            if isinstance(recipe, DelayedScaling) and recipe is self.recipe:
-                slots = self.fp8_weight_slots
-                if _seen_on_host(self.fp8_seen[p, slots]):  # the kernel reduces each expert's amax as it casts
+            state = self.delayed_state(recipe)
+            if state is not None:
+                slots = (p, self.fp8_weight_slots)
+                if state.has_history(slots):  # the kernel reduces each expert's amax as it casts
                     wq = quantize_experts(
-                        w, fmt, "tensor", scale=self.fp8_scale[p, slots], backend=backend, values=values, **lazy
+                        w, fmt, "tensor", scale=state.scale[slots], backend=backend, values=values, **lazy
                     )
                     amax = wq.amax
                 else:
                     amax = leading_amax(w)
-                    fresh = compute_scale(amax, fmt, recipe.margin, previous=1.0)
-                    scale = torch.where(self.fp8_seen[p, slots] > 0, self.fp8_scale[p, slots], fresh)
+                    scale = state.scale_for(slots, "weight", amax)
                     wq = quantize_experts(
                         w, fmt, "tensor", scale=scale, amax=amax, backend=backend, values=values, **lazy
                     )
                 if self.training:
-                    self._record_amax(p, slots, amax)
+                    state.record(slots, amax, fold=not self.defer_scaling_update)
             else:
                 gran = "tensor" if recipe.per_tensor else recipe.granularity_for("weight")
-                wq = quantize_experts(w, fmt, gran, backend=backend, values=values, **lazy, **quantize_knobs(recipe))
-            if recipe.per_tensor or recipe.kind == "block":
+                wq = quantize_experts(w, fmt, gran, backend=backend, values=values, **lazy, **recipe.quantize_kwargs)
+            if recipe.weight_transposes_codes:
                 pow2 = recipe.power_of_two_scales
                 wq = wq if out_dtype is None else with_weight_values(wq, out_dtype, power_of_two=pow2)
                 wq_t = wq.transpose()
                 if recipe.per_tensor and recipe.format_for("grad") == E4M3 and native_grouped_device(w.device):
                     # the native input-gradient GEMM (E4M3 gradients only) reads W^T contiguous
                     wq_t = dataclasses.replace(wq_t, codes=wq_t.data.contiguous())
-            elif recipe.kind == "rowwise" and values is not None and backend == "compiled" and not compiling:
+            elif recipe.scales_whole_rows and values is not None and backend == "compiled" and not compiling:
                 wq_t = quantize_experts_columns(w, fmt, values)  # W^T row-wise without a transposed copy
             else:
                 wq_t = quantize_experts(
@@ -311,57 +321,28 @@ class FP8Experts:
                     backend=backend,
                     values=values,
                     **lazy,
-                    **quantize_knobs(recipe),
+                    **recipe.quantize_kwargs,
                 )
         if not compiling:
             self._weight_cache[p] = (key, wq, wq_t)
-            _track_cache(self)
+            track_weight_cache(self)
         return wq, wq_t
 
     def release_fp8_weights(self) -> None:
         self._weight_cache = {}
 
     @torch.no_grad()
-    def _record_amax(self, p: int, slots: int | slice, amax: torch.Tensor) -> None:
-        pending = self.fp8_amax_pending[p, slots]
-        amax = amax.float().reshape(pending.shape)
-        self.fp8_amax_pending[p, slots] = torch.where(torch.isfinite(amax), torch.maximum(pending, amax), pending)
-        if not self.defer_scaling_update:
-            self.fold_amax_pending()
-
-    @torch.no_grad()
     def fold_amax_pending(self) -> None:
         """Move pending amaxes into the histories and recompute those scales (in place, no sync)."""
-        recipe = self.recipe
-        if not isinstance(recipe, DelayedScaling):
-            return
-        pending, hist = self.fp8_amax_pending, self.fp8_amax_history
-        has = pending >= 0
-        rolled = torch.roll(hist, 1, dims=-1)
-        rolled[..., 0] = pending.clamp_min(0)
-        hist.copy_(torch.where(has[..., None], rolled, hist))
-        self.fp8_seen.add_(has.to(torch.int64))
-        ref = hist.amax(dim=-1) if recipe.amax_compute_algo == "max" else hist[..., 0]
-        prev = self.fp8_scale
-        fwd = compute_scale(ref, E4M3, recipe.margin, previous=prev)
-        bwd = compute_scale(ref, recipe.format_for("grad"), recipe.margin, previous=prev)
-        grad_slot = torch.arange(prev.shape[1], device=prev.device) == 1
-        self.fp8_scale.copy_(torch.where(has, torch.where(grad_slot, bwd, fwd), prev))
-        pending.copy_(torch.where(has, torch.full_like(pending, -1.0), pending))
+        if self.fp8_state is not None:
+            self.fp8_state.fold()
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def get_extra_state(self) -> torch.Tensor:
-        return torch.frombuffer(bytearray(self.recipe.to_json().encode()), dtype=torch.uint8).clone()
+        return recipe_extra_state(self.recipe)
 
     def set_extra_state(self, state: Any) -> None:
-        if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
-            raise ValueError(f"{self.fp8_name}: FP8 state in the checkpoint is not fp8kit's (expected a uint8 tensor)")
-        other = Recipe.from_json(bytes(state.cpu().tolist()).decode())
-        if other != self.recipe:
-            raise ValueError(
-                f"{self.fp8_name}: checkpoint was written with recipe {other} but this model uses {self.recipe}; "
-                "convert the model with the checkpoint's recipe, or load fp8kit.nn.strip_fp8_state(state_dict)"
-            )
+        check_recipe_extra_state(state, self.recipe, self.fp8_name)
         self._weight_cache = {}
 
     def _load_from_state_dict(
@@ -370,14 +351,10 @@ class FP8Experts:
         super()._load_from_state_dict(  # type: ignore[misc]
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
-        fresh = {prefix + k for k in FP8_STATE_KEYS}
-        missing_keys[:] = [k for k in missing_keys if k not in fresh]
+        forgive_missing_fp8_state(prefix, missing_keys)
         self._weight_cache = {}
-
-
-@functools.cache
-def _fp8_class(cls: type) -> type:
-    return type(f"FP8{cls.__name__}", (FP8Experts, cls), {"__module__": __name__, "__qualname__": f"FP8{cls.__name__}"})
+        if self.fp8_state is not None:
+            self.fp8_state.forget_reads()
 
 
 def convert_experts(
@@ -391,8 +368,7 @@ def convert_experts(
     why = experts_why_not(module)
     if why:
         raise ValueError(f"cannot convert {name or 'these experts'} to FP8: {why}")
-    old = module.__class__
-    module.__class__ = _fp8_class(old)
+    old = swap_class(module, FP8Experts, "FP8")
     try:
         module._init_fp8(recipe, save_fp8_activations, name)  # type: ignore[attr-defined]
     except BaseException:
@@ -408,39 +384,11 @@ def token_alignment(recipe: Recipe, device: torch.device | None = None) -> int:
     """Rows each expert's group is padded to a multiple of: the tiles along the token dim of the weight-
     gradient GEMM (block, MXFP8), or 16 where that GEMM runs ``torch._scaled_grouped_mm`` (CUDA SM90, E4M3
     gradients: its FP8 rows start on 16-byte boundaries, as torchao and torchtitan pad them); else 1."""
-    if recipe.kind == "block":
-        return recipe.block_size  # type: ignore[attr-defined]
-    if recipe.kind == "mxfp8":
-        return 32
+    if recipe.tile_width is not None:
+        return recipe.tile_width
     if device is not None and recipe.format_for("grad") == E4M3 and native_grouped_device(device):
         return SCALED_GROUPED_MM_ALIGN
     return 1
-
-
-def routing_plan(expert_ids_sorted: torch.Tensor, num_experts: int, align: int, *, pad_empty: bool | None = None):
-    """``(tokens per expert (E,) float32, offs (E,) int32, group id per row, dest rows or None, rows)``.
-
-    With ``align > 1`` the sorted token ``j`` of expert ``e`` goes to padded row ``dest[j]``; each
-    expert's group starts at a multiple of ``align`` and ``rows`` (static) bounds the padded total.
-    ``pad_empty`` (default: on CUDA): an expert without tokens still gets ``align`` zero rows, so that no
-    weight-gradient group is empty (CUDA's grouped GEMM kernels assert or hang on a group whose reduction
-    length is 0 in some torch versions; torchtitan pads the same way)."""
-    s = expert_ids_sorted.numel()
-    dev = expert_ids_sorted.device
-    counts = torch.histc(expert_ids_sorted.float(), bins=num_experts, min=0, max=num_experts - 1)
-    if align == 1:
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        return counts, offs, expert_ids_sorted, None, s
-    pad_empty = dev.type == "cuda" if pad_empty is None else pad_empty
-    n = counts.long()
-    padded = (n + align - 1) // align * align
-    if pad_empty:
-        padded = torch.where(n == 0, align, padded)
-    ends, pends = torch.cumsum(n, 0), torch.cumsum(padded, 0)
-    dest = torch.arange(s, device=dev) - (ends - n)[expert_ids_sorted] + (pends - padded)[expert_ids_sorted]
-    rows = -(-(s + num_experts * (align if pad_empty else align - 1)) // align) * align
-    group_ids = torch.searchsorted(pends, torch.arange(rows, device=dev), right=True).clamp_max(num_experts - 1)
-    return counts, pends.to(torch.int32), group_ids, dest, rows
 
 
 def _pad(x: torch.Tensor, dest: torch.Tensor | None, rows: int) -> torch.Tensor:
@@ -458,9 +406,13 @@ def _pack(obj: Any) -> tuple[list[torch.Tensor], Any]:
     if isinstance(obj, QuantizedTensor):
         obj.data  # noqa: B018 - encodes codes the kernel skipped (saved activations keep theirs)
         names = ["codes", "scales"]  # values / amax are not needed in backward
+    if isinstance(obj, GroupedWeight):
+        names = [n for n in names if n != "amax"]  # not needed in backward
     other = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.name not in names}
     if isinstance(obj, QuantizedTensor):
         other.update(amax=None, values=None)
+    if isinstance(obj, GroupedWeight):
+        other.update(amax=None)
     return [getattr(obj, n) for n in names], (type(obj), names, other)
 
 
@@ -549,15 +501,12 @@ class _GroupedLinearFn(torch.autograd.Function):
         return dx, dw, None, None, None, None, None, None, None
 
 
-def _fallback_forward(module: nn.Module):
-    """The experts forward in use before conversion (unconverted modules, or FP8 disabled)."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    original = getattr(type(module).forward, "__wrapped__", None)
-    name = getattr(module, "_fp8kit_fallback", "grouped_mm")
-    if name in (None, "eager") and original is not None:
-        return original
-    return ALL_EXPERTS_FUNCTIONS.get_interface("grouped_mm" if name in (None, "eager", "fp8kit") else name, original)
+def _apply_grouped_linear(
+    x: torch.Tensor, module: FP8Experts, p: int, recipe: Recipe, plan: RoutingPlan
+) -> torch.Tensor:
+    return _GroupedLinearFn.apply(
+        x, module.fp8_param(p), plan.offs, plan.group_ids, plan.dest, module, p, recipe, plan.rows
+    )
 
 
 def grouped_linear(
@@ -571,36 +520,10 @@ def grouped_linear(
     (``expert_ids_sorted`` ``(S,)``, ascending), ``W`` the module's projection ``0`` (gate_up / up) or ``1``
     (down) as ``(E, N, K)``; differentiable in ``x`` and the weight. No bias."""
     recipe = recipe or module.active_recipe()
-    counts, offs, group_ids, dest, rows = routing_plan(
-        expert_ids_sorted, module.num_experts, token_alignment(recipe, x.device)
-    )
+    plan = routing_plan(expert_ids_sorted, module.num_experts, token_alignment(recipe, x.device))
     with torch.no_grad():
-        module.fp8_tokens_per_expert.copy_(counts)
-    return _GroupedLinearFn.apply(
-        x, module.fp8_param(projection), offs, group_ids, dest, module, projection, recipe, rows
-    )
-
-
-class _SlotGather(torch.autograd.Function):
-    """``x[slots // k]`` for ``slots`` a permutation of ``x.shape[0] * k`` routing slots (every row of ``x``
-    read by its ``k`` slots; ``k = 1``: a row permutation), whose backward gathers as well:
-    ``grad[inverse]`` summed over each row's ``k`` slots (``inverse`` the inverse permutation). Autograd's
-    own backward of the indexing scatters with accumulation (``index_put_``), about 2x slower on CPU; the
-    sum is the same for ``k <= 2`` (one rounding of ``a + b``; more slots are summed in float32 first)."""
-
-    @staticmethod
-    def forward(ctx, x, slots, inverse, k):  # type: ignore[override]
-        ctx.save_for_backward(inverse)
-        ctx.k = k
-        return x[slots // k] if k > 1 else x[slots]
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        (inverse,) = ctx.saved_tensors
-        g = grad[inverse]
-        if ctx.k > 1:
-            g = g.view(-1, ctx.k, g.shape[-1]).sum(dim=1)
-        return g, None, None, None
+        module.fp8_tokens_per_expert.copy_(plan.counts)
+    return _apply_grouped_linear(x, module, projection, recipe, plan)
 
 
 def routed_experts_forward(
@@ -609,33 +532,31 @@ def routed_experts_forward(
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
     project: Any,
+    *,
+    norm_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``grouped_mm_experts_forward``'s routing around two expert projections: tokens sorted by expert,
-    ``project(x, p, expert_ids_sorted)`` computes projection ``p`` (0 gate_up / up, 1 down) of the sorted
-    rows ``x`` (no bias), then biases, gating, the routing weights and the sum over the top-k.
+    """``grouped_mm_experts_forward``'s routing around two expert projections (``fp8kit.nn.routing``):
+    tokens sorted by expert, ``project(x, p, expert_ids_sorted)`` computes projection ``p`` (0 gate_up /
+    up, 1 down) of the sorted rows ``x`` (no bias), then biases, gating, the routing weights and the sum
+    over the top-k. ``norm_dtype``: the dtype a post-expert norm runs in (default: the projection's).
 
     ``hidden_states`` ``(T, H)``, ``top_k_index`` / ``top_k_weights`` ``(T, k)``; returns ``(T, H)``."""
-    num_top_k = top_k_index.size(-1)
-    num_tokens, hidden_dim = hidden_states.shape
-    expert_ids = top_k_index.reshape(-1)
-    sample_weights = top_k_weights.reshape(-1)
-    expert_ids_g, perm = torch.sort(expert_ids, stable=True)
-    inv_perm = torch.empty_like(perm)
-    inv_perm[perm] = torch.arange(perm.numel(), device=perm.device)
-    x = _SlotGather.apply(hidden_states, perm, inv_perm, num_top_k)
-    proj = project(x, 0, expert_ids_g)
+    perm = permute(top_k_index)
+    expert_ids = perm.expert_ids
+    proj = project(gather(hidden_states, perm), 0, expert_ids)
     if module.has_bias:
         bias = module.gate_up_proj_bias if module.has_gate else module.up_proj_bias
-        proj = proj + bias[expert_ids_g].to(proj.dtype)
+        proj = proj + bias[expert_ids].to(proj.dtype)
     proj = module._apply_gate(proj) if module.has_gate else module.act_fn(proj)
-    proj = project(proj, 1, expert_ids_g)
+    proj = project(proj, 1, expert_ids)
     if module.has_bias:
-        proj = proj + module.down_proj_bias[expert_ids_g].to(proj.dtype)
+        proj = proj + module.down_proj_bias[expert_ids].to(proj.dtype)
     if getattr(module, "has_post_expert_norm", False):
-        proj = module.post_expert_norm(proj)
-    weighted = proj * sample_weights[perm].unsqueeze(-1).to(proj.dtype)
-    out = _SlotGather.apply(weighted, inv_perm, perm, 1).view(num_tokens, num_top_k, hidden_dim).sum(dim=1)
-    return out.to(hidden_states.dtype)
+        if norm_dtype is None:
+            proj = module.post_expert_norm(proj)
+        else:
+            proj = module.post_expert_norm(proj.to(norm_dtype)).to(proj.dtype)
+    return combine(proj, top_k_weights, perm).to(hidden_states.dtype)
 
 
 def fp8_experts_forward(
@@ -645,21 +566,20 @@ def fp8_experts_forward(
 
     ``hidden_states`` ``(T, H)``, ``top_k_index`` / ``top_k_weights`` ``(T, k)``; returns ``(T, H)``."""
     if not isinstance(self, FP8Experts) or not fp8_enabled():
-        return _fallback_forward(self)(self, hidden_states, top_k_index, top_k_weights)
+        return fallback_forward(self, IMPLEMENTATION)(self, hidden_states, top_k_index, top_k_weights)
     if getattr(self, "_is_expert_parallel", False):
         raise NotImplementedError(
             f"{self.fp8_name}: transformers' own expert parallelism is not supported by fp8kit experts; use "
             "fp8kit.distributed.expert_parallel.parallelize_experts"
         )
     recipe = self.active_recipe()
-    plan: list[Any] = []
+    plans: list[RoutingPlan] = []
 
-    def project(x: torch.Tensor, p: int, expert_ids_g: torch.Tensor) -> torch.Tensor:
-        if not plan:  # one routing plan for both projections
-            plan.extend(routing_plan(expert_ids_g, self.num_experts, token_alignment(recipe, x.device)))
+    def project(x: torch.Tensor, p: int, expert_ids: torch.Tensor) -> torch.Tensor:
+        if not plans:  # one routing plan for both projections
+            plans.append(routing_plan(expert_ids, self.num_experts, token_alignment(recipe, x.device)))
             with torch.no_grad():
-                self.fp8_tokens_per_expert.copy_(plan[0])
-        _, offs, group_ids, dest, rows = plan
-        return _GroupedLinearFn.apply(x, self.fp8_param(p), offs, group_ids, dest, self, p, recipe, rows)
+                self.fp8_tokens_per_expert.copy_(plans[0].counts)
+        return _apply_grouped_linear(x, self, p, recipe, plans[0])
 
     return routed_experts_forward(self, hidden_states, top_k_index, top_k_weights, project)

@@ -31,7 +31,6 @@ Buffers a layer holds, and their lifetime:
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -42,27 +41,22 @@ import torch.nn.functional as F
 from ..gemm import fp8_gemm
 from ..gemm.fp8 import gemm_values_dtype
 from ..recipes import DelayedScaling, Recipe
-from ..scaling import Granularity, compute_scale
+from ..scaling import Granularity
+from ..scaling_state import (
+    FP8_STATE_KEYS,
+    DelayedScalingState,
+    check_recipe_extra_state,
+    forgive_missing_fp8_state,
+    recipe_extra_state,
+)
 from ..tensor import QuantizedTensor, quantize, quantize_with_transpose, tensor_amax
 from .autocast import fp8_enabled, recipe_override
+from .backend import quantize_backend, set_quantize_backend
+from .weight_cache import track_weight_cache
 
 __all__ = ["FP8_STATE_KEYS", "Linear", "quantize_backend", "quantize_knobs", "set_quantize_backend", "strip_fp8_state"]
 
 ROLES = ("input", "weight", "grad")
-FP8_STATE_KEYS = ("fp8_amax_history", "fp8_scale", "fp8_seen", "fp8_amax_pending", "_extra_state")
-_BACKEND = {"name": "compiled"}
-
-
-def quantize_backend() -> str:
-    """The backend FP8 layers quantize their operands with (``set_quantize_backend``)."""
-    return _BACKEND["name"]
-
-
-def set_quantize_backend(name: str) -> None:
-    """Kernel backend the modules use: ``"compiled"`` (default) or ``"eager"``."""
-    if name not in ("compiled", "eager"):
-        raise ValueError(f"backend must be 'compiled' or 'eager', got {name!r}")
-    _BACKEND["name"] = name
 
 
 class Linear(nn.Linear):
@@ -103,15 +97,11 @@ class Linear(nn.Linear):
         self.defer_scaling_update = False
         # Optional MAX-reduction of per-tensor current-scaling amaxes over ranks (``fp8kit.distributed``).
         self.amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
-        dev = self.weight.device
-        for key in ("fp8_amax_history", "fp8_scale", "fp8_seen", "fp8_amax_pending"):
-            self._buffers.pop(key, None)
+        # delayed scaling: the amax histories and scales of (input, weight, grad); None for other recipes
+        self.fp8_state: DelayedScalingState | None = None
+        DelayedScalingState.drop(self)
         if isinstance(self.recipe, DelayedScaling):
-            n = self.recipe.amax_history_len
-            self.register_buffer("fp8_amax_history", torch.zeros(3, n, device=dev))
-            self.register_buffer("fp8_scale", torch.ones(3, device=dev))
-            self.register_buffer("fp8_seen", torch.zeros(3, dtype=torch.int64, device=dev))
-            self.register_buffer("fp8_amax_pending", torch.full((3,), -1.0, device=dev))
+            self.fp8_state = DelayedScalingState(self, self.recipe, ROLES)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Recipe | None = None, name: str = "", **kwargs: Any) -> Linear:
@@ -126,6 +116,10 @@ class Linear(nn.Linear):
     # ---- scaling state -------------------------------------------------------------------------
     def active_recipe(self) -> Recipe:
         return recipe_override() or self.recipe
+
+    def delayed_state(self, recipe: Recipe) -> DelayedScalingState | None:
+        """The delayed-scaling state that quantizes under ``recipe`` (the layer's own), else None."""
+        return self.fp8_state if recipe is self.recipe else None
 
     def quantize_operand(
         self,
@@ -143,17 +137,17 @@ class Linear(nn.Linear):
         re-quantization of an input kept in high precision: its amax is already in the history)."""
         recipe = recipe or self.active_recipe()
         fmt = recipe.format_for(role)
-        backend = _BACKEND["name"]
-        if isinstance(recipe, DelayedScaling) and recipe is self.recipe:
-            return self._quantize_delayed(x, role, fmt, recipe, backend, values, record)
+        backend = quantize_backend()
+        state = self.delayed_state(recipe)
+        if state is not None:
+            return self._quantize_delayed(x, role, fmt, state, backend, values, record)
         kw = {"nonfinite": "propagate", "backend": backend, "values": values, "lazy_codes": role == "grad"}
         if self.amax_reduce is not None and recipe.per_tensor and role != "weight":
             # current scaling across ranks: one scale from the global amax (MAX over the group)
-            amax = self.amax_reduce(tensor_amax(x))
-            scale = compute_scale(amax, fmt, getattr(recipe, "margin", 0), getattr(recipe, "power_of_two", False))
+            scale = recipe.scale_from_amax(self.amax_reduce(tensor_amax(x)), role)
             q = quantize(x, fmt, "tensor", scale=scale, check_scale=False, **kw)
         else:
-            q = quantize(x, fmt, recipe.granularity_for(role), **kw, **quantize_knobs(recipe))
+            q = quantize(x, fmt, recipe.granularity_for(role), **kw, **recipe.quantize_kwargs)
         self._check_amax(q, role)
         return q
 
@@ -164,7 +158,7 @@ class Linear(nn.Linear):
         fmt = recipe.format_for(role)
         gran = recipe.granularity_for(role)
         q, q_t = quantize_with_transpose(
-            x, fmt, gran, nonfinite="propagate", backend=_BACKEND["name"], **quantize_knobs(recipe)
+            x, fmt, gran, nonfinite="propagate", backend=quantize_backend(), **recipe.quantize_kwargs
         )
         self._check_amax(q, role)
         return q, q_t
@@ -174,70 +168,37 @@ class Linear(nn.Linear):
         x: torch.Tensor,
         role: str,
         fmt,
-        recipe: DelayedScaling,
+        state: DelayedScalingState,
         backend: str,
         values: torch.dtype | None,
         record: bool = True,
     ) -> QuantizedTensor:
         i = ROLES.index(role)
-        kw = {"margin": recipe.margin, "nonfinite": "propagate", "backend": backend, "check_scale": False}
+        kw = {"margin": state.recipe.margin, "nonfinite": "propagate", "backend": backend, "check_scale": False}
         kw.update(values=values, lazy_codes=role == "grad")
-        seen = self.fp8_seen[i]
-        if _seen_on_host(seen):
+        if state.has_history(i):
             # the history's scale does not depend on x: the kernel reduces x's amax as it casts (one read)
-            q = quantize(x, fmt, "tensor", scale=self.fp8_scale[i], **kw)
+            q = quantize(x, fmt, "tensor", scale=state.scale[i], **kw)
             amax_now = q.amax
         else:
-            # Graph-friendly first-step rule: an operand never seen (``fp8_seen == 0``) is quantized with the
-            # scale of its own amax (current scaling), chosen by ``torch.where``: no Python flag, no sync.
             amax_now = tensor_amax(x)
-            fresh = compute_scale(amax_now, fmt, recipe.margin, previous=1.0)
-            q = quantize(x, fmt, "tensor", scale=torch.where(seen > 0, self.fp8_scale[i], fresh), amax=amax_now, **kw)
+            q = quantize(x, fmt, "tensor", scale=state.scale_for(i, role, amax_now), amax=amax_now, **kw)
         self._check_amax(q, role)
         if self.training and record:  # evaluation uses the scaling state but does not change it
-            self._record_amax(i, amax_now, recipe)
+            state.record(i, amax_now, fold=not self.defer_scaling_update)
         return q
 
     @torch.no_grad()
-    def _record_amax(self, i: int, amax: torch.Tensor, recipe: DelayedScaling) -> None:
-        """Record operand ``i``'s amax (a non-finite one is dropped) and, unless deferred, fold it in."""
-        amax = amax.reshape(()).float()
-        pending = self.fp8_amax_pending[i]
-        self.fp8_amax_pending[i] = torch.where(torch.isfinite(amax), torch.maximum(pending, amax), pending)
-        if not self.defer_scaling_update:
-            self.fold_amax_pending((i,))
-
-    @torch.no_grad()
-    def fold_amax_pending(self, roles: tuple[int, ...] = (0, 1, 2)) -> None:
-        """Move pending amaxes into the history and recompute the scales (in place, no sync).
-
-        Roles whose pending amax is -1 (nothing recorded) keep history and scale. Called by the layer
-        after each quantization in one process, and by ``fp8kit.distributed`` after the MAX reduction.
-        """
-        recipe = self.recipe
-        if not isinstance(recipe, DelayedScaling):
-            return
-        for i in roles:
-            pending = self.fp8_amax_pending[i]
-            has = pending >= 0
-            hist = self.fp8_amax_history[i]
-            rolled = torch.roll(hist, 1)
-            rolled[0] = pending.clamp_min(0)
-            hist.copy_(torch.where(has, rolled, hist))
-            self.fp8_seen[i] += has.to(torch.int64)
-            # unfilled history entries are 0 and never win the max
-            ref = hist.max() if recipe.amax_compute_algo == "max" else hist[0]
-            fmt = recipe.format_for(ROLES[i])
-            new_scale = compute_scale(ref, fmt, recipe.margin, previous=self.fp8_scale[i])
-            self.fp8_scale[i] = torch.where(has, new_scale, self.fp8_scale[i])
-            self.fp8_amax_pending[i] = torch.where(has, torch.full_like(pending, -1.0), pending)
+    def fold_amax_pending(self) -> None:
+        """Move pending amaxes into the history and recompute the scales (in place, no sync): called by
+        ``fp8kit.distributed`` after the MAX reduction (one process folds at each record)."""
+        if self.fp8_state is not None:
+            self.fp8_state.fold()
 
     @property
     def _calibrated(self) -> list[bool]:
         """Per role, whether a delayed scale exists (eager-only convenience: reads the device)."""
-        if not isinstance(self.recipe, DelayedScaling):
-            return [False, False, False]
-        return [bool(v > 0) for v in self.fp8_seen.tolist()]
+        return [False, False, False] if self.fp8_state is None else self.fp8_state.calibrated()
 
     def _check_amax(self, q: QuantizedTensor, role: str) -> None:
         """Warn (once per operand) when a quantized operand held NaN/inf; eager mode only."""
@@ -262,13 +223,13 @@ class Linear(nn.Linear):
                 return self._weight_cache[1], self._weight_cache[2]
         with torch.no_grad():
             wq = self.quantize_operand(w.detach(), "weight", recipe)
-            if recipe.per_tensor or recipe.kind == "block":  # one scale, or square tiles: transpose as is
+            if recipe.weight_transposes_codes:
                 wq_t = wq.t()
             else:
                 wq_t = self.quantize_operand(w.detach().t().contiguous(), "weight", recipe)
         if not compiling:
             self._weight_cache = (key, wq, wq_t)
-            _track_cache(self)
+            track_weight_cache(self)
         return wq, wq_t
 
     def release_fp8_weights(self) -> None:
@@ -289,7 +250,7 @@ class Linear(nn.Linear):
         the weight is ``code * scale_inv`` in its own dtype; returns ``None`` if seeded, else the reason.
         """
         recipe, w = self.recipe, self.weight
-        if recipe.kind != "block" or tuple(recipe.granularity_for("weight")) != tuple(block):
+        if recipe.granularity_for("weight") != tuple(block):
             return f"the recipe's weight tiles are not the checkpoint's {block[0]}x{block[1]} ones"
         if codes.dtype != torch.float8_e4m3fn or recipe.format_for("weight").dtype != codes.dtype:
             return "the checkpoint's weight codes are not E4M3"
@@ -302,7 +263,7 @@ class Linear(nn.Linear):
         if not torch.equal(tiles.dequantize(w.dtype), w.detach()):
             return "the weight is no longer code * scale_inv"
         self._weight_cache = ((w._version, w.data_ptr(), recipe), tiles, tiles.t())
-        _track_cache(self)
+        track_weight_cache(self)
         return None
 
     # ---- forward -------------------------------------------------------------------------------
@@ -318,22 +279,10 @@ class Linear(nn.Linear):
     # ---- checkpoints ---------------------------------------------------------------------------
     def get_extra_state(self) -> torch.Tensor:
         """The recipe as a UTF-8 JSON byte tensor: plain tensor state, no pickle."""
-        return torch.frombuffer(bytearray(self.recipe.to_json().encode()), dtype=torch.uint8).clone()
+        return recipe_extra_state(self.recipe)
 
     def set_extra_state(self, state: Any) -> None:
-        if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
-            raise ValueError(f"{self.fp8_name}: FP8 state in the checkpoint is not fp8kit's (expected a uint8 tensor)")
-        saved = bytes(state.cpu().tolist()).decode()
-        try:
-            other = Recipe.from_json(saved)
-        except (ValueError, TypeError) as err:
-            raise ValueError(f"{self.fp8_name}: unreadable FP8 recipe in checkpoint: {saved!r}") from err
-        if other != self.recipe:
-            raise ValueError(
-                f"{self.fp8_name}: checkpoint was written with recipe {other} but this model uses {self.recipe}; "
-                "convert the model with the checkpoint's recipe, or load the weights only via "
-                "fp8kit.nn.strip_fp8_state(state_dict) with strict=False"
-            )
+        check_recipe_extra_state(state, self.recipe, self.fp8_name)
         self._weight_cache = None
 
     def _load_from_state_dict(
@@ -342,33 +291,18 @@ class Linear(nn.Linear):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
-        # a high-precision checkpoint has no FP8 state: keep the fresh state instead of failing
-        fresh = {prefix + k for k in FP8_STATE_KEYS}
-        missing_keys[:] = [k for k in missing_keys if k not in fresh]
+        forgive_missing_fp8_state(prefix, missing_keys)
         self._weight_cache = None
+        if self.fp8_state is not None:
+            self.fp8_state.forget_reads()
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.kind}"
 
 
-_FAST_ACCUM = ("delayed", "current", "rowwise")
-
-
-def _seen_on_host(seen: torch.Tensor) -> bool:
-    """Whether delayed scaling has a history for every slot of ``seen``, read where that costs no device
-    sync (CPU tensors, eager mode); False elsewhere (the graph-friendly ``torch.where`` path then)."""
-    return seen.device.type == "cpu" and not torch.compiler.is_compiling() and bool((seen > 0).all())
-
-
 def quantize_knobs(recipe: Recipe) -> dict[str, Any]:
-    """The recipe's settings as ``quantize`` keyword arguments."""
-    if recipe.kind == "current":
-        return {"margin": recipe.margin, "power_of_two": recipe.power_of_two}  # type: ignore[attr-defined]
-    if recipe.kind == "block":
-        return {"power_of_two": recipe.power_of_two}  # type: ignore[attr-defined]
-    if recipe.kind == "mxfp8":
-        return {"mx_rounding": recipe.rounding}  # type: ignore[attr-defined]
-    return {}
+    """The recipe's settings as ``quantize`` keyword arguments (``Recipe.quantize_kwargs``)."""
+    return recipe.quantize_kwargs
 
 
 def strip_fp8_state(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -380,34 +314,6 @@ def _fp8_linear(x, weight, bias, module: Linear, recipe: Recipe) -> torch.Tensor
     """The FP8 GEMMs as one autograd function; ``torch.compile`` traces it with the model around it
     (its buffer updates are in-place ops in the forward and backward graphs)."""
     return _FP8LinearFn.apply(x, weight, bias, module, recipe)
-
-
-# Layers that hold an FP8 weight cache; emptied after optimizer steps (weights changed).
-_CACHED: weakref.WeakSet[Linear] = weakref.WeakSet()
-
-
-def _release_stale_caches(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """After any ``optimizer.step()``: drop the FP8 weight caches of the layers whose weight that
-    optimizer updates, so that no FP8 copy of a weight lives between steps (the next forward rebuilds
-    it). Keyed on the optimizer's parameters, not on the weight's version counter: fused optimizers
-    (``torch.optim.AdamW(fused=True)``, Trainer's default) update weights without bumping it."""
-    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for layer in list(_CACHED):
-        weights = layer.fp8_cached_weights() if hasattr(layer, "fp8_cached_weights") else (layer.weight,)
-        if not layer._weight_cache or any(id(w) in params for w in weights):
-            layer.release_fp8_weights()
-            _CACHED.discard(layer)
-
-
-def _track_cache(layer: Linear) -> None:
-    if not _CACHED and not _HOOK:  # first cache in this process: hook into every optimizer's step
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        _HOOK.append(register_optimizer_step_post_hook(_release_stale_caches))
-    _CACHED.add(layer)
-
-
-_HOOK: list[Any] = []
 
 
 def _pack(obj: QuantizedTensor | torch.Tensor | None) -> tuple[list[torch.Tensor], tuple | None]:
@@ -442,7 +348,7 @@ class _FP8LinearFn(torch.autograd.Function):
             xq,
             wq,
             out_dtype=x.dtype,
-            use_fast_accum=recipe.kind in _FAST_ACCUM,
+            use_fast_accum=recipe.fast_accumulation,
             power_of_two=recipe.power_of_two_scales,
         )
         if bias is not None:

@@ -6,10 +6,10 @@ optional ``*_bias`` ``(E, out)``), and its forward is looked up by name in
 ``transformers.integrations.moe.ExpertsInterface``. ``quantize_experts_module`` turns such a module into a
 ``QuantExperts`` in place (a class swap, as ``fp8kit.convert`` does for training: the object, its hooks,
 ``act_fn`` / ``_apply_gate`` stay) and points the model's ``config._experts_implementation`` at
-``"fp8kit_ptq"``, whose forward (``quant_experts_forward``) sorts the routed tokens by expert and runs
-each projection as one grouped GEMM (``fp8kit.gemm.grouped.grouped_mm``, ``torch._grouped_mm`` with
-offsets) on the exact 8-bit code values, FP32 accumulation on CPU, the scales applied to the accumulator.
-No Python loop over experts.
+``"fp8kit_ptq"``, whose forward (``quant_experts_forward``) routes the tokens as the training experts do
+(``fp8kit.nn.routing``) and runs each projection as one grouped GEMM of the GEMM floor
+(``gemm.grouped.grouped_scaled_mm``: the exact 8-bit code values, FP32 accumulation on CPU, the scales
+applied to the accumulator; block FP8: ``gemm.scaled.block_scaled_mm``). No Python loop over experts.
 
 Stored per projection ``P`` (``gate_up_proj`` or ``up_proj``, and ``down_proj``), as buffers:
 
@@ -53,16 +53,21 @@ and observed per expert. The tokens the router actually sent to each expert are 
 
 from __future__ import annotations
 
-import functools
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from ..grouped_tensor import GroupedWeight, quantize_experts
+from ..kernels.reference import expand_tiles
+from ..nn.class_swap import swap_class
+from ..nn.experts import routed_experts_forward
+from ..nn.experts_interface import fallback_forward, restore_implementation, use_implementation
+from ..nn.routing import RoutingPlan, routing_plan
 from ..scaling import dequant_scale
+from ..tensor import QuantizedTensor
 from ..tensor import quantize as fp8_quantize
 from .calibrate import InputObserver, choose_amax
 from .schemes import Scheme, get_scheme
@@ -84,7 +89,6 @@ __all__ = [
 ]
 
 IMPLEMENTATION = "fp8kit_ptq"
-_QUANTIZED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # the QuantExperts made in this process
 
 
 def find_experts(model: nn.Module) -> dict[str, nn.Module]:
@@ -252,18 +256,20 @@ class QuantExperts:
         """``codes * scale``, ``(E, out, in)``: the weight the module computes with."""
         codes, scale = self.weight_codes(p), self.weight_scale(p)
         if self.scheme.weight_strategy == "block":
-            b, (rows, cols) = self.scheme.block, codes.shape[1:]
-            scale = scale.repeat_interleave(b, 1).repeat_interleave(b, 2)[:, :rows, :cols]
+            scale = expand_tiles(scale, (self.scheme.block, self.scheme.block), tuple(codes.shape[1:]))
         return (codes.float() * scale).to(dtype)
 
     def dequantized_input(self, p: int, x: torch.Tensor) -> torch.Tensor:
         """The routed tokens ``x`` ``(S, in)`` as the module's GEMM sees them (float32): rounded to the
         activation format with ``quantize_input``'s scales, or per 1 x ``block`` group (block FP8)."""
         if self.scheme.act_strategy == "group":
-            fmt, b = self.scheme.act_format, self.scheme.block
-            return fp8_quantize(x.float(), fmt, (1, b), nonfinite="propagate").dequantize(torch.float32)
+            return self.quantize_groups(x).dequantize(torch.float32)
         xq, sx = self.quantize_input(p, x)
         return xq.float() * sx.reshape(-1, 1)
+
+    def quantize_groups(self, x: torch.Tensor) -> QuantizedTensor:
+        """The routed tokens ``x`` ``(S, in)`` quantized per 1 x ``block`` group (block FP8, run time)."""
+        return fp8_quantize(x.float(), self.scheme.act_format, (1, self.scheme.block), nonfinite="propagate")
 
     def quantize_input(self, p: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes of the routed tokens ``x`` ``(S, in)`` and their dequant scale (``(1,)`` static, ``(S, 1)``
@@ -276,29 +282,28 @@ class QuantExperts:
         qt = fp8_quantize(x, fmt, "row", nonfinite="propagate")
         return qt.data, qt.scale_inv
 
+    def grouped_weight(self, p: int) -> GroupedWeight:
+        """Projection ``p``'s block-FP8 codes and tile scales as the GEMM floor's operand."""
+        b = self.scheme.block
+        codes = self.weight_codes(p)
+        return GroupedWeight(codes, self.weight_scale(p), self.scheme.weight_format, (b, b), torch.float32)
+
     def project(self, p: int, x: torch.Tensor, offs: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-        """``out[j] = dequant(x[j]) @ dequant(W[e_j]).T`` (+ bias) for tokens sorted by expert, one grouped
-        GEMM on the code values (exact in float32 and bfloat16), scales applied to the accumulator."""
-        from ..gemm.grouped import grouped_mm
+        """``out[j] = dequant(x[j]) @ dequant(W[e_j]).T`` (float32, no bias) for tokens sorted by expert: one
+        grouped GEMM of the GEMM floor (``gemm.grouped.grouped_scaled_mm``, block FP8
+        ``gemm.scaled.block_scaled_mm``)."""
+        from ..gemm.grouped import grouped_scaled_mm
+        from ..gemm.scaled import block_scaled_mm
 
         if x.requires_grad and torch.is_grad_enabled():
             return self._project_straight_through(p, x, offs, group_ids)
-        gdt = torch.float32 if x.device.type == "cpu" else torch.bfloat16
-        codes = self.weight_codes(p)
-        if self.scheme.weight_strategy == "block":  # per-tile scales: GEMM on the exact dequantized values
-            w = self.dequantized_weight(p).transpose(1, 2)
-            out = grouped_mm(self.dequantized_input(p, x), w, offs)
-        elif self.scheme.act_format is None:  # weight-only: high-precision activations
-            acc = grouped_mm(x.to(gdt), codes.to(gdt).transpose(1, 2), offs)
-            out = acc.float() * self.weight_scale(p).reshape(codes.shape[0], -1)[group_ids]  # (S, 1) or (S, out)
-        else:
-            xq, sx = self.quantize_input(p, x)
-            acc = grouped_mm(xq.to(gdt), codes.to(gdt).transpose(1, 2), offs)
-            out = acc.float() * sx.reshape(-1, 1) * self.weight_scale(p).reshape(codes.shape[0], -1)[group_ids]
-        bias = getattr(self, f"{self.projections[p]}_bias", None) if self.has_bias else None
-        if bias is not None:
-            out = out + bias[group_ids].float()
-        return out
+        if self.scheme.weight_strategy == "block":
+            return block_scaled_mm(self.quantize_groups(x), self.grouped_weight(p), offs=offs)
+        codes, w_scale = self.weight_codes(p), self.weight_scale(p)
+        if self.scheme.act_format is None:  # weight-only: high-precision activations
+            return grouped_scaled_mm(x, codes, w_scale, offs, group_ids)
+        xq, sx = self.quantize_input(p, x)
+        return grouped_scaled_mm(xq, codes, w_scale, offs, group_ids, sx)
 
     def _project_straight_through(
         self, p: int, x: torch.Tensor, offs: torch.Tensor, group_ids: torch.Tensor
@@ -309,9 +314,7 @@ class QuantExperts:
             with torch.no_grad():
                 xd = self.dequantized_input(p, x.detach()).to(x.dtype)
             x = x + (xd - x).detach()
-        out = _GroupedMatmul.apply(x.float(), self.dequantized_weight(p), offs)
-        bias = getattr(self, f"{self.projections[p]}_bias", None) if self.has_bias else None
-        return out if bias is None else out + bias[group_ids].float()
+        return _GroupedMatmul.apply(x.float(), self.dequantized_weight(p), offs)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, scheme={self.scheme.name}"
@@ -333,13 +336,6 @@ class _GroupedMatmul(torch.autograd.Function):
 
         w, offs = ctx.saved_tensors
         return grouped_mm(grad.contiguous(), w.contiguous(), offs), None, None
-
-
-@functools.cache
-def _quant_class(cls: type) -> type:
-    return type(
-        f"Quant{cls.__name__}", (QuantExperts, cls), {"__module__": __name__, "__qualname__": f"Quant{cls.__name__}"}
-    )
 
 
 def _base_class(module: nn.Module) -> type:
@@ -425,16 +421,16 @@ def shallow_copy(module: nn.Module) -> nn.Module:
 def quantize_codes(w: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes (E, out, in), dequant scales (E, 1, 1) per tensor, (E, out, 1) per channel or
     (E, ceil(out / b), ceil(in / b)) per b x b tile)`` of the expert weights ``w`` ``(E, out, in)``, one
-    scale per expert (per tensor), per expert and row, or per expert and tile (tiles never cross experts)."""
-    e, r, c = w.shape
+    scale per expert (per tensor), per expert and row, or per expert and tile (tiles never cross experts):
+    ``grouped_tensor.quantize_experts``, the experts' one weight quantizer, with the dequant scales
+    ``amax / fmt.max`` of the per-tensor and per-channel schemes."""
+    e = w.shape[0]
+    fmt, b = scheme.weight_format, scheme.block
+    gran = {"block": (b, b), "channel": "row"}.get(scheme.weight_strategy, "tensor")
+    q = quantize_experts(w.float(), fmt, gran)
     if scheme.weight_strategy == "block":
-        tiles = [fp8_quantize(w[i].float(), scheme.weight_format, (scheme.block, scheme.block)) for i in range(e)]
-        codes = torch.stack([t.data for t in tiles]).contiguous()
-        return codes, torch.stack([t.scales.float().reshape(-(-r // scheme.block), -1) for t in tiles]).contiguous()
-    gran = "row" if scheme.weight_strategy == "channel" else (r, c)  # (r, c) tiles: one per expert
-    qt = fp8_quantize(w.float().reshape(e * r, c), scheme.weight_format, gran)
-    scale = dequant_scale(qt.amax, scheme.weight_format).reshape(e, -1, 1)
-    return qt.data.reshape(e, r, c).contiguous(), scale.contiguous()
+        return q.data.contiguous(), q.scales.float().contiguous()
+    return q.data.contiguous(), dequant_scale(q.amax, fmt).reshape(e, -1, 1).contiguous()
 
 
 def gptq_codes(w: torch.Tensor, hessian: torch.Tensor, scheme: Scheme, what: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -468,7 +464,7 @@ def install_quant_experts(
         module._parameters.pop(key, None)
     for key in ("fp8_amax_history", "fp8_scale", "fp8_seen", "fp8_amax_pending", "fp8_tokens_per_expert"):
         module._buffers.pop(key, None)
-    module.__class__ = _quant_class(_base_class(module))
+    swap_class(module, QuantExperts, "Quant", _base_class(module))
     for key, t in tensors.items():
         module.register_buffer(key, t.to(device))
     module.scheme = scheme
@@ -480,9 +476,9 @@ def install_quant_experts(
 
 
 def dispatch_quant_experts(module: nn.Module) -> None:
-    """Run ``module`` (a ``QuantExperts``) through ``"fp8kit_ptq"``: see ``_dispatch_to_quant``."""
-    _dispatch_to_quant(module)
-    _QUANTIZED.add(module)
+    """Run ``module`` (a ``QuantExperts``) through ``"fp8kit_ptq"`` (``nn.experts_interface``); the
+    implementation its config named before stays the fallback of the experts modules not quantized."""
+    use_implementation([module], IMPLEMENTATION, quant_experts_forward)
 
 
 @torch.no_grad()
@@ -506,44 +502,8 @@ def dequantize_experts_module(module: QuantExperts, dtype: torch.dtype = torch.f
         module.register_parameter(key, nn.Parameter(t))
     for key in ("scheme", "projections"):
         module.__dict__.pop(key, None)
-    _QUANTIZED.discard(module)
-    fallback = module.__dict__.pop("_fp8kit_ptq_fallback", None)
-    config = module.config
-    if not _quantized_sharing(module) and config._experts_implementation == IMPLEMENTATION:
-        config._experts_implementation = fallback or "grouped_mm"
+    restore_implementation(module, IMPLEMENTATION)
     return module
-
-
-def _dispatch_to_quant(module: nn.Module) -> None:
-    """Register ``"fp8kit_ptq"`` in ``ExpertsInterface`` and point the module's config at it; the
-    implementation the config named before stays the fallback of the experts modules not quantized."""
-    from transformers.integrations.moe import ExpertsInterface
-
-    ExpertsInterface.register(IMPLEMENTATION, quant_experts_forward)
-    config = getattr(module, "config", None)
-    if config is None:
-        raise ValueError(f"{type(module).__name__} has no .config: not an ExpertsInterface experts module")
-    previous = config._experts_implementation
-    if previous == IMPLEMENTATION:  # a sibling switched the shared config already: take its fallback
-        previous = next((m._fp8kit_ptq_fallback for m in _quantized_sharing(module)), None)
-    module._fp8kit_ptq_fallback = previous
-    config._experts_implementation = IMPLEMENTATION
-
-
-def _fallback(module: nn.Module) -> Callable[..., torch.Tensor]:
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    original = getattr(type(module).forward, "__wrapped__", None)
-    # a module left in high precision: the implementation its config named before a sibling was quantized
-    name = next((m._fp8kit_ptq_fallback for m in _quantized_sharing(module)), None)
-    if name in (None, "eager", IMPLEMENTATION) and original is not None:
-        return original
-    return ALL_EXPERTS_FUNCTIONS.get_interface(name, original)
-
-
-def _quantized_sharing(module: nn.Module) -> list[nn.Module]:
-    config = getattr(module, "config", None)
-    return [m for m in _QUANTIZED if getattr(m, "config", None) is config]
 
 
 def quant_experts_forward(
@@ -555,19 +515,14 @@ def quant_experts_forward(
     Experts modules that are not ``QuantExperts`` (kept in high precision) run the implementation their
     config named before."""
     if not isinstance(self, QuantExperts):
-        return _fallback(self)(self, hidden_states, top_k_index, top_k_weights)
-    k = top_k_index.size(-1)
-    num_tokens, hidden_dim = hidden_states.shape
-    expert_ids_g, perm = torch.sort(top_k_index.reshape(-1), stable=True)
-    x = hidden_states[perm // k]
-    counts = torch.histc(expert_ids_g.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
-    offs = torch.cumsum(counts, 0).to(torch.int32)
-    proj = _gate(self, self.project(0, x, offs, expert_ids_g))
-    proj = self.project(1, proj, offs, expert_ids_g)
-    if self.has_post_expert_norm:
-        proj = self.post_expert_norm(proj.to(hidden_states.dtype)).float()
-    weighted = proj * top_k_weights.reshape(-1)[perm].unsqueeze(-1).float()
-    inv_perm = torch.empty_like(perm)
-    inv_perm[perm] = torch.arange(perm.numel(), device=perm.device)
-    out = weighted[inv_perm].view(num_tokens, k, hidden_dim).sum(dim=1)
-    return out.to(hidden_states.dtype)
+        return fallback_forward(self, IMPLEMENTATION)(self, hidden_states, top_k_index, top_k_weights)
+    plans: list[RoutingPlan] = []
+
+    def project(x: torch.Tensor, p: int, expert_ids: torch.Tensor) -> torch.Tensor:
+        if not plans:
+            plans.append(routing_plan(expert_ids, self.num_experts, 1))
+        return self.project(p, x, plans[0].offs, plans[0].group_ids)
+
+    return routed_experts_forward(
+        self, hidden_states, top_k_index, top_k_weights, project, norm_dtype=hidden_states.dtype
+    )
