@@ -13,34 +13,7 @@ import fp8kit
 from fp8kit import debug
 from fp8kit.cli import main
 from fp8kit.debug.stats import operand_stats
-
-
-class Planted(nn.Module):
-    """Identity until ``start`` calls have passed; then multiplies one feature by ``factor`` (an outlier
-    channel) or writes a NaN into it."""
-
-    def __init__(self, start: int | None = None, channel: int = 3, factor: float = 1e4, nan: bool = False):
-        super().__init__()
-        self.start, self.channel, self.factor, self.nan, self.calls = start, channel, factor, nan, 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        if self.start is None or self.calls <= self.start:
-            return x
-        x = x.clone()
-        if self.nan:
-            x[0, self.channel] = float("nan")
-        else:
-            x[:, self.channel] = x[:, self.channel] * self.factor
-        return x
-
-
-def mlp(planted: nn.Module | None = None) -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), planted or Planted(),
-        nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 16),
-    )  # fmt: skip
+from tests.helpers.planted import Planted, mlp, mse
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +21,6 @@ def batches():
     torch.manual_seed(1)
     w = torch.randn(64, 16)
     return [(x, torch.tanh(x @ w)) for x in [torch.randn(32, 64) for _ in range(6)]]
-
-
-def mse(model, batch):
-    return nn.functional.mse_loss(model(batch[0]), batch[1])
 
 
 # ---- statistics ------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ STEPS = 10
 
 
 def llama() -> torch.nn.Module:
-    from conftest import tiny_llama_config
+    from tests.helpers.models import tiny_llama_config
 
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(tiny_llama_config(num_hidden_layers=4, max_position_embeddings=64))

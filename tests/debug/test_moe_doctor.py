@@ -4,13 +4,13 @@ weight is named as that expert (``...experts[3].gate_up_proj``), not as the whol
 from __future__ import annotations
 
 import torch
-from test_moe import tiny_model
 
 import fp8kit
 from fp8kit.debug import NaNDetector
 from fp8kit.debug.diagnosis import recommend
 from fp8kit.nn.experts import FP8Experts
 from fp8kit.recipes import DelayedScaling
+from tests.helpers.moe import tiny_moe_model
 
 LAYER0 = "model.layers.0.mlp.experts"
 
@@ -47,7 +47,7 @@ def test_doctor_names_the_expert_whose_weight_is_corrupted(tmp_path):
     # One weight of expert 3's down projection becomes 1e4 from step 4 (as a flipped exponent bit would make
     # it): its per-expert scale stretches ~10^4x, most of that expert's other weights underflow to zero, and its
     # tokens get an outlier channel. Every other expert keeps its own scale.
-    model = tiny_model("qwen3_moe")
+    model = tiny_moe_model("qwen3_moe")
     report = fp8kit.debug.doctor(
         model, batches(), "delayed", steps=8, prepare_fp8=plant(3, "down_proj", 1e4, at_call=4)
     )
@@ -71,7 +71,7 @@ def test_doctor_names_the_expert_whose_weight_is_corrupted(tmp_path):
 
 
 def test_doctor_and_nan_detector_name_the_expert_holding_a_nan():
-    model = tiny_model("qwen3_moe")
+    model = tiny_moe_model("qwen3_moe")
     report = fp8kit.debug.doctor(
         model, batches(), "delayed", steps=4, prepare_fp8=plant(5, "down_proj", float("nan"), 2)
     )
@@ -80,7 +80,7 @@ def test_doctor_and_nan_detector_name_the_expert_holding_a_nan():
 
 
 def test_nan_detector_attributes_a_nonfinite_output_to_the_one_expert_routed():
-    model = fp8kit.convert(tiny_model("qwen3_moe"), "current")
+    model = fp8kit.convert(tiny_moe_model("qwen3_moe"), "current")
     experts = model.get_submodule(LAYER0)
     assert isinstance(experts, FP8Experts)
     # an expert whose output overflows (inf) without a non-finite weight: named from the routing

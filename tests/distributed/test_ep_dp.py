@@ -1,6 +1,6 @@
 """Expert parallelism with several data-parallel rows (CPU, gloo, 4 processes): a (dp 2, ep 2) mesh.
 
-A tiny transformers Qwen3-MoE causal LM (attention and experts FP8, ``test_expert_parallel._causal_lm``)
+A tiny transformers Qwen3-MoE causal LM (attention and experts FP8, ``tests.helpers.moe.ep_causal_lm``)
 laid out by ``parallelize_model`` on ``build_mesh(check_mesh(4, ep=2))``: experts ``Shard(0)`` over ``ep``
 (tokens dispatched within a dp row), replicated over ``dp``; ``DistContext.reduce_expert_parallel_grads``
 after each backward (expert gradients summed over the dp group, the rest over all 4 ranks, both / 4);
@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_distributed import run_spawned
-from test_expert_parallel import _causal_lm
+
+from tests.helpers.distributed import run_spawned
+from tests.helpers.moe import ep_causal_lm
 
 pytestmark = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
@@ -77,7 +78,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     ctx = DistContext(rank, world, ep=2, mesh=mesh)
     res = {}
     for recipe in RECIPES:
-        model = ctx.wrap(_causal_lm(recipe))  # parallelize_model: EP on mesh["ep"], FP8 scaling over the world
+        model = ctx.wrap(ep_causal_lm(recipe))  # parallelize_model: EP on mesh["ep"], FP8 scaling over the world
         res[recipe] = _train(model, ctx)
     everyone = [None] * world
     dist.all_gather_object(everyone, res)
@@ -106,8 +107,8 @@ def test_dp2_x_ep2_follows_one_process(ranks, recipe, rel, update_rel):
     # delayed: measured loss rel 1.9e-4 and 0.28 of the update (step 1's per-rank scales re-round E5M2
     # gradients, 2 mantissa bits); the one-process FP8 update itself is 0.36 of the update away from the
     # FP32 one, so this is FP8 noise. A dropped dp or ep reduction fails test_replicas_stay_identical exactly.
-    init = dict(_causal_lm(recipe).named_parameters())
-    ref = _train(_causal_lm(recipe))
+    init = dict(ep_causal_lm(recipe).named_parameters())
+    ref = _train(ep_causal_lm(recipe))
     for got in ranks:
         assert got[recipe]["losses"] == pytest.approx(ref["losses"], rel=rel), (recipe, got[recipe]["losses"], ref)
     for r, got in enumerate(ranks):

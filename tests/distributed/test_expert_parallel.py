@@ -39,34 +39,19 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_distributed import run_spawned
 
-from tests.conftest import sqnr_db
+from tests.helpers.distributed import run_spawned
+from tests.helpers.moe import INTER, TOP_K, E, H, ep_causal_lm, ep_config, ep_recipe
+from tests.helpers.numerics import sqnr_db
 
 pytestmark = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
     reason="needs torch.distributed with gloo",
 )
 
-H, INTER, E, TOP_K, BATCH, SEQ, STEPS = 64, 32, 8, 2, 2, 8, 2  # BATCH sequences per rank
+BATCH, SEQ, STEPS = 2, 8, 2  # BATCH sequences per rank
 RECIPES = ("delayed", "current", "rowwise", "block32", "mxfp8")  # block32: 1x32 / 32x32 tiles (2 per token)
 CAPACITY = 0.75
-
-
-def _config(num_experts: int = E, **kw):
-    from transformers import Qwen3MoeConfig
-
-    return Qwen3MoeConfig(
-        **kw,
-        hidden_size=H,
-        moe_intermediate_size=INTER,
-        num_experts=num_experts,
-        num_experts_per_tok=TOP_K,
-        norm_topk_prob=True,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
 
 
 class Net(nn.Module):
@@ -77,7 +62,7 @@ class Net(nn.Module):
 
         super().__init__()
         torch.manual_seed(0)
-        self.blocks = nn.ModuleList([Qwen3MoeSparseMoeBlock(_config(num_experts)) for _ in range(2)])
+        self.blocks = nn.ModuleList([Qwen3MoeSparseMoeBlock(ep_config(num_experts)) for _ in range(2)])
         with torch.no_grad():  # the block alone is not initialised by a PreTrainedModel
             for b in self.blocks:
                 b.gate.weight.normal_(0, 0.3)
@@ -90,16 +75,10 @@ class Net(nn.Module):
         return x
 
 
-def _recipe(name: str):
-    import fp8kit
-
-    return fp8kit.BlockScaling(block_size=32) if name == "block32" else fp8kit.recipe_from_name(name)
-
-
 def make(recipe: str, num_experts: int = E) -> nn.Module:
     import fp8kit
 
-    return fp8kit.convert(Net(num_experts), _recipe(recipe))
+    return fp8kit.convert(Net(num_experts), ep_recipe(recipe))
 
 
 def batch(step: int, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,17 +205,6 @@ def _zero_token_rank(mesh, rank: int) -> dict:
 LM_STEPS = 2
 
 
-def _causal_lm(recipe: str) -> nn.Module:
-    """A tiny transformers Qwen3-MoE causal LM, every Linear and the experts in FP8 (the head excepted)."""
-    from transformers import Qwen3MoeForCausalLM
-
-    import fp8kit
-
-    torch.manual_seed(0)
-    cfg = _config(vocab_size=128, num_hidden_layers=2, intermediate_size=128, mlp_only_layers=[])
-    return fp8kit.convert(Qwen3MoeForCausalLM(cfg), _recipe(recipe))
-
-
 def train_lm(model: nn.Module, ranks: int, part: slice | None, group=None) -> list[float]:
     """``LM_STEPS`` SGD steps of the causal LM on the global batch (``ranks * BATCH`` sequences)."""
     import torch.distributed as dist
@@ -264,7 +232,7 @@ def _lm_run(mesh, rank: int, world: int) -> list[float]:
     from fp8kit.distributed import enable_fp8_distributed
     from fp8kit.distributed.expert_parallel import parallelize_experts
 
-    model = _causal_lm("current")
+    model = ep_causal_lm("current")
     assert parallelize_experts(model, mesh) == [f"model.layers.{i}.mlp.experts" for i in range(2)]
     enable_fp8_distributed(model, mesh.get_group())  # the attention's current-scaling amaxes: MAX over ranks
     return train_lm(model, world, slice(rank * BATCH, (rank + 1) * BATCH), mesh.get_group())
@@ -407,7 +375,7 @@ def test_ep2_without_fp8_follows_one_process(ep2):
 
 def test_ep2_transformers_causal_lm_follows_one_process(ep2):
     """A whole Qwen3-MoE causal LM (attention and experts FP8, current scaling) through the experts registry."""
-    one = train_lm(_causal_lm("current"), 2, None)
+    one = train_lm(ep_causal_lm("current"), 2, None)
     assert ep2[0]["causal_lm"] == ep2[1]["causal_lm"]  # the same global loss on both ranks, bit for bit
     assert ep2[0]["causal_lm"] == pytest.approx(one, rel=1e-5)
 

@@ -30,8 +30,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_distributed import init_eager_worker, run_spawned
-from test_expert_parallel import SEQ, H, _config
+
+from tests.helpers.distributed import init_eager_worker, run_spawned
+from tests.helpers.moe import H, ep_config
 
 pytestmark = [
     pytest.mark.skipif(
@@ -41,7 +42,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
 ]
 
-STEPS, BATCH = 3, 2
+STEPS, BATCH, SEQ = 3, 2, 8
 RECIPES = ("delayed",)  # current scaling too by hand (bit-identical): each recipe costs ~50 s of tracing
 
 
@@ -55,7 +56,7 @@ class Net(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.proj, self.out = nn.Linear(H, H), nn.Linear(H, H)
-        self.block = Qwen3MoeSparseMoeBlock(_config())
+        self.block = Qwen3MoeSparseMoeBlock(ep_config())
         with torch.no_grad():
             self.block.gate.weight.normal_(0, 0.3)
             self.block.experts.gate_up_proj.normal_(0, 0.1)

@@ -1,6 +1,6 @@
 """FSDP2 x expert parallelism (CPU, gloo, 4 processes): a (dp 2, ep 2) mesh with ``fsdp=True``.
 
-A tiny transformers Qwen3-MoE causal LM (attention and experts FP8, ``test_expert_parallel._causal_lm``)
+A tiny transformers Qwen3-MoE causal LM (attention and experts FP8, ``tests.helpers.moe.ep_causal_lm``)
 laid out by ``parallelize_model(..., fsdp=True)`` on ``build_mesh(check_mesh(4, ep=2, fsdp=True))``:
 
 * the experts: ``Shard(0)`` over ``ep`` (4 of 8 per EP rank, tokens dispatched within a dp row), and each
@@ -33,8 +33,9 @@ import os
 
 import pytest
 import torch
-from test_distributed import run_spawned
-from test_expert_parallel import _causal_lm
+
+from tests.helpers.distributed import run_spawned
+from tests.helpers.moe import ep_causal_lm
 
 pytestmark = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
@@ -123,10 +124,10 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         mesh = build_mesh(check_mesh(world, tp=tp, ep=ep, fsdp=True))
         ctx = DistContext(rank, world, fsdp=True, tp=tp, ep=ep, mesh=mesh)
         for recipe in RECIPES:
-            model = ctx.wrap(_causal_lm(recipe))  # parallelize_model: TP, EP on "ep", FSDP2 on "dp_ep" / "dp"
+            model = ctx.wrap(ep_causal_lm(recipe))  # parallelize_model: TP, EP on "ep", FSDP2 on "dp_ep" / "dp"
             res[(dp, ep, tp), recipe] = _train(model, dp * ep, ctx, gathered=gathered)
         if (dp, ep, tp) == (2, 2, 1):  # the same layout with the high-precision (FP32) all-gather: one step
-            plain = parallelize_model(_causal_lm("current"), mesh, fsdp=True, fp8_all_gather=False)
+            plain = parallelize_model(ep_causal_lm("current"), mesh, fsdp=True, fp8_all_gather=False)
             res["plain"] = _train(plain, dp * ep, ctx, steps=1, gathered=gathered)
     everyone = [None] * world
     dist.all_gather_object(everyone, res)
@@ -148,13 +149,13 @@ _REFERENCE: dict = {}
 def _reference(recipe: str, data_ranks: int) -> dict:
     """One process on the concatenated batch of ``data_ranks`` ranks (cached per test session)."""
     if (recipe, data_ranks) not in _REFERENCE:
-        _REFERENCE[recipe, data_ranks] = _train(_causal_lm(recipe), data_ranks)
+        _REFERENCE[recipe, data_ranks] = _train(ep_causal_lm(recipe), data_ranks)
     return _REFERENCE[recipe, data_ranks]
 
 
 def _check_follows(got_ranks: list[dict], layout: tuple, recipe: str, rel: float, update_rel: float) -> None:
     dp, ep, _ = layout
-    init = dict(_causal_lm(recipe).named_parameters())
+    init = dict(ep_causal_lm(recipe).named_parameters())
     ref = _reference(recipe, dp * ep)
     for r, everything in enumerate(got_ranks):
         got = everything[layout, recipe]

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_distributed import init_eager_worker, run_spawned
-from test_tensor_parallel import _record_scales
+
+from tests.helpers.distributed import init_eager_worker, record_tp_scales, run_spawned
 
 pytestmark = [
     pytest.mark.skipif(
@@ -45,10 +45,10 @@ WORLD, STEPS, BATCH, SEQ = 4, 3, 4, 16
 
 
 def _llama(recipe: str = "delayed") -> torch.nn.Module:
-    from conftest import tiny_llama_config
     from transformers import LlamaForCausalLM
 
     import fp8kit
+    from tests.helpers.models import tiny_llama_config
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_llama_config(attn_implementation="eager", num_key_value_heads=4))
@@ -186,7 +186,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     res: dict = {}
     current = _Run(rank, 2, 2, recipe="current")
     log: list = []
-    _record_scales(current.model, log)
+    record_tp_scales(current.model, log)
     res["current_losses"] = [current.step(s) for s in range(1, STEPS + 1)]
     res["current_scales_agree"] = len(log) > 0 and all(other == log for other in gather(log))
     res["current_weights"] = {n: _full(p).tolist() for n, p in current.model.named_parameters()}
@@ -194,7 +194,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
     run = _Run(rank, 2, 2)
     log: list = []
-    _record_scales(run.model, log)
+    record_tp_scales(run.model, log)
     res["losses"] = [run.step(1)]
     # delayed scaling's first step quantizes the operands no rank splits (inputs of column-parallel layers,
     # gradients of row-parallel ones) with each rank's own amax, as under DDP (scaling.py): compare from step 2

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from test_distributed import run_spawned
+
+from tests.helpers.distributed import run_spawned
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -25,9 +26,9 @@ BATCH, SEQ, VOCAB = 4, 16, 128
 def tiny_moe(recipe: str):
     """``test_moe``'s 2-layer Qwen3-MoE (8 experts, top-2, hidden 64), seeded, converted to FP8."""
     import transformers as tf
-    from test_moe import qwen3_moe_config
 
     import fp8kit
+    from tests.helpers.moe import qwen3_moe_config
 
     torch.manual_seed(0)
     return fp8kit.convert(tf.Qwen3MoeForCausalLM(qwen3_moe_config()), recipe)

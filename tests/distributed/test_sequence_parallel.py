@@ -31,8 +31,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from test_distributed import init_eager_worker, run_spawned
-from test_tensor_parallel import _record_scales
+
+from tests.helpers.distributed import init_eager_worker, record_tp_scales, run_spawned
 
 pytestmark = [
     pytest.mark.skipif(
@@ -87,7 +87,7 @@ def _layout(model: torch.nn.Module, sequence_parallel: bool = True) -> torch.nn.
 def _sp_run(recipe: str, gather) -> dict:
     model = _layout(_model(recipe))
     log: list = []
-    _record_scales(model, log)
+    record_tp_scales(model, log)
     losses = _train(model)
     replicated = {k: v.detach().tolist() for k, v in model.named_parameters() if not hasattr(v, "full_tensor")}
     return {

@@ -27,7 +27,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_distributed import init_eager_worker, run_spawned
+
+from tests.helpers.distributed import init_eager_worker, record_tp_scales, run_spawned
 
 pytestmark = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
@@ -104,22 +105,6 @@ def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def _record_scales(model: nn.Module, log: list) -> None:
-    """Every quantization of every TP layer appends (layer, role, scales) to ``log``."""
-    from fp8kit.distributed.tensor_parallel import TensorParallelLinear
-
-    for name, m in model.named_modules():
-        if isinstance(m, TensorParallelLinear):
-            real = m.quantize_operand
-
-            def spy(x, role, recipe=None, values=None, _real=real, _name=name):
-                q = _real(x, role, recipe, values)
-                log.append((_name, role, q.scale_inv.flatten().tolist()))
-                return q
-
-            m.quantize_operand = spy
-
-
 def _tp_run(recipe: str, rank: int, world: int, gather, fp8: bool = True, sequence_parallel: bool = True) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -133,7 +118,7 @@ def _tp_run(recipe: str, rank: int, world: int, gather, fp8: bool = True, sequen
     enable_fp8_distributed(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     log: list = []
-    _record_scales(model, log)
+    record_tp_scales(model, log)
     per, shards = (SEQ // world, world) if sequence_parallel else (SEQ, 1)  # without SP: every rank the whole batch
     losses, amax_collectives = [], []
     for step in range(1, STEPS + 1):
@@ -193,10 +178,10 @@ LLAMA_STEPS = 2
 
 
 def _llama(recipe: str) -> nn.Module:
-    from conftest import tiny_llama_config
     from transformers import LlamaForCausalLM
 
     import fp8kit
+    from tests.helpers.models import tiny_llama_config
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_llama_config(attn_implementation="eager"))

@@ -10,7 +10,7 @@ import torch
 
 from fp8kit import ptq
 from fp8kit.export import ExportError, load_pretrained, pack_int8, save_pretrained, unpack_int8
-from tests.test_ptq import calib, tiny_llama
+from tests.helpers.models import calib, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")

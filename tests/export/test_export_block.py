@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,7 +21,8 @@ from fp8kit.export import (
     save_pretrained,
     serving_model,
 )
-from tests.test_export_modelopt import llama, tensors
+from tests.helpers.checkpoints import read_safetensors, transformers_written
+from tests.helpers.models import whole_tile_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -35,7 +35,7 @@ def batches():
 
 def trained(recipe: str, batches, steps: int = 2):
     """A tiny Llama converted by ``fp8kit.convert`` and trained ``steps`` AdamW steps."""
-    model = fp8kit.convert(llama(), recipe).train()
+    model = fp8kit.convert(whole_tile_llama(), recipe).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for i in range(steps):
         x = batches[i % len(batches)]
@@ -65,7 +65,7 @@ def test_trained_block_model_exports_its_tiles_and_transformers_loads_them(batch
         "weight_block_size": [128, 128],
         "modules_to_not_convert": ["lm_head"],
     }
-    t = tensors(out)
+    t = read_safetensors(out)
     name = "model.layers.0.mlp.down_proj"
     w, s = t[f"{name}.weight"], t[f"{name}.weight_scale_inv"]
     assert w.dtype == torch.float8_e4m3fn and w.shape == (256, 384)
@@ -92,31 +92,8 @@ def test_trained_block_model_exports_its_tiles_and_transformers_loads_them(batch
         torch.testing.assert_close(load_pretrained(out)(x).logits, ours, rtol=0, atol=0)
 
 
-def transformers_written(model, path, state=None):
-    """A block-FP8 checkpoint written by ``transformers``' own quantizer (``Fp8Quantize``, the op its
-    ``FineGrainedFP8Config`` saves with; quantizing on load needs a GPU, so it is called directly) from
-    ``state`` (default ``model.state_dict()``: the checkpoint's keys)."""
-    from safetensors.torch import save_file
-    from transformers.integrations.finegrained_fp8 import Fp8Quantize
-
-    config = transformers.FineGrainedFP8Config(modules_to_not_convert=["lm_head"])
-    op = Fp8Quantize(SimpleNamespace(quantization_config=config))
-    out = {}
-    for key, val in (model.state_dict() if state is None else state).items():
-        if key.endswith("_proj.weight"):
-            out.update(op._quantize_one(key, val))
-        else:
-            out[key] = val.contiguous()
-    path.mkdir()
-    save_file(out, str(path / "model.safetensors"))
-    cfg = model.config.to_dict()
-    cfg["quantization_config"] = config.to_dict()
-    (path / "config.json").write_text(json.dumps(cfg))
-    return path
-
-
 def test_transformers_written_block_checkpoint_imports_with_its_logits(tmp_path):
-    path = transformers_written(llama(3), tmp_path / "hf-fp8")
+    path = transformers_written(whole_tile_llama(3), tmp_path / "hf-fp8")
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ours = load_pretrained(path)
     assert len(block_layers(ours)) == 14 and ours.ptq_report.scheme == "fp8-block"
@@ -129,7 +106,7 @@ def test_transformers_written_block_checkpoint_imports_with_its_logits(tmp_path)
 
 
 def test_ptq_block_round_trips_and_writes_modelopts_block_format(tmp_path):
-    base = llama(1)
+    base = whole_tile_llama(1)
     q = quantize_block(copy.deepcopy(base))
     assert sorted(q.ptq_report.skipped) == ["lm_head"] and len(q.ptq_report.quantized) == 14
     x = torch.randint(0, 320, (2, 16))
@@ -139,7 +116,7 @@ def test_ptq_block_round_trips_and_writes_modelopts_block_format(tmp_path):
         torch.testing.assert_close(load_pretrained(out)(x).logits, ref, rtol=0, atol=0)
         assert 1e-4 < rel(ref, base(x).logits) < 0.1
     mo = save_pretrained(q, tmp_path / "mo", format="modelopt")
-    t = tensors(mo)
+    t = read_safetensors(mo)
     assert t["model.layers.0.mlp.up_proj.weight_scale"].shape == (3, 1, 2, 1)  # ModelOpt's fp8_pb_wo layout
     assert json.loads((mo / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "fp8_pb_wo"
     loaded = load_pretrained(mo)  # fp8_pb_wo is weight-only: activations stay in high precision
@@ -160,12 +137,12 @@ def test_unsupported_scheme_format_pairs_name_the_formats_that_fit(tmp_path):
         check_scheme_format("fp8", "gguf")
     check_scheme_format("int8-smoothquant", "modelopt")
     torch.manual_seed(0)
-    q = ptq.quantize(llama(), "fp8-dynamic")
+    q = ptq.quantize(whole_tile_llama(), "fp8-dynamic")
     with pytest.raises(ExportError, match="fp8-block format cannot carry scheme 'fp8-dynamic'"):
         save_pretrained(q, tmp_path / "x", format="fp8-block")
     assert not (tmp_path / "x").exists()
     with pytest.raises(ExportError, match="mxfp8 recipe has no serving format"):
-        save_pretrained(fp8kit.convert(llama(), "mxfp8"), tmp_path / "x", format="modelopt")
+        save_pretrained(fp8kit.convert(whole_tile_llama(), "mxfp8"), tmp_path / "x", format="modelopt")
 
 
 @pytest.mark.parametrize("fmt", ["compressed-tensors", "modelopt"])
@@ -174,7 +151,7 @@ def test_delayed_scaling_exports_its_amax_history_as_static_input_scales(batches
     serve = serving_model(model)
     assert serve.ptq_report.scheme == "fp8"
     out = save_pretrained(model, tmp_path / "delayed", format=fmt)
-    t = tensors(out)
+    t = read_safetensors(out)
     name = "model.layers.1.self_attn.o_proj"
     layer = model.get_submodule(name)
     amax = float(layer.fp8_amax_history[0].max())  # the window's max (amax_compute_algo="max")
@@ -203,14 +180,14 @@ def test_fp8_in_fp8_out(batches, tmp_path):
     first = save_pretrained(trained("block", batches, steps=1), tmp_path / "first", format="fp8-block")
     plain = dequantized_model(first)
     assert not any(isinstance(m, BlockQuantLinear) for m in plain.modules())
-    t1 = tensors(first)
+    t1 = read_safetensors(first)
     name = "model.layers.1.mlp.gate_proj"
     w = t1[f"{name}.weight"].float() * t1[f"{name}.weight_scale_inv"].repeat_interleave(128, 0).repeat_interleave(
         128, 1
     )
     assert torch.equal(plain.get_submodule(name).weight, w)
     second = save_pretrained(fp8kit.convert(plain, "block"), tmp_path / "second", format="fp8-block")
-    t2 = tensors(second)
+    t2 = read_safetensors(second)
     for key, val in t1.items():
         if val.dtype == torch.float8_e4m3fn:
             assert torch.equal(val.view(torch.uint8), t2[key].view(torch.uint8)), key
@@ -251,8 +228,8 @@ def test_convert_of_a_checkpoint_dir_computes_with_its_own_tiles(tmp_path):
     re-quantizing ``code * scale`` onto the recipe's power-of-two tiles would round a second time; the
     first optimizer step returns the layers to their recipe, and the untouched model exports the
     checkpoint's own tensors."""
-    path = transformers_written(llama(3), tmp_path / "hf-fp8")
-    stored = tensors(path)
+    path = transformers_written(whole_tile_llama(3), tmp_path / "hf-fp8")
+    stored = read_safetensors(path)
     model = fp8kit.convert(path, "block")
     layers = {n: m for n, m in model.named_modules() if isinstance(m, fp8kit.nn.Linear)}
     assert len(layers) == 14
@@ -265,7 +242,7 @@ def test_convert_of_a_checkpoint_dir_computes_with_its_own_tiles(tmp_path):
         requantized_error += float((again.dequantize() - m.weight.detach()).norm())
     assert requantized_error > 0  # seeding is what keeps the codes: the recipe's own tiles would differ
     out = save_pretrained(model, tmp_path / "again", format="fp8-block")
-    for key, val in tensors(out).items():
+    for key, val in read_safetensors(out).items():
         bits = (lambda t: t.view(torch.uint8)) if val.dtype == torch.float8_e4m3fn else (lambda t: t)
         assert torch.equal(bits(val), bits(stored[key])), key
     x = torch.randint(0, 320, (2, 16))

@@ -16,14 +16,13 @@ import json
 
 import pytest
 import torch
-from test_moe import qwen3_moe_config
 
 from fp8kit.export import ExportError, dequantized_model, load_pretrained, quantize_block, save_pretrained
 from fp8kit.formats import E4M3, cast
 from fp8kit.ptq.experts import QuantExperts
-from tests.conftest import sqnr_db
-from tests.test_export_block import transformers_written
-from tests.test_export_modelopt import tensors
+from tests.helpers.checkpoints import read_safetensors, transformers_written
+from tests.helpers.moe import qwen3_moe_config
+from tests.helpers.numerics import sqnr_db
 
 transformers = pytest.importorskip("transformers")
 
@@ -103,7 +102,7 @@ def test_fp8_block_export_per_expert_names_reload_and_transformers(tmp_path):
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128]
     assert qc["modules_to_not_convert"] == ["lm_head"]
-    t = tensors(out)
+    t = read_safetensors(out)
     assert not [k for k in t if "gate_up_proj" in k or k.endswith("experts.down_proj")]
     for layer in range(LAYERS):
         q = model.get_submodule(f"model.layers.{layer}.mlp.experts")
@@ -181,7 +180,7 @@ def test_block_recipe_model_exports_its_expert_tiles_with_no_calibration(tmp_pat
             assert torch.equal(q.weight_codes(p).view(torch.uint8), wq.data.view(torch.uint8))
             s = q.weight_scale(p)
             assert torch.equal(s, wq.scale_inv.float()) and torch.equal(torch.log2(s), torch.log2(s).round())
-    t = tensors(out)
+    t = read_safetensors(out)
     assert not [k for k in t if ".fp8_" in k or "gate_up_proj" in k]
     assert t["model.layers.1.mlp.experts.3.up_proj.weight_scale_inv"].shape == (1, 1)
     with torch.no_grad():

@@ -11,6 +11,8 @@ import torch
 
 from fp8kit import ptq
 from fp8kit.export import ExportError, load_pretrained, save_pretrained
+from tests.helpers.checkpoints import read_safetensors
+from tests.helpers.models import whole_tile_llama
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -25,26 +27,9 @@ MTQ_CFG = {
 }
 
 
-def llama(seed: int = 0):
-    """hidden 256, intermediate 384: every weight holds whole 128x128 tiles."""
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=320,
-        hidden_size=256,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        architectures=["LlamaForCausalLM"],
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
 @pytest.fixture(scope="module")
 def base():
-    return llama()
+    return whole_tile_llama()
 
 
 @pytest.fixture(scope="module")
@@ -90,15 +75,6 @@ def modelopt_export(model, path):
     return path
 
 
-def tensors(path):
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
-
-
 def without_producer(d):
     return {k: v for k, v in d.items() if k != "producer"}
 
@@ -107,7 +83,7 @@ def without_producer(d):
 def test_modelopt_export_matches_modelopts_own(base, batches, scheme, tmp_path):
     mo = modelopt_export(modelopt_quantized(base, batches, scheme), tmp_path / "modelopt")
     ours = save_pretrained(fp8kit_quantized(base, batches, scheme), tmp_path / "fp8kit", format="modelopt")
-    theirs_t, ours_t = tensors(mo), tensors(ours)
+    theirs_t, ours_t = read_safetensors(mo), read_safetensors(ours)
     assert sorted(ours_t) == sorted(theirs_t)
     for key, t in theirs_t.items():
         assert (ours_t[key].dtype, ours_t[key].shape) == (t.dtype, t.shape), key
@@ -145,7 +121,7 @@ def dequantized_by_the_rules(path):
     kind = "int" if algo.startswith("W8") else "float"
     config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "quantization_config"})
     model = transformers.LlamaForCausalLM(config).eval()
-    t = tensors(path)
+    t = read_safetensors(path)
     state = {}
     for key, val in t.items():
         if not key.endswith(".weight_scale") or "weight_scale" in key.rpartition(".")[0]:

@@ -13,9 +13,8 @@ import torch
 import fp8kit
 from fp8kit.cli import main
 from fp8kit.export import BlockQuantLinear, load_pretrained
-from tests.conftest import save_local_llama
-from tests.test_export_modelopt import tensors
-from tests.test_pretrained import TEXT
+from tests.helpers.checkpoints import read_safetensors
+from tests.helpers.models import SAMPLE_TEXT, save_local_llama
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -26,7 +25,7 @@ def local_model(tmp_path_factory):
     """A tiny Llama (hidden 128: whole 128x128 tiles) with a word-level tokenizer, as a Hugging Face folder."""
     return save_local_llama(
         tmp_path_factory.mktemp("hf"),
-        TEXT,
+        SAMPLE_TEXT,
         hidden_size=128,
         intermediate_size=256,
         num_attention_heads=2,
@@ -102,12 +101,12 @@ def test_fp8_in_fp8_out_through_the_cli(local_model, tmp_path, capsys):
         summary["runs"]["bf16"]["val_loss_before"], rel=0.05
     )
     serving = run / "serving" / "fp8-block"
-    t = tensors(serving)
+    t = read_safetensors(serving)
     assert t["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
     scales = t["model.layers.0.mlp.down_proj.weight_scale_inv"]
     assert torch.equal(torch.log2(scales), torch.log2(scales).round())  # the recipe's power-of-two tiles
     # the serving checkpoint holds the trained weights: they moved away from the starting checkpoint
-    start = tensors(block)["model.layers.0.mlp.down_proj.weight"]
+    start = read_safetensors(block)["model.layers.0.mlp.down_proj.weight"]
     assert not torch.equal(start.view(torch.uint8), t["model.layers.0.mlp.down_proj.weight"].view(torch.uint8))
     x = torch.randint(0, q.config.vocab_size, (1, 8))
     with torch.no_grad():
@@ -119,10 +118,10 @@ def test_fp8_in_fp8_out_through_the_cli(local_model, tmp_path, capsys):
 def test_dequantized_model_holds_the_checkpoints_exact_weights(fmt, tmp_path):
     from fp8kit import ptq
     from fp8kit.export import dequantized_model, save_pretrained
-    from tests.test_export_modelopt import llama
+    from tests.helpers.models import whole_tile_llama
 
     x = torch.randint(0, 320, (2, 16))
-    q = ptq.quantize(llama(), "fp8", lambda m: m(x))
+    q = ptq.quantize(whole_tile_llama(), "fp8", lambda m: m(x))
     plain = dequantized_model(save_pretrained(q, tmp_path / fmt, format=fmt))
     assert "quantization_config" not in plain.config.to_dict()
     for n, m in q.named_modules():

@@ -9,7 +9,7 @@ import torch
 import fp8kit
 from fp8kit import nn as fnn
 from fp8kit.integrations import hf
-from tests.conftest import tiny_llama_config
+from tests.helpers.models import tiny_llama_config
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,7 +12,8 @@ import fp8kit
 from fp8kit import E4M3, E5M2, fp8_gemm, quantize
 from fp8kit.nn import set_quantize_backend
 from fp8kit.recipes import all_recipes
-from tests.conftest import sqnr_db, tiny_llama_config
+from tests.helpers.models import tiny_llama_config
+from tests.helpers.numerics import sqnr_db
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

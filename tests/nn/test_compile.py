@@ -9,9 +9,10 @@ import io
 import pytest
 import torch
 import torch._dynamo
-from conftest import sqnr_db, tiny_llama_config
 
 import fp8kit
+from tests.helpers.models import tiny_llama_config
+from tests.helpers.numerics import sqnr_db
 
 TRACEABLE = ["delayed", "current", "rowwise"]
 

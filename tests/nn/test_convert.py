@@ -10,7 +10,7 @@ from safetensors.torch import load, save
 import fp8kit
 from fp8kit import nn as fnn
 from fp8kit.recipes import all_recipes
-from tests.conftest import tiny_llama_config
+from tests.helpers.models import tiny_llama_config
 
 
 def tiny_llama(seed: int = 0):

@@ -6,13 +6,13 @@ import warnings
 
 import pytest
 import torch
-from conftest import sqnr_db
 
 import fp8kit
 from fp8kit import E5M2
 from fp8kit import nn as fnn
 from fp8kit.nn import saved_activation_bytes
 from fp8kit.recipes import all_recipes
+from tests.helpers.numerics import sqnr_db
 
 RECIPES = all_recipes()
 IDS = [r.kind for r in RECIPES]

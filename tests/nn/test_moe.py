@@ -1,6 +1,6 @@
 """FP8 Mixture-of-Experts: transformers experts modules converted to grouped FP8 GEMMs.
 
-Numerics against the float64 reference of ``test_numerics_exact`` (built from ``fp8kit.cast``): one
+Numerics against the float64 reference of ``tests.helpers.reference`` (built from ``fp8kit.cast``): one
 expert projection is exact per recipe (output, input gradient, weight gradient per expert), the whole
 experts layer agrees with the reference chain far above the FP8 noise floor. Plus: every expert GEMM
 counted in FP8 on three architectures, zero-token experts, delayed-scaling histories, compiled == eager
@@ -15,66 +15,15 @@ import io
 import pytest
 import torch
 from safetensors.torch import load, save
-from test_numerics_exact import KINDS, assert_matches, ref_operand
 
 import fp8kit
 from fp8kit.gemm.grouped import grouped_gemm_counts
 from fp8kit.nn.experts import FP8Experts, grouped_linear
-from tests.conftest import sqnr_db
+from tests.helpers.moe import qwen3_moe_config, tiny_moe_model
+from tests.helpers.numerics import sqnr_db
+from tests.helpers.reference import KINDS, assert_matches, ref_operand
 
 E, H, INTER = 4, 256, 96  # experts, hidden, expert intermediate (2*INTER = 192: ragged 128-tiles)
-
-
-def qwen3_moe_config(**kw):
-    from transformers import Qwen3MoeConfig
-
-    base = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=8,
-        num_experts_per_tok=2,
-        mlp_only_layers=[],
-    )
-    return Qwen3MoeConfig(**{**base, **kw})
-
-
-def tiny_model(arch: str, seed: int = 0):
-    """A 2-layer random MoE causal LM of ``arch`` (8 experts, top-2, hidden 64)."""
-    import transformers as tf
-
-    torch.manual_seed(seed)
-    common = dict(
-        vocab_size=128,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts_per_tok=2,
-    )
-    if arch == "qwen3_moe":
-        return tf.Qwen3MoeForCausalLM(qwen3_moe_config())
-    if arch == "mixtral":
-        cfg = tf.MixtralConfig(intermediate_size=32, num_local_experts=8, **common)
-        return tf.MixtralForCausalLM(cfg)
-    if arch == "olmoe":
-        cfg = tf.OlmoeConfig(intermediate_size=32, num_experts=8, **common)
-        return tf.OlmoeForCausalLM(cfg)
-    if arch == "gpt_oss":  # transposed expert weights with biases, interleaved gate/up
-        cfg = tf.GptOssConfig(intermediate_size=32, num_local_experts=8, head_dim=16, sliding_window=8, **common)
-        model = tf.GptOssForCausalLM(cfg)
-        with torch.no_grad():  # random biases (initialised to zero)
-            for m in model.modules():
-                if isinstance(getattr(m, "down_proj_bias", None), torch.nn.Parameter):
-                    m.gate_up_proj_bias.normal_(0, 0.02)
-                    m.down_proj_bias.normal_(0, 0.02)
-        return model
-    raise ValueError(arch)
 
 
 def experts_of(model):
@@ -93,7 +42,7 @@ def count_delta(before: dict[str, int]) -> dict[str, int]:
 def test_every_expert_gemm_runs_in_fp8(arch):
     """Each layer's two expert projections run their three GEMMs in FP8 (counted at the grouped-GEMM
     entry), the report lists experts and routers, and the model stays close to high precision."""
-    model = tiny_model(arch)
+    model = tiny_moe_model(arch)
     ids = torch.randint(0, 128, (2, 12))
     ref = model(ids).logits.detach()
     report = fp8kit.convert(model, "delayed").fp8_conversion_report
@@ -124,7 +73,7 @@ def test_dense_mlp_layers_of_a_moe_model_still_convert():
 
 
 def test_fp8_disabled_and_filtered_experts_use_the_previous_implementation():
-    model = tiny_model("qwen3_moe")
+    model = tiny_moe_model("qwen3_moe")
     ids = torch.randint(0, 128, (1, 8))
     ref = model(ids).logits
     fp8kit.convert(model, "current", module_filter=lambda name, m: name.endswith("layers.1.mlp.experts"))
@@ -415,9 +364,9 @@ def test_resume_is_bit_exact_with_fp8_adamw(kind):
     recipe = fp8kit.DelayedScaling(amax_history_len=8) if kind == "delayed" else kind
     gen = torch.Generator().manual_seed(6)
     data = [torch.randint(0, 128, (2, 12), generator=gen) for _ in range(4)]
-    full = fp8kit.convert(tiny_model("qwen3_moe"), recipe)
+    full = fp8kit.convert(tiny_moe_model("qwen3_moe"), recipe)
     losses = train_moe(full, data, AdamW(full.parameters(), lr=1e-2))
-    part = fp8kit.convert(tiny_model("qwen3_moe"), recipe)
+    part = fp8kit.convert(tiny_moe_model("qwen3_moe"), recipe)
     opt = AdamW(part.parameters(), lr=1e-2)
     train_moe(part, data[:2], opt)
     state = part.state_dict()
@@ -426,7 +375,7 @@ def test_resume_is_bit_exact_with_fp8_adamw(kind):
     blob = save(state)
     buf = io.BytesIO()
     torch.save(opt.state_dict(), buf)
-    resumed = fp8kit.convert(tiny_model("qwen3_moe", seed=9), recipe)
+    resumed = fp8kit.convert(tiny_moe_model("qwen3_moe", seed=9), recipe)
     resumed.load_state_dict(load(blob))
     opt_r = AdamW(resumed.parameters(), lr=1e-2)
     buf.seek(0)
@@ -460,7 +409,7 @@ def test_hf_save_and_from_pretrained_restore_fp8_experts(tmp_path):
 
     from fp8kit.integrations import hf
 
-    model = hf.convert(tiny_model("qwen3_moe"), "delayed")
+    model = hf.convert(tiny_moe_model("qwen3_moe"), "delayed")
     ids = torch.randint(0, 128, (1, 8))
     model(ids, labels=ids).loss.backward()
     model.save_pretrained(tmp_path)
@@ -476,7 +425,7 @@ def test_inspector_reports_each_expert():
     """Per-expert weight and routed-token amax / underflow / SQNR and tokens routed, through the inspector,
     named ``{experts module}[{expert}].{weight}``: both weights, and both projections' inputs and output
     gradients."""
-    model = fp8kit.convert(tiny_model("qwen3_moe"), "current")
+    model = fp8kit.convert(tiny_moe_model("qwen3_moe"), "current")
     ids = torch.randint(0, 128, (2, 12))
     with fp8kit.debug.inspect(model, tensorboard=False) as insp:
         model(ids, labels=ids).loss.backward()
@@ -572,7 +521,7 @@ def test_to_bf16_gemms_reaches_the_experts_and_trains():
     """The BF16 baseline (``to_bf16_gemms``) runs the experts' GEMMs in BF16 too; FP8 experts are left alone."""
     from fp8kit.nn.bf16 import BF16Experts, to_bf16_gemms
 
-    model = tiny_model("qwen3_moe")
+    model = tiny_moe_model("qwen3_moe")
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
     ref = model(ids).logits.detach()
     to_bf16_gemms(model)
@@ -582,7 +531,7 @@ def test_to_bf16_gemms_reaches_the_experts_and_trains():
     out.loss.backward()
     assert 35 < sqnr_db(ref, out.logits) < 70  # bf16 operands throughout, routing unchanged
     assert all(torch.isfinite(m.down_proj.grad).all() and m.gate_up_proj.grad.abs().sum() > 0 for m in experts)
-    fp8 = to_bf16_gemms(fp8kit.convert(tiny_model("qwen3_moe"), "delayed"))
+    fp8 = to_bf16_gemms(fp8kit.convert(tiny_moe_model("qwen3_moe"), "delayed"))
     assert not any(isinstance(m, BF16Experts) for m in fp8.modules()) and len(experts_of(fp8)) == 2
 
 

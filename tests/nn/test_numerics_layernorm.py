@@ -13,10 +13,10 @@ import math
 
 import pytest
 import torch
-from conftest import sqnr_db
 
 import fp8kit
 from fp8kit import nn as fnn
+from tests.helpers.numerics import sqnr_db
 
 
 def ref_norm(x: torch.Tensor, kind: str, w: torch.Tensor, b: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -8,11 +8,11 @@ import math
 
 import pytest
 import torch
-from test_numerics_exact import assert_matches, ref_quant, ref_scale
 
 import fp8kit
 from fp8kit import E4M3, E5M2
 from fp8kit import nn as fnn
+from tests.helpers.reference import assert_matches, ref_quant, ref_scale
 
 
 def _x(seed: int = 0, rows: int = 64, cols: int = 256) -> torch.Tensor:

@@ -5,20 +5,16 @@ points, autocast, SmoothQuant, the BF16 baseline) and names the checks that must
 runs those checks in-process under the patch and asserts that at least one raises ``AssertionError``;
 ``test_checks_pass_unmutated`` asserts that all of them pass without a patch. Run alone:
 
-    python -m pytest -q -p no:cacheprovider tests/test_mutants.py
+    python -m pytest -q -p no:cacheprovider tests/numerics/test_mutants.py
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
-import test_numerics_exact as ex
-import test_numerics_layernorm as ln
-import test_numerics_ptq as pq
 import torch
 
 import fp8kit
@@ -32,23 +28,12 @@ import fp8kit.ptq.smoothquant as smoothquant
 import fp8kit.scaling as scaling
 from fp8kit import E4M3, INT8, recipes
 from fp8kit.tensor import QuantizedTensor
+from tests.helpers.patching import replace_everywhere
+from tests.nn import test_numerics_layernorm as ln
+from tests.numerics import test_numerics_exact as ex
+from tests.ptq import test_numerics_ptq as pq
 
 autocast_mod = importlib.import_module("fp8kit.nn.autocast")  # fp8kit.nn.autocast is also the function
-
-
-def replace_everywhere(mp: pytest.MonkeyPatch, old: object, new: object) -> int:
-    """Replace the object ``old`` by ``new`` in every loaded ``fp8kit`` module that holds it under any
-    name (modules import functions by name, so patching the defining module alone is not enough)."""
-    n = 0
-    for name, mod in list(sys.modules.items()):
-        if mod is None or not (name == "fp8kit" or name.startswith("fp8kit.")):
-            continue
-        for attr, value in list(vars(mod).items()):
-            if value is old:
-                mp.setattr(mod, attr, new)
-                n += 1
-    assert n, f"mutant seam {getattr(old, '__name__', old)!r} not found in any fp8kit module"
-    return n
 
 
 RECIPE_CLASSES = [recipes.Recipe, *(type(r) for r in recipes.all_recipes())]
@@ -306,7 +291,7 @@ def test_mutant_is_killed(mutant, monkeypatch):
     assert killed, f"mutant {mutant.name!r} survived every check: {results}"
 
 
-if __name__ == "__main__":  # a table of which check kills which mutant: python tests/test_mutants.py
+if __name__ == "__main__":  # a table of which check kills which mutant: python -m tests.numerics.test_mutants
     killed = 0
     for m in MUTANTS:
         with pytest.MonkeyPatch.context() as mp:

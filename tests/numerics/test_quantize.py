@@ -4,9 +4,9 @@ import math
 
 import pytest
 import torch
-from conftest import sqnr_db
 
 from fp8kit import E4M3, E5M2, INT8, cast, compute_scale, mx_scale, quantize
+from tests.helpers.numerics import sqnr_db
 
 GRANULARITIES = ["tensor", "row", "column", (1, 128), (128, 128), "mx"]
 ROW_LOCAL = ["row", (1, 128), "mx"]  # one scale never spans two rows

@@ -228,10 +228,10 @@ def test_stochastic_rounding_unbiased_and_kahan_accumulates():
 
 
 def test_training_a_converted_tiny_model_reduces_loss():
-    from conftest import tiny_llama_config
     from transformers import LlamaForCausalLM
 
     from fp8kit import convert
+    from tests.helpers.models import tiny_llama_config
 
     torch.manual_seed(0)
     model = convert(LlamaForCausalLM(tiny_llama_config()))

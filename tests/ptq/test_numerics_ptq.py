@@ -2,7 +2,7 @@
 k/v scales against their definition, INT8 floors that a scale off by 2x fails, and SmoothQuant runs
 (a norm feeding the linears) and folds its factors.
 
-The ``check_*`` functions raise ``AssertionError`` on a wrong implementation; ``tests/test_mutants.py``
+The ``check_*`` functions raise ``AssertionError`` on a wrong implementation; ``tests/numerics/test_mutants.py``
 runs them against planted bugs.
 """
 
@@ -13,11 +13,12 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from conftest import sqnr_db, tiny_llama_config
 
 import fp8kit
 from fp8kit import E4M3, INT8, ptq
 from fp8kit.ptq.schemes import Scheme
+from tests.helpers.models import tiny_llama_config
+from tests.helpers.numerics import sqnr_db
 
 EVERY = {"module_filter": lambda n, m: True}
 
@@ -203,7 +204,7 @@ def test_ptq_scales_exact():
 
 def test_int8_floors():
     """Correct: 39.4 / 48.3 dB; weight scale amax/63.5 or a doubled static amax fall under the floors
-    (checked by tests/test_mutants.py)."""
+    (checked by tests/numerics/test_mutants.py)."""
     check_int8_floors()
 
 

@@ -8,15 +8,10 @@ import math
 import pytest
 
 from fp8kit.cli import main
-from tests.conftest import save_local_llama
+from tests.helpers.models import SAMPLE_TEXT, save_local_llama
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
-
-TEXT = (
-    "In the beginning God created the heaven and the earth. And the earth was without form, and void; "
-    "and darkness was upon the face of the deep. And the Spirit of God moved upon the face of the waters. "
-) * 40
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +19,7 @@ def local_model(tmp_path_factory):
     """A tiny Llama with tied embeddings and a word-level tokenizer, saved as a Hugging Face directory."""
     return save_local_llama(
         tmp_path_factory.mktemp("hf"),
-        TEXT,
+        SAMPLE_TEXT,
         hidden_size=32,
         intermediate_size=64,
         num_attention_heads=2,

@@ -13,22 +13,10 @@ from fp8kit.formats import E4M3, INT8
 from fp8kit.ptq.calibrate import InputObserver, choose_amax
 from fp8kit.ptq.schemes import Scheme
 from fp8kit.ptq.smoothquant import apply_smoothing, find_mappings
-from tests.conftest import sqnr_db, tiny_llama_config
+from tests.helpers.models import calib, tiny_llama
+from tests.helpers.numerics import sqnr_db
 
 transformers = pytest.importorskip("transformers")
-
-
-def tiny_llama(seed: int = 0, tie: bool = True) -> nn.Module:
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=tie)).eval()
-
-
-def calib(model_batches: list[torch.Tensor]):
-    def loop(m: nn.Module) -> None:
-        for x in model_batches:
-            m(x)
-
-    return loop
 
 
 def layer_and_data(seed: int = 0, outlier: float = 1.0):
@@ -44,7 +32,7 @@ def layer_and_data(seed: int = 0, outlier: float = 1.0):
 # SQNR floors (dB) of the layer output vs FP32. A wrong FP8 format (E5M2 for E4M3: ~6 dB less) falls
 # below the FP8 floors; the INT8 floors sit between the correct levels (39.2 / 48.1 dB) and those of a
 # scale 2x too coarse (amax/63.5 weights: 42.0; a doubled static amax: 33.5), so such a scale fails
-# (tests/test_mutants.py). FP8 SQNR hardly moves with the scale: exact scale checks are in
+# (tests/numerics/test_mutants.py). FP8 SQNR hardly moves with the scale: exact scale checks are in
 # test_numerics_ptq.py, and SmoothQuant on a model with a norm feeding the linears too (here the model is
 # a bare Linear, so int8-smoothquant has nothing to smooth).
 FLOORS = {"fp8": 27.0, "fp8-dynamic": 27.0, "int8-smoothquant": 37.5, "int8-weight-only": 46.0}
@@ -227,6 +215,6 @@ def test_bad_inputs_give_clear_errors():
 def test_zero_variance_channels_do_not_break_smoothquant():
     """Dead input channels into a norm-fed block: SmoothQuant runs, gives them factor 1, finite output
     (the check lives in test_numerics_ptq.py; a bare Linear has no producer to fold into)."""
-    from tests.test_numerics_ptq import check_smoothquant_zero_variance
+    from tests.ptq.test_numerics_ptq import check_smoothquant_zero_variance
 
     check_smoothquant_zero_variance()

@@ -7,11 +7,11 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_llama_config
 
 from fp8kit.ptq import apply_awq, quantize
 from fp8kit.ptq.awq import awq_scales
 from fp8kit.ptq.smoothquant import find_mappings
+from tests.helpers.models import tiny_llama_config
 
 
 def outlier_inputs(n: int = 512, k: int = 64, outliers: int = 4, size: float = 30.0) -> torch.Tensor:

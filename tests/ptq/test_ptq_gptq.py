@@ -8,11 +8,11 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from conftest import tiny_llama_config
 
 from fp8kit.formats import E4M3, INT8
 from fp8kit.ptq import QuantLinear, collect_hessians, gptq_linear, gptq_weight, quantize
 from fp8kit.tensor import quantize as fp8_quantize
+from tests.helpers.models import tiny_llama_config
 
 
 def correlated_inputs(n: int = 2048, k: int = 128, rank: int = 8) -> torch.Tensor:

@@ -14,14 +14,14 @@ import json
 
 import pytest
 import torch
-from test_moe import tiny_model
 
 from fp8kit.export import ExportError, dequantized_model, load_pretrained, save_pretrained
 from fp8kit.formats import E4M3, INT8, cast
 from fp8kit.nn.experts import is_experts_module
 from fp8kit.ptq import quantize
 from fp8kit.ptq.experts import IMPLEMENTATION, QuantExperts, quantize_experts_module
-from tests.conftest import sqnr_db
+from tests.helpers.moe import tiny_moe_model
+from tests.helpers.numerics import sqnr_db
 
 SCHEMES = ["fp8", "fp8-dynamic", "int8-smoothquant", "int8-weight-only"]
 
@@ -76,7 +76,7 @@ def _reference(module, x, idx, wts, scheme: str, in_amax: tuple[float, float] | 
 def test_one_experts_layer_matches_the_float64_reference(scheme):
     """Per-expert weight scales and the shared input scales, exact up to FP32 accumulation; one expert's
     scale doubled (a wrong scale) falls far below the threshold."""
-    model = tiny_model("qwen3_moe")
+    model = tiny_moe_model("qwen3_moe")
     module = copy.deepcopy(model.model.layers[0].mlp.experts)
     torch.manual_seed(1)
     x = torch.randn(24, 64)
@@ -103,7 +103,7 @@ def test_one_experts_layer_matches_the_float64_reference(scheme):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_every_expert_is_quantized_and_logits_stay_close(arch, scheme, monkeypatch):
-    model = tiny_model(arch).eval()
+    model = tiny_moe_model(arch).eval()
     n_experts = sum(is_experts_module(m) for m in model.modules())
     ids = _ids()
     ref = model(ids).logits.detach()
@@ -130,7 +130,7 @@ def test_expert_hessians_are_every_experts_own_products():
     each expert's own ``act(gate_up(x))`` over all tokens for its down_proj, computed here per expert."""
     from fp8kit.ptq.experts import collect_expert_hessians
 
-    model = tiny_model("qwen3_moe").eval()
+    model = tiny_moe_model("qwen3_moe").eval()
     name = "model.layers.1.mlp.experts"
     module = model.get_submodule(name)
     seen = []
@@ -156,7 +156,7 @@ def test_gptq_rounds_every_expert_and_lowers_its_objective(scheme):
     no test: their uncorrelated inputs leave GPTQ ~10-25% per expert, within the activations' noise.)"""
     from fp8kit.ptq.experts import collect_expert_hessians
 
-    model = tiny_model("qwen3_moe").eval()
+    model = tiny_moe_model("qwen3_moe").eval()
     ids = _ids(batch=8, seq=32)
     only_experts = lambda name, m: name.endswith("experts")  # noqa: E731
     names = [n for n, m in model.named_modules() if is_experts_module(m)]
@@ -200,7 +200,7 @@ def _never_route_to(model, layer: int, expert: int) -> None:
 
 
 def test_an_expert_the_router_never_picks_is_calibrated_on_all_tokens():
-    model = tiny_model("qwen3_moe").eval()
+    model = tiny_moe_model("qwen3_moe").eval()
     _never_route_to(model, 0, 3)
     ids = _ids(1)
     q = quantize(copy.deepcopy(model), "fp8", _loop(ids))
@@ -228,7 +228,7 @@ def test_an_expert_the_router_never_picks_is_calibrated_on_all_tokens():
 def test_norm_tweaking_and_keep_bf16_run_through_quantized_experts():
     """The CLI's fp8 defaults (norm tweaking, most sensitive layers kept): the experts' straight-through
     path carries gradients to the norms before them; the teacher runs the high-precision experts."""
-    model = tiny_model("qwen3_moe").eval()
+    model = tiny_moe_model("qwen3_moe").eval()
     ids = _ids(2, batch=2, seq=8)
     q = quantize(copy.deepcopy(model), "fp8", _loop(ids), norm_tweak=2, keep_bf16=1)
     t = q.ptq_report.norm_tweak
@@ -255,7 +255,7 @@ def test_compressed_tensors_export_per_expert_names_and_reload(arch, names, sche
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
     ids = _ids()
-    q = quantize(tiny_model(arch).eval(), scheme, _loop(ids))
+    q = quantize(tiny_moe_model(arch).eval(), scheme, _loop(ids))
     out = save_pretrained(q, tmp_path / "ckpt")
     keys = set(load_file(str(out / "model.safetensors")))
     block, *linears = names
@@ -289,8 +289,8 @@ def test_compressed_tensors_export_per_expert_names_and_reload(arch, names, sche
 
 def test_export_errors_name_the_fix(tmp_path):
     ids = _ids()
-    q = quantize(tiny_model("qwen3_moe").eval(), "fp8", _loop(ids))
-    b = quantize(tiny_model("qwen3_moe").eval(), "fp8", _loop(ids))
+    q = quantize(tiny_moe_model("qwen3_moe").eval(), "fp8", _loop(ids))
+    b = quantize(tiny_moe_model("qwen3_moe").eval(), "fp8", _loop(ids))
     b.ptq_report.scheme = "fp8-block"  # a report that claims block FP8 over per-tensor experts
     with pytest.raises(ExportError, match="experts quantized with fp8; the fp8-block format needs tiles"):
         save_pretrained(b, tmp_path / "blk", format="fp8-block")
@@ -298,7 +298,7 @@ def test_export_errors_name_the_fix(tmp_path):
         save_pretrained(b, tmp_path / "blk", format="modelopt")
     with pytest.raises(ExportError, match="cannot carry scheme 'fp8'"):
         save_pretrained(q, tmp_path / "blk2", format="fp8-block")
-    g = quantize(tiny_model("gpt_oss").eval(), "fp8-dynamic")
+    g = quantize(tiny_moe_model("gpt_oss").eval(), "fp8-dynamic")
     with pytest.raises(ExportError, match="does not know how 'gpt_oss' checkpoints name their experts"):
         save_pretrained(g, tmp_path / "g")
     from safetensors.torch import load_file, save_file
@@ -333,7 +333,7 @@ def test_modelopt_export_matches_modelopts_own_moe_export(scheme, cfg, tmp_path)
     from modelopt.torch.export import export_hf_checkpoint
     from safetensors.torch import load_file
 
-    model = tiny_model("qwen3_moe").eval()
+    model = tiny_moe_model("qwen3_moe").eval()
     model.config.architectures = ["Qwen3MoeForCausalLM"]  # ModelOpt's export reads it
     ids = _ids(3)
     theirs = mtq.quantize(copy.deepcopy(model), getattr(mtq, cfg), _loop(ids))

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import tiny_llama_config
 
 from fp8kit.ptq import QuantLinear, quantize
 from fp8kit.ptq.norm_tweak import norm_parameters, tweak_norms
+from tests.helpers.models import tiny_llama_config
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from fp8kit.ptq.gptq import collect_hessians, gptq_linear
 from fp8kit.ptq.layer_error import rank_by_fisher
 from fp8kit.ptq.quantize import PIPELINE
 from fp8kit.ptq.smoothquant import apply_smoothing, find_mappings
-from tests.test_ptq import calib, tiny_llama
+from tests.helpers.models import calib, tiny_llama
 
 pytest.importorskip("transformers")
 

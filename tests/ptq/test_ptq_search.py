@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from conftest import tiny_llama_config
 
 from fp8kit.ptq import QuantLinear, quantize
 from fp8kit.ptq.layer_error import rank_by_fisher, rank_by_output_error
 from fp8kit.ptq.smoothquant import search_alpha, smoothed_error
+from tests.helpers.models import tiny_llama_config
 
 
 def outlier_group(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from conftest import tiny_llama_config
 
 from fp8kit.ptq import QuantLinear, keep_filter, layer_sensitivity, quantize
 from fp8kit.ptq.sensitivity import dev_loss
+from tests.helpers.models import tiny_llama_config
 
 PLANTED = "model.layers.1.mlp.up_proj"
 

@@ -83,9 +83,8 @@ def test_compare_uses_each_schemes_settings_keeps_bf16_layers_and_reports_them(t
     ranking keeps one layer in BF16 and the table names it with its share of the weights."""
     transformers = pytest.importorskip("transformers")
     tokenizers = pytest.importorskip("tokenizers")
-    from conftest import tiny_llama_config
-
     from fp8kit.compare import compare_schemes
+    from tests.helpers.models import tiny_llama_config
 
     text = "In the beginning God created the heaven and the earth. And the earth was without form. " * 60
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="[UNK]"))

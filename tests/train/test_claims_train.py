@@ -9,9 +9,6 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_train_config
-from test_debug import mlp, mse
-from test_mutants import replace_everywhere
 
 import fp8kit
 import fp8kit.gemm
@@ -19,6 +16,9 @@ from fp8kit import debug
 from fp8kit.cli import main
 from fp8kit.data.corpus import Corpus
 from fp8kit.train import TrainConfig, run_comparison
+from tests.helpers.models import tiny_train_config
+from tests.helpers.patching import replace_everywhere
+from tests.helpers.planted import mlp, mse
 
 
 def cfg(out, **kw) -> TrainConfig:

@@ -10,11 +10,11 @@ import time
 
 import pytest
 import torch
-from conftest import tiny_train_config
 
 from fp8kit.cli import main
 from fp8kit.train import TrainConfig, load_checkpoint, run_comparison
 from fp8kit.train.checkpoint import latest_checkpoint
+from tests.helpers.models import tiny_train_config
 
 TINY = [
     "--model-size",
