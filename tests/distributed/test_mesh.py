@@ -276,7 +276,7 @@ def test_fsdp_x_tp_2x2_follows_one_process_delayed_scaling(mesh_result):
     # delayed scaling's first step quantizes the operands no rank splits with each rank's own amax (as
     # DDP does, scaling.py): a few FP8 codes of step 1 differ from one process's, ~1e-4 of the loss
     # (measured 1.2e-4); from step 2 on every scale is the synced one. Bound 5e-4: a scale missing the
-    # dp or tp reduction after step 1 moves many codes and the loss by more (test_distributed: ~1e-3).
+    # dp or tp reduction after step 1 moves many codes and the loss by more (test_ddp: ~1e-3).
     # Those step-1 codes change the gradients by a few FP8 steps of relative noise, which Adam's sign-like
     # first updates turn into weight gaps of up to ~0.17 of the mean update (measured): bound 0.3. The
     # scales themselves are checked bit for bit (test_every_rank_uses_the_same_scales), and current
@@ -309,7 +309,7 @@ def test_fsdp_all_gathers_fp8_weights_over_dp(mesh_result):
 def test_sharded_fp8_optimizer_on_the_2d_mesh_follows_one_process(mesh_result):
     # fp8kit.optim.AdamW keeps each rank's FP8 moments in blocks of its (dp x tp) shard, whose boundaries
     # differ from the whole tensor's in one process: other block scales, other moment codes (measured
-    # 4.8e-5 on the third loss). Bound 1e-3 as under DDP / FSDP2 (test_distributed.py); a moment decoded
+    # 4.8e-5 on the third loss). Bound 1e-3 as under DDP / FSDP2 (test_ddp.py, test_fsdp2.py); a moment decoded
     # with another shard's scale or an update applied to the wrong elements is off by far more
     ref = mesh_result["one_process"]["fp8-adamw"][0]
     for r, g in zip(ref, mesh_result["fp8_adamw_losses"], strict=True):
