@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from fp8kit.export import ExportError, load_pretrained, quantize_block, save_pretrained
 from fp8kit.export.common import stored_codes
-from tests.test_export_modelopt import llama
+from tests.helpers.models import whole_tile_llama
 
 pytest.importorskip("transformers")
 
@@ -26,7 +26,7 @@ def test_stored_codes_passes_codes_and_refuses_other_dtypes():
 
 @pytest.mark.parametrize("fmt", ["fp8-block", "modelopt"])
 def test_a_checkpoint_with_high_precision_weights_is_refused(tmp_path, fmt):
-    out = save_pretrained(quantize_block(copy.deepcopy(llama(1))), tmp_path / "q", format=fmt)
+    out = save_pretrained(quantize_block(copy.deepcopy(whole_tile_llama(1))), tmp_path / "q", format=fmt)
     load_pretrained(out)  # as written: loads
     path = out / "model.safetensors"
     tensors = load_file(str(path))
