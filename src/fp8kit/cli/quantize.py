@@ -4,6 +4,7 @@ compressed-tensors, ModelOpt or block-FP8 checkpoint (``--format``)."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ._common import UsageError, add_overwrite, model, text_file
 from ._ptq_options import (
@@ -52,6 +53,11 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
     )
     add_calibration_options(q)
     add_ptq_switches(q, "the N layers whose quantization alone worsens the model most on calibration data")
+    q.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest safetensors shard of the export, e.g. 5GB, 500MB (default: 5GB, as transformers)",
+    )
     add_overwrite(q, "a folder")
 
 
@@ -66,18 +72,79 @@ def run(args: argparse.Namespace) -> int:
         check_export_dir(args.out, args.overwrite)
     except ValueError as err:
         raise UsageError(f"--out {err}") from None
+    settings = ptq_settings(args)
+    source = _sequential_source(args, settings)
+    if source is not None:
+        return _run_sequential(args, source, settings)
     if args.scheme == "fp8-block":  # no calibration: 128x128 weight tiles, dynamic activations
         from ..export import quantize_block
         from ..train.reload import load_model
 
         model, tokenizer = load_model(args.model)
-        out = save_pretrained(quantize_block(model), args.out, tokenizer, format=args.format, overwrite=args.overwrite)
+        out = save_pretrained(
+            quantize_block(model),
+            args.out,
+            tokenizer,
+            format=args.format,
+            overwrite=args.overwrite,
+            max_shard_size=args.max_shard_size,
+        )
         print(f"{model.ptq_report}\nwrote the {args.format} export to {out}")
         return 0
     from ..compare import quantize_pretrained
 
-    model, tokenizer, corpus = quantize_pretrained(args.model, args.scheme, text=args.text, **ptq_settings(args))
-    out = save_pretrained(model, args.out, tokenizer, format=args.format, overwrite=args.overwrite)
+    model, tokenizer, corpus = quantize_pretrained(args.model, args.scheme, text=args.text, **settings)
+    out = save_pretrained(
+        model, args.out, tokenizer, format=args.format, overwrite=args.overwrite, max_shard_size=args.max_shard_size
+    )
     print(model.ptq_report)
     print(f"calibrated on {corpus.name}; wrote the {args.format} export to {out} (vLLM: LLM(model={str(out)!r}))")
     return 0
+
+
+def _sequential_source(args: argparse.Namespace, settings: dict) -> Path | None:
+    """The folder to quantize layer by layer, or ``None`` (GGUF/train checkpoints, or options that need the
+    whole model: one line says so, with what the full load takes)."""
+    from ..pretrained_ptq import full_load_line, ptq_settings, quantizable_layers, sequential_source
+    from ..ptq.sequential import needs_full_load, skeleton
+
+    source = sequential_source(args.model)
+    if source is None or args.scheme == "fp8-block":
+        return source
+    defaults = {k: v for k, v in settings.items() if k != "calib_batches"}
+    full = needs_full_load(ptq_settings(args.scheme, **defaults, n_layers=quantizable_layers(skeleton(source))))
+    if full:
+        print(full_load_line(source, full), flush=True)
+        return None
+    return source
+
+
+def _run_sequential(args: argparse.Namespace, source: Path, settings: dict) -> int:
+    from ..pretrained_ptq import quantize_pretrained_sequential
+
+    out, report, corpus = quantize_pretrained_sequential(
+        source,
+        args.scheme,
+        args.out,
+        format=args.format,
+        text=args.text,
+        overwrite=args.overwrite,
+        max_shard_size=args.max_shard_size,
+        device=_device(args),
+        progress=True,
+        **settings,
+    )
+    print(report)
+    where = "" if args.scheme == "fp8-block" else f"calibrated on {corpus.name}; "
+    print(f"quantized layer by layer; {where}wrote the {args.format} export to {out} (vLLM: LLM(model={str(out)!r}))")
+    return 0
+
+
+def _device(args: argparse.Namespace) -> str:
+    """``--device`` (``auto``: CUDA when present), or the CPU when the option is absent."""
+    import torch
+
+    device = getattr(args, "device", None) or "cpu"
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
