@@ -351,6 +351,7 @@ def quantize_checkpoint(
             )
     device = torch.device(device)
     out_path = check_export_dir(out, overwrite)
+    fixed_mmap_threshold()
     ckpt = Checkpoint(path)
     model = model if model is not None else skeleton(path)
     _read_generation_config(model, Path(path))
@@ -379,6 +380,7 @@ def quantize_checkpoint(
                     config_args = args  # shapes and types only: the layer is freed below
                 inputs = _propagate(layer, inputs)
                 layer.to("meta")
+                release_memory()
                 say(f"fp8kit.ptq sequential: layer {i + 1}/{len(layers)} ({time.perf_counter() - t0:.0f} s)")
             layers_prefix = checkpoint_key(f"{layers_name}.", block)
             for key in ckpt.files:
@@ -429,6 +431,32 @@ def _propagate(layer: nn.Module, inputs: list[tuple[torch.Tensor, tuple, dict]])
         y = layer(h, *args, **kw)
         out.append((y[0] if isinstance(y, tuple) else y, args, kw))
     return out
+
+
+def _libc():
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"))
+    except OSError:
+        return None
+
+
+def fixed_mmap_threshold() -> None:
+    """Serve tensor-sized allocations with their own mappings, returned to the OS when freed: glibc's
+    threshold otherwise grows with each freed block, and a layer's weights, freed, stay resident as heap.
+    A no-op without glibc."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: 1 MiB (fixed, so no longer adjusted)
+
+
+def release_memory() -> None:
+    """Hand freed heap memory back to the OS (``malloc_trim``); a no-op without glibc."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def _read_generation_config(model: nn.Module, path: Path) -> None:
