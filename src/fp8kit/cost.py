@@ -86,7 +86,9 @@ def model_shape(folder: str | Path) -> ModelShape:
     config = config.get("text_config", config)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        return shape_from_config(config)
+        from transformers import AutoConfig
+
+        return shape_from_config(AutoConfig.from_pretrained(folder))
     from safetensors import safe_open
 
     params = nbytes = 0
@@ -106,13 +108,11 @@ def _dims(config: dict[str, Any]) -> tuple[int, int, int]:
     return int(config.get("hidden_size", 0)), int(config.get("num_hidden_layers", 0)), int(config.get("vocab_size", 0))
 
 
-def shape_from_config(config: dict[str, Any] | Any) -> ModelShape:
-    """The ``ModelShape`` of a ``transformers`` config (a dict or a ``PretrainedConfig``): the model built on
-    the ``meta`` device (no memory), its parameters counted, 4 bytes each."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def shape_from_config(config: Any) -> ModelShape:
+    """The ``ModelShape`` of a ``transformers`` config: the model built on the ``meta`` device (no memory),
+    its parameters counted, 4 bytes each."""
+    from transformers import AutoModelForCausalLM
 
-    if isinstance(config, dict):
-        config = AutoConfig.for_model(**config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     params = sum(p.numel() for p in model.parameters())
@@ -194,8 +194,6 @@ def check_fits(cost: JobCost, device: torch.device, force: bool = False) -> None
     parts = [(device, cost.device_bytes)]
     if device.type == "cuda" and cost.host_bytes:
         parts.append((torch.device("cpu"), cost.host_bytes))
-    elif cost.host_bytes:
-        parts = [(device, cost.device_bytes + cost.host_bytes)]
     for where, need in parts:
         free = available_bytes(where)
         if need > free:
@@ -231,6 +229,8 @@ def estimate_training(
     flops = flops or device_flops(device)
     step_s = 6 * n * tokens_per_step / flops
     phases = {"load": _load_seconds(shape)} | {run: steps * step_s for run in runs}
+    if device.type != "cuda":
+        return JobCost(what, n, str(device), run_bytes + 4 * n, phases=phases)
     return JobCost(what, n, str(device), run_bytes, host_bytes=4 * n, phases=phases)
 
 

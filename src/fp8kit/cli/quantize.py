@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ._common import UsageError, add_overwrite, model, text_file
+from ._job import add_device_options, announce_inference, job_device, print_device_peak, ptq_passes
 from ._ptq_options import (
     MODEL_HELP,
     add_calibration_options,
@@ -52,6 +53,7 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
     )
     add_calibration_options(q)
     add_ptq_switches(q, "the N layers whose quantization alone worsens the model most on calibration data")
+    add_device_options(q)
     add_overwrite(q, "a folder")
 
 
@@ -66,18 +68,26 @@ def run(args: argparse.Namespace) -> int:
         check_export_dir(args.out, args.overwrite)
     except ValueError as err:
         raise UsageError(f"--out {err}") from None
+    device = job_device(args, args.scheme)
     if args.scheme == "fp8-block":  # no calibration: 128x128 weight tiles, dynamic activations
+        from ..device import work_dtype
         from ..export import quantize_block
         from ..train.reload import load_model
 
-        model, tokenizer = load_model(args.model)
+        announce_inference(args, "quantize", device, {}, 0)
+        model, tokenizer = load_model(args.model, work_dtype(device), device)
         out = save_pretrained(quantize_block(model), args.out, tokenizer, format=args.format, overwrite=args.overwrite)
         print(f"{model.ptq_report}\nwrote the {args.format} export to {out}")
+        print_device_peak(device)
         return 0
     from ..compare import quantize_pretrained
 
-    model, tokenizer, corpus = quantize_pretrained(args.model, args.scheme, text=args.text, **ptq_settings(args))
+    passes = ptq_passes(args.calib_batches, args.gptq, args.awq, args.norm_tweak)
+    announce_inference(args, "quantize", device, passes, args.calib_batches * 4 * 128)
+    settings = ptq_settings(args)
+    model, tokenizer, corpus = quantize_pretrained(args.model, args.scheme, text=args.text, device=device, **settings)
     out = save_pretrained(model, args.out, tokenizer, format=args.format, overwrite=args.overwrite)
     print(model.ptq_report)
     print(f"calibrated on {corpus.name}; wrote the {args.format} export to {out} (vLLM: LLM(model={str(out)!r}))")
+    print_device_peak(device)
     return 0

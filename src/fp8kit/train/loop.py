@@ -113,7 +113,7 @@ def build_base(cfg: TrainConfig) -> tuple[torch.nn.Module, Any]:
         return build_demo(cfg.arch, cfg.model_size, max_seq_len=max(cfg.seq_len, 64), seed=cfg.seed), ByteTokenizer()
     from ..models.pretrained import load_pretrained_lm
 
-    return load_pretrained_lm(cfg.model)
+    return load_pretrained_lm(cfg.model)  # FP32 on the CPU: each run's copy moves to the run's device
 
 
 def make_model(base: torch.nn.Module, cfg: TrainConfig, run: str) -> torch.nn.Module:
