@@ -76,7 +76,12 @@ def shape_of(spec: str, arch: str = "dense", size: str = "small", seq_len: int =
     folder = resolve_model(spec)
     try:
         return model_shape(folder)
-    except (ValueError, KeyError, TypeError, OSError) as err:  # a config transformers cannot build: the load will say why
+    except (
+        ValueError,
+        KeyError,
+        TypeError,
+        OSError,
+    ) as err:  # a config transformers cannot build: the load will say why
         raise UnknownSize(f"{folder}: {err}") from None
 
 

@@ -72,19 +72,19 @@ def _snapshot(spec: str) -> Path:
             allow_patterns=HUB_FILES,
         )
     except LocalEntryNotFoundError:
-        if offline:
-            raise ModelNotFound(
-                f"--model {spec}: not in the Hugging Face cache and HF_HUB_OFFLINE is set: unset HF_HUB_OFFLINE "
-                "to download it, or fill the cache (HF_HUB_CACHE) on a machine that can reach the Hub"
-            ) from None
-        raise ModelNotFound(
-            f"--model {spec}: the Hub cannot be reached and the model is not in the cache (HF_HUB_CACHE): "
-            "connect, or download it into the cache first"
-        ) from None
+        why = (
+            "not in the Hugging Face cache while HF_HUB_OFFLINE is set: unset HF_HUB_OFFLINE to download it, or "
+            "fill the cache (HF_HUB_CACHE) on a machine that can reach the Hub"
+            if offline
+            else "the Hub cannot be reached and the model is not in the cache (HF_HUB_CACHE): connect, or "
+            "download it into the cache first"
+        )
+        raise ModelNotFound(f"--model {spec}: no local folder of that name, and {why}") from None
     except HfHubHTTPError as err:
         reason = str(err).splitlines()[0]
         raise ModelNotFound(
-            f"--model {spec}: the Hub refused it ({reason}): check the ID, revision and token"
+            f"--model {spec}: no local folder of that name, and the Hub refused it ({reason}): check the path, "
+            "or the ID, revision and token"
         ) from None
     path = Path(folder)
     if not (path / "config.json").is_file():
