@@ -19,16 +19,15 @@ from fp8kit.cli import main
 from fp8kit.device import DeviceError, device_report, native_on, resolve_device, work_dtype
 from tests.conftest import save_local_llama
 
-LOADERS = [
-    (fp8kit.train, "run_comparison"),
-    (fp8kit.train.loop, "build_base"),
-    (fp8kit.train.evaluate, "evaluate_checkpoint"),
-    (fp8kit.train.evaluate, "evaluate_pretrained"),
-    (fp8kit.models.pretrained, "load_pretrained_lm"),
-    (fp8kit.compare, "quantize_pretrained"),
-    (fp8kit.compare, "compare_schemes"),
-    (fp8kit.debug, "doctor"),
-]
+# what starts real work in each command: none of it may run before the checks have passed
+LOADERS = {
+    fp8kit.train: ("run_comparison",),
+    fp8kit.train.loop: ("build_base",),
+    fp8kit.train.evaluate: ("evaluate_checkpoint", "evaluate_pretrained"),
+    fp8kit.models.pretrained: ("load_pretrained_lm",),
+    fp8kit.compare: ("quantize_pretrained", "compare_schemes"),
+    fp8kit.debug: ("doctor",),
+}
 
 
 class WorkStarted(Exception):
@@ -44,8 +43,9 @@ def no_loading(monkeypatch, tmp_path):
     def fail(*args, **kwargs):
         raise WorkStarted
 
-    for module, name in LOADERS:
-        monkeypatch.setattr(module, name, fail)
+    for module, names in LOADERS.items():
+        for name in names:
+            monkeypatch.setattr(module, name, fail)
     monkeypatch.setattr(fp8kit.cost, "device_flops", lambda device, dtype=None: 1e12)
     monkeypatch.setattr(fp8kit.cost, "available_bytes", lambda device: 1 << 40)
     return tmp_path

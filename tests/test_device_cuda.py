@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 TINY = ["--model-size", "tiny", "--steps", "4", "--batch-size", "4", "--seq-len", "32", "--no-progress"]
 
 
-def test_train_on_cuda_reports_the_device_and_its_peak(tmp_path, capsys):
+def test_train_on_cuda_reports_the_device_and_its_peak(tmp_path):
     out = tmp_path / "run"
     assert (
         main(["train", *TINY, "--recipe", "current,rowwise", "--device", "cuda", "--emulate", "--out", str(out)]) == 0
@@ -30,7 +30,6 @@ def test_train_on_cuda_reports_the_device_and_its_peak(tmp_path, capsys):
         assert run["val_loss"] < run["val_loss_before"]  # it trained
     assert abs(summary["runs"]["fp8-current"]["rel_gap"]) < 0.05
     assert "torch.cuda.max_memory_allocated" in (out / "summary.md").read_text()
-    assert "expected peak" in capsys.readouterr().err
 
 
 def test_quantize_on_cuda_loads_bf16_and_matches_the_cpu_export(tmp_path, capsys):

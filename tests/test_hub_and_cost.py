@@ -105,7 +105,8 @@ def test_cli_offline_miss_is_one_line_exit_2_before_loading(hub_cache, monkeypat
     )
 
 
-def test_cli_evaluates_a_cached_hub_model(hub_cache, capsys):
+def test_cli_evaluates_a_cached_hub_model(hub_cache, monkeypatch, capsys):
+    monkeypatch.setattr(fp8kit.cost, "device_flops", lambda device, dtype=None: 1e3)  # a long job: the line shows
     assert main(["eval", "--model", "org/tiny@v1", "--device", "cpu", "--eval-batches", "1"]) == 0
     captured = capsys.readouterr()
     assert "org/tiny@v1 (step 0)" in captured.out and "perplexity" in captured.out
@@ -152,6 +153,7 @@ def test_a_job_that_will_not_fit_ends_before_loading(tiny_llama, monkeypatch, ca
     monkeypatch.setattr(fp8kit.compare, "quantize_pretrained", started)
     monkeypatch.setattr(fp8kit.train, "run_comparison", started)
     monkeypatch.setattr(fp8kit.cost, "available_bytes", lambda device: 1000)
+    monkeypatch.setattr(fp8kit.cost, "device_flops", lambda device, dtype=None: 1e3)
     argv = ["quantize", "--model", str(tiny_llama), "--scheme", "fp8", "--out", "q", "--device", "cpu"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -161,3 +163,8 @@ def test_a_job_that_will_not_fit_ends_before_loading(tiny_llama, monkeypatch, ca
         main([*argv, "--force"])
     assert main(["train", "--model-size", "tiny", "--out", "run", "--device", "cpu"]) == 2
     assert "fp8kit train: error: train needs" in capsys.readouterr().err
+    monkeypatch.setattr(fp8kit.cost, "available_bytes", lambda device: 1 << 40)
+    monkeypatch.setattr(fp8kit.cost, "device_flops", lambda device, dtype=None: 1e12)
+    with pytest.raises(Started):  # a short job that fits starts without a word
+        main(argv)
+    assert capsys.readouterr().err == ""

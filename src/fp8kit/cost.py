@@ -243,14 +243,15 @@ def estimate_inference(
     micro_tokens: int,
     copies: float = 1.0,
     flops: float | None = None,
+    quantized: bool = True,
 ) -> JobCost:
     """A job that loads the model and runs forward passes (``fp8kit quantize``, ``compare``, ``eval``):
     ``copies`` of the weights in the load dtype (BF16 on CUDA, FP32 on the CPU), one byte per parameter of
-    quantized codes, one forward's working memory; ``passes``: phase -> passes over ``tokens_per_pass``
+    quantized codes (``quantized``), one forward's working memory; ``passes``: phase -> passes over ``tokens_per_pass``
     tokens (2 FLOPs per parameter and token; a pass with gradients counts 3)."""
     n = shape.params
     width = 2 if device.type == "cuda" else 4
-    peak = int(copies * width * n) + n + forward_bytes(shape, micro_tokens, width)
+    peak = int(copies * width * n) + (n if quantized else 0) + forward_bytes(shape, micro_tokens, width)
     flops = flops or device_flops(device)
     phases = {"load": _load_seconds(shape)} | {k: p * 2 * n * tokens_per_pass / flops for k, p in passes.items()}
     return JobCost(what, n, str(device), peak, phases=phases)

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from ..cost import JobCost, ModelShape
 
 
+LONG_JOB_S = 30.0
+
+
 class UnknownSize(Exception):
     """A model whose size cannot be read without loading it (no cost line; the load reports the problem)."""
 
@@ -103,6 +106,7 @@ def announce_inference(
     tokens_per_pass: int,
     micro_tokens: int = 4 * 128,
     copies: float = 1.0,
+    quantized: bool = True,
 ) -> None:
     """The cost line of a job that loads ``--model`` and runs forward passes (``cost.estimate_inference``)."""
     from ..cost import estimate_inference
@@ -112,7 +116,8 @@ def announce_inference(
     except UnknownSize as err:
         print(f"fp8kit {what}: cost unknown ({err})", file=sys.stderr)
         return
-    announce(estimate_inference(what, shape, device, passes, tokens_per_pass, micro_tokens, copies), device, args.force)
+    cost = estimate_inference(what, shape, device, passes, tokens_per_pass, micro_tokens, copies, quantized=quantized)
+    announce(cost, device, args.force)
 
 
 def ptq_passes(calib_batches: int, gptq: bool, awq: bool, norm_tweak: int | None) -> dict[str, int]:
@@ -141,8 +146,11 @@ def print_device_peak(device: torch.device) -> None:
 
 
 def announce(cost: JobCost, device: torch.device, force: bool) -> None:
-    """Print the cost line to stderr, then refuse the job if it will not fit (``cost.check_fits``)."""
+    """Print the cost line to stderr (on a terminal, or for a job estimated at ``LONG_JOB_S`` seconds or more,
+    so that short runs in logs and tests stay quiet), then refuse the job if it will not fit
+    (``cost.check_fits``)."""
     from ..cost import check_fits
 
-    print(cost.line(), file=sys.stderr, flush=True)
+    if sys.stderr.isatty() or sum(cost.phases.values()) >= LONG_JOB_S:
+        print(cost.line(), file=sys.stderr, flush=True)
     check_fits(cost, device, force)

@@ -73,11 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
     schemes = parse_schemes(args.schemes)
     device = job_device(args, schemes)
-    passes = {
-        f"{s} ptq": sum(ptq_passes(args.calib_batches, args.gptq, args.awq, args.norm_tweak).values()) for s in schemes
-    }
-    passes["eval"] = (len(schemes) + 1) * 2 * args.windows * args.seq_len // (args.calib_batches * 4 * 128)
-    announce_inference(args, "compare", device, passes, args.calib_batches * 4 * 128, 8 * args.seq_len, copies=2)
+    _announce_cost(args, device, schemes)
     result = compare_schemes(
         args.model,
         schemes,
@@ -97,3 +93,13 @@ def run(args: argparse.Namespace) -> int:
     print_device_peak(device)
     print(f"wrote {args.out}/compare.json, compare.md and compare.png")
     return 0
+
+
+def _announce_cost(args: argparse.Namespace, device, schemes: list[str]) -> None:
+    """The BF16 model and one quantized copy at a time; per scheme its PTQ passes over the calibration data,
+    then every model's held-out windows on two texts (in units of calibration passes)."""
+    calib_tokens = args.calib_batches * 4 * 128
+    per_scheme = sum(ptq_passes(args.calib_batches, args.gptq, args.awq, args.norm_tweak).values())
+    passes = {f"{s} ptq": per_scheme for s in schemes}
+    passes["eval"] = max(1, (len(schemes) + 1) * 2 * args.windows * args.seq_len // calib_tokens)
+    announce_inference(args, "compare", device, passes, calib_tokens, 8 * args.seq_len, copies=2)

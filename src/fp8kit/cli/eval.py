@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
     device = job_device(args)
     if args.model is not None:
-        announce_inference(args, "eval", device, {"evaluate": 1}, (args.eval_batches or 8) * 4 * 128)
+        announce_inference(args, "eval", device, {"evaluate": 1}, (args.eval_batches or 8) * 4 * 128, quantized=False)
         results = [evaluate_pretrained(args.model, text=args.text, batches=args.eval_batches or 8, device=device)]
     else:
         results = [evaluate_checkpoint(r, text=args.text, batches=args.eval_batches or 32, device=device) for r in runs]
