@@ -74,9 +74,9 @@ def shape_of(spec: str, arch: str = "dense", size: str = "small", seq_len: int =
 
         gguf = smollm2_gguf()
         return shape_from_config(AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name))
-    from ..models.resolve import resolve_model
+    from ..models.pretrained import pretrained_dir
 
-    folder = resolve_model(spec)
+    folder = pretrained_dir(spec)
     try:
         return model_shape(folder)
     except (

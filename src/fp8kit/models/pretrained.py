@@ -83,11 +83,11 @@ def smollm2_dir() -> Path:
 
 
 def pretrained_dir(name_or_path: str) -> Path:
-    """A Hugging Face folder for ``"smollm2"``, a local path or a Hub ID ``ORG/NAME[@REVISION]``
-    (``models.resolve.resolve_model``)."""
+    """A Hugging Face folder for ``"smollm2"`` (converted once), a local path or a Hub ID
+    ``ORG/NAME[@REVISION]`` (``models.resolve.resolve_model``)."""
     from .resolve import resolve_model
 
-    return resolve_model(name_or_path)
+    return smollm2_dir() if name_or_path in PRETRAINED else resolve_model(name_or_path)
 
 
 class HFTokenizer:

@@ -1,7 +1,7 @@
-"""``--model``: the one place a model name becomes a local Hugging Face folder.
+"""``--model``: the one place a folder path or a Hub ID becomes a local Hugging Face folder (``smollm2``, the
+shipped GGUF, is converted by ``models.pretrained``).
 
-Accepted: ``smollm2`` (the shipped GGUF, converted once and cached: ``models.pretrained``), a local folder,
-or a Hugging Face Hub ID ``ORG/NAME[@REVISION]`` resolved as ``transformers`` resolves it
+Accepted: a local folder, or a Hugging Face Hub ID ``ORG/NAME[@REVISION]`` resolved as ``transformers`` resolves it
 (``huggingface_hub.snapshot_download``): from the local cache when offline (``HF_HUB_OFFLINE=1``), downloaded
 into it otherwise. An existing local path wins over a Hub ID of the same spelling.
 """
@@ -39,21 +39,18 @@ def _offline() -> bool:
 
 
 def resolve_model(spec: str) -> Path:
-    """The local Hugging Face folder of ``spec``: ``smollm2`` (converted once), a local folder with
-    ``config.json``, or a Hub ID's snapshot (cache or download). Raises ``ModelNotFound`` in one line that
+    """The local Hugging Face folder of ``spec``: a local folder with ``config.json``, or a Hub ID's snapshot
+    (cache or download); ``models.pretrained.pretrained_dir`` serves ``smollm2``. Raises ``ModelNotFound`` in one line that
     names the fix (offline: that ``HF_HUB_OFFLINE`` / the cache is why)."""
-    from .pretrained import PRETRAINED, smollm2_dir
-
-    if spec in PRETRAINED:
-        return smollm2_dir()
     path = Path(spec)
     if path.exists():
         if not (path / "config.json").is_file():
             raise ModelNotFound(f"--model {spec!r} is a folder without config.json: give a Hugging Face model folder")
         return path
     if not is_hub_id(spec):
-        known = ", ".join(["demo", *PRETRAINED])
-        raise ModelNotFound(f"--model {spec!r} is neither {known}, a local folder, nor a Hub ID (ORG/NAME[@REVISION])")
+        raise ModelNotFound(
+            f"--model {spec!r} is neither demo, smollm2, a local folder, nor a Hub ID (ORG/NAME[@REVISION])"
+        )
     return _snapshot(spec)
 
 

@@ -10,23 +10,44 @@ from typing import TYPE_CHECKING
 
 from ..distributed.runtime import check_parallel_settings, planned_world_size
 from ..models import ARCHS
+from ..recipes import RECIPE_NAMES, recipe_from_name
 from .checkpoint import CheckpointError, latest_checkpoint
 
 if TYPE_CHECKING:
-    from .loop import TrainConfig
+    from .config import TrainConfig
 
-__all__ = ["MASTER_WEIGHTS", "OPTIMIZERS", "check_config", "check_device", "check_model_parallel", "check_resumable"]
+__all__ = [
+    "MASTER_WEIGHTS",
+    "OPTIMIZERS",
+    "check_config",
+    "check_device",
+    "check_model_parallel",
+    "check_resumable",
+    "parse_recipes",
+    "run_names",
+]
 
 OPTIMIZERS = ("adamw", "fp8-adamw")
 MASTER_WEIGHTS = ("fp32", "bf16")
+
+
+def parse_recipes(spec: str) -> list[str]:
+    """``"all"`` or comma-separated recipe names -> validated list (bf16 is always the baseline)."""
+    names = list(RECIPE_NAMES) if spec.strip().lower() == "all" else [s.strip() for s in spec.split(",") if s.strip()]
+    if not names:
+        raise ValueError(f"no recipe given; accepted: {', '.join(RECIPE_NAMES)} or all")
+    return [recipe_from_name(n).kind for n in names]
+
+
+def run_names(cfg: TrainConfig) -> list[str]:
+    """The runs of a comparison: ``bf16`` (the baseline), then ``fp8-<recipe>`` for each recipe."""
+    return ["bf16"] + [f"fp8-{r}" for r in parse_recipes(",".join(cfg.recipes))]
 
 
 def check_config(cfg: TrainConfig) -> None:
     """Every check of ``cfg`` that needs neither model nor data, so that a bad setting ends the run before
     anything is built, launched or written: a one-line ``ValueError`` (``CheckpointError`` for ``--resume``)
     that names the fix. ``run_comparison`` calls it first; ``fp8kit train`` before it launches ``--nproc``."""
-    from .loop import run_names
-
     run_names(cfg)  # the recipes
     check_device(cfg)
     for key in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches", "eval_interval", "ckpt_interval"):

@@ -7,7 +7,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +22,10 @@ from ..models import build_demo
 from ..nn import compile as compile_fp8
 from ..nn import convert, saved_activation_bytes, to_bf16_gemms
 from ..nn.memory import persistent_bytes
-from ..recipes import RECIPE_NAMES, recipe_from_name
+from ..recipes import recipe_from_name
 from .checkpoint import latest_checkpoint, load_run_checkpoint, save_run_checkpoint
-from .checks import check_config, check_resumable
+from .checks import check_config, check_resumable, parse_recipes, run_names
+from .config import TrainConfig
 from .load_balance import RouterStats
 
 __all__ = [
@@ -35,49 +36,6 @@ __all__ = [
     "run_comparison",
     "run_names",
 ]
-
-
-@dataclass
-class TrainConfig:
-    """Settings of ``fp8kit train`` (defaults: the newcomer's run, a few minutes on a 2-core CPU)."""
-
-    recipes: list[str] = field(default_factory=lambda: ["delayed"])
-    steps: int = 200
-    batch_size: int = 16
-    seq_len: int = 128
-    lr: float = 2e-3
-    grad_accum: int = 1
-    seed: int = 0
-    model_size: str = "small"
-    model: str = "demo"
-    arch: str = "dense"  # the demo model: dense (Llama) or moe (Qwen3-MoE, 8 experts, top-2)
-    compile: bool = False
-    out: str = "runs/fp8kit-train"
-    resume: bool = False
-    text: str | None = None
-    eval_interval: int = 100
-    eval_batches: int = 16
-    ckpt_interval: int = 100
-    warmup: int = 20
-    weight_decay: float = 0.1
-    progress: bool = True
-    optimizer: str = "adamw"  # FP8 runs: adamw (torch) or fp8-adamw (fp8kit.optim.AdamW); bf16 stays torch
-    master_weights: str = "fp32"  # FP8 runs: fp32 parameters, or bf16 ones (needs fp8-adamw)
-    nproc: int = 1  # processes (torchrun); batch_size stays the global batch, split across them
-    fsdp: bool = False  # with nproc > 1: shard the model with FSDP2 instead of replicating it (DDP)
-    tp: int = 1  # tensor-parallel degree: nproc = data-parallel x ep x tp (distributed/mesh.py)
-    ep: int = 1  # expert-parallel degree (--arch moe)
-    sp: bool = False  # sequence parallelism over the tp ranks (needs tp > 1, seq_len a multiple of tp)
-    device: str = "cpu"  # auto, cpu, cuda or cuda:N (fp8kit.device.resolve_device); torchrun: cuda:LOCAL_RANK
-    emulate: bool = False  # run recipes the GPU has no native GEMM for on dequantized BF16 operands
-
-
-def parse_recipes(spec: str) -> list[str]:
-    """``"all"`` or comma-separated recipe names -> validated list (bf16 is always the baseline)."""
-    names = list(RECIPE_NAMES) if spec.strip().lower() == "all" else [s.strip() for s in spec.split(",") if s.strip()]
-    if not names:
-        raise ValueError(f"no recipe given; accepted: {', '.join(RECIPE_NAMES)} or all")
-    return [recipe_from_name(n).kind for n in names]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -405,11 +363,6 @@ def _open_run_folder(cfg: TrainConfig) -> tuple[Path, MetricsLog | MemoryLog]:
     if not cfg.resume and log.path.exists():
         log.path.unlink()
     return out, log
-
-
-def run_names(cfg: TrainConfig) -> list[str]:
-    """The runs of a comparison: ``bf16`` (the baseline), then ``fp8-<recipe>`` for each recipe."""
-    return ["bf16"] + [f"fp8-{r}" for r in parse_recipes(",".join(cfg.recipes))]
 
 
 def unigram_entropy(ids: torch.Tensor) -> float:
