@@ -158,6 +158,8 @@ class DeviceReport:
 
     def line(self) -> str:
         """One line for run summaries and ``fp8kit info``."""
+        if self.capability is None:
+            return f"{self.device} ({self.name}); no native FP8 GEMM: every recipe and scheme runs on exact codes"
         cap = f", SM{self.capability[0]}{self.capability[1]}" if self.capability else ""
         mem = f", {self.memory_bytes / 2**30:.0f} GiB" if self.memory_bytes else ""
         native = ", ".join(self.native) or "none"
