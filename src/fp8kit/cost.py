@@ -247,11 +247,14 @@ def estimate_inference(
 ) -> JobCost:
     """A job that loads the model and runs forward passes (``fp8kit quantize``, ``compare``, ``eval``):
     ``copies`` of the weights in the load dtype (BF16 on CUDA, FP32 on the CPU), one byte per parameter of
-    quantized codes (``quantized``), one forward's working memory; ``passes``: phase -> passes over ``tokens_per_pass``
+    quantized codes (``quantized``), one forward's working memory, and the checkpoint's pages in host RAM
+    while ``from_pretrained`` reads it (memory-mapped safetensors); ``passes``: phase -> passes over ``tokens_per_pass``
     tokens (2 FLOPs per parameter and token; a pass with gradients counts 3)."""
     n = shape.params
     width = 2 if device.type == "cuda" else 4
     peak = int(copies * width * n) + (n if quantized else 0) + forward_bytes(shape, micro_tokens, width)
     flops = flops or device_flops(device)
     phases = {"load": _load_seconds(shape)} | {k: p * 2 * n * tokens_per_pass / flops for k, p in passes.items()}
-    return JobCost(what, n, str(device), peak, phases=phases)
+    if device.type != "cuda":
+        return JobCost(what, n, str(device), peak + shape.checkpoint_bytes, phases=phases)
+    return JobCost(what, n, str(device), peak, host_bytes=shape.checkpoint_bytes, phases=phases)
