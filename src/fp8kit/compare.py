@@ -139,6 +139,7 @@ def compare_schemes(
     timing: bool = True,
     progress: bool = True,
     norm_tweak: int | None = None,
+    device: str | torch.device = "cpu",
 ) -> dict[str, Any]:
     """Perplexity (mean and spread over ``n_windows`` windows of ``seq_len`` tokens of the ``split`` split,
     on the main text and the second text), weight memory and per-token times of BF16 and each scheme;
@@ -153,19 +154,20 @@ def compare_schemes(
     data (Fisher estimate of the loss increase, one pass with gradients); with ``sensitivity = W`` too,
     ranked instead by the dev-loss increase on W dev windows of the main text (one dev evaluation per
     layer). ``sensitivity`` alone writes that report for each scheme. Nothing ranks on the test split."""
+    from .device import work_dtype
     from .train.reload import load_model
 
     if split not in EVAL_SPLITS:
         raise ValueError(f"unknown split {split!r}; accepted: {', '.join(EVAL_SPLITS)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    base, tokenizer = load_model(model_name)
+    base, tokenizer = load_model(model_name, work_dtype(torch.device(device)), device)  # BF16 on a GPU
     base.eval()
     texts = load_splits(text, tokenizer, second_text)
     evals = _eval_windows(texts, split, n_windows, seq_len)
     loop = calibration_loop(texts[0], calib_batches)
     sens_windows = windows(texts[0].dev, sensitivity, seq_len, texts[0].block) if sensitivity else None
-    prompt = windows(texts[0].split(split), 1, min(seq_len, 64), texts[0].block)[:, :-1]
+    prompt = windows(texts[0].split(split), 1, min(seq_len, 64), texts[0].block)[:, :-1].to(device)
     settings = (calibration, alpha, smooth, gptq, awq, keep_bf16, norm_tweak)
     rows: dict[str, dict[str, Any]] = {}
     losses: dict[str, dict[str, torch.Tensor]] = {}

@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from .data import PTQSplits, load_ids, ptq_splits, reference_text, windows
 from .data.splits import available_windows
+from .evaluation import model_device
 from .ptq.quantize import quantize
 from .ptq.schemes import SCHEMES
 
@@ -66,8 +67,9 @@ def calibration_loop(splits: PTQSplits, batches: int, batch_size: int = 4, seq_l
     data = windows(splits.calib, n, seq_len, splits.block)[:, :-1].split(batch_size)
 
     def forward_loop(model: nn.Module) -> None:
+        device = model_device(model)
         for x in data:
-            model(input_ids=x)
+            model(input_ids=x.to(device))
 
     return forward_loop
 
@@ -153,14 +155,18 @@ def quantize_pretrained(
     keep_bf16: int | None = None,
     smooth: bool | None = None,
     norm_tweak: int | None = None,
+    device: str | torch.device = "cpu",
 ) -> tuple[nn.Module, Any, PTQSplits]:
     """Load ``model_name`` (``smollm2`` or a local directory) and quantize it with ``scheme``
     (``+kv`` suffix: FP8 KV cache), calibrating on the calibration split of the corpus (or ``text``).
-    ``None`` settings take the scheme's dev-chosen defaults (``ptq_settings``)."""
+    ``None`` settings take the scheme's dev-chosen defaults (``ptq_settings``). The model loads on ``device``
+    (BF16 on a GPU, FP32 on the CPU: ``device.work_dtype``)."""
+    from .device import work_dtype
     from .train.reload import load_model
 
     del seed  # the calibration windows are fixed (evenly spaced over the calibration split)
-    model, tokenizer = load_model(model_name)
+    device = torch.device(device)
+    model, tokenizer = load_model(model_name, work_dtype(device), device)
     model.eval()
     splits = load_splits(text, tokenizer, second_text=False)[0]
     loop = calibration_loop(splits, calib_batches, batch_size, seq_len)
