@@ -258,3 +258,15 @@ def test_peak_memory_stays_under_the_checkpoint_bytes(tmp_path):
     sequential, whole = peak("sequential"), peak("whole")
     print(f"peak above start: sequential {sequential / nbytes:.2f}x, whole model {whole / nbytes:.2f}x the checkpoint")
     assert sequential < 0.75 * nbytes < whole / 3, (sequential / nbytes, whole / nbytes)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_layers_onloaded_to_the_gpu_give_the_cpu_export(llama_dir, tmp_path):
+    """Round to nearest on CUDA (each layer onloaded in turn) writes the CPU run's codes and scales."""
+    cpu = quantize(str(llama_dir), "fp8-dynamic", out=tmp_path / "cpu")
+    torch.cuda.reset_peak_memory_stats()
+    gpu = quantize(str(llama_dir), "fp8-dynamic", out=tmp_path / "gpu", device="cuda")
+    assert torch.cuda.max_memory_allocated() > 0
+    a, b = _tensors(cpu), _tensors(gpu)
+    assert set(a) == set(b) and all(_same(a[k], b[k]) for k in a)

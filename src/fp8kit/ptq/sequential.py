@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from .experts import QuantExperts, find_experts
+from .layer_error import _swap
 from .linear import QuantLinear
 from .quantize import quantize as quantize_module
 from .report import PTQReport
@@ -139,14 +140,6 @@ def _module_name(model: nn.Module, module: nn.Module) -> str:
     return next(n for n, m in model.named_modules() if m is module)
 
 
-def _set(model: nn.Module, name: str, module: nn.Module) -> nn.Module:
-    parent, _, attr = name.rpartition(".")
-    owner = model.get_submodule(parent) if parent else model
-    old = getattr(owner, attr)
-    setattr(owner, attr, module)
-    return old
-
-
 @torch.no_grad()
 def capture_inputs(
     model: nn.Module, ckpt: Checkpoint, forward_loop: Callable[[nn.Module], object], device: torch.device
@@ -168,14 +161,14 @@ def capture_inputs(
     head = model.get_output_embeddings()
     if head is not None:
         swapped[_module_name(model, head)] = _ZeroLogits(model.config.vocab_size)
-    originals = {name: _set(model, name, m) for name, m in swapped.items()}
+    originals = {name: _swap(model, name, m) for name, m in swapped.items()}
     try:
         forward_loop(model)
     finally:
         hook.remove()
         emb.weight = meta_weight
         for name, m in originals.items():
-            _set(model, name, m)
+            _swap(model, name, m)
     if not record:
         raise ValueError("forward_loop ran no batch through the model: nothing to calibrate on")
     return record
@@ -343,12 +336,11 @@ def quantize_checkpoint(
     name = FP8_BLOCK.name if str(scheme).lower() == FP8_BLOCK.name else get_scheme(scheme).name
     kv_cache = bool(options.get("kv_cache"))
     check_scheme_format(name + ("+kv" if kv_cache else ""), format)
-    if name != FP8_BLOCK.name:
-        if forward_loop is None and _needs_data(name, options):
-            raise ValueError(
-                f"scheme {name!r} with these options calibrates: pass "
-                "forward_loop=lambda m: [m(input_ids=x) for x in calibration_batches]"
-            )
+    if name != FP8_BLOCK.name and forward_loop is None and _needs_data(name, options):
+        raise ValueError(
+            f"scheme {name!r} with these options calibrates: pass "
+            "forward_loop=lambda m: [m(input_ids=x) for x in calibration_batches]"
+        )
     device = torch.device(device)
     out_path = check_export_dir(out, overwrite)
     fixed_mmap_threshold()
@@ -382,10 +374,8 @@ def quantize_checkpoint(
                 layer.to("meta")
                 release_memory()
                 say(f"fp8kit.ptq sequential: layer {i + 1}/{len(layers)} ({time.perf_counter() - t0:.0f} s)")
-            layers_prefix = checkpoint_key(f"{layers_name}.", block)
-            for key in ckpt.files:
-                if not key.startswith(layers_prefix):
-                    writer.add(key, ckpt.read([key])[key])
+            for key in _outside_keys(model, ckpt, checkpoint_key(f"{layers_name}.", block)):
+                writer.add(key, ckpt.read([key])[key])  # one at a time, in the checkpoint's dtype
             if config_args is None:
                 raise ValueError("no nn.Linear layer to quantize in the decoder layers")
             ignore = [checkpoint_key(n, block) for n in report.skipped]
@@ -398,6 +388,17 @@ def quantize_checkpoint(
         write_metadata(tmp, model, cfg, tokenizer, extra)
     object.__setattr__(model, "ptq_report", report)
     return out_path, report
+
+
+def _outside_keys(model: nn.Module, ckpt: Checkpoint, layers_prefix: str) -> list[str]:
+    """The checkpoint's tensors outside the decoder layers, without a head tied to the embeddings."""
+    head = model.get_output_embeddings()
+    tied = (
+        f"{_module_name(model, head)}.weight"
+        if head is not None and getattr(model.config, "tie_word_embeddings", False)
+        else None
+    )
+    return [k for k in ckpt.files if not k.startswith(layers_prefix) and k != tied]
 
 
 def _needs_data(scheme: str, options: dict[str, Any]) -> bool:
