@@ -18,8 +18,8 @@ $py -c "import fp8kit" 2>/dev/null || export PYTHONPATH="$PWD/src:${PYTHONPATH:-
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
     $py -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 } 2>&1 | tee "$out/gpu.txt"
-timeout 100 $py -m pytest -q -p no:cacheprovider tests/kernels/test_cuda.py tests/ptq/test_ptq_kernels.py tests/kernels/test_kernels.py \
-    tests/nn/test_linear.py -k cuda 2>&1 | tee "$out/tests.log"
+timeout 150 $py -m pytest -q -p no:cacheprovider tests/kernels/test_cuda.py tests/ptq/test_ptq_kernels.py tests/kernels/test_kernels.py \
+    tests/nn/test_linear.py tests/cli/test_device_cuda.py tests/ptq/test_ptq_sequential.py -k cuda 2>&1 | tee "$out/tests.log"
 timeout 30 $py benchmarks/quantize.py --device cuda --sizes 4,64 2>&1 | tee "$out/quantize.log"
 timeout 150 $py benchmarks/linear.py --shapes 4096x8192,8192x8192 --no-eager --recipes current,rowwise,block,delayed \
     --reps 10 2>&1 | tee "$out/linear.log"

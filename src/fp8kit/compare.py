@@ -139,6 +139,7 @@ def compare_schemes(
     timing: bool = True,
     progress: bool = True,
     norm_tweak: int | None = None,
+    device: str | torch.device = "cpu",
 ) -> dict[str, Any]:
     """Perplexity (mean and spread over ``n_windows`` windows of ``seq_len`` tokens of the ``split`` split,
     on the main text and the second text), weight memory and per-token times of BF16 and each scheme;
@@ -153,100 +154,35 @@ def compare_schemes(
     data (Fisher estimate of the loss increase, one pass with gradients); with ``sensitivity = W`` too,
     ranked instead by the dev-loss increase on W dev windows of the main text (one dev evaluation per
     layer). ``sensitivity`` alone writes that report for each scheme. Nothing ranks on the test split."""
-    from .ptq.sensitivity import dev_loss, keep_filter, layer_sensitivity
+    from .device import work_dtype
     from .train.reload import load_model
 
     if split not in EVAL_SPLITS:
         raise ValueError(f"unknown split {split!r}; accepted: {', '.join(EVAL_SPLITS)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    base, tokenizer = load_model(model_name)
+    base, tokenizer = load_model(model_name, work_dtype(torch.device(device)), device)  # BF16 on a GPU
     base.eval()
     texts = load_splits(text, tokenizer, second_text)
-    evals = {}
-    for sp in texts:
-        ids = sp.split(split)
-        n = min(n_windows, available_windows(ids, seq_len, sp.block))
-        if n < 1:
-            raise ValueError(
-                f"the {split} split of {sp.name} holds {ids.numel()} tokens, too few for windows of {seq_len + 1}: "
-                f"give a --seq-len below {max(1, ids.numel() // 2)}, or a longer text"
-            )
-        evals[sp.name] = windows(ids, n, seq_len, sp.block)
+    evals = _eval_windows(texts, split, n_windows, seq_len)
     loop = calibration_loop(texts[0], calib_batches)
     sens_windows = windows(texts[0].dev, sensitivity, seq_len, texts[0].block) if sensitivity else None
-    prompt = windows(texts[0].split(split), 1, min(seq_len, 64), texts[0].block)[:, :-1]
+    prompt = windows(texts[0].split(split), 1, min(seq_len, 64), texts[0].block)[:, :-1].to(device)
+    settings = (calibration, alpha, smooth, gptq, awq, keep_bf16, norm_tweak)
     rows: dict[str, dict[str, Any]] = {}
     losses: dict[str, dict[str, torch.Tensor]] = {}
     sens_report: dict[str, list[dict[str, Any]]] = {}
     for name in ["bf16", *schemes]:
-        model = copy.deepcopy(base)
         t0 = time.perf_counter()
-        extra: dict[str, Any] = {}
-        if name == "bf16":
-            to_bf16_gemms(model)
-        else:
-            kw = ptq_settings(
-                name, calibration, alpha, smooth, gptq, awq, keep_bf16, quantizable_layers(base), norm_tweak
-            )
-            smoothed = SCHEMES[name.removesuffix("+kv")].smooth if kw["smooth"] is None else kw["smooth"]
-            extra["settings"] = {**{k: v for k, v in kw.items() if k != "kv_cache"}, "smooth": smoothed}
-            n_keep = kw["keep_bf16"]
-            if sens_windows is not None:
-                kw["keep_bf16"] = 0
-                plain = {k: v for k, v in kw.items() if k != "norm_tweak"}  # rank the layers, then tweak once
-                ranking = layer_sensitivity(base, name.removesuffix("+kv"), loop, dev_loss(sens_windows), **plain)
-                sens_report[name] = [{"layer": s.name, "dev_loss_delta": s.score} for s in ranking]
-                if n_keep:
-                    kw["module_filter"] = keep_filter(ranking, n_keep)
-                    extra["kept_bf16"] = [s.name for s in ranking[:n_keep]]
-            quantize(model, name.removesuffix("+kv"), loop, progress=None if progress else False, **kw)
-            if n_keep and "kept_bf16" not in extra:
-                extra["kept_bf16"] = [s.name for s in model.ptq_report.sensitivity[:n_keep]]
-            if model.ptq_report.smooth_alpha:
-                extra["smooth_alpha"] = model.ptq_report.smooth_alpha
-            if model.ptq_report.norm_tweak is not None:
-                extra["norm_tweak"] = dataclasses.asdict(model.ptq_report.norm_tweak)
-            if "kept_bf16" in extra:
-                kept = sum(base.get_submodule(n).weight.numel() for n in extra["kept_bf16"])
-                extra["kept_bf16_weight_fraction"] = kept / linear_weight_count(base)
+        model, extra = _quantized_row(base, name, loop, settings, sens_windows, sens_report, progress)
         qtime = time.perf_counter() - t0
         losses[name] = {t: window_losses(model, w) for t, w in evals.items()}
-        prefill, decode = time_per_token(model, prompt, new_tokens=16) if timing else (float("nan"), float("nan"))
-        mem = weight_memory(model)
-        kv_bytes = kv_cache_bytes(model, 4096, 1 if name.endswith("+kv") else 2)
-        per_text = {
-            t: window_summary(v, losses["bf16"][t] if name != "bf16" else None) for t, v in losses[name].items()
-        }
-        main = per_text[texts[0].name]
-        rows[name] = {
-            "ppl": main["ppl"],
-            "texts": per_text,
-            **mem,
-            "kv_cache_bytes_4k": kv_bytes,
-            "prefill_s_per_token": prefill,
-            "decode_s_per_token": decode,
-            "quantize_s": qtime,
-            **extra,
-        }
+        ref = losses["bf16"] if name != "bf16" else None
+        rows[name] = _score(model, name, losses[name], ref, prompt, timing) | {"quantize_s": qtime, **extra}
         if progress:
-            cells = []
-            for t, v in per_text.items():
-                rel = "" if name == "bf16" else f" ({100 * v['ppl_rel']:+.2f}% +- {100 * v['ppl_rel_sem']:.2f})"
-                cells.append(f"{t[:24]}: {v['ppl']:.3f} +- {v['ppl_std']:.2f}{rel}")
-            print(
-                f"  {name:<18} {split} ppl " + "; ".join(cells) + f"; weights {mem['total_bytes'] / 2**20:.1f} MiB; "
-                f"decode {1e3 * decode:.1f} ms/tok; quantize {qtime:.1f} s",
-                flush=True,
-            )
+            _print_row(name, split, rows[name], qtime)
         del model
-    ref = rows["bf16"]
-    for r in rows.values():
-        r["ppl_rel"] = r["ppl"] / ref["ppl"] - 1
-        r["memory_ratio"] = r["total_bytes"] / ref["total_bytes"]
-        r["linear_memory_ratio"] = r["linear_bytes"] / ref["linear_bytes"]
-        r["prefill_ratio"] = r["prefill_s_per_token"] / ref["prefill_s_per_token"]
-        r["decode_ratio"] = r["decode_s_per_token"] / ref["decode_s_per_token"]
+    _relative_to_bf16(rows)
     result = {
         "model": model_name,
         "corpus": texts[0].name,
@@ -265,6 +201,112 @@ def compare_schemes(
     }
     _write_compare(out, result)
     return result
+
+
+def _eval_windows(texts: list, split: str, n_windows: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """The evaluation windows of each text's ``split`` (clear error when a split is too short)."""
+    evals = {}
+    for sp in texts:
+        ids = sp.split(split)
+        n = min(n_windows, available_windows(ids, seq_len, sp.block))
+        if n < 1:
+            raise ValueError(
+                f"the {split} split of {sp.name} holds {ids.numel()} tokens, too few for windows of {seq_len + 1}: "
+                f"give a --seq-len below {max(1, ids.numel() // 2)}, or a longer text"
+            )
+        evals[sp.name] = windows(ids, n, seq_len, sp.block)
+    return evals
+
+
+def _quantized_row(
+    base: nn.Module,
+    name: str,
+    loop,
+    settings: tuple,
+    sens_windows: torch.Tensor | None,
+    sens_report: dict[str, list[dict[str, Any]]],
+    progress: bool,
+) -> tuple[nn.Module, dict[str, Any]]:
+    """A copy of ``base`` for the row ``name`` (``bf16``: BF16 GEMMs; else quantized with the scheme's
+    settings, layers kept in BF16 ranked on dev windows when ``sens_windows``), and the row's settings."""
+    from .ptq.sensitivity import dev_loss, keep_filter, layer_sensitivity
+
+    model = copy.deepcopy(base)
+    extra: dict[str, Any] = {}
+    if name == "bf16":
+        to_bf16_gemms(model)
+        return model, extra
+    calibration, alpha, smooth, gptq, awq, keep_bf16, norm_tweak = settings
+    kw = ptq_settings(name, calibration, alpha, smooth, gptq, awq, keep_bf16, quantizable_layers(base), norm_tweak)
+    smoothed = SCHEMES[name.removesuffix("+kv")].smooth if kw["smooth"] is None else kw["smooth"]
+    extra["settings"] = {**{k: v for k, v in kw.items() if k != "kv_cache"}, "smooth": smoothed}
+    n_keep = kw["keep_bf16"]
+    if sens_windows is not None:
+        kw["keep_bf16"] = 0
+        plain = {k: v for k, v in kw.items() if k != "norm_tweak"}  # rank the layers, then tweak once
+        ranking = layer_sensitivity(base, name.removesuffix("+kv"), loop, dev_loss(sens_windows), **plain)
+        sens_report[name] = [{"layer": s.name, "dev_loss_delta": s.score} for s in ranking]
+        if n_keep:
+            kw["module_filter"] = keep_filter(ranking, n_keep)
+            extra["kept_bf16"] = [s.name for s in ranking[:n_keep]]
+    quantize(model, name.removesuffix("+kv"), loop, progress=None if progress else False, **kw)
+    report = model.ptq_report
+    if n_keep and "kept_bf16" not in extra:
+        extra["kept_bf16"] = [s.name for s in report.sensitivity[:n_keep]]
+    if report.smooth_alpha:
+        extra["smooth_alpha"] = report.smooth_alpha
+    if report.norm_tweak is not None:
+        extra["norm_tweak"] = dataclasses.asdict(report.norm_tweak)
+    if "kept_bf16" in extra:
+        kept = sum(base.get_submodule(n).weight.numel() for n in extra["kept_bf16"])
+        extra["kept_bf16_weight_fraction"] = kept / linear_weight_count(base)
+    return model, extra
+
+
+def _score(
+    model: nn.Module,
+    name: str,
+    losses: dict[str, torch.Tensor],
+    ref: dict[str, torch.Tensor] | None,
+    prompt: torch.Tensor,
+    timing: bool,
+) -> dict[str, Any]:
+    """Perplexity per text (paired against ``ref``, the bf16 row's losses), weight memory, KV-cache bytes
+    and per-token times of one row."""
+    prefill, decode = time_per_token(model, prompt, new_tokens=16) if timing else (float("nan"), float("nan"))
+    mem = weight_memory(model)
+    kv_bytes = kv_cache_bytes(model, 4096, 1 if name.endswith("+kv") else 2)
+    per_text = {t: window_summary(v, ref[t] if ref is not None else None) for t, v in losses.items()}
+    return {
+        "ppl": next(iter(per_text.values()))["ppl"],
+        "texts": per_text,
+        **mem,
+        "kv_cache_bytes_4k": kv_bytes,
+        "prefill_s_per_token": prefill,
+        "decode_s_per_token": decode,
+    }
+
+
+def _print_row(name: str, split: str, row: dict[str, Any], qtime: float) -> None:
+    cells = []
+    for t, v in row["texts"].items():
+        rel = "" if name == "bf16" else f" ({100 * v['ppl_rel']:+.2f}% +- {100 * v['ppl_rel_sem']:.2f})"
+        cells.append(f"{t[:24]}: {v['ppl']:.3f} +- {v['ppl_std']:.2f}{rel}")
+    print(
+        f"  {name:<18} {split} ppl " + "; ".join(cells) + f"; weights {row['total_bytes'] / 2**20:.1f} MiB; "
+        f"decode {1e3 * row['decode_s_per_token']:.1f} ms/tok; quantize {qtime:.1f} s",
+        flush=True,
+    )
+
+
+def _relative_to_bf16(rows: dict[str, dict[str, Any]]) -> None:
+    ref = rows["bf16"]
+    for r in rows.values():
+        r["ppl_rel"] = r["ppl"] / ref["ppl"] - 1
+        r["memory_ratio"] = r["total_bytes"] / ref["total_bytes"]
+        r["linear_memory_ratio"] = r["linear_bytes"] / ref["linear_bytes"]
+        r["prefill_ratio"] = r["prefill_s_per_token"] / ref["prefill_s_per_token"]
+        r["decode_ratio"] = r["decode_s_per_token"] / ref["decode_s_per_token"]
 
 
 def compare_markdown(result: dict[str, Any]) -> str:

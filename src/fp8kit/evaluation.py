@@ -12,13 +12,19 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["evaluate", "loss_of", "perplexity", "window_losses", "window_summary"]
+__all__ = ["evaluate", "loss_of", "model_device", "perplexity", "window_losses", "window_summary"]
 
 
 def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy (nats/token, FP32) of ``model(input_ids=x).logits`` against targets ``y``."""
     logits = model(input_ids=x).logits
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.to(logits.device).reshape(-1))
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where ``model``'s first parameter lives (the CPU for a module without parameters)."""
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
 
 
 @torch.no_grad()
@@ -30,7 +36,8 @@ def evaluate(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch
     was = model.training
     model.eval()
     try:
-        total = sum(loss_of(model, x, y).item() for x, y in batches) / len(batches)
+        device = model_device(model)
+        total = sum(loss_of(model, x.to(device), y).item() for x, y in batches) / len(batches)
     finally:
         model.train(was)
     return total
@@ -52,13 +59,13 @@ def window_losses(model: torch.nn.Module, windows: torch.Tensor, batch_size: int
     out = []
     try:
         for i in range(0, windows.shape[0], batch_size):
-            w = windows[i : i + batch_size]
+            w = windows[i : i + batch_size].to(model_device(model))
             logits = model(input_ids=w[:, :-1]).logits.float()
             nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1), reduction="none")
             out.append(nll.reshape(w.shape[0], -1).mean(dim=1))
     finally:
         model.train(was)
-    return torch.cat(out)
+    return torch.cat(out).cpu()
 
 
 def window_summary(losses: torch.Tensor, reference: torch.Tensor | None = None) -> dict[str, float]:

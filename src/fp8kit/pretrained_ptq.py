@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ import torch.nn as nn
 
 from .data import PTQSplits, load_ids, ptq_splits, reference_text, windows
 from .data.splits import available_windows
+from .evaluation import model_device
 from .ptq.quantize import quantize
 from .ptq.schemes import SCHEMES
 
@@ -24,12 +26,15 @@ __all__ = [
     "DEFAULT_KEEP_BF16",
     "DEFAULT_NORM_TWEAK",
     "calibration_for",
+    "full_load_line",
     "calibration_loop",
     "linear_weight_count",
     "load_splits",
     "ptq_settings",
     "quantizable_layers",
     "quantize_pretrained",
+    "quantize_pretrained_sequential",
+    "sequential_source",
     "settings_text",
 ]
 
@@ -62,8 +67,9 @@ def calibration_loop(splits: PTQSplits, batches: int, batch_size: int = 4, seq_l
     data = windows(splits.calib, n, seq_len, splits.block)[:, :-1].split(batch_size)
 
     def forward_loop(model: nn.Module) -> None:
+        device = model_device(model)
         for x in data:
-            model(input_ids=x)
+            model(input_ids=x.to(device))
 
     return forward_loop
 
@@ -149,20 +155,100 @@ def quantize_pretrained(
     keep_bf16: int | None = None,
     smooth: bool | None = None,
     norm_tweak: int | None = None,
+    device: str | torch.device = "cpu",
 ) -> tuple[nn.Module, Any, PTQSplits]:
     """Load ``model_name`` (``smollm2`` or a local directory) and quantize it with ``scheme``
     (``+kv`` suffix: FP8 KV cache), calibrating on the calibration split of the corpus (or ``text``).
-    ``None`` settings take the scheme's dev-chosen defaults (``ptq_settings``)."""
+    ``None`` settings take the scheme's dev-chosen defaults (``ptq_settings``). The model loads on ``device``
+    (BF16 on a GPU, FP32 on the CPU: ``device.work_dtype``)."""
+    from .device import work_dtype
     from .train.reload import load_model
 
     del seed  # the calibration windows are fixed (evenly spaced over the calibration split)
-    model, tokenizer = load_model(model_name)
+    device = torch.device(device)
+    model, tokenizer = load_model(model_name, work_dtype(device), device)
     model.eval()
     splits = load_splits(text, tokenizer, second_text=False)[0]
     loop = calibration_loop(splits, calib_batches, batch_size, seq_len)
     kw = ptq_settings(scheme, calibration, alpha, smooth, gptq, awq, keep_bf16, quantizable_layers(model), norm_tweak)
     quantize(model, scheme.removesuffix("+kv"), loop, **kw)
     return model, tokenizer, splits
+
+
+def sequential_source(model_name: str) -> Path | None:
+    """The Hugging Face folder of ``model_name`` when it can be quantized layer by layer (safetensors
+    weights in high precision, not an ``fp8kit train`` checkpoint), else ``None``."""
+    import json
+
+    from .models.pretrained import pretrained_dir
+    from .train.reload import train_checkpoint
+
+    if train_checkpoint(Path(model_name)) is not None:
+        return None
+    path = pretrained_dir(model_name)
+    qc = json.loads((path / "config.json").read_text()).get("quantization_config")
+    return path if qc is None and any(path.glob("*.safetensors")) else None
+
+
+def full_load_line(path: Path, options: list[str]) -> str:
+    """One line before a run that ``options`` (``keep_bf16``, ``norm_tweak``) make load the whole model: what
+    it takes, and how to quantize layer by layer instead."""
+    from .ptq.sequential import skeleton
+
+    params = sum(p.numel() for p in skeleton(path).parameters())
+    flags = " ".join(f"--{o.replace('_', '-')} 0" for o in options)
+    return (
+        f"{' and '.join(options)} rank or tune the whole model: loading all {params / 1e9:.2f}B parameters in float32 "
+        f"({4 * params / 2**30:.1f} GiB; PTQ holds up to about twice that). {flags} quantizes layer by layer instead."
+    )
+
+
+def quantize_pretrained_sequential(
+    path: Path,
+    scheme: str,
+    out: str | Path,
+    format: str = "compressed-tensors",  # noqa: A002 - the name users know from the CLI (--format)
+    text: str | None = None,
+    calib_batches: int = 8,
+    overwrite: bool = False,
+    max_shard_size: int | str | None = None,
+    device: str | torch.device = "cpu",
+    progress: bool | None = None,
+    **settings: Any,
+) -> tuple[Path, Any, PTQSplits]:
+    """``quantize_pretrained`` layer by layer (``ptq.sequential``): the folder ``path`` is read one decoder
+    layer at a time and the export written to ``out`` as it goes. ``settings`` are ``ptq_settings``'
+    arguments; ``keep_bf16`` and ``norm_tweak`` must be 0. Returns the export, its report and the corpus."""
+    from transformers import AutoTokenizer
+
+    from .models.pretrained import HFTokenizer
+    from .ptq.sequential import decoder_layers, quantize_checkpoint, skeleton
+
+    tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(path))
+    splits = load_splits(text, tokenizer, second_text=False)[0]
+    model = skeleton(path)
+    if scheme == "fp8-block":
+        kw: dict[str, Any] = {}
+        loop = None
+    else:
+        kw = ptq_settings(scheme, n_layers=quantizable_layers(model), **settings)
+        loop = calibration_loop(splits, calib_batches)
+    decoder_layers(model)  # a clear error before any work
+    out, report = quantize_checkpoint(
+        path,
+        scheme.removesuffix("+kv"),
+        out,
+        loop,
+        format=format,
+        max_shard_size=max_shard_size,
+        device=device,
+        tokenizer=tokenizer,
+        overwrite=overwrite,
+        progress=progress,
+        model=model,
+        **kw,
+    )
+    return out, report, splits
 
 
 def settings_text(kw: dict[str, Any]) -> str:

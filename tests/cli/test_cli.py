@@ -241,7 +241,7 @@ def test_eval_without_options_evaluates_every_train_run(sandbox, monkeypatch, ca
     monkeypatch.setattr(
         fp8kit.train.evaluate,
         "evaluate_checkpoint",
-        lambda path, text=None, batches=32: (
+        lambda path, text=None, batches=32, device=None: (
             seen.append((path.name, batches))
             or {"run": path.name, "step": 10, "val_loss": 1.0, "val_ppl": 2.718, "corpus": "x"}
         ),

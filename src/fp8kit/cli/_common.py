@@ -88,7 +88,8 @@ def model_size(text: str) -> str:
 
 
 def model(allow_demo: bool, demo_hint: str = "") -> Callable[[str], str]:
-    """``--model``: a pretrained model's name, a local Hugging Face folder, or (if allowed) ``demo``."""
+    """``--model``: a pretrained model's name, a local Hugging Face folder, a Hub ID ``ORG/NAME[@REVISION]``
+    (resolved when the command runs, ``models.resolve``), or (if allowed) ``demo``."""
 
     def parse(text: str) -> str:
         if text == "demo" and allow_demo:
@@ -101,13 +102,18 @@ def model(allow_demo: bool, demo_hint: str = "") -> Callable[[str], str]:
         if text in PRETRAINED_MODELS:
             return text
         path = Path(text)
+        from ..models.resolve import is_hub_id
         from ..train.reload import train_checkpoint
+
+        if is_hub_id(text):
+            return text
 
         if not (path / "config.json").is_file() and train_checkpoint(path) is None:
             known = ", ".join((["demo"] if allow_demo else []) + list(PRETRAINED_MODELS))
             what = "a folder without config.json" if path.is_dir() else "not an existing folder"
             raise argparse.ArgumentTypeError(
-                f"{text!r} is {what}: give {known}, or a local Hugging Face model folder (with config.json)"
+                f"{text!r} is {what}: give {known}, a local Hugging Face model folder (with config.json) "
+                "or a Hub ID ORG/NAME[@REVISION]"
             )
         return text
 

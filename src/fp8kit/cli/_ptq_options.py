@@ -6,7 +6,9 @@ import argparse
 
 from ._common import at_least, positive_int
 
-MODEL_HELP = "smollm2 (the shipped SmolLM2-135M) or a local Hugging Face causal-LM directory"
+MODEL_HELP = (
+    "smollm2 (the shipped SmolLM2-135M), a local Hugging Face causal-LM directory or a Hub ID ORG/NAME[@REVISION]"
+)
 
 
 def unit_fraction(text: str) -> float:

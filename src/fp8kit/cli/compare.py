@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ._common import add_overwrite, check_run_dir, model, positive_int, text_file
+from ._job import add_device_options, announce_inference, job_device, print_device_peak, ptq_passes
 from ._ptq_options import (
     MODEL_HELP,
     add_calibration_options,
@@ -62,6 +63,7 @@ def add_arguments(c: argparse.ArgumentParser) -> None:
         "--sensitivity", type=positive_int, default=0, metavar="W", help="per-layer sensitivity report on W dev windows"
     )
     add_ptq_switches(c, "the N most sensitive layers (on calibration data; with --sensitivity W, by dev loss)")
+    add_device_options(c)
     add_overwrite(c, "files")
 
 
@@ -69,9 +71,12 @@ def run(args: argparse.Namespace) -> int:
     check_run_dir(args.out, WRITES, SIGNATURE, args.overwrite)
     from ..compare import compare_markdown, compare_schemes, parse_schemes
 
+    schemes = parse_schemes(args.schemes)
+    device = job_device(args, schemes)
+    _announce_cost(args, device, schemes)
     result = compare_schemes(
         args.model,
-        parse_schemes(args.schemes),
+        schemes,
         args.out,
         text=args.text,
         split=args.split,
@@ -80,9 +85,21 @@ def run(args: argparse.Namespace) -> int:
         sensitivity=args.sensitivity,
         second_text=not args.no_second_text,
         timing=not args.no_timing,
+        device=device,
         **ptq_settings(args),
     )
     print()
     print(compare_markdown(result))
+    print_device_peak(device)
     print(f"wrote {args.out}/compare.json, compare.md and compare.png")
     return 0
+
+
+def _announce_cost(args: argparse.Namespace, device, schemes: list[str]) -> None:
+    """The BF16 model and one quantized copy at a time; per scheme its PTQ passes over the calibration data,
+    then every model's held-out windows on two texts (in units of calibration passes)."""
+    calib_tokens = args.calib_batches * 4 * 128
+    per_scheme = sum(ptq_passes(args.calib_batches, args.gptq, args.awq, args.norm_tweak).values())
+    passes = {f"{s} ptq": per_scheme for s in schemes}
+    passes["eval"] = max(1, (len(schemes) + 1) * 2 * args.windows * args.seq_len // calib_tokens)
+    announce_inference(args, "compare", device, passes, calib_tokens, 8 * args.seq_len, copies=2)

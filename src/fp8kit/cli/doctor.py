@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ._common import add_overwrite, at_least, check_run_dir, model, model_size, positive_float, positive_int, text_file
+from ._job import add_device_options, announce, job_device, print_device_peak, shape_of
 
 NAME = "doctor"
 SUMMARY = "run FP8 beside BF16 and report where, when and why they part"
@@ -34,7 +35,7 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
         "--model",
         type=model(allow_demo=True),
         default="demo",
-        help="demo (the fp8kit train Llama), smollm2, or a local HF directory",
+        help="demo (the fp8kit train Llama), smollm2, a local HF directory or a Hub ID ORG/NAME[@REVISION]",
     )
     d.add_argument("--model-size", type=model_size, default="small", help="size of the demo model: tiny|small|base")
     d.add_argument(
@@ -52,6 +53,7 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
     d.add_argument("--text", type=text_file, default=None, help="use this UTF-8 text instead of the shipped corpus")
     d.add_argument("--apply", action="store_true", help="re-run with the top fix and show whether the gap closed")
     d.add_argument("--out", default="runs/fp8kit-doctor", help="folder for report.md and its plots")
+    add_device_options(d)
     add_overwrite(d, "files")
 
 
@@ -65,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
     recipe = recipe_from_name(args.recipe)
     if args.arch != "dense" and args.model != "demo":
         raise ValueError(f"--arch {args.arch} builds the demo model: leave out --model {args.model}")
+    device = job_device(args, recipe)
+    _announce_cost(args, device)
     cfg = TrainConfig(
         model=args.model, model_size=args.model_size, seq_len=args.seq_len, seed=args.seed, arch=args.arch
     )
@@ -75,7 +79,9 @@ def run(args: argparse.Namespace) -> int:
     for i in range(args.steps):
         x, _ = corpus.batch("train", i, args.batch_size, args.seq_len, args.seed)
         batches.append({"input_ids": x, "labels": x})
-    report = doctor(model, batches, recipe=recipe, steps=args.steps, lr=args.lr, apply=args.apply, seed=args.seed)
+    report = doctor(
+        model, batches, recipe=recipe, steps=args.steps, lr=args.lr, apply=args.apply, seed=args.seed, device=device
+    )
     path = report.save(out)
     print(
         f"fp8kit doctor ({recipe.kind} vs bf16, {report.steps} steps): "
@@ -91,4 +97,17 @@ def run(args: argparse.Namespace) -> int:
         a = report.applied
         print(f"  applied fix 1: gap {100 * a['gap_before']:+.2f}% -> {100 * a['gap_after']:+.2f}%")
     print(f"wrote {path} (with loss.png, heatmaps.png, report.json, fp8_stats.jsonl)")
+    print_device_peak(device)
     return 0
+
+
+def _announce_cost(args: argparse.Namespace, device) -> None:
+    """Two copies (BF16 and FP8) trained side by side, ``--apply``: twice."""
+    from ..cost import estimate_training
+
+    shape = shape_of(args.model, args.arch, args.model_size, args.seq_len)
+    tokens = args.batch_size * args.seq_len
+    runs = ["bf16 + fp8"] + (["apply fix"] if args.apply else [])
+    cost = estimate_training("doctor", shape, device, runs, 2 * args.steps, tokens, tokens)
+    cost.device_bytes *= 2  # both copies live at once
+    announce(cost, device, args.force)

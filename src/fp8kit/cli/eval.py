@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from ._common import PRETRAINED_MODELS, TRAIN_OUT, UsageError, model, positive_int, text_file
+from ._job import add_device_options, announce_inference, job_device, print_device_peak
 
 NAME = "eval"
 SUMMARY = "held-out perplexity of fp8kit train checkpoints or of a pretrained model"
@@ -31,7 +32,7 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
         "--model",
         type=model(allow_demo=False, demo_hint="; for a trained demo run give --checkpoint"),
         default=None,
-        help="smollm2 or a local Hugging Face directory",
+        help="smollm2, a local Hugging Face directory or a Hub ID ORG/NAME[@REVISION]",
     )
     e.add_argument(
         "--text", type=text_file, default=None, help="evaluate on this text's held-out split instead of the corpus"
@@ -43,6 +44,7 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
         help="held-out batches (default 32 for a checkpoint; 8 for a pretrained model, as fp8kit train uses)",
     )
     e.add_argument("--batches", dest="eval_batches", type=positive_int, help=argparse.SUPPRESS)  # older name
+    add_device_options(e)
 
 
 def checkpoints_in(path: Path) -> list[Path]:
@@ -68,13 +70,16 @@ def run(args: argparse.Namespace) -> int:
             )
     from ..train.evaluate import evaluate_checkpoint, evaluate_pretrained
 
+    device = job_device(args)
     if args.model is not None:
-        results = [evaluate_pretrained(args.model, text=args.text, batches=args.eval_batches or 8)]
+        announce_inference(args, "eval", device, {"evaluate": 1}, (args.eval_batches or 8) * 4 * 128, quantized=False)
+        results = [evaluate_pretrained(args.model, text=args.text, batches=args.eval_batches or 8, device=device)]
     else:
-        results = [evaluate_checkpoint(r, text=args.text, batches=args.eval_batches or 32) for r in runs]
+        results = [evaluate_checkpoint(r, text=args.text, batches=args.eval_batches or 32, device=device) for r in runs]
     for res in results:
         print(
             f"{res['run']} (step {res['step']}) on the held-out split of {res['corpus']}: "
             f"loss {res['val_loss']:.4f} nats/token, perplexity {res['val_ppl']:.3f}"
         )
+    print_device_peak(device)
     return 0

@@ -1,4 +1,4 @@
-"""``fp8kit info``: the FP8 formats and the torch runtime."""
+"""``fp8kit info``: the FP8 formats, the torch runtime and each device with the recipes it runs natively."""
 
 from __future__ import annotations
 
@@ -32,8 +32,12 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from .. import __version__
+    from ..device import device_report
 
     print(f"fp8kit {__version__}  torch {torch.__version__}  CUDA available: {torch.cuda.is_available()}")
+    devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] or [torch.device("cpu")]
+    for device in devices:
+        print(f"device: {device_report(device).line()}")
     print()
     print(format_table())
     return 0

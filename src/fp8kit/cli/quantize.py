@@ -4,8 +4,10 @@ compressed-tensors, ModelOpt or block-FP8 checkpoint (``--format``)."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ._common import UsageError, add_overwrite, model, text_file
+from ._job import add_device_options, announce_inference, job_device, print_device_peak, ptq_passes
 from ._ptq_options import (
     MODEL_HELP,
     add_calibration_options,
@@ -52,6 +54,12 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
     )
     add_calibration_options(q)
     add_ptq_switches(q, "the N layers whose quantization alone worsens the model most on calibration data")
+    q.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest safetensors shard of the export, e.g. 5GB, 500MB (default: 5GB, as transformers)",
+    )
+    add_device_options(q)
     add_overwrite(q, "a folder")
 
 
@@ -66,18 +74,78 @@ def run(args: argparse.Namespace) -> int:
         check_export_dir(args.out, args.overwrite)
     except ValueError as err:
         raise UsageError(f"--out {err}") from None
+    device = job_device(args, args.scheme)
+    settings = ptq_settings(args)
+    source = _sequential_source(args, settings)
+    if source is not None:
+        return _run_sequential(args, source, settings, device)
     if args.scheme == "fp8-block":  # no calibration: 128x128 weight tiles, dynamic activations
+        from ..device import work_dtype
         from ..export import quantize_block
         from ..train.reload import load_model
 
-        model, tokenizer = load_model(args.model)
-        out = save_pretrained(quantize_block(model), args.out, tokenizer, format=args.format, overwrite=args.overwrite)
+        announce_inference(args, "quantize", device, {}, 0)
+        model, tokenizer = load_model(args.model, work_dtype(device), device)
+        out = save_pretrained(
+            quantize_block(model),
+            args.out,
+            tokenizer,
+            format=args.format,
+            overwrite=args.overwrite,
+            max_shard_size=args.max_shard_size,
+        )
         print(f"{model.ptq_report}\nwrote the {args.format} export to {out}")
+        print_device_peak(device)
         return 0
     from ..compare import quantize_pretrained
 
-    model, tokenizer, corpus = quantize_pretrained(args.model, args.scheme, text=args.text, **ptq_settings(args))
-    out = save_pretrained(model, args.out, tokenizer, format=args.format, overwrite=args.overwrite)
+    passes = ptq_passes(args.calib_batches, args.gptq, args.awq, args.norm_tweak)
+    announce_inference(args, "quantize", device, passes, args.calib_batches * 4 * 128)
+    model, tokenizer, corpus = quantize_pretrained(args.model, args.scheme, text=args.text, device=device, **settings)
+    out = save_pretrained(
+        model, args.out, tokenizer, format=args.format, overwrite=args.overwrite, max_shard_size=args.max_shard_size
+    )
     print(model.ptq_report)
     print(f"calibrated on {corpus.name}; wrote the {args.format} export to {out} (vLLM: LLM(model={str(out)!r}))")
+    print_device_peak(device)
+    return 0
+
+
+def _sequential_source(args: argparse.Namespace, settings: dict) -> Path | None:
+    """The folder to quantize layer by layer, or ``None`` (GGUF/train checkpoints, or options that need the
+    whole model: one line says so, with what the full load takes)."""
+    from ..pretrained_ptq import full_load_line, ptq_settings, quantizable_layers, sequential_source
+    from ..ptq.sequential import needs_full_load, skeleton
+
+    source = sequential_source(args.model)
+    if source is None or args.scheme == "fp8-block":
+        return source
+    defaults = {k: v for k, v in settings.items() if k != "calib_batches"}
+    full = needs_full_load(ptq_settings(args.scheme, **defaults, n_layers=quantizable_layers(skeleton(source))))
+    if full:
+        print(full_load_line(source, full), flush=True)
+        return None
+    return source
+
+
+def _run_sequential(args: argparse.Namespace, source: Path, settings: dict, device) -> int:
+    """Layer by layer: each decoder layer onloaded to ``device`` in turn, the export written as it goes."""
+    from ..pretrained_ptq import quantize_pretrained_sequential
+
+    out, report, corpus = quantize_pretrained_sequential(
+        source,
+        args.scheme,
+        args.out,
+        format=args.format,
+        text=args.text,
+        overwrite=args.overwrite,
+        max_shard_size=args.max_shard_size,
+        device=device,
+        progress=True,
+        **settings,
+    )
+    print(report)
+    where = "" if args.scheme == "fp8-block" else f"calibrated on {corpus.name}; "
+    print(f"quantized layer by layer; {where}wrote the {args.format} export to {out} (vLLM: LLM(model={str(out)!r}))")
+    print_device_peak(device)
     return 0

@@ -24,6 +24,7 @@ from ._common import (
     positive_int,
     text_file,
 )
+from ._job import add_device_options, announce, shape_of
 
 if TYPE_CHECKING:
     from ..train import TrainConfig
@@ -58,6 +59,16 @@ def recipe_list(text: str) -> str:
 
 
 def add_arguments(t: argparse.ArgumentParser) -> None:
+    """The options of ``fp8kit train``, one group per concern."""
+    _add_model_options(t)
+    _add_schedule_options(t)
+    _add_optimizer_options(t)
+    _add_parallel_options(t)
+    add_device_options(t)
+    _add_output_options(t)
+
+
+def _add_model_options(t: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--recipe", default="delayed", type=recipe_list, help="delayed|current|rowwise|block|mxfp8|all, or a comma list"
     )
@@ -66,8 +77,22 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
         default="demo",
         type=model(allow_demo=True),
         help="demo (a small Llama trained from scratch), smollm2 (fine-tune the shipped SmolLM2-135M), "
-        "or a local Hugging Face causal-LM directory",
+        "a local Hugging Face causal-LM directory, or a Hub ID ORG/NAME[@REVISION]",
     )
+    t.add_argument("--model-size", type=model_size, default="small", help="size of the demo model: tiny|small|base")
+    t.add_argument(
+        "--arch",
+        choices=("dense", "moe"),
+        default="dense",
+        help="demo model: dense (Llama) or moe (Qwen3-MoE, 8 experts, top-2; router load balance reported)",
+    )
+    t.add_argument(
+        "--text", type=text_file, default=None, help="train on this UTF-8 text file instead of the shipped corpus"
+    )
+    t.add_argument("--compile", action="store_true", help="torch.compile the model")
+
+
+def _add_schedule_options(t: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--steps", type=positive_int, default=None, help="optimizer steps (default 200; 20 when fine-tuning)"
     )
@@ -80,25 +105,6 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
     )
     t.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
     t.add_argument("--seed", type=int, default=0, help="seed of the weights and of the batch order")
-    t.add_argument("--model-size", type=model_size, default="small", help="size of the demo model: tiny|small|base")
-    t.add_argument(
-        "--arch",
-        choices=("dense", "moe"),
-        default="dense",
-        help="demo model: dense (Llama) or moe (Qwen3-MoE, 8 experts, top-2; router load balance reported)",
-    )
-    t.add_argument(
-        "--text", type=text_file, default=None, help="train on this UTF-8 text file instead of the shipped corpus"
-    )
-    t.add_argument("--compile", action="store_true", help="torch.compile the model")
-    t.add_argument("--out", default=TRAIN_OUT, help="run folder")
-    t.add_argument("--resume", action="store_true", help="continue the runs in --out from their checkpoints")
-    t.add_argument(
-        "--export-format",
-        default=None,
-        help="after training, write each FP8 run's serving checkpoint (its trained scales) to OUT/serving/<run> in "
-        "this format: compressed-tensors, modelopt or fp8-block (--model smollm2 or DIR)",
-    )
     t.add_argument(
         "--eval-interval",
         type=positive_int,
@@ -111,7 +117,9 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
         default=None,
         help="steps between checkpoints (default 100; the last step when fine-tuning)",
     )
-    t.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _add_optimizer_options(t: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--optimizer",
         choices=("adamw", "fp8-adamw"),
@@ -126,12 +134,16 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
         help="precision of the FP8 runs' parameters: fp32, or bf16 updated with stochastic rounding "
         "(needs --optimizer fp8-adamw) (default: fp32)",
     )
+
+
+def _add_parallel_options(t: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--nproc",
         type=positive_int,
         default=1,
-        help="processes on this machine (launched through torchrun; CPU, gloo); --batch-size stays the global "
-        "batch, split evenly across them; only rank 0 writes files. Several machines: docs/distributed.md",
+        help="processes on this machine (launched through torchrun): on the CPU with gloo, on CUDA one per GPU "
+        "with NCCL; --batch-size stays the global batch, split evenly across them; only rank 0 writes files. "
+        "Several machines: docs/distributed.md",
     )
     t.add_argument(
         "--fsdp",
@@ -158,6 +170,18 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
         default=1,
         help="expert-parallel degree (--arch moe): experts placed across E ranks, tokens dispatched in FP8",
     )
+
+
+def _add_output_options(t: argparse.ArgumentParser) -> None:
+    t.add_argument("--out", default=TRAIN_OUT, help="run folder")
+    t.add_argument("--resume", action="store_true", help="continue the runs in --out from their checkpoints")
+    t.add_argument(
+        "--export-format",
+        default=None,
+        help="after training, write each FP8 run's serving checkpoint (its trained scales) to OUT/serving/<run> in "
+        "this format: compressed-tensors, modelopt or fp8-block (--model smollm2 or DIR)",
+    )
+    t.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_overwrite(t, "files")
 
 
@@ -191,49 +215,100 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         tp=args.tp,
         ep=args.ep,
         sp=args.sp,
+        device=args.device,
+        emulate=args.emulate,
         **settings,
     )
 
 
 def run(args: argparse.Namespace) -> int:
+    cfg = checked_config(args)
+    from ..distributed.launch import launch, should_launch, torchrun_worker
+
+    if should_launch(cfg.nproc):  # --nproc N: this same command on N processes; each runs as one rank
+        return launch(cfg.nproc, "fp8kit.cli", args.argv)
+    with torchrun_worker() as rank:  # ranks > 0 print nothing: rank 0 speaks for the job
+        try:
+            summary = _train(cfg)
+        except USER_ERRORS:
+            if rank:
+                return 2
+            raise
+        if summary is None:
+            return 130
+        _print_summary(cfg, summary)
+        if args.export_format and not rank:
+            _export(cfg, args.export_format)
+    return 0
+
+
+def checked_config(args: argparse.Namespace) -> TrainConfig:
+    """The run's ``TrainConfig`` after every check that needs neither model nor data (the run folder,
+    ``--resume``, ``--export-format``, ``train.check_config`` with ``--device``, the model's name), and the
+    cost line (refused when the job will not fit): what N processes cannot take ends here, before any
+    process starts."""
+    from ..distributed.runtime import in_torchrun
+    from ..train import check_config
+
     check_run_dir(args.out, WRITES, SIGNATURE, args.overwrite)
     if args.resume and not (Path(args.out) / "config.json").is_file():
         raise UsageError(f"--resume: {args.out} holds no fp8kit training run: give the --out of an earlier run")
     cfg = train_config(args)
     if args.export_format:
-        from ..export import check_train_export
+        _check_export(cfg, args.export_format)
+    check_config(cfg)
+    if not in_torchrun():  # the launching process speaks for the job
+        _announce_cost(cfg, args.force)
+    return cfg
 
-        try:
-            check_train_export(cfg.recipes, args.export_format, cfg.out, cfg.model != "demo")
-        except ValueError as err:
-            raise UsageError(f"--export-format: {err}") from None
 
-    from ..distributed.launch import launch, should_launch, torchrun_worker
-    from ..train import check_config, run_comparison
+def _check_export(cfg: TrainConfig, export_format: str) -> None:
+    from ..export import check_train_export
+
+    try:
+        check_train_export(cfg.recipes, export_format, cfg.out, cfg.model != "demo")
+    except ValueError as err:
+        raise UsageError(f"--export-format: {err}") from None
+
+
+def _announce_cost(cfg: TrainConfig, force: bool) -> None:
+    """Parameters, peak memory per process and time per run, before anything is loaded."""
+    from ..cost import estimate_training
+    from ..device import resolve_device
+    from ..train.loop import run_names
+
+    device = resolve_device(cfg.device, recipe=cfg.recipes, emulate=cfg.emulate)
+    shape = shape_of(cfg.model, cfg.arch, cfg.model_size, cfg.seq_len)
+    micro = cfg.batch_size * cfg.seq_len // max(cfg.nproc, 1)
+    cost = estimate_training(
+        "train", shape, device, run_names(cfg), cfg.steps, micro * cfg.grad_accum, micro, cfg.optimizer == "fp8-adamw"
+    )
+    announce(cost, device, force)
+
+
+def _train(cfg: TrainConfig) -> dict | None:
+    """``run_comparison``; ``None`` when interrupted (after saying where the checkpoints are)."""
+    from ..train import run_comparison
+
+    try:
+        return run_comparison(cfg)
+    except KeyboardInterrupt:
+        print(
+            f"\ninterrupted: checkpoints are in {cfg.out}/ckpt; continue with --out {cfg.out} --resume", file=sys.stderr
+        )
+        return None
+
+
+def _print_summary(cfg: TrainConfig, summary: dict) -> None:
     from ..train.report import summary_markdown
 
-    check_config(cfg)  # what N processes cannot take is refused here, before any process starts
-    if should_launch(cfg.nproc):  # --nproc N: this same command on N processes; each runs as one rank
-        return launch(cfg.nproc, "fp8kit.cli", args.argv)
-    with torchrun_worker() as rank:  # ranks > 0 print nothing: rank 0 speaks for the job
-        try:
-            summary = run_comparison(cfg)
-        except KeyboardInterrupt:
-            print(
-                f"\ninterrupted: checkpoints are in {cfg.out}/ckpt; continue with --out {cfg.out} --resume",
-                file=sys.stderr,
-            )
-            return 130
-        except USER_ERRORS:
-            if rank:
-                return 2
-            raise
-        print()
-        print(summary_markdown(summary))
-        print(f"wrote {cfg.out}/summary.json, summary.md, loss.png, metrics.jsonl and checkpoints in {cfg.out}/ckpt")
-        if args.export_format and not rank:
-            from ..train.serving import export_runs
+    print()
+    print(summary_markdown(summary))
+    print(f"wrote {cfg.out}/summary.json, summary.md, loss.png, metrics.jsonl and checkpoints in {cfg.out}/ckpt")
 
-            for path in export_runs(cfg.out, args.export_format, [f"fp8-{r}" for r in cfg.recipes]):
-                print(f"wrote the {args.export_format} serving checkpoint {path}")
-    return 0
+
+def _export(cfg: TrainConfig, export_format: str) -> None:
+    from ..train.serving import export_runs
+
+    for path in export_runs(cfg.out, export_format, [f"fp8-{r}" for r in cfg.recipes]):
+        print(f"wrote the {export_format} serving checkpoint {path}")

@@ -89,6 +89,19 @@ def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return out.float().mean()
 
 
+def _on_device(model: nn.Module, batches: Iterable[Any], device: torch.device) -> tuple[nn.Module, list[Any]]:
+    """``model`` (a copy when it must move) and ``batches`` (tensors, or dicts of them) on ``device``."""
+    if next(model.parameters()).device != device:
+        model = copy.deepcopy(model).to(device)
+
+    def move(b: Any) -> Any:
+        if isinstance(b, torch.Tensor):
+            return b.to(device)
+        return {k: move(v) for k, v in b.items()} if isinstance(b, dict) else b
+
+    return model, [move(b) for b in batches]
+
+
 def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().float(), b.detach().float()
     den = float(b.norm())
@@ -245,6 +258,7 @@ def doctor(
     spike_z: float = 8.0,
     marginal_db: float = 3.0,
     seed: int = 0,
+    device: str | torch.device | None = None,
 ) -> DoctorReport:
     """Diagnose FP8 training of ``model`` (a high-precision module; copied, never modified).
 
@@ -260,12 +274,15 @@ def doctor(
             history or under ``floor_db``.
         marginal_db: a departure scoring less (dB past the threshold summed over its steps) is a note.
         spike_z: robust z-score of a loss spike.
+        device: where both copies train (default: where ``model`` is); batches follow.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     if marginal_db < 0:
         raise ValueError(f"marginal_db must be >= 0 (dB past a threshold), got {marginal_db}")
     recipe = recipe_from_name(recipe) if isinstance(recipe, str) else (recipe or DelayedScaling())
+    if device is not None:
+        model, batches = _on_device(model, batches, torch.device(device))
     data = list(itertools.islice(itertools.cycle(list(batches)), steps)) if steps else []
     if not data:
         raise ValueError("doctor: no batches given")

@@ -47,6 +47,7 @@ class DistContext:
     ep: int = 1  # expert-parallel ranks
     mesh: Any = None  # the DeviceMesh when tp or ep > 1 (``mesh.build_mesh``)
     sp: bool = False  # sequence parallelism over the tp ranks (``mesh.llama_tp_plan``)
+    device: torch.device = torch.device("cpu")  # where this rank computes (NCCL collectives need its GPU)
 
     @property
     def active(self) -> bool:
@@ -115,7 +116,7 @@ class DistContext:
         """Mean of a float over the ranks (the global mean loss when shards are equal in size)."""
         if not self.active:
             return value
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return float(t.item()) / self.world
 
@@ -185,20 +186,26 @@ def _mean_flat(grads: list[torch.Tensor], group: Any, count: int, reduce: bool) 
 _CURRENT: list[DistContext] = []
 
 
-def context_from_env(fsdp: bool = False, tp: int = 1, ep: int = 1, sp: bool = False) -> DistContext:
-    """The context of this process; under ``torchrun`` joins the process group (gloo: ``fp8kit train``
-    computes on the CPU) and, with ``tp`` or ``ep`` > 1, builds the run's ``DeviceMesh`` (``mesh.py``);
-    ``sp``: sequence parallelism over the ``tp`` ranks. The context becomes ``current_context()``."""
+def context_from_env(
+    fsdp: bool = False, tp: int = 1, ep: int = 1, sp: bool = False, device: torch.device | str = "cpu"
+) -> DistContext:
+    """The context of this process; under ``torchrun`` joins the process group (gloo on the CPU, NCCL when
+    ``device`` is this rank's GPU) and, with ``tp`` or ``ep`` > 1, builds the run's ``DeviceMesh``
+    (``mesh.py``); ``sp``: sequence parallelism over the ``tp`` ranks. The context becomes
+    ``current_context()``."""
+    device = torch.device(device)
     if not in_torchrun():
-        ctx = DistContext()
+        ctx = DistContext(device=device)
     else:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         if not dist.is_initialized():
-            dist.init_process_group("gloo")
-        ctx = DistContext(dist.get_rank(), dist.get_world_size(), fsdp, tp, ep, sp=sp and tp > 1)
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        ctx = DistContext(dist.get_rank(), dist.get_world_size(), fsdp, tp, ep, sp=sp and tp > 1, device=device)
         if tp * ep > 1:
             from .mesh import build_mesh, check_mesh
 
-            ctx.mesh = build_mesh(check_mesh(ctx.world, tp, ep, fsdp))
+            ctx.mesh = build_mesh(check_mesh(ctx.world, tp, ep, fsdp), device.type)
     _CURRENT[:] = [ctx]
     return ctx
 

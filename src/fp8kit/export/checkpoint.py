@@ -33,9 +33,10 @@ from .modelopt import QUANT_METHOD as MODELOPT_METHOD
 from .modelopt import export_tensors as modelopt_tensors
 from .modelopt import load as modelopt_load
 from .serve import serving_layers
+from .shards import DEFAULT_MAX_SHARD_SIZE
 from .support import BLOCK_SCHEME, FORMATS, check_scheme_format
 
-__all__ = ["dequantized_model", "load_pretrained", "save_pretrained"]
+__all__ = ["dequantized_model", "format_tensors", "load_pretrained", "save_pretrained"]
 
 _READERS = {CT_METHOD: ct_load, MODELOPT_METHOD: modelopt_load, BLOCK_METHOD: block_load}
 
@@ -55,13 +56,15 @@ def save_pretrained(
     *,
     format: str = "compressed-tensors",  # noqa: A002 - the name users know from the CLI (--format)
     overwrite: bool = False,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
     """Write a quantized (or ``fp8kit.convert``-ed training) model as a Hugging Face checkpoint in ``format``.
 
     The export is written into a temporary sibling folder and renamed into place, so ``out_dir`` is
     either the complete new export or left as it was. An existing ``out_dir`` is replaced only if fp8kit
     wrote everything in it (see ``check_export_dir``), or with ``overwrite=True``. A scheme the format
-    cannot carry raises ``ExportError`` naming the formats that can, before anything is written.
+    cannot carry raises ``ExportError`` naming the formats that can, before anything is written. The
+    weights are sharded as ``transformers`` shards them (``max_shard_size``, e.g. ``"5GB"``).
     """
     if format not in FORMATS:
         raise ExportError(f"unknown checkpoint format {format!r}; accepted: {', '.join(FORMATS)}")
@@ -99,17 +102,31 @@ def save_pretrained(
         tensors.pop(f"{name}.k_scale", None)
         tensors.pop(f"{name}.v_scale", None)
     tensors = {checkpoint_key(k, block): v for k, v in tensors.items()}
-    extra = None
-    if format == "compressed-tensors":
-        first = next(iter(qlayers.values()), None) or next(iter(experts.values()))
-        qtensors, qc = ct_tensors(model, qlayers, first.scheme, ignore, kv, experts)
-    elif format == "modelopt":
-        qtensors, qc, extra = modelopt_tensors(model, qlayers, scheme, ignore, kv, experts)
-    else:
-        qtensors, qc = block_tensors(model, qlayers, scheme, ignore, kv, experts)
+    qtensors, qc, extra = format_tensors(format, model, qlayers, scheme, ignore, kv, experts)
     tensors.update(qtensors)
     cfg["quantization_config"] = qc
-    return write_export(out, model, tensors, cfg, tokenizer, extra)
+    return write_export(out, model, tensors, cfg, tokenizer, extra, max_shard_size)
+
+
+def format_tensors(
+    format: str,  # noqa: A002 - the name users know from the CLI (--format)
+    model: nn.Module,
+    qlayers: dict[str, nn.Module],
+    scheme: str,
+    ignore: list[str],
+    kv: dict[str, nn.Module],
+    experts: dict[str, nn.Module],
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, dict[str, Any]] | None]:
+    """The quantized layers', experts' and k/v scales' tensors in ``format``, its ``quantization_config`` and
+    its extra JSON files; ``model`` gives the architecture (its config and module types, weights unused)."""
+    if format == "compressed-tensors":
+        first = next(iter(qlayers.values()), None) or next(iter(experts.values()))
+        tensors, qc = ct_tensors(model, qlayers, first.scheme, ignore, kv, experts)
+        return tensors, qc, None
+    if format == "modelopt":
+        return modelopt_tensors(model, qlayers, scheme, ignore, kv, experts)
+    tensors, qc = block_tensors(model, qlayers, scheme, ignore, kv, experts)
+    return tensors, qc, None
 
 
 def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -136,7 +153,7 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.
                 if key is None:
                     raise ExportError(f"{path}: the checkpoint has an FP8 KV cache but {name}.{which}_scale is missing")
                 m.register_buffer(f"{which}_scale", kv_scales[key].float().reshape(1))
-    from ..ptq.quantize import PTQReport
+    from ..ptq.report import PTQReport
 
     experts = [n for n in names if isinstance(model.get_submodule(n), QuantExperts)]
     report = PTQReport(scheme, quantized=[n for n in names if n not in experts], kv_cache=kv, experts=experts)

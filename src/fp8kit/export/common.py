@@ -13,7 +13,8 @@ import json
 import os
 import secrets
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +22,14 @@ import torch
 import torch.nn as nn
 
 from ..state_dict import tied_aliases
+from .shards import DEFAULT_MAX_SHARD_SIZE, ShardWriter
 
 __all__ = [
     "stored_codes",
     "MANIFEST",
     "ExportError",
     "check_export_dir",
+    "export_folder",
     "hf_config_dict",
     "kept_tensors",
     "load_rest",
@@ -35,6 +38,7 @@ __all__ = [
     "read_tensors",
     "replace_module",
     "write_export",
+    "write_metadata",
 ]
 
 MANIFEST = ".fp8kit-export"  # the files an export wrote: a later export may replace them, nothing else
@@ -154,6 +158,43 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+@contextmanager
+def export_folder(out: Path) -> Iterator[Path]:
+    """A temporary sibling folder of ``out`` (already checked by ``check_export_dir``) to write the export
+    into; renamed to ``out`` when the block ends, removed if it raises (or the process is killed: the
+    hidden name never looks like an export)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _sibling(out, "tmp")
+    try:
+        yield tmp
+        _swap_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_metadata(
+    tmp: Path,
+    model: nn.Module,
+    config: dict[str, Any],
+    tokenizer: Any = None,
+    extra_json: dict[str, dict[str, Any]] | None = None,
+) -> None:
+    """``config.json``, the generation config, ``extra_json`` files, the tokenizer and the ``MANIFEST`` of
+    every file in ``tmp`` (so write the weights first)."""
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    for name, obj in (extra_json or {}).items():
+        (tmp / name).write_text(json.dumps(obj, indent=4))
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        (tmp / "generation_config.json").write_text(gen.to_json_string())
+    tok = getattr(tokenizer, "tok", tokenizer)
+    if hasattr(tok, "save_pretrained"):  # fp8kit's byte tokenizer (demo models) has no files
+        tok.save_pretrained(tmp)
+    files = sorted(p.name for p in tmp.iterdir())
+    (tmp / MANIFEST).write_text(json.dumps({"producer": "fp8kit", "files": files}))
+
+
 def write_export(
     out: Path,
     model: nn.Module,
@@ -161,31 +202,18 @@ def write_export(
     config: dict[str, Any],
     tokenizer: Any = None,
     extra_json: dict[str, dict[str, Any]] | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
-    """Write ``model.safetensors``, ``config.json``, the generation config, ``extra_json`` files and the
-    tokenizer into a temporary sibling of ``out`` (already checked by ``check_export_dir``) and rename
-    it into place; the temporary folder is removed on failure."""
-    from safetensors.torch import save_file
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _sibling(out, "tmp")
-    try:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        for name, obj in (extra_json or {}).items():
-            (tmp / name).write_text(json.dumps(obj, indent=4))
-        gen = getattr(model, "generation_config", None)
-        if gen is not None:
-            (tmp / "generation_config.json").write_text(gen.to_json_string())
-        tok = getattr(tokenizer, "tok", tokenizer)
-        if hasattr(tok, "save_pretrained"):  # fp8kit's byte tokenizer (demo models) has no files
-            tok.save_pretrained(tmp)
-        files = sorted(p.name for p in tmp.iterdir())
-        (tmp / MANIFEST).write_text(json.dumps({"producer": "fp8kit", "files": files}))
-        _swap_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    """Write ``tensors`` (sharded by ``max_shard_size``) and the metadata (``write_metadata``) into a
+    temporary sibling of ``out`` and rename it into place (``export_folder``)."""
+    with export_folder(out) as tmp:
+        writer = ShardWriter(tmp, max_shard_size)
+        try:
+            writer.add_all(tensors)
+            writer.close()
+        finally:
+            writer.abort()
+        write_metadata(tmp, model, config, tokenizer, extra_json)
     return out
 
 

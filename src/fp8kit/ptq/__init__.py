@@ -6,9 +6,10 @@ from .experts import QuantExperts, quantize_experts_module
 from .gptq import collect_hessians, gptq_linear, gptq_weight
 from .kv_cache import kv_cache_bytes
 from .linear import QuantLinear, resident_bytes, set_weight_cache
-from .quantize import PTQReport, quantize
+from .report import PTQReport
 from .schemes import SCHEMES, Scheme, get_scheme
 from .sensitivity import LayerScore, keep_filter, layer_sensitivity, rank_by_output_error
+from .sequential import quantize, quantize_checkpoint
 
 __all__ = [
     "CALIBRATION_METHODS",
@@ -27,6 +28,7 @@ __all__ = [
     "kv_cache_bytes",
     "layer_sensitivity",
     "quantize",
+    "quantize_checkpoint",
     "quantize_experts_module",
     "rank_by_output_error",
     "resident_bytes",

@@ -112,10 +112,7 @@ def tweak_norms(
         lr: Adam's initial learning rate.
         on_step: called after each optimizer step (a progress bar).
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"norm_tweak must be a whole number of steps >= 0, got {steps!r}")
-    if not lr > 0:
-        raise ValueError(f"the norm tweaking learning rate must be > 0, got {lr!r}")
+    _check_settings(steps, lr)
     params = norm_parameters(model)
     if not params:
         raise ValueError(
@@ -123,89 +120,113 @@ def tweak_norms(
             "quantize without norm_tweak"
         )
     calls = record_calls(model, forward_loop)
-    start = {n: p.detach().clone() for n, p in params.items()}
-    quantized = {n: model.get_submodule(n) for n in originals}
-    kv_states = [m._fp8kit_kv for m in model.modules() if isinstance(getattr(m, "_fp8kit_kv", None), dict)]
-
-    def teacher_out(args: tuple, kwargs: dict) -> Any:
-        tuned = {n: p.detach().clone() for n, p in params.items()}
-        for n, m in originals.items():
-            _swap(model, n, m)
-        modes = [st["mode"] for st in kv_states]
-        for st in kv_states:  # the teacher's keys and values in high precision too
-            st["mode"] = "off"
-        try:
-            with torch.no_grad():
-                for n, p in params.items():
-                    p.copy_(start[n])
-                return model(*args, **kwargs)
-        finally:
-            for st, mode in zip(kv_states, modes, strict=True):
-                st["mode"] = mode
-            with torch.no_grad():
-                for n, p in params.items():
-                    p.copy_(tuned[n])
-            for n, m in quantized.items():
-                _swap(model, n, m)
-
-    # The teacher's answer to each recorded call never changes: computed once, kept while they fit in
-    # TEACHER_CACHE_BYTES (logits of 4 x 128 tokens over a 49k vocabulary: 100 MB), else recomputed.
-    answers: dict[int, Any] = {}
-    room = [TEACHER_CACHE_BYTES]
-
-    def teacher(i: int) -> Any:
-        if i in answers:
-            return answers[i]
-        out = teacher_out(*calls[i])
-        logits = getattr(out, "logits", None)
-        kept = SimpleNamespace(logits=logits) if isinstance(logits, torch.Tensor) else _output_tensor(out)
-        size = _tensor_bytes(kept.logits if isinstance(kept, SimpleNamespace) else kept)
-        if size <= room[0]:
-            answers[i], room[0] = kept, room[0] - size
-        return kept
-
-    def mean_loss() -> tuple[float, str]:
-        total, metric = 0.0, ""
-        with torch.no_grad():
-            for i, (a, k) in enumerate(calls):
-                loss, metric = _distance(model(*a, **k), teacher(i))
-                total += float(loss)
-        return total / len(calls), metric
-
+    teacher = _Teacher(model, originals, params, calls)
     was_training = model.training
     model.eval()
     flags = {p: p.requires_grad for p in model.parameters()}
-    before, metric = mean_loss()
+    before, metric = _mean_loss(model, calls, teacher)
     try:
-        for p in model.parameters():
-            p.requires_grad_(False)
-        for p in params.values():
-            p.requires_grad_(True)
-        opt = torch.optim.Adam(params.values(), lr=lr)
-        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(steps, 1))
-        with holding_dequantized_weights(model):  # the quantized weights are frozen here
-            for step in range(steps):
-                args, kwargs = calls[step % len(calls)]
-                target = teacher(step % len(calls))
-                with torch.enable_grad():
-                    loss, _ = _distance(model(*args, **kwargs), target)
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                opt.step()
-                schedule.step()
-                if on_step is not None:
-                    on_step()
-        for p in params.values():
-            p.requires_grad_(False)
-        after, _ = mean_loss()
+        _tune(model, params, calls, teacher, steps, lr, on_step)
+        after, _ = _mean_loss(model, calls, teacher)
         reverted = not after < before  # NaN included
         if reverted:  # tuning did not help on the calibration data itself: keep the calibrated model
-            with torch.no_grad():
-                for n, p in params.items():
-                    p.copy_(start[n])
+            teacher.restore_start()
             after = before
     finally:
         for p, flag in flags.items():
             p.requires_grad_(flag)
         model.train(was_training)
     return NormTweakResult(steps, lr, sum(p.numel() for p in params.values()), before, after, metric, reverted)
+
+
+def _check_settings(steps: int, lr: float) -> None:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"norm_tweak must be a whole number of steps >= 0, got {steps!r}")
+    if not lr > 0:
+        raise ValueError(f"the norm tweaking learning rate must be > 0, got {lr!r}")
+
+
+class _Teacher:
+    """The high-precision model's answer to each recorded call: the original layers swapped back in, the
+    starting norm weights and a high-precision KV cache, for one call, then the student restored. An
+    answer never changes: computed once, kept while the answers fit in ``TEACHER_CACHE_BYTES`` (logits of
+    4 x 128 tokens over a 49k vocabulary: 100 MB), else recomputed."""
+
+    def __init__(self, model: nn.Module, originals: dict[str, nn.Module], params: dict[str, nn.Parameter], calls):
+        self.model, self.originals, self.params, self.calls = model, originals, params, calls
+        self.start = {n: p.detach().clone() for n, p in params.items()}
+        self.quantized = {n: model.get_submodule(n) for n in originals}
+        self.kv_states = [m._fp8kit_kv for m in model.modules() if isinstance(getattr(m, "_fp8kit_kv", None), dict)]
+        self.answers: dict[int, Any] = {}
+        self.room = TEACHER_CACHE_BYTES
+
+    def restore_start(self) -> None:
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(self.start[n])
+
+    def _run(self, args: tuple, kwargs: dict) -> Any:
+        model = self.model
+        tuned = {n: p.detach().clone() for n, p in self.params.items()}
+        for n, m in self.originals.items():
+            _swap(model, n, m)
+        modes = [st["mode"] for st in self.kv_states]
+        for st in self.kv_states:  # the teacher's keys and values in high precision too
+            st["mode"] = "off"
+        try:
+            self.restore_start()
+            with torch.no_grad():
+                return model(*args, **kwargs)
+        finally:
+            for st, mode in zip(self.kv_states, modes, strict=True):
+                st["mode"] = mode
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.copy_(tuned[n])
+            for n, m in self.quantized.items():
+                _swap(model, n, m)
+
+    def __call__(self, i: int) -> Any:
+        if i in self.answers:
+            return self.answers[i]
+        out = self._run(*self.calls[i])
+        logits = getattr(out, "logits", None)
+        kept = SimpleNamespace(logits=logits) if isinstance(logits, torch.Tensor) else _output_tensor(out)
+        size = _tensor_bytes(kept.logits if isinstance(kept, SimpleNamespace) else kept)
+        if size <= self.room:
+            self.answers[i], self.room = kept, self.room - size
+        return kept
+
+
+def _mean_loss(model: nn.Module, calls, teacher: _Teacher) -> tuple[float, str]:
+    """The student's mean distance to the teacher over the recorded calls, and the metric's name."""
+    total, metric = 0.0, ""
+    with torch.no_grad():
+        for i, (a, k) in enumerate(calls):
+            loss, metric = _distance(model(*a, **k), teacher(i))
+            total += float(loss)
+    return total / len(calls), metric
+
+
+def _tune(model: nn.Module, params: dict[str, nn.Parameter], calls, teacher: _Teacher, steps: int, lr: float, on_step):
+    """``steps`` Adam steps on the norm weights only (one recorded call per step, cycling; cosine decay)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in params.values():
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(params.values(), lr=lr)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(steps, 1))
+    with holding_dequantized_weights(model):  # the quantized weights are frozen here
+        for step in range(steps):
+            args, kwargs = calls[step % len(calls)]
+            target = teacher(step % len(calls))
+            with torch.enable_grad():
+                loss, _ = _distance(model(*args, **kwargs), target)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+            opt.step()
+            schedule.step()
+            if on_step is not None:
+                on_step()
+    for p in params.values():
+        p.requires_grad_(False)

@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..data import load_corpus
 from ..evaluation import evaluate
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_info
@@ -15,8 +17,11 @@ from .loop import TrainConfig, build_base, make_model
 __all__ = ["evaluate_checkpoint", "evaluate_pretrained"]
 
 
-def evaluate_checkpoint(checkpoint: str | Path, text: str | None = None, batches: int = 32) -> dict[str, Any]:
-    """Held-out loss and perplexity of a ``fp8kit train`` checkpoint (a run folder or ``ckpt/<run>``)."""
+def evaluate_checkpoint(
+    checkpoint: str | Path, text: str | None = None, batches: int = 32, device: str | torch.device = "cpu"
+) -> dict[str, Any]:
+    """Held-out loss and perplexity of a ``fp8kit train`` checkpoint (a run folder or ``ckpt/<run>``), the
+    model on ``device``."""
     path = Path(checkpoint)
     found = latest_checkpoint(path)
     if found is None and (path / "model.safetensors").is_file():
@@ -41,16 +46,27 @@ def evaluate_checkpoint(checkpoint: str | Path, text: str | None = None, batches
     corpus.check_fits(cfg.seq_len)
     model = make_model(base, cfg, info["run"])
     step, _ = load_checkpoint(found, model)
+    model.to(device)
     loss = evaluate(model, corpus.val_batches(batches, cfg.batch_size, cfg.seq_len, cfg.seed))
     return {"run": info["run"], "step": step, "val_loss": loss, "val_ppl": math.exp(loss), "corpus": corpus.name}
 
 
 def evaluate_pretrained(
-    model_name: str, text: str | None = None, batches: int = 16, batch_size: int = 4, seq_len: int = 128, seed: int = 0
+    model_name: str,
+    text: str | None = None,
+    batches: int = 16,
+    batch_size: int = 4,
+    seq_len: int = 128,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
 ) -> dict[str, Any]:
-    """Held-out loss and perplexity of a pretrained model as shipped (FP32 weights, no FP8)."""
-    cfg = TrainConfig(model=model_name, seed=seed, seq_len=seq_len, batch_size=batch_size, text=text)
-    model, tokenizer = build_base(cfg)
+    """Held-out loss and perplexity of a pretrained model as shipped (no FP8): FP32 weights on the CPU, BF16
+    on a GPU (``device.work_dtype``)."""
+    from ..device import work_dtype
+    from ..models.pretrained import load_pretrained_lm
+
+    device = torch.device(device)
+    model, tokenizer = load_pretrained_lm(model_name, work_dtype(device), device)
     corpus = load_corpus(text, tokenizer)
     corpus.check_fits(seq_len)
     loss = evaluate(model, corpus.val_batches(batches, batch_size, seq_len, seed))

@@ -10,16 +10,20 @@ import torch
 __all__ = ["load_model", "load_train_checkpoint", "train_checkpoint"]
 
 
-def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, Any]:
-    """``(model, tokenizer)`` of ``name_or_path``: a checkpoint ``fp8kit train`` wrote (the run's model with
-    its trained weights, byte tokens), else a pretrained causal LM (``models.pretrained.load_pretrained_lm``:
-    ``smollm2``, a Hugging Face directory, an FP8/INT8 checkpoint dequantized)."""
+def load_model(
+    name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[torch.nn.Module, Any]:
+    """``(model, tokenizer)`` of ``name_or_path``, the model in ``dtype`` on ``device``: a checkpoint
+    ``fp8kit train`` wrote (the run's model with its trained weights, byte tokens), else a pretrained causal LM
+    (``models.pretrained.load_pretrained_lm``: ``smollm2``, a Hugging Face directory or Hub ID, an FP8/INT8
+    checkpoint dequantized)."""
     from ..models.pretrained import load_pretrained_lm
 
     trained = train_checkpoint(Path(name_or_path))
     if trained is not None:
-        return load_train_checkpoint(trained, dtype)
-    return load_pretrained_lm(name_or_path, dtype)
+        model, tokenizer = load_train_checkpoint(trained, dtype)
+        return model.to(device), tokenizer
+    return load_pretrained_lm(name_or_path, dtype, device)
 
 
 def train_checkpoint(path: Path) -> Path | None:

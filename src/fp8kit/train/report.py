@@ -39,7 +39,29 @@ def summary_markdown(summary: dict[str, Any]) -> str:
             f"| {name} | {r['train_loss']:.4f} | {r['val_loss']:.4f} | {ppl} | {gap} | "
             f"{r['tokens_per_s']:,.0f} | {_memory_cells(r)} |"
         )
-    return "\n".join(lines + _router_lines(runs)) + "\n"
+    return "\n".join(lines + _device_lines(summary) + _router_lines(runs)) + "\n"
+
+
+def _device_lines(summary: dict[str, Any]) -> list[str]:
+    """The device the runs ran on, what runs native there, the CUDA allocator's peak per run and the GEMMs
+    that fell back to dequantized operands."""
+    dev = summary.get("device")
+    if not dev:
+        return []
+    cap = dev.get("capability")
+    sm = f", SM{cap[0]}{cap[1]}" if cap else ""
+    native = ", ".join(dev.get("native") or []) or "none (emulated)"
+    lines = ["", f"Device: {dev['device']} ({dev['name']}{sm}); native FP8 GEMMs: {native}."]
+    peaks = [
+        f"{n} {r['memory']['cuda_peak'] / 2**30:.2f}"
+        for n, r in summary["runs"].items()
+        if "cuda_peak" in r.get("memory", {})
+    ]
+    if peaks:
+        lines.append(f"torch.cuda.max_memory_allocated per run (GiB): {', '.join(peaks)}.")
+    for kind, reason in (summary.get("gemm_fallbacks") or {}).items():
+        lines.append(f"GEMM fallback: {kind} ran on dequantized BF16 operands ({reason}).")
+    return lines
 
 
 def _arch_name(summary: dict[str, Any]) -> str:

@@ -1,0 +1,156 @@
+"""What every model-loading command does before it loads: ``--device`` / ``--emulate`` / ``--force``, the
+model's size read without its weights, and the one cost line (refused when the job will not fit).
+
+Each step raises a one-line error (``DeviceError``, ``ModelNotFound``, ``DoesNotFit``) that ``main`` turns into
+``fp8kit <command>: error: ...`` and exit code 2, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..cost import JobCost, ModelShape
+
+
+LONG_JOB_S = 30.0
+
+
+class UnknownSize(Exception):
+    """A model whose size cannot be read without loading it (no cost line; the load reports the problem)."""
+
+
+def add_device_options(p: argparse.ArgumentParser) -> None:
+    """``--device``, ``--emulate`` and ``--force``."""
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (CUDA when present, else the CPU), cpu, cuda or cuda:N; on CUDA weights load in BF16 and "
+        "FP8 GEMMs run on the native kernels",
+    )
+    p.add_argument(
+        "--emulate",
+        action="store_true",
+        help="run a recipe/scheme this GPU has no native FP8 GEMM for (MXFP8 below SM100, FP8 below SM89) on "
+        "dequantized BF16 operands, with a warning, instead of refusing",
+    )
+    p.add_argument(
+        "--force", action="store_true", help="start even when the estimated peak memory exceeds the free memory"
+    )
+
+
+def job_device(args: argparse.Namespace, recipes: Any = None) -> torch.device:
+    """``--device`` resolved and checked against ``recipes`` (``fp8kit.device.resolve_device``)."""
+    from ..device import resolve_device
+
+    return resolve_device(args.device, recipe=recipes, emulate=args.emulate)
+
+
+def shape_of(spec: str, arch: str = "dense", size: str = "small", seq_len: int = 128) -> ModelShape:
+    """The size of ``--model``: the demo model (built on the ``meta`` device), an ``fp8kit train``
+    checkpoint (its demo model), ``smollm2`` (the GGUF's config until it is converted), a folder or a Hub
+    ID (safetensors headers, resolved through ``models.resolve``). Reads no weights."""
+    from ..cost import model_shape, shape_from_config
+
+    if spec == "demo":
+        return _demo_shape(arch, size, seq_len)
+    from ..train.reload import train_checkpoint
+
+    found = train_checkpoint(Path(spec))
+    if found is not None:
+        from ..train.checkpoint import read_info
+
+        info = read_info(found)
+        return _demo_shape(info.get("arch", "dense"), info.get("model_size", "small"), info.get("seq_len", 128))
+    from ..models.pretrained import PRETRAINED, cache_dir, smollm2_gguf
+
+    if spec in PRETRAINED and not (cache_dir() / "smollm2-135m-instruct" / "config.json").is_file():
+        from transformers import AutoConfig
+
+        gguf = smollm2_gguf()
+        return shape_from_config(AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name))
+    from ..models.pretrained import pretrained_dir
+
+    folder = pretrained_dir(spec)
+    try:
+        return model_shape(folder)
+    except (
+        ValueError,
+        KeyError,
+        TypeError,
+        OSError,
+    ) as err:  # a config transformers cannot build: the load will say why
+        raise UnknownSize(f"{folder}: {err}") from None
+
+
+def _demo_shape(arch: str, size: str, seq_len: int) -> ModelShape:
+    import torch
+
+    from ..cost import module_shape
+    from ..models import build_demo
+
+    with torch.device("meta"):
+        return module_shape(build_demo(arch, size, max_seq_len=max(seq_len, 64)))
+
+
+def announce_inference(
+    args: argparse.Namespace,
+    what: str,
+    device: torch.device,
+    passes: dict[str, int],
+    tokens_per_pass: int,
+    micro_tokens: int = 4 * 128,
+    copies: float = 1.0,
+    quantized: bool = True,
+) -> None:
+    """The cost line of a job that loads ``--model`` and runs forward passes (``cost.estimate_inference``)."""
+    from ..cost import estimate_inference
+
+    try:
+        shape = shape_of(args.model)
+    except UnknownSize as err:
+        print(f"fp8kit {what}: cost unknown ({err})", file=sys.stderr)
+        return
+    cost = estimate_inference(what, shape, device, passes, tokens_per_pass, micro_tokens, copies, quantized=quantized)
+    announce(cost, device, args.force)
+
+
+def ptq_passes(calib_batches: int, gptq: bool, awq: bool, norm_tweak: int | None) -> dict[str, int]:
+    """Passes over the calibration data of a PTQ run: one to calibrate, about three more for GPTQ's Hessians
+    (with gradients off, layer by layer) and AWQ's search, one per norm-tweaking step."""
+    passes = {"calibrate": 1}
+    if gptq:
+        passes["gptq"] = 3
+    if awq:
+        passes["awq"] = 3
+    if norm_tweak:
+        passes["norm-tweak"] = 4 * norm_tweak // max(calib_batches, 1) + 1
+    return passes
+
+
+def print_device_peak(device: torch.device) -> None:
+    """On CUDA: the device, what runs native there, and the allocator's peak (``torch.cuda.max_memory_allocated``)."""
+    if device.type != "cuda":
+        return
+    import torch
+
+    from ..device import device_report
+
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    print(f"device: {device_report(device).line()}; peak GPU memory allocated {peak:.2f} GiB")
+
+
+def announce(cost: JobCost, device: torch.device, force: bool) -> None:
+    """Print the cost line to stderr (on a terminal, or for a job estimated at ``LONG_JOB_S`` seconds or more,
+    so that short runs in logs and tests stay quiet), then refuse the job if it will not fit
+    (``cost.check_fits``)."""
+    from ..cost import check_fits
+
+    if sys.stderr.isatty() or sum(cost.phases.values()) >= LONG_JOB_S:
+        print(cost.line(), file=sys.stderr, flush=True)
+    check_fits(cost, device, force)

@@ -1,0 +1,260 @@
+"""What a job will take, said before it starts: parameters (from the checkpoint's safetensors headers or its
+config, never its weights), the expected peak memory on the chosen device, and the time of each phase.
+
+Estimates, not measurements: memory counts weights, gradients, optimizer state and the activations one
+micro-batch saves (Korthikanti et al.'s per-layer count); time divides each phase's FLOPs (2 per parameter
+per token forward, 6 for a training step) by the rate a short GEMM reaches on the device now. The
+progress bars refine the times once the job runs. ``check_fits`` refuses a job whose estimate exceeds the
+device's free memory.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "DoesNotFit",
+    "JobCost",
+    "ModelShape",
+    "available_bytes",
+    "check_fits",
+    "device_flops",
+    "estimate_inference",
+    "estimate_training",
+    "model_shape",
+    "shape_from_config",
+]
+
+GiB = 2**30
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "I32": 4}
+_DTYPE_BYTES |= {"I64": 8, "I16": 2, "BOOL": 1, "F8_E8M0": 1, "U32": 4, "F4": 1}
+
+
+class DoesNotFit(ValueError):
+    """A job whose estimated peak memory exceeds what the device has free (exit code 2)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A model's size without its weights: parameters, bytes on disk, and the dims activations scale with."""
+
+    params: int
+    checkpoint_bytes: int
+    hidden: int
+    layers: int
+    vocab: int
+
+
+@dataclass
+class JobCost:
+    """A job's estimate: parameters, peak bytes on ``device`` (and in host RAM when the device is a GPU),
+    seconds per phase."""
+
+    what: str
+    params: int
+    device: str
+    device_bytes: int
+    host_bytes: int = 0
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def line(self) -> str:
+        """One line: ``fp8kit <what>: 135.0M parameters; peak ~1.2 GiB on cpu; time ~ load 2 s, ...``."""
+        from .ptq.progress import format_seconds
+
+        host = f" (+ {self.host_bytes / GiB:.1f} GiB host RAM)" if self.host_bytes else ""
+        times = ", ".join(f"{name} {format_seconds(s)}" for name, s in self.phases.items())
+        total = format_seconds(sum(self.phases.values()))
+        return (
+            f"fp8kit {self.what}: {self.params / 1e6:,.1f}M parameters; expected peak ~{self.device_bytes / GiB:.2f} GiB "
+            f"on {self.device}{host}; time ~{total} ({times}; estimates, the progress bars refine them)"
+        )
+
+
+# ---- parameters without weights ---------------------------------------------------------------------------
+def model_shape(folder: str | Path) -> ModelShape:
+    """The ``ModelShape`` of a Hugging Face folder: parameters and bytes from its safetensors headers (no
+    tensor is read), dims from ``config.json``; a folder without safetensors counts an empty-weights model
+    built from its config."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config = config.get("text_config", config)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        from transformers import AutoConfig
+
+        return shape_from_config(AutoConfig.from_pretrained(folder))
+    from safetensors import safe_open
+
+    params = nbytes = 0
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                part = f.get_slice(key)
+                n = 1
+                for d in part.get_shape():
+                    n *= d
+                params += n
+                nbytes += n * _DTYPE_BYTES.get(part.get_dtype(), 4)
+    return ModelShape(params, nbytes, _dims(config)[0], _dims(config)[1], _dims(config)[2])
+
+
+def _dims(config: dict[str, Any]) -> tuple[int, int, int]:
+    return int(config.get("hidden_size", 0)), int(config.get("num_hidden_layers", 0)), int(config.get("vocab_size", 0))
+
+
+def shape_from_config(config: Any) -> ModelShape:
+    """The ``ModelShape`` of a ``transformers`` config: the model built on the ``meta`` device (no memory),
+    its parameters counted, 4 bytes each."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for p in model.parameters())
+    text = getattr(config, "text_config", config)
+    dims = _dims(text.to_dict())
+    return ModelShape(params, 4 * params, *dims)
+
+
+def module_shape(model: torch.nn.Module) -> ModelShape:
+    """The ``ModelShape`` of a module built on the ``meta`` device (the demo model)."""
+    params = sum(p.numel() for p in model.parameters())
+    config = getattr(model, "config", None)
+    dims = _dims(config.to_dict()) if config is not None else (0, 0, 0)
+    return ModelShape(params, 4 * params, *dims)
+
+
+# ---- the device -------------------------------------------------------------------------------------------
+def available_bytes(device: torch.device) -> int:
+    """Free memory of ``device``: CUDA's free bytes (``torch.cuda.mem_get_info``); the host's available RAM
+    for the CPU (``psutil``, else ``MemAvailable`` of ``/proc/meminfo``)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return host_available_bytes()
+
+
+def host_available_bytes() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62  # unknown: no refusal
+
+
+def device_flops(device: torch.device, dtype: torch.dtype | None = None) -> float:
+    """FLOP/s a 1024 x 1024 x 1024 GEMM reaches on ``device`` now (in ``dtype``: BF16 on CUDA, FP32 on
+    the CPU), best of three after a warm-up."""
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    a = torch.randn(1024, 1024, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(4):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        a @ a
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 1024**3 / max(best, 1e-9)
+
+
+# ---- the estimate -----------------------------------------------------------------------------------------
+def activation_bytes(shape: ModelShape, tokens: int, bytes_per_value: int) -> int:
+    """Bytes one micro-batch of ``tokens`` tokens saves for backward: per layer ~17 values per token and
+    hidden unit (Korthikanti et al.: 34 bytes at 16 bits, attention scores aside), plus the FP32 logits
+    and their gradient."""
+    layers = shape.layers * tokens * shape.hidden * 17 * bytes_per_value
+    return layers + 2 * tokens * shape.vocab * 4
+
+
+def forward_bytes(shape: ModelShape, tokens: int, bytes_per_value: int) -> int:
+    """Working memory of one forward pass without gradients: a few hidden states and the logits."""
+    return 8 * tokens * shape.hidden * bytes_per_value + 2 * tokens * shape.vocab * 4
+
+
+def check_fits(cost: JobCost, device: torch.device, force: bool = False) -> None:
+    """Refuse (``DoesNotFit`` -> exit 2 from the CLI) a job whose estimated peak exceeds the free memory of
+    ``device`` (and, for a GPU job, its host part the host's available RAM), unless ``force``."""
+    if force:
+        return
+    parts = [(device, cost.device_bytes)]
+    if device.type == "cuda" and cost.host_bytes:
+        parts.append((torch.device("cpu"), cost.host_bytes))
+    for where, need in parts:
+        free = available_bytes(where)
+        if need > free:
+            raise DoesNotFit(
+                f"{cost.what} needs ~{need / GiB:.1f} GiB on {where} and {free / GiB:.1f} GiB is free: "
+                "use a smaller model or batch, another --device, or pass --force to start anyway"
+            )
+
+
+def _load_seconds(shape: ModelShape) -> float:
+    """Reading the checkpoint: ~1 GB/s."""
+    return shape.checkpoint_bytes / 1e9
+
+
+def estimate_training(
+    what: str,
+    shape: ModelShape,
+    device: torch.device,
+    runs: list[str],
+    steps: int,
+    tokens_per_step: int,
+    micro_tokens: int,
+    fp8_optimizer: bool = False,
+    flops: float | None = None,
+) -> JobCost:
+    """Training ``runs`` one after another (``fp8kit train``, ``fp8kit doctor``): the base model in FP32 in
+    host RAM, and on ``device`` one run at a time: FP32 master weights, gradients and AdamW moments (16 bytes
+    per parameter; 4 + 4 + 2 with FP8 moments), an FP8 copy of the weights and one micro-batch's activations;
+    6 FLOPs per parameter and token per step."""
+    n = shape.params
+    per_param = 10 if fp8_optimizer else 16
+    run_bytes = n * (per_param + 1) + activation_bytes(shape, micro_tokens, 2 if device.type == "cuda" else 4)
+    flops = flops or device_flops(device)
+    step_s = 6 * n * tokens_per_step / flops
+    phases = {"load": _load_seconds(shape)} | {run: steps * step_s for run in runs}
+    if device.type != "cuda":
+        return JobCost(what, n, str(device), run_bytes + 4 * n, phases=phases)
+    return JobCost(what, n, str(device), run_bytes, host_bytes=4 * n, phases=phases)
+
+
+def estimate_inference(
+    what: str,
+    shape: ModelShape,
+    device: torch.device,
+    passes: dict[str, int],
+    tokens_per_pass: int,
+    micro_tokens: int,
+    copies: float = 1.0,
+    flops: float | None = None,
+    quantized: bool = True,
+) -> JobCost:
+    """A job that loads the model and runs forward passes (``fp8kit quantize``, ``compare``, ``eval``):
+    ``copies`` of the weights in the load dtype (BF16 on CUDA, FP32 on the CPU), one byte per parameter of
+    quantized codes (``quantized``), one forward's working memory, and the checkpoint's pages in host RAM
+    while ``from_pretrained`` reads it (memory-mapped safetensors); ``passes``: phase -> passes over ``tokens_per_pass``
+    tokens (2 FLOPs per parameter and token; a pass with gradients counts 3)."""
+    n = shape.params
+    width = 2 if device.type == "cuda" else 4
+    peak = int(copies * width * n) + (n if quantized else 0) + forward_bytes(shape, micro_tokens, width)
+    flops = flops or device_flops(device)
+    phases = {"load": _load_seconds(shape)} | {k: p * 2 * n * tokens_per_pass / flops for k, p in passes.items()}
+    if device.type != "cuda":
+        return JobCost(what, n, str(device), peak + shape.checkpoint_bytes, phases=phases)
+    return JobCost(what, n, str(device), peak, host_bytes=shape.checkpoint_bytes, phases=phases)
