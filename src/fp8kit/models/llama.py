@@ -17,7 +17,7 @@ MODEL_SIZES = {
 MOE_EXPERTS = 8
 MOE_TOP_K = 2
 MOE_AUX_LOSS_COEF = 1e-3  # Qwen3-MoE's router_aux_loss_coef (Switch-Transformer load-balancing loss)
-ARCHS = ("dense", "moe")
+ARCHS = ("dense", "moe", "gpt_oss")
 
 
 def _transformers():  # noqa: ANN202
@@ -85,8 +85,12 @@ def build_qwen3_moe(
 def build_demo(
     arch: str = "dense", size: str = "small", vocab_size: int = 256, max_seq_len: int = 512, seed: int = 0
 ) -> torch.nn.Module:
-    """The demo decoder of ``fp8kit train --arch``: ``dense`` (Llama) or ``moe`` (Qwen3-MoE)."""
+    """The demo decoder of ``fp8kit train --arch``: ``dense`` (Llama), ``moe`` (Qwen3-MoE) or ``gpt_oss``."""
     if arch not in ARCHS:
         raise ValueError(f"unknown --arch {arch!r}; accepted: {', '.join(ARCHS)}")
+    if arch == "gpt_oss":
+        from .gpt_oss import build_gpt_oss
+
+        return build_gpt_oss(size, vocab_size=vocab_size, max_seq_len=max_seq_len, seed=seed)
     build = build_llama if arch == "dense" else build_qwen3_moe
     return build(size, vocab_size=vocab_size, max_seq_len=max_seq_len, seed=seed)

@@ -80,6 +80,7 @@ from ..recipes import DelayedScaling, Recipe
 from ..scaling import compute_scale
 from ..tensor import QuantizedTensor, leading_amax, quantize, quantize_with_transpose, tensor_amax
 from .autocast import fp8_enabled, recipe_override
+from .expert_bias import expert_bias
 from .linear import _BACKEND, FP8_STATE_KEYS, _seen_on_host, _track_cache, quantize_knobs
 
 __all__ = [
@@ -626,11 +627,11 @@ def routed_experts_forward(
     proj = project(x, 0, expert_ids_g)
     if module.has_bias:
         bias = module.gate_up_proj_bias if module.has_gate else module.up_proj_bias
-        proj = proj + bias[expert_ids_g].to(proj.dtype)
+        proj = proj + expert_bias(bias, expert_ids_g, proj.dtype)
     proj = module._apply_gate(proj) if module.has_gate else module.act_fn(proj)
     proj = project(proj, 1, expert_ids_g)
     if module.has_bias:
-        proj = proj + module.down_proj_bias[expert_ids_g].to(proj.dtype)
+        proj = proj + expert_bias(module.down_proj_bias, expert_ids_g, proj.dtype)
     if getattr(module, "has_post_expert_norm", False):
         proj = module.post_expert_norm(proj)
     weighted = proj * sample_weights[perm].unsqueeze(-1).to(proj.dtype)
