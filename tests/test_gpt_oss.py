@@ -139,3 +139,28 @@ def test_transformers_reads_no_fp8_layout_of_gpt_oss_experts(tmp_path):
     torch.testing.assert_close(hf.model.layers[0].self_attn.q_proj.weight, q * s, rtol=0, atol=0)
     codes = tensors["model.layers.0.mlp.experts.gate_up_proj"].float()
     assert torch.equal(hf.model.layers[0].mlp.experts.gate_up_proj, codes)  # raw codes: the scales were not read
+
+
+def test_cli_train_arch_gpt_oss_trains_both_runs_with_the_router_balance(tmp_path):
+    """``fp8kit train --arch gpt_oss``: the GPT-OSS demo (biased experts, sinks, sliding-window layers) in BF16
+    and FP8, its experts converted, the router load balance beside the losses; --tp is refused."""
+    import json
+    import math
+
+    from fp8kit.cli import main
+    from fp8kit.train.loop import TrainConfig, check_config
+
+    model = build_demo("gpt_oss", "tiny", max_seq_len=64)
+    assert model.config.model_type == "gpt_oss" and model.config.layer_types == ["sliding_attention", "full_attention"]
+    report = fp8kit.convert(copy.deepcopy(model), "delayed").fp8_conversion_report
+    assert report.experts == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    out = tmp_path / "run"
+    args = ["--model-size", "tiny", "--steps", "2", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "2"]
+    args += ["--no-progress"]
+    assert main(["train", "--arch", "gpt_oss", *args, "--recipe", "delayed", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["arch"] == "gpt_oss" and set(summary["runs"]) == {"bf16", "fp8-delayed"}
+    for res in summary["runs"].values():
+        assert math.isfinite(res["val_loss"]) and len(res["router"]["layers"]) == 2
+    with pytest.raises(ValueError, match="--arch gpt_oss runs on one process"):
+        check_config(TrainConfig(arch="gpt_oss", tp=2, nproc=2))
