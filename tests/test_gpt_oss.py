@@ -155,8 +155,7 @@ def test_cli_train_arch_gpt_oss_trains_both_runs_with_the_router_balance(tmp_pat
     report = fp8kit.convert(copy.deepcopy(model), "delayed").fp8_conversion_report
     assert report.experts == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     out = tmp_path / "run"
-    args = ["--model-size", "tiny", "--steps", "2", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "2"]
-    args += ["--no-progress"]
+    args = ["--model-size", "tiny", "--steps", "2", "--batch-size", "4", "--seq-len", "32", "--no-progress"]
     assert main(["train", "--arch", "gpt_oss", *args, "--recipe", "delayed", "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["arch"] == "gpt_oss" and set(summary["runs"]) == {"bf16", "fp8-delayed"}
