@@ -6,10 +6,12 @@ any change of the numerics makes two otherwise identical runs drift apart); and 
 Prints the relative gap of each run's final validation loss to the BF16 run of its seed, then the mean
 and standard deviation over seeds.
 
-    python benchmarks/train_seeds.py [--arch dense|moe] [--recipes block,delayed] [--seeds 0,1,2] [--steps 200] [--lr 2e-3]
+    python benchmarks/train_seeds.py [--arch dense|moe|gpt_oss] [--model-size small] [--recipes block,delayed]
+        [--seeds 0,1,2] [--steps 200] [--lr 2e-3]
 
-``--arch moe`` runs the Qwen3-MoE demo of ``fp8kit train --arch moe`` and adds each run's router load balance
-on the validation batches (max/mean expert load, worst layer).
+``--arch moe`` runs the Qwen3-MoE demo of ``fp8kit train --arch moe``, ``--arch gpt_oss`` the GPT-OSS demo
+(biased experts with the clamped, interleaved SwiGLU, attention sinks, sliding-window layers); both add each
+run's router load balance on the validation batches (max/mean expert load, worst layer).
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ from pathlib import Path
 import torch
 
 from fp8kit.data.corpus import load_corpus
+from fp8kit.models import ARCHS, MODEL_SIZES
 from fp8kit.train.loop import MetricsLog, TrainConfig, build_base, train_run
+
+DEMO_NAMES = {"dense": "Llama", "moe": "Qwen3-MoE", "gpt_oss": "GPT-OSS"}
 
 
 def nudge_one_weight(model: torch.nn.Module) -> torch.nn.Module:
@@ -44,7 +49,8 @@ def final_results(run: str, cfg: TrainConfig, corpus, model: torch.nn.Module, ou
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--arch", choices=("dense", "moe"), default="dense", help="demo model, as fp8kit train --arch")
+    ap.add_argument("--arch", choices=ARCHS, default="dense", help="demo model, as fp8kit train --arch")
+    ap.add_argument("--model-size", choices=MODEL_SIZES, default="small", help="demo model size")
     ap.add_argument("--recipes", default="block,delayed")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=TrainConfig.steps)
@@ -54,13 +60,15 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     print(f"# {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print(
-        f"# demo {'Qwen3-MoE' if args.arch == 'moe' else 'Llama'} 'small', {args.steps} steps, lr {args.lr:g}, else `fp8kit train`'s defaults; gap = val loss / bf16's - 1"
+        f"# demo {DEMO_NAMES[args.arch]} {args.model_size!r}, {args.steps} steps, lr {args.lr:g}, else `fp8kit train`'s defaults; gap = val loss / bf16's - 1"
     )
     names = ["bf16 (1 weight +1 ulp)"] + [f"fp8-{r}" for r in recipes]
     gaps: dict[str, list[float]] = {n: [] for n in names}
     print(f"{'seed':>4} {'bf16 val loss':>14} " + " ".join(f"{n:>24}" for n in names), flush=True)
     for seed in seeds:
-        cfg = TrainConfig(steps=args.steps, lr=args.lr, seed=seed, progress=False, arch=args.arch)
+        cfg = TrainConfig(
+            steps=args.steps, lr=args.lr, seed=seed, progress=False, arch=args.arch, model_size=args.model_size
+        )
         base, tokenizer = build_base(cfg)
         corpus = load_corpus(None, tokenizer)
         with tempfile.TemporaryDirectory() as tmp:

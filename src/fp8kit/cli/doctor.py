@@ -40,9 +40,10 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
     d.add_argument("--model-size", type=model_size, default="small", help="size of the demo model: tiny|small|base")
     d.add_argument(
         "--arch",
-        choices=("dense", "moe"),
+        choices=("dense", "moe", "gpt_oss"),
         default="dense",
-        help="demo model, as fp8kit train --arch: dense (Llama) or moe (Qwen3-MoE; the report reads each expert)",
+        help="demo model, as fp8kit train --arch: dense (Llama), moe (Qwen3-MoE; the report reads each expert) or "
+        "gpt_oss (GPT-OSS)",
     )
     d.add_argument("--recipe", type=recipe_name, default="delayed", help="delayed|current|rowwise|block|mxfp8")
     d.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, help="training steps of each copy")

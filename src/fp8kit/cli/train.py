@@ -82,9 +82,10 @@ def _add_model_options(t: argparse.ArgumentParser) -> None:
     t.add_argument("--model-size", type=model_size, default="small", help="size of the demo model: tiny|small|base")
     t.add_argument(
         "--arch",
-        choices=("dense", "moe"),
+        choices=("dense", "moe", "gpt_oss"),
         default="dense",
-        help="demo model: dense (Llama) or moe (Qwen3-MoE, 8 experts, top-2; router load balance reported)",
+        help="demo model: dense (Llama), moe (Qwen3-MoE, 8 experts, top-2; router load balance reported) or gpt_oss "
+        "(GPT-OSS: biased experts, clamped SwiGLU, attention sinks, sliding-window layers)",
     )
     t.add_argument(
         "--text", type=text_file, default=None, help="train on this UTF-8 text file instead of the shipped corpus"

@@ -67,9 +67,23 @@ _NAMING: dict[str, tuple[tuple[str, str, str], str]] = {
 }
 
 
+# architectures whose quantized experts no reader takes in a format fp8kit writes, and why
+_NO_READER = {
+    "gpt_oss": (
+        "'gpt_oss' checkpoints keep each layer's biased experts fused (3-D gate_up_proj, gate and up interleaved, "
+        "down_proj, *_bias) and transformers 5 reads no quantized layout of them: it has no conversion from "
+        "per-expert tensors for 'gpt_oss' (compressed-tensors and ModelOpt name experts one by one), its FP8 "
+        "experts take no bias, and on a CPU it dequantizes only '.weight' tensors (the fused layout its "
+        "Fp8Quantize writes, gate_up_proj + gate_up_proj_scale_inv, loads as raw codes)"
+    ),
+}
+
+
 def experts_naming(model: nn.Module) -> tuple[tuple[str, str, str], str]:
     """``((gate, up, down) linear names, MoE block name on disk)`` for ``model``'s architecture."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in _NO_READER:
+        raise ExportError(f"{_NO_READER[model_type]}: keep the experts in high precision with module_filter")
     if model_type not in _NAMING:
         raise ExportError(
             f"fp8kit does not know how {model_type!r} checkpoints name their experts on disk (it knows "

@@ -1,5 +1,6 @@
-"""Demo decoders from ``transformers``: a small Llama (RMSNorm, RoPE, SwiGLU) and a small Qwen3-MoE
-(the same attention and sizes, each MLP replaced by routed SwiGLU experts)."""
+"""Demo decoders from ``transformers``: a small Llama (RMSNorm, RoPE, SwiGLU), a small Qwen3-MoE (the same
+attention and sizes, each MLP replaced by routed SwiGLU experts) and a small GPT-OSS (biased experts with
+the clamped, interleaved SwiGLU, attention sinks, sliding-window layers)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ MODEL_SIZES = {
 MOE_EXPERTS = 8
 MOE_TOP_K = 2
 MOE_AUX_LOSS_COEF = 1e-3  # Qwen3-MoE's router_aux_loss_coef (Switch-Transformer load-balancing loss)
-ARCHS = ("dense", "moe")
+ARCHS = ("dense", "moe", "gpt_oss")
 
 
 def _transformers():  # noqa: ANN202
@@ -82,11 +83,39 @@ def build_qwen3_moe(
     return tf.Qwen3MoeForCausalLM(cfg)
 
 
+GPT_OSS_KV_HEADS = 2  # grouped-query attention, as GPT-OSS (64 query heads over 8 key/value heads)
+
+
+def build_gpt_oss(size: str = "small", vocab_size: int = 256, max_seq_len: int = 512, seed: int = 0) -> torch.nn.Module:
+    """A freshly initialised ``GptOssForCausalLM`` (seeded): ``MODEL_SIZES[size]``'s width, depth and heads
+    (``GPT_OSS_KV_HEADS`` key/value heads), every MLP ``MOE_EXPERTS`` biased experts of width
+    intermediate / 4, top-``MOE_TOP_K`` routing, GPT-OSS's SwiGLU (alpha 1.702, clamp at 7), attention
+    sinks, even layers attending over a sliding window of a quarter of ``max_seq_len``; the router's
+    load-balancing loss is returned as ``output.aux_loss``."""
+    tf = _transformers()
+    hidden, _, heads, inter = _size(size)
+    base = _decoder_config(size, vocab_size, max_seq_len)
+    base.update(num_key_value_heads=GPT_OSS_KV_HEADS, attn_implementation="eager")  # sinks: eager attention
+    cfg = tf.GptOssConfig(
+        **{k: v for k, v in base.items() if k != "intermediate_size"},
+        intermediate_size=inter // 4,
+        num_local_experts=MOE_EXPERTS,
+        num_experts_per_tok=MOE_TOP_K,
+        head_dim=hidden // heads,
+        sliding_window=max(max_seq_len // 4, 1),
+        rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+        router_aux_loss_coef=MOE_AUX_LOSS_COEF,
+        output_router_logits=True,
+    )
+    torch.manual_seed(seed)
+    return tf.GptOssForCausalLM(cfg)
+
+
 def build_demo(
     arch: str = "dense", size: str = "small", vocab_size: int = 256, max_seq_len: int = 512, seed: int = 0
 ) -> torch.nn.Module:
-    """The demo decoder of ``fp8kit train --arch``: ``dense`` (Llama) or ``moe`` (Qwen3-MoE)."""
+    """The demo decoder of ``fp8kit train --arch``: ``dense`` (Llama), ``moe`` (Qwen3-MoE) or ``gpt_oss``."""
     if arch not in ARCHS:
         raise ValueError(f"unknown --arch {arch!r}; accepted: {', '.join(ARCHS)}")
-    build = build_llama if arch == "dense" else build_qwen3_moe
+    build = {"dense": build_llama, "moe": build_qwen3_moe, "gpt_oss": build_gpt_oss}[arch]
     return build(size, vocab_size=vocab_size, max_seq_len=max_seq_len, seed=seed)

@@ -89,6 +89,7 @@ from ..tensor import QuantizedTensor, leading_amax, quantize, quantize_with_tran
 from .autocast import fp8_enabled, recipe_override
 from .backend import quantize_backend
 from .class_swap import swap_class
+from .expert_bias import expert_bias
 from .experts_interface import IMPLEMENTATION, fallback_forward
 from .routing import RoutingPlan, combine, gather, permute, routing_plan
 from .weight_cache import track_weight_cache
@@ -546,11 +547,11 @@ def routed_experts_forward(
     proj = project(gather(hidden_states, perm), 0, expert_ids)
     if module.has_bias:
         bias = module.gate_up_proj_bias if module.has_gate else module.up_proj_bias
-        proj = proj + bias[expert_ids].to(proj.dtype)
+        proj = proj + expert_bias(bias, expert_ids, proj.dtype)
     proj = module._apply_gate(proj) if module.has_gate else module.act_fn(proj)
     proj = project(proj, 1, expert_ids)
     if module.has_bias:
-        proj = proj + module.down_proj_bias[expert_ids].to(proj.dtype)
+        proj = proj + expert_bias(module.down_proj_bias, expert_ids, proj.dtype)
     if getattr(module, "has_post_expert_norm", False):
         if norm_dtype is None:
             proj = module.post_expert_norm(proj)

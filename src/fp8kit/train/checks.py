@@ -93,6 +93,8 @@ def check_model_parallel(cfg: TrainConfig) -> None:
     ``--tp`` (heads, MLP width, every recipe's scaling tiles), ``--ep`` needs the MoE demo with experts that
     split evenly, and fp8kit's expert parallelism; ``--sp`` needs ``--tp``, a dense model and a ``--seq-len``
     that splits over the ``--tp`` ranks. A pretrained model's sizes are checked when it is laid out."""
+    if cfg.arch == "gpt_oss" and (cfg.tp > 1 or cfg.ep > 1):
+        raise ValueError("--arch gpt_oss runs on one process or data-parallel ranks: drop --tp / --ep")
     if cfg.sp:
         if cfg.tp < 2:
             raise ValueError("--sp splits each sequence over the tensor-parallel ranks: add --tp T (T >= 2)")
