@@ -1,4 +1,4 @@
-"""The documents and docstrings state what the project is, not how it got there: no issue numbers, no work
+"""The documents, docstrings and comments (src/, tests/, benchmarks/) state what the project is, not how it got there: no issue numbers, no work
 sessions, no diary; README.md and BENCHMARKS.md stay short, and their relative links resolve."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def offending_lines(path: Path, *patterns: re.Pattern[str]) -> list[str]:
 
 
 def python_files() -> list[Path]:
-    files = sorted((ROOT / "src").rglob("*.py")) + sorted((ROOT / "tests").rglob("*.py"))
+    files = [f for part in ("src", "tests", "benchmarks") for f in sorted((ROOT / part).rglob("*.py"))]
     return [f for f in files if f.resolve() != Path(__file__).resolve()]
 
 
