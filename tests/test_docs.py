@@ -1,5 +1,6 @@
-"""The documents, docstrings and comments (src/, tests/, benchmarks/) state what the project is, not how it got there: no issue numbers, no work
-sessions, no diary; README.md and BENCHMARKS.md stay short, and their relative links resolve."""
+"""Documents, docstrings and comments (src/, tests/, benchmarks/) state what the project is, not how it got
+there: no issue numbers, no work sessions, no diary; README.md and BENCHMARKS.md stay short, and their
+relative links resolve."""
 
 from __future__ import annotations
 
