@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
+README = ROOT / "README.md"
 
 
 def python_blocks(text: str) -> list[str]:
