@@ -1,5 +1,5 @@
 """SmolLM2-135M PTQ -> export in one checkpoint format -> ``load_pretrained``: held-out perplexity of the
-in-memory quantized model beside the reloaded checkpoint's, on the same windows (issue 23).
+in-memory quantized model beside the reloaded checkpoint's, on the same windows.
 
     python benchmarks/export_roundtrip.py --format modelopt --scheme fp8 --keep-bf16 0 --norm-tweak 0
 

@@ -26,7 +26,7 @@ timeout 150 $py benchmarks/linear.py --shapes 4096x8192,8192x8192 --no-eager --r
 timeout 120 $py benchmarks/llama_step.py --size 1b --batch 4 --seq 2048 --steps 5 --recipes current,rowwise,block \
     2>&1 | tee "$out/llama_step.log"
 timeout 60 $py benchmarks/inference.py --device cuda --size 1b 2>&1 | tee "$out/inference.log"
-# MoE experts layer at d=4096-class shapes (issue 22: row-wise FP8 >= 1.2x the BF16 grouped_mm step); the
+# MoE experts layer at d=4096-class shapes (target: row-wise FP8 >= 1.2x the BF16 grouped_mm step); the
 # log names any grouped GEMM that fell back to dequantized bf16 operands
 timeout 90 $py benchmarks/moe.py --device cuda --experts 16 --topk 2 --d 4096 --inter 1536 --tokens 8192 \
     --recipes rowwise,current,block,mxfp8 --reps 10 2>&1 | tee "$out/moe.log"

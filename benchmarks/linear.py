@@ -1,14 +1,14 @@
 """MLP block forward+backward: nn.Linear fp32/bf16, torchao Float8Linear, fp8kit recipes (eager, compiled).
 
 One run, side by side, per shape ``d -> 4d -> d`` (GELU) over ``T`` tokens: median step time, ratios to
-bf16 and fp32 (and to the faster of the plain bf16 and fp32 steps, the CPU target of issue 12), and the
+bf16 and fp32 (and to the faster of the plain bf16 and fp32 steps: the CPU target), and the
 bytes autograd saves for backward (activations only; FP8 weight caches and parameters excluded). BF16
 and torchao run compiled as well as eager (torchao is meant to be compiled); fp8kit's compiled rows use
 ``fp8kit.compile`` (``torch.compile`` whose partitioner keeps FP8 activations for backward). Slow baselines (bf16 GEMMs
 on CPUs without native bf16) run once.
 
     python benchmarks/linear.py [--shapes 2048x2048] [--recipes current,rowwise] [--no-compile] [--no-torchao]
-    python benchmarks/linear.py --shapes 4096x8192,8192x8192 --reps 20      # GPU (issue 12's shapes)
+    python benchmarks/linear.py --shapes 4096x8192,8192x8192 --reps 20      # GPU shapes
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
         python benchmarks/linear.py --cpu-gemm-backend fp32 --bf16-max-d 0      # an AVX2 CPU, emulated
 """

@@ -9,8 +9,8 @@ bf16-rounded GEMM operands, FP32 accumulation, as ``fp8kit train``'s bf16 run). 
 ``"fp8kit"`` experts implementation with FP32 or BF16 weights, eager and compiled (``fp8kit.compile``,
 ``fullgraph=True``; beside ``torch.compile`` of the BF16 ``grouped_mm`` module). Median step time over
 ``--reps`` steps; each row's ratio to the fastest high-precision step (compiled or not) and whether it
-meets issue 22's CPU target (<= 1.5x). One more high-precision row, ``grouped_mm bf16, fp8kit routing``
-(fp8kit's token routing around plain bf16 ``torch._grouped_mm`` GEMMs), is not one of the issue's
+meets the CPU target (<= 1.5x). One more high-precision row, ``grouped_mm bf16, fp8kit routing``
+(fp8kit's token routing around plain bf16 ``torch._grouped_mm`` GEMMs), is not one of the target's
 baselines: each FP8 row's ratio to it ("x same routing") is the cost of FP8 alone, without the routing's
 own speed-up (its backward gathers where transformers' scatters with accumulation).
 
@@ -54,14 +54,14 @@ def experts(args, impl: str, dtype: torch.dtype):
     return module.to(dtype)
 
 
-TARGET = 1.5  # issue 22: an FP8 step within 1.5x the fastest high-precision step
+TARGET = 1.5  # CPU target: an FP8 step within 1.5x the fastest high-precision step
 SAME_ROUTING = "grouped_mm bf16, fp8kit routing"
 
 
 class RoutedBF16(torch.nn.Module):
     """fp8kit's routing (``nn.experts.routed_experts_forward``) around plain bf16 ``torch._grouped_mm``
     GEMMs: the high-precision step with the FP8 experts' own routing, so that an FP8 step's ratio to it is
-    FP8's own cost (the issue's baselines route the tokens with transformers' code)."""
+    FP8's own cost (the target's baselines route the tokens with transformers' code)."""
 
     def __init__(self, module: torch.nn.Module):
         super().__init__()
@@ -197,7 +197,7 @@ def main() -> None:
     )
     print(f"  {name}: {rows[-1][1] * 1e3:.1f} ms", flush=True)
     faults[name] = LAST_FAULTS[0]
-    base = min(s for _, s in rows)  # every row so far is high precision: issue 22's baselines
+    base = min(s for _, s in rows)  # every row so far is high precision: the target's baselines
     rows.append(
         (
             SAME_ROUTING,
@@ -230,7 +230,7 @@ def main() -> None:
         vs_same = f"{sec / same:14.2f}" if fp8 or name == SAME_ROUTING else " " * 14
         print(f"{name:32s} {sec * 1e3:9.1f} {sec / base:20.2f} {meets:>8s} {vs_same} {faults[name]:16.0f}")
     print(
-        f"x fastest high-prec.: issue 22's target, against transformers' grouped_mm / eager and fp8kit's BF16 "
+        f"x fastest high-prec.: the CPU target's ratio, against transformers' grouped_mm / eager and fp8kit's BF16 "
         f"baseline; x same routing: against '{SAME_ROUTING}', the BF16 step with fp8kit's routing (FP8's own cost)"
     )
     from fp8kit.gemm.grouped import grouped_gemm_fallbacks

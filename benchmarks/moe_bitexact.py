@@ -1,4 +1,4 @@
-"""Bit-exactness check for speed work on the FP8 experts (issue 22): a Qwen3-MoE experts layer, every
+"""Bit-exactness check for speed work on the FP8 experts: a Qwen3-MoE experts layer, every
 recipe, FP32 and BF16 modules, two sizes, normal routing and one with a zero-token expert, 3 steps each
 (weights updated and the FP8 weight cache dropped between steps). ``save`` writes the outputs and both
 gradients; ``check`` compares bit for bit with a saved file (run ``save`` on the base commit first).

@@ -1,4 +1,4 @@
-r"""Dev-split sweep of the PTQ knobs for SmolLM2-135M (issue 16): every setting scored on the dev split only.
+r"""Dev-split sweep of the PTQ knobs for SmolLM2-135M: every setting scored on the dev split only.
 
 Loads the model once, evaluates the BF16 reference on the dev windows of the KJV and of the Python
 Language Reference once, then quantizes a fresh copy per setting and prints the paired perplexity

@@ -1,4 +1,4 @@
-r"""PTQ of SmolLM2-135M on several held-out texts of different kinds (issue 25, item 2).
+r"""PTQ of SmolLM2-135M on several held-out texts of different kinds.
 
 Scores the BF16 model and each setting on the KJV test split, the Python Language Reference test split
 and three texts that ship with CPython (``fp8kit.data.heldout``: Python source, IDLE release notes,

@@ -1,6 +1,6 @@
 """Quantize throughput: eager reference vs fp8kit's fused kernel vs torch.clone, per granularity.
 
-Prints GB/s of float32 input read (higher is better) and the ratios the foundation issue targets:
+Prints GB/s of float32 input read (higher is better) and the ratios it targets:
 fused / reference (target >= 4x) and fused / clone (target >= 0.5 for per-tensor).
 
 ``--pair``: instead, ``x`` and ``x.T`` quantized along their rows (the weight-gradient copy), bf16

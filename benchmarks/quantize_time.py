@@ -1,6 +1,5 @@
 r"""Quantize wall time per scheme: fp8kit (its defaults, and faster settings) beside ModelOpt's
-``mtq.quantize``, on the same model, the same calibration batches and the same machine, in one run
-(issue 25, item 4).
+``mtq.quantize``, on the same model, the same calibration batches and the same machine, in one run.
 
     python benchmarks/quantize_time.py                      # SmolLM2-135M, 8 batches of 4 x 128 tokens
     python benchmarks/quantize_time.py --tiny               # a 2-layer random Llama: a smoke test

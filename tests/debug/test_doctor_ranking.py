@@ -3,7 +3,7 @@
 On a 4-layer ``transformers`` Llama (byte vocabulary, delayed scaling with an amax history of 16, 10
 steps), the gradients of the first layers grow after the first optimizer updates, so in the first
 steps their delayed scale (set from the amax of the steps before) is stale and a few values saturate: a transient reading
-near the SQNR floor that the loss does not feel. It used to be ranked first (the earliest step won),
+near the SQNR floor that the loss does not feel. Ranked by the earliest step alone it would come first,
 above faults planted later, and it made a healthy run list culprits. These tests plant faults at more
 than one place and step and check that the fault ranks first, that the healthy run has no culprit, and
 that a persistent outlier channel is a gap.

@@ -199,7 +199,7 @@ def test_loads_another_tools_layout(base, batches, tmp_path):
     assert float((ours - theirs).pow(2).mean() / ours.pow(2).mean()) < 1e-3
 
 
-# ---- nothing lost: exports never delete what fp8kit did not write (issue 15) ------------------------------
+# ---- nothing lost: exports never delete what fp8kit did not write -----------------------------------------
 def tree(root):
     return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
 

@@ -166,7 +166,7 @@ def test_short_training_tracks_high_precision():
         assert abs(final - base) / base < 0.05, (recipe.kind, final, base)
 
 
-# ---- hooks, attributes and wrappers survive conversion (issue 15) ---------------------------------------
+# ---- hooks, attributes and wrappers survive conversion ----------------------------------------------------
 def hp_linear_of(layer, x):
     return torch.nn.functional.linear(x, layer.weight, layer.bias)
 

@@ -138,7 +138,7 @@ def test_quiet_unless_asked(capsys):
 
 
 def test_every_layer_in_fp8_beside_the_default():
-    """Issue 25 item 5: ``--keep-bf16 0`` quantizes every Linear but the head, as ModelOpt and llm-compressor
+    """``--keep-bf16 0`` quantizes every Linear but the head, as ModelOpt and llm-compressor
     do, while the default keeps its share of layers in BF16; the settings line says which."""
     from fp8kit.pretrained_ptq import ptq_settings, settings_text
 

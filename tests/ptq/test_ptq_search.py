@@ -1,4 +1,4 @@
-"""SmoothQuant's per-group alpha search and the one-pass Fisher ranking behind ``keep_bf16`` (issue 16)."""
+"""SmoothQuant's per-group alpha search and the one-pass Fisher ranking behind ``keep_bf16``."""
 
 from __future__ import annotations
 

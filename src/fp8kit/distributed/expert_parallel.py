@@ -556,7 +556,7 @@ def _fp8_gradient_dispatch(module: nn.Module, recipe: Recipe) -> bool:
     """Whether the combine's backward sends the output gradients in FP8: where the expert rank's gradient
     operands then equal one process's (per-tensor: the agreed scale, no re-quantization; power-of-two
     tile scales, block's default and MXFP8: re-rounding the token-major operand is exact but for
-    subnormals). Row-wise scales are arbitrary: re-rounding its gradients (E5M2 at the time) cost 2.2 dB of
+    subnormals). Row-wise scales are arbitrary: re-rounding its gradients (measured with E5M2) cost 2.2 dB of
     the down projection's weight-gradient SQNR in the tests, so row-wise sends them in the model's dtype. Never
     with a post-expert norm (the gradient changes between the combine and the down projection)."""
     if getattr(module, "has_post_expert_norm", False):

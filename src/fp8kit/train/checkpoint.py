@@ -351,7 +351,7 @@ def check_optimizer_shards(
     shards = info.get("optimizer_shards", 1)
     saved = info.get("optimizer_mesh")
     if shards > 1 and (world != shards or (mesh is not None and saved is not None and mesh != saved)):
-        plain = saved is None or saved["dim_names"] == ["dp"]  # 1-D FSDP2: the message of issue 13
+        plain = saved is None or saved["dim_names"] == ["dp"]  # 1-D FSDP2: the plain --fsdp fix
         target = f"{world} ranks" + (f" ({_layout_text(mesh)})" if mesh else "")
         fix = f"--nproc {shards} --fsdp" if plain else f"--nproc {shards} on the same {_layout_text(saved)}"
         raise CheckpointError(
