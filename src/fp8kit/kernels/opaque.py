@@ -98,16 +98,9 @@ def _quantize_impl(
 
 
 def _quantize_fake(
-    x: torch.Tensor,
-    scale: torch.Tensor | None,
-    fmt: str,
-    br: int,
-    bc: int,
-    margin: float,
-    power_of_two: bool,
-    mx_rounding: str,
-    fused: bool,
+    x: torch.Tensor, scale: torch.Tensor | None, fmt: str, br: int, bc: int, *_options: object
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Shapes and dtypes of ``_quantize_impl``'s results (the remaining options do not change them)."""
     rows, cols = x.shape
     tiles = (-(-rows // br), -(-cols // bc))
     code_dtype = torch.int8 if get_format(fmt).kind == "int" else torch.uint8
