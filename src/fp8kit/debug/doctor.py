@@ -125,17 +125,13 @@ def _capture_outputs(model: nn.Module, names: list[str], store: dict[str, torch.
     return hooks
 
 
-def _train_pair(
+def _pair_models(
     model: nn.Module,
-    batches: list[Any],
     recipe: Recipe,
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-    lr: float,
     module_filter: Callable[[str, nn.Module], bool] | None,
     prepare_fp8: Callable[[nn.Module], None] | None,
-    seed: int,
-) -> dict[str, Any]:
-    torch.manual_seed(seed)
+) -> tuple[nn.Module, nn.Module, list[str]]:
+    """``(BF16 copy, FP8 copy, names of the FP8 layers)`` of ``model``, both in training mode."""
     ref = to_bf16_gemms(copy.deepcopy(model))
     fp8 = convert(copy.deepcopy(model), recipe, module_filter)
     to_bf16_gemms(fp8)
@@ -148,10 +144,32 @@ def _train_pair(
         )
     if prepare_fp8 is not None:
         prepare_fp8(fp8)
-    ref.train()
-    fp8.train()
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=lr)
-    opt_fp8 = torch.optim.AdamW(fp8.parameters(), lr=lr)
+    return ref.train(), fp8.train(), names
+
+
+def _optimizer_step(opt: torch.optim.Optimizer) -> None:
+    """Clip the gradients to norm 1, step, zero them (the doctor's update, the same for both copies)."""
+    torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _train_pair(
+    model: nn.Module,
+    batches: list[Any],
+    recipe: Recipe,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    lr: float,
+    module_filter: Callable[[str, nn.Module], bool] | None,
+    prepare_fp8: Callable[[nn.Module], None] | None,
+    seed: int,
+) -> dict[str, Any]:
+    """Train a BF16 and an FP8 copy of ``model`` in lockstep on ``batches``, recording per step both losses,
+    each FP8 layer's output error and each weight's gradient error against the BF16 copy, and the
+    inspector's statistics; stops at the first non-finite FP8 loss."""
+    torch.manual_seed(seed)
+    ref, fp8, names = _pair_models(model, recipe, module_filter, prepare_fp8)
+    opts = (torch.optim.AdamW(ref.parameters(), lr=lr), torch.optim.AdamW(fp8.parameters(), lr=lr))
     losses: dict[str, list[float]] = {"bf16": [], "fp8": []}
     layer_error: dict[str, list[float]] = {n: [] for n in names}
     weights = _weights_by_name(fp8, names)  # per Linear its weight, per expert each of its 3-D weights' slice
@@ -164,26 +182,21 @@ def _train_pair(
     try:
         with Inspector(fp8, every=1, tensorboard=False) as insp, NaNDetector(fp8) as nan:
             for step, batch in enumerate(batches):
-                insp.current_step = step
-                nan.current_step = step
-                loss_r = loss_fn(ref, batch)
-                loss_f = loss_fn(fp8, batch)
+                insp.current_step = nan.current_step = step
+                loss_r, loss_f = loss_fn(ref, batch), loss_fn(fp8, batch)
                 losses["bf16"].append(loss_r.item())
                 losses["fp8"].append(loss_f.item())
                 for n in names:
-                    layer_error[n].append(
-                        _relerr(out_fp8[n], out_ref[n]) if n in out_fp8 and n in out_ref else math.nan
-                    )
+                    both = n in out_fp8 and n in out_ref
+                    layer_error[n].append(_relerr(out_fp8[n], out_ref[n]) if both else math.nan)
                 loss_r.backward()
                 if math.isfinite(losses["fp8"][-1]):
                     loss_f.backward()
                 for n, (module, attr, e) in weights.items():
                     gr, gf = (_grad(m.get_submodule(module), attr, e) for m in (ref, fp8))
                     grad_error[n].append(_relerr(gf, gr) if gr is not None and gf is not None else math.nan)
-                for o in (opt_ref, opt_fp8):
-                    torch.nn.utils.clip_grad_norm_([p for g in o.param_groups for p in g["params"]], 1.0)
-                    o.step()
-                    o.zero_grad(set_to_none=True)
+                for opt in opts:
+                    _optimizer_step(opt)
                 if not math.isfinite(losses["fp8"][-1]):
                     stopped = step
                     break
