@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from ..formats import E4M3, E5M2, Format
+from ..formats import E2M1, E4M3, E5M2, Format
 from .reference import BlockSpec, scale_from_amax, tile_view
 
 _COMPILE = {"enabled": True, "strict": False}
@@ -67,9 +67,12 @@ def set_compile_strict(strict: bool) -> None:
 def cast_to_format(y: torch.Tensor, fmt: Format, codes: bool = False) -> torch.Tensor:
     """Saturating RNE cast of scaled values; ``codes=True`` returns FP8 as its uint8 bit patterns
     (what fp8kit's own compiled kernels return: a float8 view inside an inductor CPU graph makes
-    the store element-wise; ``_as_format`` reinterprets the codes outside the graph for free)."""
+    the store element-wise; ``_as_format`` reinterprets the codes outside the graph for free). E2M1
+    has no torch dtype: its uint8 codes from ``cast_bits`` on every device."""
     if fmt.kind == "int":
         return torch.round(y).clamp(-fmt.max, fmt.max).to(torch.int8)
+    if fmt.sub_byte:
+        return cast_bits(y, fmt)
     if y.device.type == "cpu" and torch.compiler.is_compiling():
         if _CPU_CAST["name"] == "native":
             return cast_native(y, fmt, view=not codes)
@@ -79,7 +82,9 @@ def cast_to_format(y: torch.Tensor, fmt: Format, codes: bool = False) -> torch.T
 
 
 # float32 bit patterns of each FP8 format's max and min normal (read as constants when compiling).
-_LIMIT_BITS = {f.name: tuple(torch.tensor([f.max, f.min_normal]).view(torch.int32).tolist()) for f in (E4M3, E5M2)}
+_LIMIT_BITS = {
+    f.name: tuple(torch.tensor([f.max, f.min_normal]).view(torch.int32).tolist()) for f in (E4M3, E5M2, E2M1)
+}
 
 
 def _float_bits(y: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -101,7 +106,8 @@ def cast_native(y: torch.Tensor, fmt: Format, view: bool = True) -> torch.Tensor
 
 
 def cast_bits(y: torch.Tensor, fmt: Format, view: bool = True) -> torch.Tensor:
-    """Saturating round-to-nearest-even float32 -> FP8 written as integer operations on the bits.
+    """Saturating round-to-nearest-even float32 -> FP8 or E2M1 codes written as integer operations on the
+    bits (E2M1: uint8 codes; it has no NaN code, and NaN gives the largest magnitude's).
 
     Inductor turns these into AVX2/AVX-512 vector code, while its float -> float8 conversion on CPU
     runs element by element (about 3x slower for the whole cast). Same codes as the reference cast
@@ -118,10 +124,11 @@ def cast_bits(y: torch.Tensor, fmt: Format, view: bool = True) -> torch.Tensor:
     normal = (clamped - ((127 - fmt.bias) << 23) + ((1 << (shift - 1)) - 1) + ((clamped >> shift) & 1)) >> shift
     subnormal = torch.round(y.abs() * (1.0 / fmt.min_subnormal)).to(torch.int32)
     code = torch.where(mag < min_normal_bits, subnormal, normal)
-    code = torch.where(mag > 0x7F800000, 0x7F, code) | ((bits >> 24) & 0x80)  # NaN -> 0x7F, sign kept
+    sign = fmt.exponent_bits + fmt.mantissa_bits  # the sign's bit in the code
+    code = torch.where(mag > 0x7F800000, (1 << sign) - 1, code) | ((bits >> (31 - sign)) & (1 << sign))  # NaN: 0x7F
     # int32 -> float32 -> uint8 vectorizes on CPU; a direct int32 -> uint8 conversion does not.
     code = code.float().to(torch.uint8)
-    return code.view(fmt.dtype) if view else code
+    return code.view(fmt.dtype) if view and not fmt.sub_byte else code
 
 
 def round_bits(y: torch.Tensor, fmt: Format) -> torch.Tensor:
