@@ -16,9 +16,9 @@ from .kernels import (
     quantize_pair_eager,
     quantize_pair_fused,
 )
-from .kernels.fused import quantize_values_fused
+from .kernels.fused import nvfp4_block_scales, quantize_values_fused
 from .kernels.opaque import dequantize_tiles, dequantize_tiles_opaque, is_ragged, quantize_tiles_opaque
-from .scaling import Granularity, named_element_bits, nvfp4_scales, parse_granularity
+from .scaling import Granularity, named_element_bits, parse_granularity
 
 __all__ = [
     "CodesFromValues",
@@ -342,19 +342,19 @@ def _values_in_kernel(values: torch.dtype | None, x2: torch.Tensor, fmt: Format,
 
 
 def _finish(data, sc, amax, shape, fmt, gran, block, dtype, nonfinite, values=None) -> QuantizedTensor:
-    if fmt.sub_byte and not bool(torch.isfinite(amax).all()):
-        raise ValueError(
-            f"tensor to quantize holds NaN or inf, which {fmt} cannot encode; fix the producer of the values, "
-            "or replace them first (e.g. torch.nan_to_num)"
-        )
-    if nonfinite == "raise" and not bool(torch.isfinite(amax).all()):
+    if (nonfinite == "raise" or fmt.sub_byte) and not bool(torch.isfinite(amax).all()):
+        if fmt.sub_byte:
+            raise ValueError(
+                f"tensor to quantize holds NaN or inf, which {fmt} cannot encode; fix the producer of the values, "
+                "or replace them first (e.g. torch.nan_to_num)"
+            )
         raise ValueError(
             "tensor to quantize holds NaN or inf; fix the producer of the values, or pass "
             "nonfinite='propagate' to quantize anyway (NaN stays NaN, inf saturates)"
         )
     global_scale = None
     if gran.is_nvfp4:
-        scales, global_scale, _ = nvfp4_scales(amax)  # the scales the multipliers ``sc`` were made from
+        scales, global_scale, _ = nvfp4_block_scales(amax)  # the scales the multipliers ``sc`` were made from
     else:
         scale_inv = (1.0 / sc).float()
         scales = e8m0_encode(scale_inv) if gran.is_mx else scale_inv

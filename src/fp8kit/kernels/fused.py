@@ -19,6 +19,7 @@ import warnings
 import torch
 
 from ..formats import E2M1, E4M3, E5M2, Format
+from ..scaling import nvfp4_scales
 from .reference import BlockSpec, scale_from_amax, tile_view
 
 _COMPILE = {"enabled": True, "strict": False}
@@ -272,6 +273,14 @@ def scale_output(
     return run_kernel("scale_output", scale_output_eager, acc, s1, s2, ids, dtype)
 
 
+def nvfp4_block_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``scaling.nvfp4_scales`` as one compiled kernel on CPU (eager mode): the scales a quantized NVFP4
+    tensor stores, from its block amaxes, bit for bit the ones its quantize kernel multiplied by."""
+    if amax.device.type != "cpu" or torch.compiler.is_compiling():
+        return nvfp4_scales(amax)
+    return run_kernel("nvfp4_scales", nvfp4_scales, amax)
+
+
 def dequantize_tiles_eager(
     codes: torch.Tensor, scale_inv: torch.Tensor, br: int, bc: int, fmt: Format, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -413,6 +422,7 @@ _PLAIN = {
     "decode": _decode_to,
     "scale_output": scale_output_eager,
     "dequantize_tiles": dequantize_tiles_eager,
+    "nvfp4_scales": nvfp4_scales,
     "values": quantize_values_eager,
     "tensor_values": quantize_tensor_values_eager,
     "values_only": _values_only,
