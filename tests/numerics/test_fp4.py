@@ -164,8 +164,7 @@ def test_packing_matches_compressed_tensors():
     values = e2m1_decode(codes)
     theirs = helpers.pack_fp4_to_uint8(values.to(torch.bfloat16))
     ours = pack_fp4(codes)
-    # compressed-tensors writes -0.0 as +0 (its sign comes from signbit of a bfloat16 zero: the same bit)
-    assert torch.equal(ours, theirs)
+    assert torch.equal(ours, theirs)  # -0.0 included: both take the sign bit
     back = helpers.unpack_fp4_from_uint8(ours, 8, 32, dtype=torch.float32)
     assert torch.equal(back, values)
 
