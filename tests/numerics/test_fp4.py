@@ -191,6 +191,46 @@ def test_nvfp4_equals_the_torchao_transcription(backend, dtype):
         assert int(q.data[5, :32].max()) == 0
 
 
+def tie_adjacent_input(rows: int = 512) -> torch.Tensor:
+    """1x16 blocks whose elements sit within 2 ulp of an E2M1 tie after scaling (``tie * block scale``):
+    there ``x * ((1 / global) / block)`` (the GPU kernels' rule) and ``x / (block * global)`` round apart."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(rows, 16, generator=g) * 5 + 1
+    x[0, 0] = 20.0  # the tensor's amax: the per-tensor scale
+    block_scales, global_scale, _ = nvfp4_scales(x.abs().amax(-1, keepdim=True))
+    block = block_scales.float() * global_scale
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])[torch.randint(0, 7, (rows, 15), generator=g)]
+    near = (ties * block).view(torch.int32) + torch.randint(-2, 3, (rows, 15), generator=g, dtype=torch.int32)
+    x[:, 1:] = torch.minimum(near.view(torch.float32), x[:, :1] * 0.999)  # below the block max: its scale holds
+    return x
+
+
+def check_nvfp4_matches_the_reference() -> None:
+    """NVFP4 quantize (eager kernels) == the torchao transcription: outliers, zero blocks, tie-adjacent values."""
+    for x in (outlier_input(seed=0), outlier_input(seed=1).to(torch.bfloat16), tie_adjacent_input()):
+        assert_nvfp4_matches_reference(x)
+
+
+def check_mxfp4_matches_the_reference() -> None:
+    for mode in ("rceil", "floor"):
+        x = outlier_input(seed=2)
+        q = quantize(x, "e2m1", "mxfp4", mx_rounding=mode)
+        codes, scales = ref_mxfp4(x, mode)
+        assert torch.equal(q.data, codes) and torch.equal(q.scales, scales), f"MXFP4 {mode} differs"
+
+
+def test_fp4_checks_of_the_mutation_tests():
+    check_nvfp4_matches_the_reference()
+    check_mxfp4_matches_the_reference()
+
+
+def test_the_data_is_multiplied_by_the_reciprocal_of_the_combined_scale():
+    x = tie_adjacent_input()
+    q = assert_nvfp4_matches_reference(x)
+    divided = ref_e2m1_codes((x.reshape(512, 1, 16) / q.scale_inv[..., None]).reshape(512, 16))
+    assert (divided != q.data).sum() > 50  # the division rule differs here, so the checks above can tell them apart
+
+
 @pytest.mark.parametrize("mode", ["rceil", "floor"])
 @pytest.mark.parametrize("backend", ["eager", "reference"])
 def test_mxfp4_equals_the_torchao_transcription(mode, backend):
