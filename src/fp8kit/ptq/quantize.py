@@ -71,10 +71,6 @@ class PTQOptions:
             )
         if self.kv_cache and not scheme.is_fp8:
             raise ValueError(f"kv_cache (fp8-kv) goes with the FP8 schemes, not {scheme.name!r}")
-        if self.gptq and scheme.is_fp4:
-            raise ValueError(
-                f"GPTQ rounds per-tensor or per-channel weights; {scheme.name!r} rounds to nearest: pass gptq=False"
-            )
         if self.awq and scheme.act_format is not None:
             raise ValueError(f"awq goes with the weight-only scheme (int8-weight-only), not {scheme.name!r}")
         a = self.alpha
@@ -447,8 +443,8 @@ def quantize(
 
     Args:
         scheme: ``"fp8"``, ``"fp8-dynamic"``, ``"int8-smoothquant"`` or ``"int8-weight-only"``; or FP4 weights
-            (``"nvfp4-weight-only"``, ``"mxfp4-weight-only"``: round to nearest or AWQ, nn.Linear layers whose
-            in_features are whole blocks; not exported yet).
+            (``"nvfp4-weight-only"``, ``"mxfp4-weight-only"``: round to nearest, GPTQ or AWQ, nn.Linear layers
+            whose in_features are whole blocks; not exported yet).
         forward_loop: ``forward_loop(model)`` runs the model on calibration data (ModelOpt's
             convention); required by the static schemes (``fp8``, ``int8-smoothquant``) and ``kv_cache``,
             except that a model trained with ``fp8kit.convert`` under delayed scaling exports to ``fp8``

@@ -3,7 +3,7 @@
 Scales are dequantization multipliers (``real = code * scale``), as in compressed-tensors and vLLM:
 ``scale = amax / 448`` for E4M3 and ``amax / 127`` for symmetric INT8. The FP4 weight-only schemes
 (``FP4_SCHEMES``: E2M1 weights in NVFP4's or MXFP4's blocks, ``fp8kit.quantize``'s granularities) are
-taken by ``ptq.quantize`` (round to nearest, AWQ) but not yet by the exports or the command line.
+taken by ``ptq.quantize`` (round to nearest, GPTQ, AWQ) but not yet by the exports or the command line.
 """
 
 from __future__ import annotations
