@@ -300,6 +300,24 @@ def test_torchao_itself_where_it_imports():
             assert torch.equal(q.scales[nonzero], scale.view(torch.uint8)[nonzero])
 
 
+def test_modelopt_weight_quantizer_agrees_on_gaussian_weights():
+    """ModelOpt's ``NVFP4QTensor.quantize`` (its NVFP4 export's weight codes) gives the same per-tensor scale, block
+    scales and packed codes on Gaussian weights. It differs from the GPU kernels' rule elsewhere (docs/numerics.md):
+    it divides by the combined scale (tie-adjacent values round apart) and lets block scales go subnormal in E4M3."""
+    qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor.nvfp4_tensor")
+    x = torch.randn(512, 1024, generator=torch.Generator().manual_seed(0))
+    theirs, scales, scale_2 = qtensor.NVFP4QTensor.quantize(x.clone(), 16)
+    q = quantize(x, "e2m1", "nvfp4")
+    assert torch.equal(scale_2.reshape(()), q.global_scale)
+    assert torch.equal(scales.view(torch.uint8), q.scales.view(torch.uint8))
+    assert torch.equal(theirs._quantized_data, pack_fp4(q.data))
+    ties = tie_adjacent_input()
+    assert not torch.equal(
+        qtensor.NVFP4QTensor.quantize(ties.clone(), 16)[0]._quantized_data,
+        pack_fp4(quantize(ties, "e2m1", "nvfp4").data),
+    )
+
+
 def test_dequantize_is_codes_times_block_and_global_scale():
     x = outlier_input()
     q = quantize(x, "e2m1", "nvfp4")
