@@ -89,6 +89,25 @@ def test_the_gemm_is_the_dequantized_reference(scheme, dtype):
         layer(x)
 
 
+def test_lean_decodes_the_weight_in_tiles_of_rows(monkeypatch):
+    import fp8kit.gemm.scaled as scaled
+
+    torch.manual_seed(2)
+    lin = nn.Linear(64, 50)
+    layer = ptq.QuantLinear.from_linear(lin, "nvfp4-weight-only")
+    x = torch.randn(9, 64)
+    whole = layer(x)
+    monkeypatch.setattr(scaled, "TILE_ELEMENTS", 64 * 16)  # 16 rows a tile: 4 tiles, the last one ragged
+    tiles = []
+    real = ptq.linear.QuantizedTensor.dequantize
+    monkeypatch.setattr(ptq.linear.QuantizedTensor, "dequantize", lambda q, *a: tiles.append(q.shape) or real(q, *a))
+    tiled = layer(x)
+    assert tiles == [(16, 64), (16, 64), (16, 64), (2, 64)]
+    torch.testing.assert_close(tiled, whole, rtol=1e-6, atol=1e-6)
+    want = x @ layer.dequantized_weight().t() + lin.bias.detach()
+    torch.testing.assert_close(tiled, want, rtol=1e-5, atol=1e-5)
+
+
 def test_awq_and_gptq_run_for_fp4_and_the_unsupported_paths_say_why(llama_and_tokens, tmp_path):
     model, ids, ref = llama_and_tokens
     q = ptq.quantize(copy.deepcopy(model), "nvfp4-weight-only", lambda m: m(ids), awq=True)

@@ -5,8 +5,9 @@ byte (``weight``, ``(out, in / 2)`` uint8, ``state_dict.pack_fp4``), their block
 ``(out, in / 16)`` float8_e4m3fn for NVFP4, ``(out, in / 32)`` E8M0 uint8 codes for MXFP4) and NVFP4's
 per-tensor dequant multiplier ``weight_scale_2`` (``amax / 2688``, ModelOpt's name and convention), from
 ``fp8kit.quantize(w, "e2m1", "nvfp4" | "mxfp4")``. Their GEMM is the floor's ``block_scaled_mm``: the
-exact float32 dequantized weight (``codes * block scale (* weight_scale_2)``, decoded per call, or kept
-with ``weight_cache="cached"``) with FP32 accumulation; ``_forward_reference`` computes the same.
+exact float32 dequantized weight (``codes * block scale (* weight_scale_2)``; lean: decoded in tiles of
+whole rows inside the GEMM; ``weight_cache="cached"``: kept) with FP32 accumulation; ``_forward_reference``
+computes the same.
 
 Weights are held as ``float8_e4m3fn`` or ``int8`` codes with float32 dequant scales
 (``weight_scale``: shape ``(1,)`` per tensor or ``(out, 1)`` per channel, ``amax / 448`` for E4M3 and
