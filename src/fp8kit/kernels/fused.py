@@ -82,7 +82,7 @@ def cast_to_format(y: torch.Tensor, fmt: Format, codes: bool = False) -> torch.T
     return out.view(torch.uint8) if codes else out
 
 
-# float32 bit patterns of each FP8 format's max and min normal (read as constants when compiling).
+# float32 bit patterns of each narrow float format's max and min normal (read as constants when compiling).
 _LIMIT_BITS = {
     f.name: tuple(torch.tensor([f.max, f.min_normal]).view(torch.int32).tolist()) for f in (E4M3, E5M2, E2M1)
 }
