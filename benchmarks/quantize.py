@@ -1,4 +1,5 @@
-"""Quantize throughput: eager reference vs fp8kit's fused kernel vs torch.clone, per granularity.
+"""Quantize throughput: eager reference vs fp8kit's fused kernel vs torch.clone, per granularity: the E4M3
+granularities and FP4 (E2M1 codes with NVFP4's and MXFP4's block scales) in one table.
 
 Prints GB/s of float32 input read (higher is better) and the ratios it targets:
 fused / reference (target >= 4x) and fused / clone (target >= 0.5 for per-tensor).
@@ -25,9 +26,10 @@ import time
 
 import torch
 
-from fp8kit import E4M3, quantize
+from fp8kit import E2M1, E4M3, quantize
 
 GRANULARITIES = ["tensor", "row", (1, 128), (128, 128), "mx"]
+ROWS = [(E4M3, g) for g in GRANULARITIES] + [(E2M1, "nvfp4"), (E2M1, "mxfp4")]  # (format, granularity)
 
 
 def timeit(fn, min_time: float = 0.3, device: str = "cpu") -> float:
@@ -118,20 +120,21 @@ def main() -> None:
         casts(args.sizes)
         return
     print(
-        f"{'elements':>9} {'granularity':>12} {'reference':>10} {'fused':>8} {'clone':>8} {'fused/ref':>10} {'fused/clone':>12}"
+        f"{'elements':>9} {'format':>6} {'granularity':>12} {'reference':>10} {'fused':>8} {'clone':>8} {'fused/ref':>10} "
+        f"{'fused/clone':>12}"
     )
     for m in (int(s) for s in args.sizes.split(",")):
         n = m * 2**20
         x = torch.randn(n // 4096, 4096, device=args.device)
         gb = x.numel() * 4 / 1e9
         t_clone = timeit(lambda x=x: x.clone(), device=args.device)
-        for gran in GRANULARITIES:
+        for fmt, gran in ROWS:
             t_ref = timeit(
-                lambda x=x, g=gran: quantize(x, E4M3, g, backend="reference"), min_time=0.0, device=args.device
+                lambda x=x, f=fmt, g=gran: quantize(x, f, g, backend="reference"), min_time=0.0, device=args.device
             )
-            t_fast = timeit(lambda x=x, g=gran: quantize(x, E4M3, g, backend="compiled"), device=args.device)
+            t_fast = timeit(lambda x=x, f=fmt, g=gran: quantize(x, f, g, backend="compiled"), device=args.device)
             print(
-                f"{m:>8}M {str(gran):>12} {gb / t_ref:>9.2f}  {gb / t_fast:>7.2f}  {gb / t_clone:>7.2f} "
+                f"{m:>8}M {str(fmt):>6} {str(gran):>12} {gb / t_ref:>9.2f}  {gb / t_fast:>7.2f}  {gb / t_clone:>7.2f} "
                 f"{t_ref / t_fast:>9.1f}x {t_clone / t_fast:>11.2f}x",
                 flush=True,
             )

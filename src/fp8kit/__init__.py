@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from . import nn
-from .formats import E4M3, E5M2, E8M0, FORMATS, INT8, Format, cast, get_format
+from .formats import E2M1, E4M3, E5M2, E8M0, FORMATS, INT8, Format, cast, get_format
 from .gemm import fp8_gemm
 from .nn import autocast, compile
 from .recipes import (
@@ -96,6 +96,7 @@ __all__ = [
     "fp8_gemm",
     "nn",
     "recipe_from_name",
+    "E2M1",
     "E4M3",
     "E5M2",
     "E8M0",

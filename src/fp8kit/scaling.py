@@ -14,6 +14,9 @@ Rule for degenerate amax (documented, tested): ``compute_scale`` never returns i
   that can name the tensor report it (``quantize`` raises by default; FP8 modules name the layer).
 * tiny or huge amax: the scale is clamped to ``[2**-120, 2**120]`` so that it and its inverse stay
   normal float32 numbers.
+
+NVFP4 (``nvfp4_scales``) follows the same rule for its per-tensor scale; its E4M3 block scales are
+clamped to ``[2**-6, 448]`` as the GPU kernels do, so an all-zero block gets ``2**-6`` and zero codes.
 """
 
 from __future__ import annotations
@@ -23,21 +26,37 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import E4M3, Format, get_format
+from .formats import E2M1, E4M3, Format, get_format
 
 __all__ = [
     "MAX_SCALE",
     "MIN_SCALE",
+    "NVFP4_TENSOR_MAX",
     "Granularity",
     "amax_to_scale",
     "compute_scale",
     "dequant_scale",
     "mx_scale",
+    "named_element_bits",
+    "nvfp4_scales",
     "parse_granularity",
 ]
 
 MAX_SCALE = 2.0**120
 MIN_SCALE = 2.0**-120
+NVFP4_TENSOR_MAX = E4M3.max * E2M1.max  # 2688: the per-tensor scale lets block scales use E4M3's range
+
+
+def _wide(t: torch.Tensor) -> torch.dtype:
+    """The dtype for a correctly rounded float32 quotient (float64; MPS has none)."""
+    return torch.float32 if t.device.type == "mps" else torch.float64
+
+
+def _div32(a: torch.Tensor | float, b: torch.Tensor) -> torch.Tensor:
+    """``a / b`` correctly rounded to float32 on every backend (see ``compute_scale``): float32 IEEE
+    division's result, where Triton's float32 division is approximate."""
+    wide = _wide(b)
+    return (torch.as_tensor(a, device=b.device).to(wide) / b.to(wide)).float()
 
 
 def compute_scale(
@@ -61,8 +80,7 @@ def compute_scale(
     # Divide in float64 and round once to float32: the correctly rounded float32 quotient (53 >= 2*24+2
     # bits make the double rounding innocuous), on every backend. Triton's float32 division is
     # approximate, so a compiled CUDA kernel would otherwise be an ulp off eager scales.
-    wide = torch.float32 if amax.device.type == "mps" else torch.float64  # MPS has no float64
-    scale = (fmt.max / amax.to(wide) / 2.0**margin).float()
+    scale = (fmt.max / amax.to(_wide(amax)) / 2.0**margin).float()
     scale = torch.clamp(scale, MIN_SCALE, MAX_SCALE)
     if power_of_two:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
@@ -122,13 +140,42 @@ def mx_scale(amax: torch.Tensor, fmt: Format | str = E4M3, rounding: str = "rcei
     return torch.where(bad, torch.ones_like(scale), scale)
 
 
+def nvfp4_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4's two-level scales from the 1x16 block amaxes ``amax`` (float32, any shape) of one tensor.
+
+    The numerics of torchao's ``nvfp4_quantize`` with ``per_tensor_scale = amax / (448 * 6)`` and of the
+    GPU kernels it matches, each step rounded to float32 as there:
+
+    * ``global_inv = tensor_amax / 2688`` (the per-tensor dequantization multiplier);
+    * ``block = E4M3(clamp(block_amax / 6 / global_inv, 2**-6, 448))`` (round to nearest even);
+    * ``multiplier = (1 / global_inv) / block``: the data is multiplied by it, then cast to E2M1.
+
+    Returns ``(block scales as float8_e4m3fn, global_inv as a 0-d float32, multiplier float32)``; the
+    dequantized value is ``code * (block * global_inv)``. Degenerate amax (module docstring): a zero or
+    non-finite tensor amax gives ``global_inv = 1.0``, a non-finite block amax counts as zero, and
+    ``global_inv`` is clamped to ``[2**-120, 2**120]``, so nothing is inf or NaN.
+    """
+    amax = amax.float()
+    bad = ~torch.isfinite(amax)
+    amax = torch.where(bad, torch.zeros_like(amax), amax)
+    tensor_amax = amax.amax()
+    global_inv = torch.clamp(_div32(tensor_amax, tensor_amax.new_tensor(NVFP4_TENSOR_MAX)), MIN_SCALE, MAX_SCALE)
+    global_inv = torch.where((tensor_amax == 0) | bad.any(), torch.ones_like(global_inv), global_inv)
+    per_block = _div32(_div32(amax, amax.new_tensor(E2M1.max)), global_inv)
+    block = torch.clamp(per_block, E4M3.min_normal, E4M3.max).to(E4M3.dtype)
+    multiplier = _div32(_div32(1.0, global_inv), block.float())
+    return block, global_inv, multiplier
+
+
 @dataclass(frozen=True)
 class Granularity:
     """How scales are shared over a 2-D tensor ``(rows, cols)``.
 
     ``kind`` is one of ``"tensor"``, ``"row"`` (one scale per row, e.g. per token), ``"column"`` (one per
     column, e.g. per output channel of a ``(in, out)`` matrix), ``"block"`` (``block = (br, bc)`` tiles,
-    ragged last tiles allowed) or ``"mx"`` (1x32 blocks along rows with power-of-two E8M0 scales).
+    ragged last tiles allowed), ``"mx"`` (1x32 blocks along rows with power-of-two E8M0 scales: MXFP8
+    with an FP8 element format, MXFP4 with E2M1) or ``"nvfp4"`` (1x16 blocks along rows with E4M3 block
+    scales under an FP32 per-tensor scale, ``nvfp4_scales``; E2M1 elements).
     Tensors with more than two dimensions are viewed as ``(prod(leading dims), last dim)``.
     """
 
@@ -150,6 +197,10 @@ class Granularity:
     def is_mx(self) -> bool:
         return self.kind == "mx"
 
+    @property
+    def is_nvfp4(self) -> bool:
+        return self.kind == "nvfp4"
+
     def transposed(self) -> Granularity:
         """The granularity that describes the transposed tensor."""
         swap = {"row": "column", "column": "row"}
@@ -162,18 +213,33 @@ class Granularity:
     def __str__(self) -> str:
         if self.kind in ("block", "mx") and self.block is not None:
             return f"{self.kind}{self.block[0]}x{self.block[1]}"
+        if self.kind == "nvfp4" and self.block is not None:
+            return f"nvfp4-{self.block[0]}x{self.block[1]}"
         return self.kind
 
 
-_SPELLINGS = "'tensor', 'row', 'column', 'mx', (1, 128), (128, 128), (br, bc) or a Granularity"
+_SPELLINGS = "'tensor', 'row', 'column', 'mx', 'nvfp4', 'mxfp4', (1, 128), (128, 128), (br, bc) or a Granularity"
+
+
+def _spelling(spec: str) -> str:
+    return spec.lower().replace("-", "").replace("_", "")
+
+
+def named_element_bits(spec: Granularity | str | tuple[int, int] | list[int]) -> int | None:
+    """The element width a granularity's spelling names: 4 for ``"nvfp4"`` / ``"mxfp4"``, 8 for
+    ``"mxfp8"``, else None (the format decides)."""
+    if not isinstance(spec, str):
+        return None
+    return {"nvfp4": 4, "mxfp4": 4, "mxfp8": 8}.get(_spelling(spec))
 
 
 def parse_granularity(spec: Granularity | str | tuple[int, int] | list[int]) -> Granularity:
-    """Accept ``"tensor"``, ``"row"``, ``"column"``, ``"mx"``, ``(br, bc)`` tuples or a ``Granularity``."""
+    """Accept ``"tensor"``, ``"row"``, ``"column"``, ``"mx"`` (``"mxfp8"``, ``"mxfp4"``), ``"nvfp4"``,
+    ``(br, bc)`` tuples or a ``Granularity``."""
     if isinstance(spec, Granularity):
         return spec
     if isinstance(spec, str):
-        key = spec.lower().replace("-", "").replace("_", "")
+        key = _spelling(spec)
         table = {
             "tensor": Granularity("tensor"),
             "pertensor": Granularity("tensor"),
@@ -184,6 +250,8 @@ def parse_granularity(spec: Granularity | str | tuple[int, int] | list[int]) -> 
             "channel": Granularity("column"),
             "mx": Granularity("mx", (1, 32)),
             "mxfp8": Granularity("mx", (1, 32)),
+            "mxfp4": Granularity("mx", (1, 32)),
+            "nvfp4": Granularity("nvfp4", (1, 16)),
         }
         if key in table:
             return table[key]

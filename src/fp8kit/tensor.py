@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import E4M3, Format, check_float_input, e8m0_decode, e8m0_encode, get_format
+from .formats import E4M3, Format, check_float_input, e2m1_decode, e8m0_decode, e8m0_encode, get_format
 from .kernels import (
     BlockSpec,
     cast_values,
@@ -16,9 +16,9 @@ from .kernels import (
     quantize_pair_eager,
     quantize_pair_fused,
 )
-from .kernels.fused import quantize_values_fused
+from .kernels.fused import nvfp4_block_scales, quantize_values_fused
 from .kernels.opaque import dequantize_tiles, dequantize_tiles_opaque, is_ragged, quantize_tiles_opaque
-from .scaling import Granularity, parse_granularity
+from .scaling import Granularity, named_element_bits, parse_granularity
 
 __all__ = [
     "CodesFromValues",
@@ -60,11 +60,13 @@ class QuantizedTensor(CodesFromValues):
     """Quantized values of a tensor and the scales to recover it.
 
     Attributes:
-        codes: values in ``fmt.dtype`` (float8_e4m3fn / float8_e5m2 / int8), the original shape; None
+        codes: values in ``fmt.dtype`` (float8_e4m3fn / float8_e5m2 / int8; E2M1: uint8 codes, one per
+            element, ``formats.e2m1_decode``), the original shape; None
             where ``quantize(..., lazy_codes=True)`` had the kernel write only ``values``: ``data`` then
             encodes them when first read (read ``data``; ``codes`` is what is stored).
         scales: per-tile dequantization multipliers, shape ``(nbr, nbc)`` over the 2-D view
-            ``(prod(shape[:-1]), shape[-1])``: float32, or uint8 E8M0 codes for MX.
+            ``(prod(shape[:-1]), shape[-1])``: float32, uint8 E8M0 codes for MX, or float8_e4m3fn block
+            scales for NVFP4 (relative to ``global_scale``).
         fmt: element format.
         granularity: how tiles were chosen.
         block: the tile shape ``(br, bc)`` used.
@@ -74,6 +76,8 @@ class QuantizedTensor(CodesFromValues):
             compiled CPU graphs (per-tensor and per-row scales), where computing them beside the cast lets
             a GEMM read its operand without decoding the codes, and where one decode feeds two grouped
             GEMMs (``gemm.grouped.with_values``). Never saved for backward or stored.
+        global_scale: NVFP4's per-tensor dequantization multiplier (0-d float32, ``amax / 2688``); a
+            tile's multiplier is ``scales * global_scale``. None for the other granularities.
     """
 
     codes: torch.Tensor | None
@@ -84,18 +88,27 @@ class QuantizedTensor(CodesFromValues):
     orig_dtype: torch.dtype
     amax: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    global_scale: torch.Tensor | None = None
 
     @property
     def scale_inv(self) -> torch.Tensor:
         """Per-tile dequantization multipliers as float32 (``x ~= data * scale_inv``)."""
         if self.scales.dtype == torch.uint8:
             return e8m0_decode(self.scales)
+        if self.global_scale is not None:
+            return self.scales.float() * self.global_scale
         return self.scales
 
     @property
     def nbytes(self) -> int:
-        """Memory footprint in bytes: data plus scales as stored."""
-        return self.shape.numel() * self.fmt.dtype.itemsize + self.scales.numel() * self.scales.element_size()
+        """Memory footprint in bytes: data plus scales as held (E2M1 codes one per byte; ``state_dict.pack_fp4``
+        stores two per byte)."""
+        extra = 0 if self.global_scale is None else self.global_scale.numel() * 4
+        return self.shape.numel() * self.fmt.dtype.itemsize + self.scales.numel() * self.scales.element_size() + extra
+
+    def _code_values(self, data: torch.Tensor) -> torch.Tensor:
+        """The codes' exact unscaled values as float32."""
+        return e2m1_decode(data) if self.fmt.sub_byte else data.float()
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """High-precision tensor ``data * scale_inv`` (float32 math, returned in ``dtype``)."""
@@ -104,7 +117,7 @@ class QuantizedTensor(CodesFromValues):
         br, bc = self.block
         dtype = dtype or self.orig_dtype
         if not is_ragged((rows, cols), (br, bc)):
-            tiles = data2d.float().reshape(rows // br, br, cols // bc, bc)
+            tiles = self._code_values(data2d).reshape(rows // br, br, cols // bc, bc)
             out = (tiles * self.scale_inv[:, None, :, None]).reshape(rows, cols)
         elif torch.compiler.is_compiling():  # ragged tiles: out of inductor's reach (kernels.opaque)
             out = dequantize_tiles_opaque(data2d, self.scale_inv, self.block, torch.float32)
@@ -125,6 +138,7 @@ class QuantizedTensor(CodesFromValues):
             self.orig_dtype,
             None if self.amax is None else self.amax.t(),
             None if self.values is None else self.values.t(),
+            self.global_scale,
         )
 
     def __repr__(self) -> str:
@@ -184,15 +198,34 @@ def _validate(
     check_float_input(x)
     fmt = get_format(fmt)
     if fmt.kind not in ("float", "int"):
-        raise ValueError(f"quantize() takes an element format (e4m3, e5m2, int8), not {fmt.name}")
+        raise ValueError(f"quantize() takes an element format (e4m3, e5m2, e2m1, int8), not {fmt.name}")
     gran = parse_granularity(granularity)
     if nonfinite not in ("raise", "propagate"):
         raise ValueError(f"nonfinite must be 'raise' or 'propagate', got {nonfinite!r}")
     if x.numel() == 0:
         raise ValueError("cannot quantize an empty tensor")
     if gran.is_mx and fmt.kind != "float":
-        raise ValueError("MX granularity needs an FP8 element format (e4m3 or e5m2)")
+        raise ValueError("MX granularity needs an FP8 element format (e4m3 or e5m2) or e2m1 (MXFP4)")
+    _check_fp4(x, fmt, gran, granularity)
     return fmt, gran
+
+
+def _check_fp4(x: torch.Tensor, fmt: Format, gran: Granularity, spec) -> None:
+    """E2M1 goes with the FP4 granularities (``"nvfp4"``, ``"mxfp4"``) and they with it; their blocks must
+    divide the tensor (the GPU kernels' layout; pad the last dim otherwise)."""
+    bits = named_element_bits(spec)
+    if (gran.is_nvfp4 or bits == 4) and not fmt.sub_byte:
+        raise ValueError(f"granularity {spec!r} quantizes to FP4: pass fmt='e2m1', not {fmt.name}")
+    if not fmt.sub_byte:
+        return
+    if bits == 8 or not (gran.is_nvfp4 or gran.is_mx):
+        raise ValueError(f"e2m1 is quantized with granularity 'nvfp4' or 'mxfp4', not {spec!r}")
+    x2 = _as_2d(x)
+    if is_ragged(tuple(x2.shape), gran.block_shape(*x2.shape)):
+        raise ValueError(
+            f"{gran} blocks of {gran.block_shape(*x2.shape)} do not divide the tensor's 2-D view "
+            f"{tuple(x2.shape)}; pad its last dim to a multiple of the block"
+        )
 
 
 def quantize(
@@ -217,11 +250,14 @@ def quantize(
 
     Args:
         x: float32/bfloat16/float16/float64 tensor; more than 2-D is viewed as ``(-1, shape[-1])``.
-        fmt: ``E4M3``, ``E5M2`` or ``INT8``.
+        fmt: ``E4M3``, ``E5M2``, ``INT8``, or ``E2M1`` (FP4, with the two FP4 granularities).
         granularity: ``"tensor"``, ``"row"``, ``"column"``, ``(1, 128)``, ``(128, 128)``, any
             ``(br, bc)``, or ``"mx"`` (1x32 blocks, E8M0 power-of-two scales). Ragged edge tiles are
-            allowed (their amax covers only the real elements).
-        margin / power_of_two: see ``compute_scale`` (ignored for MX, whose scales are powers of two).
+            allowed (their amax covers only the real elements). E2M1 takes ``"nvfp4"`` (1x16 blocks, E4M3
+            block scales under an FP32 per-tensor scale, ``scaling.nvfp4_scales``) or ``"mxfp4"`` (MX
+            blocks of E2M1), whose blocks must divide the tensor; its non-finite input always raises.
+        margin / power_of_two: see ``compute_scale`` (ignored for MX, whose scales are powers of two, and
+            NVFP4).
         mx_rounding: MX scale rule, ``"rceil"`` (never clips) or ``"floor"`` (OCP).
         scale: static scale multiplier(s), scalar or one per tile, instead of computing from amax.
         rounding: ``"nearest"`` (even) or ``"stochastic"``.
@@ -250,8 +286,10 @@ def quantize(
     x2 = _as_2d(x)
     rows, cols = x2.shape
     block = gran.block_shape(rows, cols)
-    spec = BlockSpec(fmt, block, margin, power_of_two, mx_rounding if gran.is_mx else None)
+    spec = BlockSpec(fmt, block, margin, power_of_two, mx_rounding if gran.is_mx else None, gran.is_nvfp4)
     static = None
+    if scale is not None and gran.is_nvfp4:
+        raise ValueError("granularity nvfp4 computes its two-level scales from the tensor; drop scale=")
     if scale is not None:
         static = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
         nb = (-(-rows // block[0]), -(-cols // block[1]))
@@ -286,7 +324,7 @@ def quantize(
     else:
         raise ValueError(f"unknown backend {backend!r}; accepted: 'eager', 'compiled', 'reference'")
     q = _finish(data, sc, amax, x.shape, fmt, gran, block, x.dtype, nonfinite, vals)
-    per_row = block[1] == cols and block[0] in (1, rows) and not gran.is_mx
+    per_row = block[1] == cols and block[0] in (1, rows) and not gran.is_mx and not fmt.sub_byte
     if fmt.kind == "float" and per_row and x.device.type == "cpu" and torch.compiler.is_compiling():
         # the same float32 products the cast rounded, so inductor computes both in one loop
         q.values = cast_values(x2.float() * sc.reshape(-1, 1), fmt).reshape(x.shape)
@@ -297,20 +335,29 @@ def _values_in_kernel(values: torch.dtype | None, x2: torch.Tensor, fmt: Format,
     """Whether ``quantize(values=...)`` gets the values from the compiled CPU kernel (see there)."""
     if values is not None and values not in (torch.bfloat16, torch.float32):
         raise ValueError(f"values must be torch.bfloat16 or torch.float32 (a CPU GEMM dtype), got {values}")
-    if values is None or fmt.kind != "float" or gran.is_mx or x2.device.type != "cpu":
+    if values is None or fmt.kind != "float" or fmt.sub_byte or gran.is_mx or x2.device.type != "cpu":
         return False
     rows, cols = x2.shape
     return not torch.compiler.is_compiling() and block[1] == cols and rows % block[0] == 0
 
 
 def _finish(data, sc, amax, shape, fmt, gran, block, dtype, nonfinite, values=None) -> QuantizedTensor:
-    if nonfinite == "raise" and not bool(torch.isfinite(amax).all()):
+    if (nonfinite == "raise" or fmt.sub_byte) and not bool(torch.isfinite(amax).all()):
+        if fmt.sub_byte:
+            raise ValueError(
+                f"tensor to quantize holds NaN or inf, which {fmt} cannot encode; fix the producer of the values, "
+                "or replace them first (e.g. torch.nan_to_num)"
+            )
         raise ValueError(
             "tensor to quantize holds NaN or inf; fix the producer of the values, or pass "
             "nonfinite='propagate' to quantize anyway (NaN stays NaN, inf saturates)"
         )
-    scale_inv = (1.0 / sc).float()
-    scales = e8m0_encode(scale_inv) if gran.is_mx else scale_inv
+    global_scale = None
+    if gran.is_nvfp4:
+        scales, global_scale, _ = nvfp4_block_scales(amax)  # the scales the multipliers ``sc`` were made from
+    else:
+        scale_inv = (1.0 / sc).float()
+        scales = e8m0_encode(scale_inv) if gran.is_mx else scale_inv
     return QuantizedTensor(
         None if data is None else data.reshape(shape),
         scales,
@@ -320,6 +367,7 @@ def _finish(data, sc, amax, shape, fmt, gran, block, dtype, nonfinite, values=No
         dtype,
         amax,
         None if values is None else values.reshape(shape),
+        global_scale,
     )
 
 
@@ -346,7 +394,7 @@ def quantize_with_transpose(
     """
     if x.dim() != 2:
         raise ValueError(f"quantize_with_transpose needs a 2-D tensor, got shape {tuple(x.shape)}")
-    tiles = parse_granularity(granularity).kind in ("block", "mx")
+    tiles = parse_granularity(granularity).kind in ("block", "mx", "nvfp4")
     two_passes = tiles and x.device.type == "cpu" and not torch.compiler.is_compiling()
     if backend not in ("compiled", "eager") or two_passes:
         kw = {"margin": margin, "power_of_two": power_of_two, "mx_rounding": mx_rounding, "nonfinite": nonfinite}
@@ -357,8 +405,9 @@ def quantize_with_transpose(
     fmt, gran = _validate(x, fmt, granularity, nonfinite)
     rows, cols = x.shape
     mx = mx_rounding if gran.is_mx else None
-    spec = BlockSpec(fmt, gran.block_shape(rows, cols), margin, power_of_two, mx)
-    spec_t = BlockSpec(fmt, gran.block_shape(cols, rows), margin, power_of_two, mx)
+    _check_fp4(x.t(), fmt, gran, granularity)
+    spec = BlockSpec(fmt, gran.block_shape(rows, cols), margin, power_of_two, mx, gran.is_nvfp4)
+    spec_t = BlockSpec(fmt, gran.block_shape(cols, rows), margin, power_of_two, mx, gran.is_nvfp4)
     if torch.compiler.is_compiling() and (is_ragged(x.shape, spec.block) or is_ragged((cols, rows), spec_t.block)):
         # ragged tiles: each orientation in the opaque op (kernels.opaque); the same codes as the pair
         fused = backend == "compiled"

@@ -159,3 +159,18 @@ def test_moe_experts_on_cuda_match_the_cpu_layer(recipe):
     assert torch.equal(results[1][2][7], torch.zeros_like(results[1][2][7]))  # the expert without tokens
     if recipe == "rowwise" and grouped.native_grouped_device(torch.device("cuda")):
         assert not grouped.grouped_gemm_fallbacks(), grouped.grouped_gemm_fallbacks()
+
+
+@pytest.mark.parametrize("gran,mode", [("nvfp4", "rceil"), ("mxfp4", "rceil"), ("mxfp4", "floor")])
+@pytest.mark.parametrize("backend", ["eager", "compiled"])
+def test_fp4_quantize_on_cuda_equals_the_cpu_reference(gran, mode, backend):
+    """NVFP4 / MXFP4 codes and scales from the CUDA kernels (Triton when compiled: its float32 division is
+    approximate, so the scale math divides in float64) equal the CPU reference's bit for bit."""
+    x = torch.randn(256, 512) * torch.exp2(torch.randint(-8, 8, (256, 1)).float())
+    x[3, :32] = 0.0
+    got = quantize(x.cuda(), "e2m1", gran, mx_rounding=mode, backend=backend)
+    want = quantize(x, "e2m1", gran, mx_rounding=mode, backend="reference")
+    assert torch.equal(got.data.cpu(), want.data)
+    assert torch.equal(got.scales.cpu().view(torch.uint8), want.scales.view(torch.uint8))
+    if gran == "nvfp4":
+        assert torch.equal(got.global_scale.cpu(), want.global_scale)

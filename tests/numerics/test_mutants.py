@@ -30,6 +30,7 @@ from fp8kit import E4M3, INT8, recipes
 from fp8kit.tensor import QuantizedTensor
 from tests.helpers.patching import replace_everywhere
 from tests.nn import test_numerics_layernorm as ln
+from tests.numerics import test_fp4 as fp4
 from tests.numerics import test_numerics_exact as ex
 from tests.ptq import test_numerics_ptq as pq
 
@@ -60,6 +61,30 @@ def mx_scale_times(k: float):
     def apply(mp):
         real = scaling.mx_scale
         replace_everywhere(mp, real, lambda *a, **kw: real(*a, **kw) * k)
+
+    return apply
+
+
+def nvfp4_variant(kind: str):
+    """NVFP4's scale math gone wrong: the data times ``1 / (block * global)`` (one reciprocal of the product,
+    not the kernels' two steps), block scales not rounded to E4M3, or a per-tensor scale without E2M1's 6."""
+
+    def apply(mp):
+        real = scaling.nvfp4_scales
+
+        def mutant(amax):
+            block, global_inv, mult = real(amax)
+            if kind == "reciprocal of the product":
+                mult = (1.0 / (block.float().double() * global_inv.double())).float()
+            elif kind == "unrounded block scales":
+                mult = (1.0 / global_inv) / (amax.float() / 6 / global_inv).clamp(2.0**-6, 448)
+            else:  # "per-tensor scale amax / 448"
+                global_inv = global_inv * 6
+                block = (amax.float() / 6 / global_inv).clamp(2.0**-6, 448).to(torch.float8_e4m3fn)
+                mult = (1.0 / global_inv) / block.float()
+            return block, global_inv, mult
+
+        replace_everywhere(mp, real, mutant)
 
     return apply
 
@@ -221,6 +246,11 @@ MUTANTS = [
         [ex.check_quantize_scales_and_codes_exact, _c(ex.check_layer_matches_reference, "current")],
     ),
     Mutant("MX scale x2", mx_scale_times(2), [_c(ex.check_operand_layout, "mxfp8")]),
+    Mutant("MXFP4 scale x2", mx_scale_times(2), [fp4.check_mxfp4_matches_the_reference]),
+    *(
+        Mutant(f"NVFP4 {kind}", nvfp4_variant(kind), [fp4.check_nvfp4_matches_the_reference])
+        for kind in ("reciprocal of the product", "unrounded block scales", "per-tensor scale amax / 448")
+    ),
     Mutant(
         "per-tensor scaling forced for every recipe",
         per_tensor_everywhere,

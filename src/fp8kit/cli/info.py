@@ -20,7 +20,7 @@ def format_table() -> str:
     head = f"{'format':<7} {'torch dtype':<22} {'bias':>4} {'max':>12} {'min normal':>12} {'min subnormal':>14} {'binades':>8}"
     lines = [head, "-" * len(head)]
     for f in FORMATS.values():
-        dtype = str(f.dtype).replace("torch.", "") + (" (codes)" if f.kind == "scale" else "")
+        dtype = str(f.dtype).replace("torch.", "") + (" (codes)" if f.kind == "scale" or f.sub_byte else "")
         lines.append(
             f"{f.name.upper():<7} {dtype:<22} {f.bias:>4} {f.max:>12.6g} {f.min_normal:>12.6g} "
             f"{f.min_subnormal:>14.6g} {f.binades:>8.2f}"

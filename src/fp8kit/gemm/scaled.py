@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..formats import get_format
 from ..tensor import QuantizedTensor
-from .codes import codes_mm
+from .codes import TILE_ELEMENTS, codes_mm
 from .probe import cpu_gemm_backend, cpu_int8_backend
 
 if TYPE_CHECKING:
@@ -216,6 +216,21 @@ def scaled_mm(
     return _add_bias(out, bias, out_dtype)
 
 
+def _tiled_dequant_mm(xd: torch.Tensor, w: QuantizedTensor) -> torch.Tensor:
+    """``xd @ w.dequantize().T`` (float32) with ``w`` dequantized a tile row at a time (``block_scaled_mm``)."""
+    n, k = w.shape
+    br = w.block[0]
+    rows = max(br, TILE_ELEMENTS // max(k, 1) // br * br)
+    if rows >= n:
+        return xd @ w.dequantize(torch.float32).t()
+    out = xd.new_empty(xd.shape[0], n)
+    for r0 in range(0, n, rows):
+        r1 = min(r0 + rows, n)
+        tile = replace(w, codes=w.data[r0:r1], scales=w.scales[r0 // br : -(-r1 // br)], amax=None, values=None)
+        out[:, r0:r1] = xd @ tile.dequantize(torch.float32).t()
+    return out
+
+
 def block_scaled_mm(
     x: QuantizedTensor | torch.Tensor,
     w: QuantizedTensor | GroupedWeight,
@@ -231,14 +246,18 @@ def block_scaled_mm(
     ``x``: ``(M, K)`` quantized per ``1 x b`` group, or high-precision activations (weight-only). ``w``:
     ``(N, K)`` tiles, or per-expert tiles ``(E, N, K)`` (``GroupedWeight``) with ``offs`` the experts' row
     ends of ``x`` (one grouped GEMM). ``cached``: ``w`` dequantized to float32 (a copy the caller keeps);
-    ``bias`` ``(N,)`` float32. Result in ``out_dtype``."""
+    without it an ``(N, K)`` ``w`` is dequantized in whole tile rows of at most ``TILE_ELEMENTS`` weights,
+    each multiplied into its columns of the output (the transient is one such tile). ``bias`` ``(N,)``
+    float32. Result in ``out_dtype``."""
     xd = x.dequantize(torch.float32) if isinstance(x, QuantizedTensor) else x.float()
-    wd = w.dequantize(torch.float32) if cached is None else cached
-    if offs is None:
-        out = xd @ wd.t()
+    if offs is None and cached is None and isinstance(w, QuantizedTensor):
+        out = _tiled_dequant_mm(xd, w)
+    elif offs is None:
+        out = xd @ (w.dequantize(torch.float32) if cached is None else cached).t()
     else:
         from .grouped import grouped_mm
 
+        wd = w.dequantize(torch.float32) if cached is None else cached
         out = grouped_mm(xd, wd.transpose(1, 2), offs)
     if bias is not None:
         out = out + bias

@@ -18,7 +18,8 @@ import warnings
 
 import torch
 
-from ..formats import E4M3, E5M2, Format
+from ..formats import E2M1, E4M3, E5M2, Format
+from ..scaling import nvfp4_scales
 from .reference import BlockSpec, scale_from_amax, tile_view
 
 _COMPILE = {"enabled": True, "strict": False}
@@ -67,9 +68,12 @@ def set_compile_strict(strict: bool) -> None:
 def cast_to_format(y: torch.Tensor, fmt: Format, codes: bool = False) -> torch.Tensor:
     """Saturating RNE cast of scaled values; ``codes=True`` returns FP8 as its uint8 bit patterns
     (what fp8kit's own compiled kernels return: a float8 view inside an inductor CPU graph makes
-    the store element-wise; ``_as_format`` reinterprets the codes outside the graph for free)."""
+    the store element-wise; ``_as_format`` reinterprets the codes outside the graph for free). E2M1
+    has no torch dtype: its uint8 codes from ``cast_bits`` on every device."""
     if fmt.kind == "int":
         return torch.round(y).clamp(-fmt.max, fmt.max).to(torch.int8)
+    if fmt.sub_byte:
+        return cast_bits(y, fmt)
     if y.device.type == "cpu" and torch.compiler.is_compiling():
         if _CPU_CAST["name"] == "native":
             return cast_native(y, fmt, view=not codes)
@@ -78,8 +82,10 @@ def cast_to_format(y: torch.Tensor, fmt: Format, codes: bool = False) -> torch.T
     return out.view(torch.uint8) if codes else out
 
 
-# float32 bit patterns of each FP8 format's max and min normal (read as constants when compiling).
-_LIMIT_BITS = {f.name: tuple(torch.tensor([f.max, f.min_normal]).view(torch.int32).tolist()) for f in (E4M3, E5M2)}
+# float32 bit patterns of each narrow float format's max and min normal (read as constants when compiling).
+_LIMIT_BITS = {
+    f.name: tuple(torch.tensor([f.max, f.min_normal]).view(torch.int32).tolist()) for f in (E4M3, E5M2, E2M1)
+}
 
 
 def _float_bits(y: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -101,7 +107,8 @@ def cast_native(y: torch.Tensor, fmt: Format, view: bool = True) -> torch.Tensor
 
 
 def cast_bits(y: torch.Tensor, fmt: Format, view: bool = True) -> torch.Tensor:
-    """Saturating round-to-nearest-even float32 -> FP8 written as integer operations on the bits.
+    """Saturating round-to-nearest-even float32 -> FP8 or E2M1 codes written as integer operations on the
+    bits (E2M1: uint8 codes; it has no NaN code, and NaN gives the largest magnitude's).
 
     Inductor turns these into AVX2/AVX-512 vector code, while its float -> float8 conversion on CPU
     runs element by element (about 3x slower for the whole cast). Same codes as the reference cast
@@ -118,10 +125,11 @@ def cast_bits(y: torch.Tensor, fmt: Format, view: bool = True) -> torch.Tensor:
     normal = (clamped - ((127 - fmt.bias) << 23) + ((1 << (shift - 1)) - 1) + ((clamped >> shift) & 1)) >> shift
     subnormal = torch.round(y.abs() * (1.0 / fmt.min_subnormal)).to(torch.int32)
     code = torch.where(mag < min_normal_bits, subnormal, normal)
-    code = torch.where(mag > 0x7F800000, 0x7F, code) | ((bits >> 24) & 0x80)  # NaN -> 0x7F, sign kept
+    sign = fmt.exponent_bits + fmt.mantissa_bits  # the sign's bit in the code
+    code = torch.where(mag > 0x7F800000, (1 << sign) - 1, code) | ((bits >> (31 - sign)) & (1 << sign))  # NaN: 0x7F
     # int32 -> float32 -> uint8 vectorizes on CPU; a direct int32 -> uint8 conversion does not.
     code = code.float().to(torch.uint8)
-    return code.view(fmt.dtype) if view else code
+    return code.view(fmt.dtype) if view and not fmt.sub_byte else code
 
 
 def round_bits(y: torch.Tensor, fmt: Format) -> torch.Tensor:
@@ -265,6 +273,14 @@ def scale_output(
     return run_kernel("scale_output", scale_output_eager, acc, s1, s2, ids, dtype)
 
 
+def nvfp4_block_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``scaling.nvfp4_scales`` as one compiled kernel on CPU (eager mode): the scales a quantized NVFP4
+    tensor stores, from its block amaxes, bit for bit the ones its quantize kernel multiplied by."""
+    if amax.device.type != "cpu" or torch.compiler.is_compiling():
+        return nvfp4_scales(amax)
+    return run_kernel("nvfp4_scales", nvfp4_scales, amax)
+
+
 def dequantize_tiles_eager(
     codes: torch.Tensor, scale_inv: torch.Tensor, br: int, bc: int, fmt: Format, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -406,6 +422,7 @@ _PLAIN = {
     "decode": _decode_to,
     "scale_output": scale_output_eager,
     "dequantize_tiles": dequantize_tiles_eager,
+    "nvfp4_scales": nvfp4_scales,
     "values": quantize_values_eager,
     "tensor_values": quantize_tensor_values_eager,
     "values_only": _values_only,

@@ -7,15 +7,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..formats import Format, cast_reference
-from ..scaling import compute_scale, mx_scale
+from ..formats import Format, cast_reference, e2m1_encode
+from ..scaling import compute_scale, mx_scale, nvfp4_scales
 
 
 @dataclass(frozen=True)
 class BlockSpec:
     """Everything a tile quantizer needs besides the data.
 
-    ``block`` is the tile shape ``(br, bc)``; ``mx_rounding`` is set for MX (power-of-two E8M0 scales).
+    ``block`` is the tile shape ``(br, bc)``; ``mx_rounding`` is set for MX (power-of-two E8M0 scales);
+    ``nvfp4`` for NVFP4's E4M3 block scales under a per-tensor scale (``scaling.nvfp4_scales``).
     """
 
     fmt: Format
@@ -23,6 +24,7 @@ class BlockSpec:
     margin: float = 0.0
     power_of_two: bool = False
     mx_rounding: str | None = None
+    nvfp4: bool = False
 
 
 def tile_view(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -41,6 +43,9 @@ def tile_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 
 
 def scale_from_amax(amax: torch.Tensor, spec: BlockSpec) -> torch.Tensor:
+    """The multipliers of the tiles of one tensor from their amaxes ``(nbr, nbc)`` (float32)."""
+    if spec.nvfp4:
+        return nvfp4_scales(amax)[2]
     if spec.mx_rounding is not None:
         return mx_scale(amax, spec.fmt, spec.mx_rounding)
     return compute_scale(amax, spec.fmt, spec.margin, spec.power_of_two)
@@ -77,4 +82,4 @@ def quantize_blocks_reference(
         scale = scale_from_amax(amax, spec)
     scaled = x.float() * expand_tiles(scale, spec.block, tuple(x.shape))
     rounded = cast_reference(scaled, spec.fmt, saturate=saturate, rounding=rounding, generator=generator)
-    return rounded.to(spec.fmt.dtype), scale, amax
+    return (e2m1_encode(rounded) if spec.fmt.sub_byte else rounded.to(spec.fmt.dtype)), scale, amax

@@ -30,8 +30,7 @@ MAX_ROWS = 512
 
 
 def _deq(w: torch.Tensor, scheme: Scheme) -> torch.Tensor:
-    gran = "row" if scheme.weight_strategy == "channel" else "tensor"
-    return fp8_quantize(w, scheme.weight_format, gran).dequantize(torch.float32)
+    return fp8_quantize(w, scheme.weight_format, scheme.weight_granularity).dequantize(torch.float32)
 
 
 @torch.no_grad()

@@ -12,24 +12,29 @@ rounding error over the columns not yet rounded, weighted by the Cholesky factor
 
 Rounding goes through ``fp8kit.quantize`` (the one quantizer) with the per-channel or per-tensor scale
 fixed from the original weight before the sweep, so the codes and ``weight_scale`` that ``QuantLinear``
-stores (and the export writes) have the usual format.
+stores (and the export writes) have the usual format. FP4 (``gptq_fp4_weight``): the NVFP4 / MXFP4 block
+scales of the original weight stay fixed the same way (GPTQ's "static groups"), and each column is cast
+to E2M1 with its blocks' multipliers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
 
-from ..formats import Format
+from ..formats import E2M1, Format, cast, e2m1_decode
+from ..kernels.reference import BlockSpec, scale_from_amax
 from ..scaling import compute_scale, dequant_scale
+from ..tensor import QuantizedTensor
 from ..tensor import quantize as fp8_quantize
 from .calibrate import run_with_input_hooks
 from .linear import QuantLinear
 from .schemes import Scheme, get_scheme
 
-__all__ = ["DAMPING", "GPTQ_BLOCK", "collect_hessians", "gptq_linear", "gptq_weight"]
+__all__ = ["DAMPING", "GPTQ_BLOCK", "collect_hessians", "gptq_fp4_weight", "gptq_linear", "gptq_weight"]
 
 DAMPING = 0.01
 GPTQ_BLOCK = 128
@@ -70,6 +75,60 @@ def _round_column(w: torch.Tensor, fmt: Format, mult: torch.Tensor) -> tuple[tor
     return qt.data.reshape(-1), qt.dequantize(torch.float32).reshape(-1)
 
 
+def _checked_weight(weight: torch.Tensor, hessian: torch.Tensor, block: int, damping: float) -> torch.Tensor:
+    """A float32 copy of ``weight`` after the checks every GPTQ call makes."""
+    if block < 1 or damping <= 0:
+        raise ValueError(f"GPTQ needs block >= 1 and damping > 0, got block={block}, damping={damping}")
+    w = weight.detach().float().clone()
+    in_f = w.shape[1]
+    if hessian.shape != (in_f, in_f):
+        raise ValueError(f"GPTQ: Hessian of shape {tuple(hessian.shape)} for a weight of shape {tuple(w.shape)}")
+    if not torch.isfinite(w).all() or not torch.isfinite(hessian).all():
+        raise ValueError("GPTQ: the weight or its Hessian holds NaN or inf")
+    return w
+
+
+def _sweep(
+    w: torch.Tensor,
+    hessian: torch.Tensor,
+    round_column: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    codes_dtype: torch.dtype,
+    block: int,
+    damping: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GPTQ sweep (module doc) over the columns of ``w`` (float32 ``(out, in)``, changed in place):
+    ``round_column(j, column)`` gives column ``j``'s codes and dequantized values. Returns ``(codes,
+    dequantized)``, both ``(out, in)``."""
+    out_f, in_f = w.shape
+    h = hessian.float().clone()
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    h += damping * torch.diagonal(h).mean() * torch.eye(in_f, dtype=h.dtype)
+    try:
+        hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    except RuntimeError as err:  # torch.linalg.LinAlgError subclasses RuntimeError
+        raise ValueError(f"GPTQ: the damped Hessian is not positive definite ({err}); raise the damping") from err
+    # work on W^T: column j of W is the contiguous row j, and the updates are in-place rank-1 (addr_)
+    wt = w.t().contiguous()
+    codes = torch.empty(in_f, out_f, dtype=codes_dtype)
+    deq = torch.empty(in_f, out_f)
+    for i1 in range(0, in_f, block):
+        i2 = min(i1 + block, in_f)
+        w1 = wt[i1:i2].clone()
+        err1 = torch.zeros_like(w1)
+        u1 = hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = w1[i]
+            c, q = round_column(i1 + i, col)
+            codes[i1 + i], deq[i1 + i] = c, q
+            e = (col - q) / u1[i, i]
+            w1[i:].addr_(u1[i, i:], e, alpha=-1)
+            err1[i] = e
+        wt[i2:] -= hinv[i1:i2, i2:].t() @ err1
+    return codes.t().contiguous(), deq.t().contiguous()
+
+
 @torch.no_grad()
 def gptq_weight(
     weight: torch.Tensor,
@@ -83,44 +142,40 @@ def gptq_weight(
 
     Returns ``(codes, amax, dequantized)``: codes in ``fmt``'s dtype, the fixed amax (``(out,)`` per channel,
     ``(1,)`` per tensor) that the scales come from, and ``codes * scale`` in float32."""
-    if block < 1 or damping <= 0:
-        raise ValueError(f"GPTQ needs block >= 1 and damping > 0, got block={block}, damping={damping}")
-    w = weight.detach().float().clone()
-    out_f, in_f = w.shape
-    if hessian.shape != (in_f, in_f):
-        raise ValueError(f"GPTQ: Hessian of shape {tuple(hessian.shape)} for a weight of shape {tuple(w.shape)}")
-    if not torch.isfinite(w).all() or not torch.isfinite(hessian).all():
-        raise ValueError("GPTQ: the weight or its Hessian holds NaN or inf")
+    w = _checked_weight(weight, hessian, block, damping)
     amax = w.abs().amax(dim=1) if per_channel else w.abs().amax().reshape(1)
-    mult = compute_scale(amax, fmt).reshape(-1, 1).expand(out_f, 1).contiguous()
-    h = hessian.float().clone()
-    dead = torch.diagonal(h) == 0
-    h[dead, dead] = 1
-    w[:, dead] = 0
-    h += damping * torch.diagonal(h).mean() * torch.eye(in_f, dtype=h.dtype)
-    try:
-        hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    except RuntimeError as err:  # torch.linalg.LinAlgError subclasses RuntimeError
-        raise ValueError(f"GPTQ: the damped Hessian is not positive definite ({err}); raise the damping") from err
-    # work on W^T: column j of W is the contiguous row j, and the updates are in-place rank-1 (addr_)
-    wt = w.t().contiguous()
-    codes = torch.empty(in_f, out_f, dtype=fmt.dtype)
-    deq = torch.empty(in_f, out_f)
-    for i1 in range(0, in_f, block):
-        i2 = min(i1 + block, in_f)
-        w1 = wt[i1:i2].clone()
-        err1 = torch.zeros_like(w1)
-        u1 = hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            col = w1[i]
-            c, q = _round_column(col, fmt, mult)
-            codes[i1 + i], deq[i1 + i] = c, q
-            e = (col - q) / u1[i, i]
-            w1[i:].addr_(u1[i, i:], e, alpha=-1)
-            err1[i] = e
-        wt[i2:] -= hinv[i1:i2, i2:].t() @ err1
-    codes, deq = codes.t().contiguous(), deq.t().contiguous()
+    mult = compute_scale(amax, fmt).reshape(-1, 1).expand(w.shape[0], 1).contiguous()
+    codes, deq = _sweep(w, hessian, lambda j, col: _round_column(col, fmt, mult), fmt.dtype, block, damping)
     return codes, amax, deq
+
+
+@torch.no_grad()
+def gptq_fp4_weight(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    granularity: str,
+    block: int = GPTQ_BLOCK,
+    damping: float = DAMPING,
+) -> QuantizedTensor:
+    """GPTQ-round ``weight`` (``(out, in)``) to E2M1 in ``granularity``'s blocks (``"nvfp4"``, ``"mxfp4"``):
+    the block scales (and NVFP4's per-tensor scale) come from ``fp8kit.quantize`` of the original weight and
+    stay fixed; each column is cast with its blocks' multipliers (the quantize kernel's). Returns the
+    ``QuantizedTensor`` of the GPTQ codes with those scales (``dequantize()`` is the rounded weight)."""
+    w = _checked_weight(weight, hessian, block, damping)
+    qt = fp8_quantize(w, E2M1, granularity)
+    group = qt.block[1]
+    mult = scale_from_amax(
+        qt.amax,
+        BlockSpec(E2M1, qt.block, mx_rounding="rceil" if qt.granularity.is_mx else None, nvfp4=qt.granularity.is_nvfp4),
+    )
+    scale_inv = qt.scale_inv
+
+    def round_column(j: int, col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        codes = cast(col * mult[:, j // group], E2M1)
+        return codes, e2m1_decode(codes) * scale_inv[:, j // group]
+
+    codes, _ = _sweep(w, hessian, round_column, torch.uint8, block, damping)
+    return replace(qt, codes=codes)
 
 
 def gptq_linear(
@@ -134,6 +189,9 @@ def gptq_linear(
     """A ``QuantLinear`` of ``scheme`` whose weight codes come from GPTQ (scales as ``from_linear`` sets them)."""
     scheme = get_scheme(scheme)
     q = QuantLinear.from_linear(linear, scheme, input_amax)
+    if scheme.is_fp4:
+        q.set_fp4_weight(gptq_fp4_weight(linear.weight, hessian, scheme.weight_granularity, block, damping))
+        return q
     per_channel = scheme.weight_strategy == "channel"
     codes, amax, _ = gptq_weight(linear.weight, hessian, scheme.weight_format, per_channel, block, damping)
     q.weight = codes.contiguous()

@@ -1,4 +1,13 @@
-"""``QuantLinear``: an inference ``nn.Linear`` with 8-bit weights (real storage, not fake-quant).
+"""``QuantLinear``: an inference ``nn.Linear`` with 8-bit or 4-bit weights (real storage, not fake-quant).
+
+FP4 weight-only schemes (``nvfp4-weight-only``, ``mxfp4-weight-only``) hold the E2M1 codes packed two per
+byte (``weight``, ``(out, in / 2)`` uint8, ``state_dict.pack_fp4``), their block scales (``weight_scale``:
+``(out, in / 16)`` float8_e4m3fn for NVFP4, ``(out, in / 32)`` E8M0 uint8 codes for MXFP4) and NVFP4's
+per-tensor dequant multiplier ``weight_scale_2`` (``amax / 2688``, ModelOpt's name and convention), from
+``fp8kit.quantize(w, "e2m1", "nvfp4" | "mxfp4")``. Their GEMM is the floor's ``block_scaled_mm``: the
+exact float32 dequantized weight (``codes * block scale (* weight_scale_2)``; lean: decoded in tiles of
+whole rows inside the GEMM; ``weight_cache="cached"``: kept) with FP32 accumulation; ``_forward_reference``
+computes the same.
 
 Weights are held as ``float8_e4m3fn`` or ``int8`` codes with float32 dequant scales
 (``weight_scale``: shape ``(1,)`` per tensor or ``(out, 1)`` per channel, ``amax / 448`` for E4M3 and
@@ -47,9 +56,11 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from ..formats import Format
-from ..gemm.scaled import KERNELS, KernelChoice, choose_kernel, scaled_mm, use_compiled
-from ..scaling import dequant_scale
+from ..formats import E2M1, Format
+from ..gemm.scaled import KERNELS, KernelChoice, block_scaled_mm, choose_kernel, scaled_mm, use_compiled
+from ..scaling import dequant_scale, parse_granularity
+from ..state_dict import pack_fp4, unpack_fp4
+from ..tensor import QuantizedTensor
 from ..tensor import quantize as fp8_quantize
 from .schemes import Scheme, get_scheme
 
@@ -88,6 +99,10 @@ def select_kernel(
     """The GEMM for one call: inputs of ``x_dtype`` into a ``(out_features, in_features)`` layer of
     ``scheme`` on ``device`` (``fp8kit.gemm.choose_kernel`` for the scheme's formats and strategies)."""
     scheme = get_scheme(scheme)
+    if scheme.is_fp4:
+        raise ValueError(
+            f"{scheme.name} layers run gemm.scaled.block_scaled_mm (or the reference); no kernel to select"
+        )
     return choose_kernel(
         scheme.weight_format.dtype,
         scheme.weight_strategy == "channel",
@@ -153,15 +168,21 @@ def set_weight_cache(model: nn.Module, mode: str) -> nn.Module:
 
 
 class QuantLinear(nn.Module):
-    """Inference-only linear layer with 8-bit weights and optional 8-bit activations."""
+    """Inference-only linear layer with 8-bit weights and optional 8-bit activations, or FP4 weights."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, scheme: Scheme | str) -> None:
         super().__init__()
         self.scheme = get_scheme(scheme)
         self.in_features, self.out_features = in_features, out_features
         per_channel = self.scheme.weight_strategy == "channel"
-        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=self.scheme.weight_format.dtype))
-        self.register_buffer("weight_scale", torch.ones(out_features, 1) if per_channel else torch.ones(1))
+        if self.scheme.is_fp4:
+            self._fp4_buffers()
+        else:
+            self.weight_scale_2: torch.Tensor | None = None  # NVFP4's per-tensor scale (FP4 schemes)
+            self.register_buffer(
+                "weight", torch.zeros(out_features, in_features, dtype=self.scheme.weight_format.dtype)
+            )
+            self.register_buffer("weight_scale", torch.ones(out_features, 1) if per_channel else torch.ones(1))
         if self.scheme.static_activations:
             self.register_buffer("input_scale", torch.ones(1))
         else:
@@ -170,7 +191,26 @@ class QuantLinear(nn.Module):
         self.kernel: str | None = None  # set to a name in KERNELS to force a kernel (tests, benchmarks)
         self.weight_cache = "lean"  # or "cached": keep the decoded codes for the CPU GEMM (see module doc)
         self._cache: tuple[torch.Tensor, int, torch.Tensor] | None = None
+        self._fp4_cache: tuple | None = None  # (weight, version, scale, version, float32 weight)
         self._failed: set[str] = set()
+
+    def _fp4_buffers(self) -> None:
+        """The FP4 scheme's packed codes, block scales and (NVFP4) per-tensor scale, as the module doc says."""
+        gran = parse_granularity(self.scheme.weight_granularity)
+        block = gran.block_shape(self.out_features, self.in_features)[1]
+        if self.in_features % block:
+            raise ValueError(
+                f"{self.scheme.name} quantizes the input dim in blocks of {block}; in_features={self.in_features} "
+                "is not a multiple (keep this layer in high precision)"
+            )
+        rows, groups = self.out_features, self.in_features // block
+        self.register_buffer("weight", torch.zeros(rows, self.in_features // 2, dtype=torch.uint8))
+        if gran.is_nvfp4:
+            self.register_buffer("weight_scale", torch.ones(rows, groups).to(torch.float8_e4m3fn))
+            self.register_buffer("weight_scale_2", torch.ones(1))
+        else:
+            self.register_buffer("weight_scale", torch.full((rows, groups), 127, dtype=torch.uint8))  # E8M0 1.0
+            self.weight_scale_2 = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, scheme: Scheme | str, input_amax: float | None = None) -> QuantLinear:
@@ -181,10 +221,12 @@ class QuantLinear(nn.Module):
         w = linear.weight.detach().float()
         if not torch.isfinite(w).all():
             raise ValueError("the weight holds NaN or inf; it cannot be quantized")
-        gran = "row" if scheme.weight_strategy == "channel" else "tensor"
-        qt = fp8_quantize(w, scheme.weight_format, gran)
-        q.weight = qt.data.contiguous()
-        q.weight_scale = dequant_scale(qt.amax, scheme.weight_format).reshape(q.weight_scale.shape).contiguous()
+        qt = fp8_quantize(w, scheme.weight_format, scheme.weight_granularity)
+        if scheme.is_fp4:
+            q.set_fp4_weight(qt)
+        else:
+            q.weight = qt.data.contiguous()
+            q.weight_scale = dequant_scale(qt.amax, scheme.weight_format).reshape(q.weight_scale.shape).contiguous()
         if linear.bias is not None:
             q.bias = linear.bias.detach().float().clone()
         if scheme.static_activations:
@@ -193,18 +235,40 @@ class QuantLinear(nn.Module):
             q.input_scale = dequant_scale(torch.tensor([float(input_amax)]), scheme.act_format)
         return q
 
+    def set_fp4_weight(self, qt: QuantizedTensor) -> None:
+        """Store an ``(out, in)`` weight quantized by ``fp8kit.quantize(w, "e2m1", <the scheme's granularity>)``."""
+        if not self.scheme.is_fp4 or tuple(qt.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"set_fp4_weight takes the {tuple(self.weight.shape)} weight of an FP4 scheme's layer")
+        self.weight = pack_fp4(qt.data).contiguous()
+        self.weight_scale = qt.scales.contiguous()
+        if qt.global_scale is not None:
+            self.weight_scale_2 = qt.global_scale.reshape(1).clone()
+
+    def fp4_weight(self) -> QuantizedTensor:
+        """An FP4 scheme's weight as the GEMM floor's operand: the unpacked codes with their scales."""
+        gran = parse_granularity(self.scheme.weight_granularity)
+        block = gran.block_shape(self.out_features, self.in_features)
+        global_scale = None if self.weight_scale_2 is None else self.weight_scale_2.reshape(())
+        codes = unpack_fp4(self.weight)
+        return QuantizedTensor(codes, self.weight_scale, E2M1, gran, block, torch.float32, global_scale=global_scale)
+
     def _apply(self, fn, *args, **kwargs):
         self._cache = None  # .to(device/dtype): drop the compute copy of the old weight
+        self._fp4_cache = None
         return super()._apply(fn, *args, **kwargs)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight the layer computes with, ``codes * weight_scale``."""
+        """The weight the layer computes with, ``codes * weight_scale`` (FP4: per block, times ``weight_scale_2``)."""
+        if self.scheme.is_fp4:
+            return self.fp4_weight().dequantize(dtype)
         return (self.weight.float() * self.weight_scale.reshape(-1, 1)).to(dtype)
 
     def weight_bytes(self) -> int:
         """Bytes of the stored weight codes and scales (the bias and the CPU compute cache not counted;
         ``resident_bytes(layer)`` counts everything the layer holds)."""
-        return self.weight.numel() * self.weight.element_size() + self.weight_scale.numel() * 4
+        scale_2 = 0 if self.weight_scale_2 is None else self.weight_scale_2.numel() * 4
+        scales = self.weight_scale.numel() * self.weight_scale.element_size()
+        return self.weight.numel() * self.weight.element_size() + scales + scale_2
 
     # -- activations -------------------------------------------------------------------------------
 
@@ -300,11 +364,35 @@ class QuantLinear(nn.Module):
             return KernelChoice("reference", f"{choice.name} raised on this layer before")
         return choice
 
+    def _fp4_compute_weight(self) -> torch.Tensor:
+        """An FP4 layer's ``dequantized_weight()``, kept until its codes or scales change (``weight_cache="cached"``)."""
+        w, s, c = self.weight, self.weight_scale, self._fp4_cache
+        if c is None or c[0] is not w or c[1] != w._version or c[2] is not s or c[3] != s._version:
+            self._fp4_cache = None  # free the old copy before making the new one
+            self._fp4_cache = c = (w, w._version, s, s._version, self.dequantized_weight())
+        return c[4]
+
+    def _forward_fp4(self, x: torch.Tensor) -> torch.Tensor:
+        """An FP4 weight-only layer: the GEMM floor's ``block_scaled_mm`` on the dequantized weight."""
+        if self.kernel not in (None, "reference"):
+            raise ValueError(f"{self.scheme.name} layers run block_scaled_mm or 'reference', not {self.kernel!r}")
+        if self.kernel == "reference":
+            return self._forward_reference(x)
+        if self.weight_cache not in WEIGHT_CACHE_MODES:
+            raise ValueError(f"weight_cache must be one of {', '.join(WEIGHT_CACHE_MODES)}; got {self.weight_cache!r}")
+        cached = self._fp4_compute_weight() if self.weight_cache == "cached" else None
+        if cached is None:
+            self._fp4_cache = None
+        out = block_scaled_mm(x.reshape(-1, self.in_features), self.fp4_weight(), self.bias, x.dtype, cached=cached)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"QuantLinear expects inputs with last dim {self.in_features}, got {tuple(x.shape)}")
         if x.requires_grad and torch.is_grad_enabled():
             return self._forward_straight_through(x)
+        if self.scheme.is_fp4:
+            return self._forward_fp4(x)
         choice = self.kernel_for(x)
         _log_choice(choice, x.device.type)
         if choice.name == "reference":

@@ -11,6 +11,7 @@ import torch.nn as nn
 from ..nn.convert import is_output_head
 from ..nn.linear import Linear as FP8Linear
 from ..recipes import DelayedScaling
+from ..scaling import parse_granularity
 from .calibrate import CALIBRATION_METHODS, InputObserver, choose_amax, observe_inputs
 from .experts import ExpertsObserver, find_experts, observe_experts, quantize_experts_module
 from .kv_cache import enable_fp8_kv, finish_calibration
@@ -134,6 +135,16 @@ class _Step:
     passes: Callable[[_Run], float] = lambda r: 0.0
 
 
+def _fp4_misfit(scheme: Scheme, module: nn.Module) -> str | None:
+    """Why an FP4 scheme leaves ``module`` in high precision (its input dim is not a whole number of blocks)."""
+    if not scheme.is_fp4:
+        return None
+    block = parse_granularity(scheme.weight_granularity).block_shape(1, module.in_features)[1]
+    if module.in_features % block:
+        return f"in_features {module.in_features} is not a multiple of {scheme.name}'s {block}-element blocks"
+    return None
+
+
 def _select_layers(run: _Run) -> None:
     """The Linear layers to quantize (``module_filter``, or all but the output head); the rest are reported."""
     model, opts, report = run.model, run.opts, run.report
@@ -146,6 +157,7 @@ def _select_layers(run: _Run) -> None:
             if opts.module_filter
             else skip(name, module)
         )
+        reason = reason or _fp4_misfit(run.scheme, module)
         if reason:
             report.skipped[name] = reason
         else:
@@ -164,6 +176,11 @@ def _select_layers(run: _Run) -> None:
             and isinstance(getattr(model.get_submodule(parent), "gate", None), nn.Module)
         ):
             report.skipped[router] = "MoE router (kept in high precision, as DeepSeek-V3 and llm-compressor do)"
+    if run.experts and run.scheme.is_fp4:
+        raise ValueError(
+            f"{run.scheme.name} quantizes nn.Linear layers, not MoE experts ({', '.join(run.experts)}): keep them "
+            "in high precision with module_filter"
+        )
     if not run.targets and not run.experts:
         raise ValueError(
             "no nn.Linear layer to quantize"
@@ -425,7 +442,9 @@ def quantize(
     and AWQ apply to the ``nn.Linear`` layers; the experts round to nearest. Routers stay in high precision.
 
     Args:
-        scheme: ``"fp8"``, ``"fp8-dynamic"``, ``"int8-smoothquant"`` or ``"int8-weight-only"``.
+        scheme: ``"fp8"``, ``"fp8-dynamic"``, ``"int8-smoothquant"`` or ``"int8-weight-only"``; or FP4 weights
+            (``"nvfp4-weight-only"``, ``"mxfp4-weight-only"``: round to nearest, GPTQ or AWQ, nn.Linear layers
+            whose in_features are whole blocks; not exported yet).
         forward_loop: ``forward_loop(model)`` runs the model on calibration data (ModelOpt's
             convention); required by the static schemes (``fp8``, ``int8-smoothquant``) and ``kv_cache``,
             except that a model trained with ``fp8kit.convert`` under delayed scaling exports to ``fp8``

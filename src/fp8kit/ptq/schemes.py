@@ -1,16 +1,18 @@
 """Post-training quantization schemes: what is quantized, to which format, at which granularity.
 
 Scales are dequantization multipliers (``real = code * scale``), as in compressed-tensors and vLLM:
-``scale = amax / 448`` for E4M3 and ``amax / 127`` for symmetric INT8.
+``scale = amax / 448`` for E4M3 and ``amax / 127`` for symmetric INT8. The FP4 weight-only schemes
+(``FP4_SCHEMES``: E2M1 weights in NVFP4's or MXFP4's blocks, ``fp8kit.quantize``'s granularities) are
+taken by ``ptq.quantize`` (round to nearest, GPTQ, AWQ) but not yet by the exports or the command line.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..formats import E4M3, INT8, Format
+from ..formats import E2M1, E4M3, INT8, Format
 
-__all__ = ["FP8_BLOCK", "SCHEMES", "Scheme", "get_scheme"]
+__all__ = ["FP4_SCHEMES", "FP8_BLOCK", "SCHEMES", "Scheme", "get_scheme"]
 
 
 @dataclass(frozen=True)
@@ -19,9 +21,10 @@ class Scheme:
 
     Attributes:
         name: the scheme's name (``fp8kit quantize --scheme NAME``).
-        weight_format: E4M3 or INT8 (weights stored in 8 bits).
-        weight_strategy: ``"tensor"`` (one scale), ``"channel"`` (one scale per output row) or ``"block"``
-            (one scale per ``block`` x ``block`` tile).
+        weight_format: E4M3 or INT8 (weights stored in 8 bits), or E2M1 (FP4, two codes per byte).
+        weight_strategy: ``"tensor"`` (one scale), ``"channel"`` (one scale per output row), ``"block"``
+            (one scale per ``block`` x ``block`` tile), or the FP4 blocks ``"nvfp4"`` / ``"mxfp4"`` (1x16
+            with E4M3 scales under a per-tensor scale / 1x32 with E8M0 scales, along the input dim).
         act_format: activation format, or ``None`` for weight-only (high-precision activations).
         act_strategy: ``"tensor"`` (static, calibrated), ``"token"`` (dynamic, per row at run time) or
             ``"group"`` (dynamic, per 1 x ``block`` group along K at run time).
@@ -45,7 +48,18 @@ class Scheme:
 
     @property
     def is_fp8(self) -> bool:
-        return self.weight_format.kind == "float"
+        return self.weight_format.kind == "float" and not self.weight_format.sub_byte
+
+    @property
+    def is_fp4(self) -> bool:
+        return self.weight_format.sub_byte
+
+    @property
+    def weight_granularity(self) -> str | tuple[int, int]:
+        """The weight's granularity for ``fp8kit.quantize`` (``"row"`` for per-channel scales)."""
+        if self.weight_strategy == "block":
+            return (self.block, self.block)  # type: ignore[return-value]
+        return "row" if self.weight_strategy == "channel" else self.weight_strategy
 
 
 SCHEMES: dict[str, Scheme] = {
@@ -110,11 +124,41 @@ FP8_BLOCK = Scheme(
 )
 
 
+# FP4 weight-only (W4A16): ``ptq.quantize`` only, not a ``fp8kit quantize --scheme`` (no export writes them yet).
+FP4_SCHEMES: dict[str, Scheme] = {
+    s.name: s
+    for s in (
+        Scheme(
+            "nvfp4-weight-only",
+            E2M1,
+            "nvfp4",
+            None,
+            None,
+            False,
+            "nvfp4-pack-quantized",
+            "NVFP4 weights (E2M1, 1x16 blocks, E4M3 block scales, FP32 tensor scale), activations in high precision",
+        ),
+        Scheme(
+            "mxfp4-weight-only",
+            E2M1,
+            "mxfp4",
+            None,
+            None,
+            False,
+            "mxfp4-pack-quantized",
+            "MXFP4 weights (E2M1, 1x32 blocks, E8M0 scales), activations in high precision",
+        ),
+    )
+}
+
+
 def get_scheme(scheme: Scheme | str) -> Scheme:
-    """The ``Scheme`` named ``scheme`` (clear error listing the accepted names)."""
+    """The ``Scheme`` named ``scheme`` (``SCHEMES`` or ``FP4_SCHEMES``; clear error listing the accepted names)."""
     if isinstance(scheme, Scheme):
         return scheme
     key = str(scheme).strip().lower()
+    if key in FP4_SCHEMES:
+        return FP4_SCHEMES[key]
     if key not in SCHEMES:
-        raise ValueError(f"unknown PTQ scheme {scheme!r}; accepted: {', '.join(SCHEMES)}")
+        raise ValueError(f"unknown PTQ scheme {scheme!r}; accepted: {', '.join([*SCHEMES, *FP4_SCHEMES])}")
     return SCHEMES[key]
