@@ -8,13 +8,13 @@ defaults with ``keep_bf16=0`` and ``norm_tweak=0``, the options that need a whol
 path's held-out perplexity on the same windows and the ratio sequential / whole, both computed in float32
 (the layer-by-layer export keeps embeddings, norms and head in BF16: its perplexity as shipped beside).
 
-Layer by layer, each layer calibrates (and GPTQ solves) on the outputs of the already-quantized layers
-before it, as llm-compressor's sequential pipeline does; whole-model PTQ calibrates every layer on the
-high-precision model's activations. With round to nearest (``--no-gptq``) the two differ only where a
-static activation scale sees the quantized inputs.
+``--propagate quantized``: each layer calibrates (and GPTQ solves) on the outputs of the already-quantized
+layers before it, as llm-compressor's sequential pipeline does; ``float`` (the default of ``fp8kit
+quantize``): on the high-precision model's activations, as whole-model PTQ does, which gives the same
+tensors (``tests/ptq/test_ptq_sequential.py``).
 
     python benchmarks/ptq_sequential_accuracy.py                       # every scheme, GPTQ (the CLI default)
-    python benchmarks/ptq_sequential_accuracy.py --schemes fp8 --no-gptq --split dev
+    python benchmarks/ptq_sequential_accuracy.py --schemes fp8 --no-gptq --split dev --propagate float
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--split", default="test", choices=("dev", "test"))
     ap.add_argument("--windows", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--propagate", choices=("float", "quantized"), default="quantized")
     args = ap.parse_args()
 
     from fp8kit.compare import _eval_windows
@@ -73,7 +74,8 @@ def main() -> None:
 
     print(
         f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads; GPTQ {'on' if args.gptq else 'off'}; {args.split} split"
+        f"{torch.get_num_threads()} threads; GPTQ {'on' if args.gptq else 'off'}; {args.split} split; "
+        f"layer by layer with {args.propagate} propagation"
     )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,7 +91,14 @@ def main() -> None:
             t1 = time.perf_counter()
             out = Path(tmp) / f"seq-{scheme}"
             quantize_pretrained_sequential(
-                folder, scheme, out, gptq=args.gptq, keep_bf16=0, norm_tweak=0, progress=False
+                folder,
+                scheme,
+                out,
+                gptq=args.gptq,
+                keep_bf16=0,
+                norm_tweak=0,
+                progress=False,
+                propagate=args.propagate,
             )
             reloaded = load_pretrained(out)
             ppl_shipped = perplexity_on(reloaded, windows)

@@ -214,11 +214,13 @@ def quantize_pretrained_sequential(
     max_shard_size: int | str | None = None,
     device: str | torch.device = "cpu",
     progress: bool | None = None,
+    propagate: str = "float",
     **settings: Any,
 ) -> tuple[Path, Any, PTQSplits]:
     """``quantize_pretrained`` layer by layer (``ptq.sequential``): the folder ``path`` is read one decoder
     layer at a time and the export written to ``out`` as it goes. ``settings`` are ``ptq_settings``'
-    arguments; ``keep_bf16`` and ``norm_tweak`` must be 0. Returns the export, its report and the corpus."""
+    arguments; ``keep_bf16`` and ``norm_tweak`` must be 0; ``propagate`` as ``ptq.sequential.quantize_checkpoint``.
+    Returns the export, its report and the corpus."""
     from transformers import AutoTokenizer
 
     from .models.pretrained import HFTokenizer
@@ -246,6 +248,7 @@ def quantize_pretrained_sequential(
         overwrite=overwrite,
         progress=progress,
         model=model,
+        propagate=propagate,
         **kw,
     )
     return out, report, splits

@@ -51,13 +51,16 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a, b)
 
 
-def _whole_and_sequential(src: Path, tmp: Path, scheme: str, fmt: str, ids: torch.Tensor, **kw):
+def _whole_and_sequential(
+    src: Path, tmp: Path, scheme: str, fmt: str, ids: torch.Tensor, propagate: str = "float", **kw
+):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     model = quantize_block(model) if scheme == "fp8-block" else quantize(model, scheme, _loop(ids), **kw)
     whole = save_pretrained(model, tmp / f"whole-{scheme}-{fmt}", format=fmt)
-    seq = quantize(str(src), scheme, _loop(ids), out=tmp / f"seq-{scheme}-{fmt}", format=fmt, **kw)
+    out = tmp / f"seq-{scheme}-{fmt}-{propagate}"
+    seq = quantize(str(src), scheme, _loop(ids), out=out, format=fmt, propagate=propagate, **kw)
     return whole, seq
 
 
@@ -128,16 +131,35 @@ def _loss(model, ids: torch.Tensor) -> float:
     ],
 )
 def test_calibrated_settings_give_the_same_accuracy(llama_dir, tmp_path, scheme, kw):
-    """Layer 0 sees the same inputs either way (bit-identical but with AWQ, whose row sample draws from one
-    generator across layers); later layers calibrate on the quantized layers' outputs, and the held-out
-    loss stays within 0.1% perplexity of the whole-model export."""
+    """``propagate="quantized"``: layer 0 sees the same inputs either way (bit-identical but with AWQ, whose
+    row sample draws from one generator across layers); later layers calibrate on the quantized layers'
+    outputs, and the held-out loss stays within 0.1% perplexity of the whole-model export."""
     ids, held_out = _ids(256, 16, 32), _ids(256, 8, 64, seed=2)
-    whole, seq = _whole_and_sequential(llama_dir, tmp_path, scheme, "compressed-tensors", ids, **kw)
+    whole, seq = _whole_and_sequential(llama_dir, tmp_path, scheme, "compressed-tensors", ids, "quantized", **kw)
     a, b = _tensors(whole), _tensors(seq)
     layer0 = [k for k in a if k.startswith("model.layers.0.")]
     assert layer0 and (kw.get("awq") or all(_same(a[k], b[k]) for k in layer0))
     la, lb = _loss(load_pretrained(whole), held_out), _loss(load_pretrained(seq), held_out)
     assert abs(lb - la) < 1e-3, (la, lb)  # perplexity ratio exp(lb - la) within 0.1%
+
+
+@pytest.mark.parametrize(
+    ("scheme", "kw"),
+    [("fp8", {"gptq": True, "calibration": "mse"}), ("int8-smoothquant", {"gptq": True, "alpha": 0.8})],
+)
+def test_float_propagation_gives_the_whole_model_tensors(llama_dir, tmp_path, scheme, kw):
+    """``propagate="float"`` (the default): every layer calibrates on the high-precision model's activations,
+    so the codes and scales equal whole-model PTQ's: bit for bit, but for SmoothQuant, whose whole-model
+    run takes later layers' activation scales from the smoothed model (equal up to float32 rounding)."""
+    ids = _ids(256, 16, 32)
+    whole, seq = _whole_and_sequential(llama_dir, tmp_path, scheme, "compressed-tensors", ids, **kw)
+    a, b = _tensors(whole), _tensors(seq)
+    assert a.keys() == b.keys()
+    differ = [k for k in a if not _same(a[k], b[k])]
+    if scheme != "int8-smoothquant":
+        assert differ == []
+    assert all(k.endswith("input_scale") for k in differ), differ
+    assert all(torch.allclose(a[k], b[k], rtol=2**-21, atol=0) for k in differ)  # one float32 ulp
 
 
 def test_transformers_reloads_the_sharded_export(llama_dir, tmp_path):

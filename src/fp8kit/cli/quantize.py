@@ -59,6 +59,13 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
         default="5GB",
         help="largest safetensors shard of the export, e.g. 5GB, 500MB (default: 5GB, as transformers)",
     )
+    q.add_argument(
+        "--propagate",
+        choices=("float", "quantized"),
+        default="float",
+        help="layer by layer, each layer calibrates on the outputs of the layers before it in high precision (float: "
+        "the whole-model result) or quantized (llm-compressor's sequential pipeline) (default: float)",
+    )
     add_device_options(q)
     add_overwrite(q, "a folder")
 
@@ -142,6 +149,7 @@ def _run_sequential(args: argparse.Namespace, source: Path, settings: dict, devi
         max_shard_size=args.max_shard_size,
         device=device,
         progress=True,
+        propagate=args.propagate,
         **settings,
     )
     print(report)

@@ -5,8 +5,12 @@ does, so a model larger than memory quantizes in about one layer's memory.
 device and captures the first decoder layer's inputs on ``forward_loop``'s batches (only the embeddings are
 read, in the checkpoint's dtype; no layer runs). Then, for each decoder layer: its weights are read from
 the safetensors shards (``safe_open``, in float32 on ``device``), ``ptq.quantize`` calibrates / smooths /
-GPTQs / AWQs it on the captured inputs, its tensors go to the sharded export, the quantized layer runs on
-the inputs to give the next layer its inputs, and it is freed. Tensors outside the decoder layers
+GPTQs / AWQs it on the captured inputs, its tensors go to the sharded export, the layer runs on the
+inputs to give the next layer its inputs, and it is freed. ``propagate="float"`` (the default) runs the
+layer before it is quantized, so every layer calibrates on the high-precision model's activations and the
+export equals whole-model PTQ's tensor for tensor; ``propagate="quantized"`` runs the quantized layer, so
+each layer calibrates (and GPTQ compensates) on the outputs of the quantized layers before it, as
+llm-compressor's sequential pipeline does. Tensors outside the decoder layers
 (embeddings, final norm, output head) are copied in their checkpoint dtype. The export is written into a
 hidden temporary folder renamed at the end (``export.common.export_folder``).
 
@@ -36,6 +40,7 @@ from .schemes import FP8_BLOCK, get_scheme
 __all__ = ["Checkpoint", "is_on_meta", "needs_full_load", "quantize", "quantize_checkpoint", "skeleton"]
 
 FULL_LOAD_OPTIONS = ("keep_bf16", "norm_tweak")  # options that rank or tune the whole model at once
+PROPAGATE = ("float", "quantized")  # what gives the next layer its calibration inputs
 
 
 class Checkpoint:
@@ -312,6 +317,7 @@ def quantize_checkpoint(
     module_filter: Callable[[str, nn.Module], bool] | None = None,
     progress: bool | None = None,
     model: nn.Module | None = None,
+    propagate: str = "float",
     **options: Any,
 ) -> tuple[Path, PTQReport]:
     """Quantize the causal LM in the Hugging Face folder ``path`` (safetensors) layer by layer with
@@ -319,7 +325,9 @@ def quantize_checkpoint(
     (shards of at most ``max_shard_size``, default 5GB). ``forward_loop(model)`` runs the calibration
     batches through the model (its outputs are not meaningful during the capture). ``options`` are
     ``ptq.quantize``'s (``calibration``, ``gptq``, ``awq``, ``smooth``, ``alpha``, ``kv_cache``, ...);
-    ``keep_bf16`` and ``norm_tweak`` need a full load and are refused. Returns the export's path and report."""
+    ``keep_bf16`` and ``norm_tweak`` need a full load and are refused. ``propagate``: ``"float"`` or
+    ``"quantized"`` layers give the next layer its inputs (module docstring). Returns the export's path and
+    report."""
     from ..export.checkpoint import format_tensors
     from ..export.common import check_export_dir, export_folder, hf_config_dict, write_metadata
     from ..export.experts import checkpoint_key
@@ -327,6 +335,8 @@ def quantize_checkpoint(
     from ..export.support import check_scheme_format
     from .kv_cache import enable_fp8_kv
 
+    if propagate not in PROPAGATE:
+        raise ValueError(f"propagate must be one of {', '.join(PROPAGATE)}, got {propagate!r}")
     full_load = needs_full_load(options)
     if full_load:
         raise ValueError(
@@ -364,13 +374,15 @@ def quantize_checkpoint(
                 if kv_cache:  # the shared config routes attention through fp8kit's: high precision until calibrated
                     enable_fp8_kv(layer, "off")
                 opts = dict(options)
+                following = _propagate(layer, inputs) if propagate == "float" else None
                 _merge(report, _quantize_layer(layer, prefix, name, inputs, module_filter, opts), prefix)
                 tensors, args = _layer_tensors(model, layer, prefix, format, name, kv_cache, block)
                 writer.add_all(tensors)
                 del tensors
                 if args[0] or args[2]:
                     config_args = args  # shapes and types only: the layer is freed below
-                inputs = _propagate(layer, inputs)
+                inputs = following if following is not None else _propagate(layer, inputs)
+                del following
                 layer.to("meta")
                 release_memory()
                 say(f"fp8kit.ptq sequential: layer {i + 1}/{len(layers)} ({time.perf_counter() - t0:.0f} s)")
@@ -426,7 +438,7 @@ def _outside_layers(model: nn.Module, layers_name: str) -> dict[str, str]:
 
 @torch.no_grad()
 def _propagate(layer: nn.Module, inputs: list[tuple[torch.Tensor, tuple, dict]]) -> list:
-    """The next layer's inputs: the quantized ``layer`` run on each batch (the other arguments are shared)."""
+    """The next layer's inputs: ``layer`` run on each batch (the other arguments are shared)."""
     out = []
     for h, args, kw in inputs:
         y = layer(h, *args, **kw)
