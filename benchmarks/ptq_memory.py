@@ -149,7 +149,7 @@ def main() -> None:
     gptq = "GPTQ" if args.gptq else "round to nearest"
     print(f"\n{args.scheme} ({gptq}), {args.calib_batches} calibration batches of 4 x 128 tokens; baseline "
           f"`import fp8kit, transformers` {base / 2**30:.2f} GiB")  # fmt: skip
-    print("\n| run | peak RSS above baseline (GiB) | x checkpoint bytes | wall time (s, contended) |")
+    print("\n| run | peak RSS above baseline (GiB) | x checkpoint bytes | wall time (s) |")
     print("|---|---|---|---|")
     for name, r in rows.items():
         above = r["peak"] - base
