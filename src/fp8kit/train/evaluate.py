@@ -44,7 +44,7 @@ def evaluate_checkpoint(
     base, tokenizer = build_base(cfg)
     corpus = load_corpus(text, tokenizer)
     corpus.check_fits(cfg.seq_len)
-    model = make_model(base, cfg, info["run"])
+    model = make_model(base, cfg, info["run"], info.get("plan"))
     step, _ = load_checkpoint(found, model)
     model.to(device)
     loss = evaluate(model, corpus.val_batches(batches, cfg.batch_size, cfg.seq_len, cfg.seed))

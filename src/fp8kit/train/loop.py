@@ -24,7 +24,7 @@ from ..nn import convert, saved_activation_bytes, to_bf16_gemms
 from ..nn.memory import persistent_bytes
 from ..recipes import recipe_from_name
 from .checkpoint import latest_checkpoint, load_run_checkpoint, save_run_checkpoint
-from .checks import check_config, check_resumable, parse_recipes, run_names
+from .checks import AUTO, check_config, check_resumable, fixed_recipes, parse_recipes, run_names
 from .config import TrainConfig
 from .load_balance import RouterStats
 
@@ -74,10 +74,17 @@ def build_base(cfg: TrainConfig) -> tuple[torch.nn.Module, Any]:
     return load_pretrained_lm(cfg.model)  # FP32 on the CPU: each run's copy moves to the run's device
 
 
-def make_model(base: torch.nn.Module, cfg: TrainConfig, run: str) -> torch.nn.Module:
-    """A copy of ``base`` with the run's GEMMs: BF16 for ``bf16``, FP8 ``convert`` for ``fp8-<recipe>``."""
+def make_model(
+    base: torch.nn.Module, cfg: TrainConfig, run: str, plan: dict[str, str] | None = None
+) -> torch.nn.Module:
+    """A copy of ``base`` with the run's GEMMs: BF16 for ``bf16``, FP8 ``convert`` for ``fp8-<recipe>``, and
+    for ``fp8-auto`` ``plan`` (layer name -> recipe name or "bf16")."""
     model = copy.deepcopy(base)
-    if run != "bf16":
+    if run == f"fp8-{AUTO}":
+        if plan is None:
+            raise ValueError(f"the {run} run needs its per-layer plan (plan.json of its run folder)")
+        convert(model, plan)
+    elif run != "bf16":
         convert(model, recipe_from_name(run.removeprefix("fp8-")))
     to_bf16_gemms(model)  # the layers that stay high precision (all of them for bf16) use BF16 GEMMs
     return model
@@ -159,10 +166,16 @@ class RunState:
 
 
 def train_run(
-    run: str, cfg: TrainConfig, corpus: Corpus, base: torch.nn.Module, out: Path, log: MetricsLog
+    run: str,
+    cfg: TrainConfig,
+    corpus: Corpus,
+    base: torch.nn.Module,
+    out: Path,
+    log: MetricsLog,
+    plan: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Train one run to ``cfg.steps`` (resuming from its checkpoint if asked); returns its results."""
-    state = start_run(run, cfg, corpus, base, out, log)
+    state = start_run(run, cfg, corpus, base, out, log, plan)
     dctx = current_context()
     bar = _progress_bar(cfg, run, state.start) if dctx.is_main else None
     step = state.start
@@ -182,22 +195,29 @@ def train_run(
 
 
 def start_run(
-    run: str, cfg: TrainConfig, corpus: Corpus, base: torch.nn.Module, out: Path, log: MetricsLog
+    run: str,
+    cfg: TrainConfig,
+    corpus: Corpus,
+    base: torch.nn.Module,
+    out: Path,
+    log: MetricsLog,
+    plan: dict[str, str] | None = None,
 ) -> RunState:
     """The run's model on the run's device (FP32 master weights, or BF16 ones with ``--master-weights bf16``),
     wrapped for the process group, its optimizer, its checkpoint restored when resuming; logs the held-out
-    loss before training (step 0) on a fresh start."""
+    loss before training (step 0) on a fresh start. ``plan``: the ``fp8-auto`` run's per-layer recipes."""
     torch.manual_seed(cfg.seed)
     dctx = current_context()
     if dctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dctx.device)
-    model = make_model(base, cfg, run).to(dctx.device)
+    plan = plan if run == f"fp8-{AUTO}" else None
+    model = make_model(base, cfg, run, plan).to(dctx.device)
     if run != "bf16" and cfg.master_weights == "bf16":
         model.to(torch.bfloat16)  # BF16 parameters, updated by fp8kit.optim.AdamW without FP32 copies
     train_model = dctx.wrap(model)  # several processes: synchronized FP8 scaling + DDP, or FSDP2 in place
     opt = make_optimizer(model, cfg, run)
     info = {key: getattr(cfg, key) for key in ("model_size", "model", "arch", "seed", "seq_len", "batch_size")}
-    info = {"run": run, **info}
+    info = {"run": run, **info, **({"plan": plan} if plan is not None else {})}
     val = [_to(b, dctx.device) for b in corpus.val_batches(cfg.eval_batches, cfg.batch_size, cfg.seq_len, cfg.seed)]
     state = RunState(
         run, model, train_model, _step_fn(cfg, run, train_model), opt, out / "ckpt" / run, info, val,
@@ -324,13 +344,18 @@ def run_comparison(cfg: TrainConfig) -> dict[str, Any]:
     check_config(cfg)
     if cfg.nproc > 1 and not in_torchrun():
         raise ValueError(f"nproc={cfg.nproc} needs torchrun: run `fp8kit train --nproc {cfg.nproc}` (it launches it)")
-    device = resolve_device(cfg.device, recipe=cfg.recipes, emulate=cfg.emulate)
+    device = resolve_device(cfg.device, recipe=fixed_recipes(cfg.recipes), emulate=cfg.emulate)
     dctx = context_from_env(cfg.fsdp, cfg.tp, cfg.ep, cfg.sp, device)  # under torchrun: joins the group (and mesh)
     base, tokenizer = build_base(cfg)
     corpus = load_corpus(cfg.text, tokenizer)
     corpus.check_fits(cfg.seq_len)
     out, log = _open_run_folder(cfg)
-    results = {run: train_run(run, cfg, corpus, base, out, log) for run in run_names(cfg)}
+    plan = None
+    if AUTO in cfg.recipes:
+        from .auto_plan import plan_for_run
+
+        plan = plan_for_run(cfg, base, corpus, out, dctx.device, write=dctx.is_main).per_layer
+    results = {run: train_run(run, cfg, corpus, base, out, log, plan) for run in run_names(cfg)}
     for res in results.values():
         if res is not results["bf16"]:
             res["rel_gap"] = (res["val_loss"] - results["bf16"]["val_loss"]) / results["bf16"]["val_loss"]

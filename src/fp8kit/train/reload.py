@@ -60,6 +60,6 @@ def load_train_checkpoint(path: Path, dtype: torch.dtype = torch.float32) -> tup
         batch_size=info["batch_size"],
     )
     base, tokenizer = build_base(cfg)
-    model = base if info["run"] == "bf16" else make_model(base, cfg, info["run"])
+    model = base if info["run"] == "bf16" else make_model(base, cfg, info["run"], info.get("plan"))
     load_checkpoint(path, model)
     return model.to(dtype).eval(), tokenizer
