@@ -166,3 +166,30 @@ def test_bad_arguments_name_the_fix():
         fp8kit.autotune(model, batches(), loss_budget=0.0, candidates=["current"], measure_layers=0)
     with pytest.raises(ValueError, match=r"\.loss"):
         fp8kit.autotune(model, [{"input_ids": batches()[0]["input_ids"]}], loss_budget=0.01)
+
+
+def test_moe_experts_are_planned_costed_and_converted():
+    from fp8kit.nn.experts import FP8Experts
+    from tests.helpers.moe import tiny_moe_model
+
+    model = tiny_moe_model("qwen3_moe").eval()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 128, (1, 16), generator=g)
+    data = [{"input_ids": x, "labels": x}]
+    plan = fp8kit.autotune(
+        model, data, loss_budget=0.01, target=FAST_MEMORY, candidates=["bf16", "rowwise"], measure_layers=0
+    )
+    experts = [n for n, m in model.named_modules() if hasattr(m, "num_experts") and n.endswith("experts")]
+    assert experts and all(n in plan.per_layer for n in experts)
+    for name in experts:
+        assert plan.predicted[name]["rowwise"] > 0
+        layer = model.get_submodule(name)
+        # two projections over tokens * top_k routed rows, one weight per expert: twice the FLOPs of top-1
+        rows = plan.tokens * model.config.num_experts_per_tok
+        gemms = [(g.tokens, g.weights) for g in fp8kit.planner.tune.layer_gemms(layer, plan.tokens)]
+        assert gemms == [(rows, layer.num_experts)] * 2
+    assert "rowwise" in {plan.per_layer[n] for n in experts}
+    converted = copy.deepcopy(model)
+    fp8kit.convert(converted, plan)
+    for name in experts:
+        assert isinstance(converted.get_submodule(name), FP8Experts) == (plan.per_layer[name] == "rowwise")

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from ..nn.convert import conversion_targets, convert_layer
 from ..nn.experts import convert_experts, fp8_experts_forward
-from ..ptq.layer_error import _swap, fisher_totals
+from ..ptq.layer_error import fisher_totals, swap_submodule
 from ..recipes import Recipe
 
 __all__ = [
@@ -133,11 +133,11 @@ def measured_increase(
     base = _mean_loss(model, batches, device)
     out = {}
     for name, q in variants.items():
-        orig = _swap(model, name, q)
+        orig = swap_submodule(model, name, q)
         try:
             out[name] = _mean_loss(model, batches, device) - base
         finally:
-            _swap(model, name, orig)
+            swap_submodule(model, name, orig)
     return out
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["LayerScore", "fisher_totals", "rank_by_fisher", "rank_by_output_error"]
+__all__ = ["LayerScore", "fisher_totals", "rank_by_fisher", "rank_by_output_error", "swap_submodule"]
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,8 @@ class LayerScore:
     metric: str
 
 
-def _swap(model: nn.Module, name: str, module: nn.Module) -> nn.Module:
+def swap_submodule(model: nn.Module, name: str, module: nn.Module) -> nn.Module:
+    """Put ``module`` at ``model``'s qualified ``name``; returns the module that was there."""
     parent_name, _, attr = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     old = getattr(parent, attr)
@@ -79,13 +80,13 @@ def rank_by_output_error(
     scores = []
     for name, q in qmods.items():
         state.update(i=0, err=0.0, norm=0.0)
-        orig = _swap(model, name, q)
+        orig = swap_submodule(model, name, q)
         h = model.register_forward_hook(compare)
         try:
             forward_loop(model)
         finally:
             h.remove()
-            _swap(model, name, orig)
+            swap_submodule(model, name, orig)
         scores.append(LayerScore(name, state["err"] / max(state["norm"], 1e-30), "relative output error"))
     return sorted(scores, key=lambda s: -s.score)
 
