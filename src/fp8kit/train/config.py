@@ -42,3 +42,4 @@ class TrainConfig:
     emulate: bool = False  # run recipes the GPU has no native GEMM for on dequantized BF16 operands
     loss_budget: float = 0.01  # --recipe auto: the plan's predicted loss increase, relative (0.01 = 1%)
     target: str = "h100"  # --recipe auto: what the plan minimises the step time of (planner.roofline.TARGETS)
+    plan: dict[str, str] | None = None  # the fp8-auto run's recipe per layer (train.auto_plan, or its checkpoint)

@@ -40,11 +40,12 @@ def evaluate_checkpoint(
         seq_len=info["seq_len"],
         batch_size=info["batch_size"],
         text=text,
+        plan=info.get("plan"),
     )
     base, tokenizer = build_base(cfg)
     corpus = load_corpus(text, tokenizer)
     corpus.check_fits(cfg.seq_len)
-    model = make_model(base, cfg, info["run"], info.get("plan"))
+    model = make_model(base, cfg, info["run"])
     step, _ = load_checkpoint(found, model)
     model.to(device)
     loss = evaluate(model, corpus.val_batches(batches, cfg.batch_size, cfg.seq_len, cfg.seed))

@@ -7,7 +7,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -74,16 +74,14 @@ def build_base(cfg: TrainConfig) -> tuple[torch.nn.Module, Any]:
     return load_pretrained_lm(cfg.model)  # FP32 on the CPU: each run's copy moves to the run's device
 
 
-def make_model(
-    base: torch.nn.Module, cfg: TrainConfig, run: str, plan: dict[str, str] | None = None
-) -> torch.nn.Module:
+def make_model(base: torch.nn.Module, cfg: TrainConfig, run: str) -> torch.nn.Module:
     """A copy of ``base`` with the run's GEMMs: BF16 for ``bf16``, FP8 ``convert`` for ``fp8-<recipe>``, and
-    for ``fp8-auto`` ``plan`` (layer name -> recipe name or "bf16")."""
+    for ``fp8-auto`` ``cfg.plan`` (layer name -> recipe name or "bf16")."""
     model = copy.deepcopy(base)
     if run == f"fp8-{AUTO}":
-        if plan is None:
+        if cfg.plan is None:
             raise ValueError(f"the {run} run needs its per-layer plan (plan.json of its run folder)")
-        convert(model, plan)
+        convert(model, cfg.plan)
     elif run != "bf16":
         convert(model, recipe_from_name(run.removeprefix("fp8-")))
     to_bf16_gemms(model)  # the layers that stay high precision (all of them for bf16) use BF16 GEMMs
@@ -166,16 +164,10 @@ class RunState:
 
 
 def train_run(
-    run: str,
-    cfg: TrainConfig,
-    corpus: Corpus,
-    base: torch.nn.Module,
-    out: Path,
-    log: MetricsLog,
-    plan: dict[str, str] | None = None,
+    run: str, cfg: TrainConfig, corpus: Corpus, base: torch.nn.Module, out: Path, log: MetricsLog
 ) -> dict[str, Any]:
     """Train one run to ``cfg.steps`` (resuming from its checkpoint if asked); returns its results."""
-    state = start_run(run, cfg, corpus, base, out, log, plan)
+    state = start_run(run, cfg, corpus, base, out, log)
     dctx = current_context()
     bar = _progress_bar(cfg, run, state.start) if dctx.is_main else None
     step = state.start
@@ -195,29 +187,22 @@ def train_run(
 
 
 def start_run(
-    run: str,
-    cfg: TrainConfig,
-    corpus: Corpus,
-    base: torch.nn.Module,
-    out: Path,
-    log: MetricsLog,
-    plan: dict[str, str] | None = None,
+    run: str, cfg: TrainConfig, corpus: Corpus, base: torch.nn.Module, out: Path, log: MetricsLog
 ) -> RunState:
     """The run's model on the run's device (FP32 master weights, or BF16 ones with ``--master-weights bf16``),
     wrapped for the process group, its optimizer, its checkpoint restored when resuming; logs the held-out
-    loss before training (step 0) on a fresh start. ``plan``: the ``fp8-auto`` run's per-layer recipes."""
+    loss before training (step 0) on a fresh start."""
     torch.manual_seed(cfg.seed)
     dctx = current_context()
     if dctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dctx.device)
-    plan = plan if run == f"fp8-{AUTO}" else None
-    model = make_model(base, cfg, run, plan).to(dctx.device)
+    model = make_model(base, cfg, run).to(dctx.device)
     if run != "bf16" and cfg.master_weights == "bf16":
         model.to(torch.bfloat16)  # BF16 parameters, updated by fp8kit.optim.AdamW without FP32 copies
     train_model = dctx.wrap(model)  # several processes: synchronized FP8 scaling + DDP, or FSDP2 in place
     opt = make_optimizer(model, cfg, run)
     info = {key: getattr(cfg, key) for key in ("model_size", "model", "arch", "seed", "seq_len", "batch_size")}
-    info = {"run": run, **info, **({"plan": plan} if plan is not None else {})}
+    info = {"run": run, **info, **({"plan": cfg.plan} if run == f"fp8-{AUTO}" else {})}
     val = [_to(b, dctx.device) for b in corpus.val_batches(cfg.eval_batches, cfg.batch_size, cfg.seq_len, cfg.seed)]
     state = RunState(
         run, model, train_model, _step_fn(cfg, run, train_model), opt, out / "ckpt" / run, info, val,
@@ -350,12 +335,11 @@ def run_comparison(cfg: TrainConfig) -> dict[str, Any]:
     corpus = load_corpus(cfg.text, tokenizer)
     corpus.check_fits(cfg.seq_len)
     out, log = _open_run_folder(cfg)
-    plan = None
-    if AUTO in cfg.recipes:
+    if AUTO in cfg.recipes:  # the fp8-auto run's per-layer recipes
         from .auto_plan import plan_for_run
 
-        plan = plan_for_run(cfg, base, corpus, out, dctx.device, write=dctx.is_main).per_layer
-    results = {run: train_run(run, cfg, corpus, base, out, log, plan) for run in run_names(cfg)}
+        cfg = replace(cfg, plan=plan_for_run(cfg, base, corpus, out, dctx.device, write=dctx.is_main).per_layer)
+    results = {run: train_run(run, cfg, corpus, base, out, log) for run in run_names(cfg)}
     for res in results.values():
         if res is not results["bf16"]:
             res["rel_gap"] = (res["val_loss"] - results["bf16"]["val_loss"]) / results["bf16"]["val_loss"]
