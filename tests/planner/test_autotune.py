@@ -71,6 +71,10 @@ def test_outlier_layers_are_kept_off_per_tensor_fp8(planned):
         if u["meets_budget"]:
             assert plan.total_cost_s <= u["cost_s"] * (1 + 1e-12), name
     assert len(plan.measured) == 3 and plan.measured_recipe == "current"
+    fresh = outlier_llama().state_dict()  # planning leaves the model as it was: weights, gradients, flags
+    assert all(torch.equal(t, fresh[k]) for k, t in model.state_dict().items())
+    assert all(p.grad is None and p.requires_grad for p in model.parameters())
+    assert all(type(m) is nn.Linear for n, m in model.named_modules() if n in plan.per_layer)
 
 
 def test_plan_predictions_match_a_measured_outlier_layer(planned):
