@@ -1,7 +1,7 @@
 r"""``fp8kit.autotune``'s plan against uniform recipes on the demo model (or SmolLM2-135M).
 
 The demo Llama is first trained in BF16 for ``--pretrain-steps`` on the shipped corpus (SmolLM2 is used as
-shipped); ``fp8kit.autotune`` then plans on two training batches for ``--target``. Each configuration (BF16,
+shipped); ``fp8kit.autotune`` then plans on ``--plan-batches`` training batches for ``--target``. Each configuration (BF16,
 the plan, every uniform recipe) is applied to a copy with ``fp8kit.convert`` and reported with: its summed
 step cost on the target (roofline), the measured CPU time of one training step (forward + backward) of the
 whole model, and its held-out loss and relative gap to BF16 (no further training). Then the cost model's CPU
@@ -9,7 +9,7 @@ prediction (``roofline.cpu_roofline``) against the timed layer steps (``roofline
 distinct layer shape and recipe, and the Fisher prediction's Spearman against the measured layer losses.
 
     OMP_NUM_THREADS=2 python benchmarks/autotune.py --model demo --model-size small --loss-budget 0.01
-    python benchmarks/autotune.py --model smollm2 --loss-budget 0.01 --batch-size 2 --seq-len 256
+    python benchmarks/autotune.py --model smollm2 --loss-budget 0.01 --batch-size 4 --seq-len 256 --plan-batches 8
 
 Timings are only meaningful on a quiet machine.
 """
@@ -70,11 +70,12 @@ def main() -> None:
     p.add_argument("--loss-budget", type=float, default=0.01)
     p.add_argument("--target", default="h100")
     p.add_argument("--val-batches", type=int, default=8)
+    p.add_argument("--plan-batches", type=int, default=2, help="training batches the plan is made (and checked) on")
     args = p.parse_args()
     torch.manual_seed(0)
     model, corpus = base_model(args)
     plan_batches = []
-    for i in range(2):
+    for i in range(args.plan_batches):
         x, _ = corpus.batch("train", 10_000 + i, args.batch_size, args.seq_len, 0)
         plan_batches.append({"input_ids": x, "labels": x})
     t0 = time.perf_counter()
