@@ -71,6 +71,11 @@ def main() -> None:
     p.add_argument("--target", default="h100")
     p.add_argument("--val-batches", type=int, default=8)
     p.add_argument("--plan-batches", type=int, default=2, help="training batches the plan is made (and checked) on")
+    p.add_argument("--candidates", default=None, help="comma list (default: bf16 and every recipe)")
+    p.add_argument(
+        "--measure-layers", type=int, default=8, help="layers whose measured loss change checks the prediction"
+    )
+    p.add_argument("--plan-only", action="store_true", help="print the plan and the prediction check only")
     args = p.parse_args()
     torch.manual_seed(0)
     model, corpus = base_model(args)
@@ -79,9 +84,19 @@ def main() -> None:
         x, _ = corpus.batch("train", 10_000 + i, args.batch_size, args.seq_len, 0)
         plan_batches.append({"input_ids": x, "labels": x})
     t0 = time.perf_counter()
-    plan = fp8kit.autotune(model, plan_batches, loss_budget=args.loss_budget, target=args.target)
+    candidates = args.candidates.split(",") if args.candidates else None
+    plan = fp8kit.autotune(
+        model, plan_batches, loss_budget=args.loss_budget, target=args.target, candidates=candidates,
+        measure_layers=args.measure_layers,
+    )  # fmt: skip
     print(plan)
     print(f"planned in {time.perf_counter() - t0:.1f} s\n")
+    for name in sorted(plan.measured, key=lambda n: -plan.predicted[n][plan.measured_recipe]):
+        print(
+            f"  {name:<40} predicted {plan.predicted[name][plan.measured_recipe]:.3g}  measured {plan.measured[name]:.3g}"
+        )
+    if args.plan_only:
+        return
 
     val = corpus.val_batches(args.val_batches, args.batch_size, args.seq_len, 0)
     x, y = corpus.batch("train", 0, args.batch_size, args.seq_len, 0)

@@ -120,13 +120,14 @@ def fisher_totals(
             if not torch.is_grad_enabled() or not isinstance(out, torch.Tensor) or not out.requires_grad:
                 return
             args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-            with torch.no_grad():
-                dys = {key: (q(*args, **kwargs) - out.detach()).float() for key, q in variants[name].items()}
+            y = out.detach().clone()  # a copy: later in-place ops on the output must not change it
 
-            def on_grad(g: torch.Tensor) -> None:
+            def on_grad(g: torch.Tensor) -> None:  # the variants run here: one output held per layer, not one dy each
                 g2 = g.float().pow(2)
-                for key, dy in dys.items():
-                    totals[name][key] += 0.5 * float((g2 * dy.pow(2)).sum())
+                with torch.no_grad():
+                    for key, q in variants[name].items():
+                        dy = (q(*args, **kwargs) - y).float()
+                        totals[name][key] += 0.5 * float((g2 * dy.pow(2)).sum())
 
             out.register_hook(on_grad)
 
