@@ -10,6 +10,11 @@ distinct layer shape and recipe, and the Fisher prediction's Spearman against th
 
     OMP_NUM_THREADS=2 python benchmarks/autotune.py --model demo --model-size small --loss-budget 0.01
     python benchmarks/autotune.py --model smollm2 --loss-budget 0.01 --batch-size 4 --seq-len 256 --plan-batches 8
+    python benchmarks/autotune.py --model wide --outliers 1 --batch-size 4 --seq-len 512 --plan-batches 1 --plan-only
+
+``--outliers N`` plants an outlier input channel in the first N MLPs (same function); ``--model wide`` is a random
+2-layer Llama of 7B widths, where FP8 GEMMs pay on an H100 (the demo model and SmolLM2 are too narrow: the
+casts and BF16 outputs cost more than the FP8 GEMM saves, and the plan keeps them in BF16).
 
 Timings are only meaningful on a quiet machine.
 """
@@ -31,7 +36,33 @@ from fp8kit.planner.sensitivity import plannable_layers
 from fp8kit.planner.tune import layer_gemms
 
 
+def plant_outliers(model, layers: int, scale: float = 2.0**18) -> None:
+    """Make the MLP input channel 5 of the first ``layers`` decoder layers ``scale`` times the others (their
+    RMSNorm weight) and divide the matching gate/up weight columns by it: the same function, one channel far
+    outside the others' range."""
+    with torch.no_grad():
+        for block in model.model.layers[:layers]:
+            block.post_attention_layernorm.weight[5] *= scale
+            block.mlp.gate_proj.weight[:, 5] /= scale
+            block.mlp.up_proj.weight[:, 5] /= scale
+
+
+def wide_llama(seed: int = 0):
+    """A random 2-layer byte-level Llama with a 7B model's widths (hidden 4096, SwiGLU 11008): shapes where FP8
+    GEMMs pay on a GPU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=256, hidden_size=4096, intermediate_size=11008, num_hidden_layers=2, num_attention_heads=32,
+        num_key_value_heads=32, max_position_embeddings=512, tie_word_embeddings=False,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
 def base_model(args):
+    if args.model == "wide":
+        return wide_llama().eval(), load_corpus(None, ByteTokenizer())
     if args.model == "smollm2":
         from fp8kit.models.pretrained import load_pretrained_lm
 
@@ -62,7 +93,8 @@ def step_seconds(model, x, y, reps: int = 3) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=("demo", "smollm2"), default="demo")
+    p.add_argument("--model", choices=("demo", "smollm2", "wide"), default="demo")
+    p.add_argument("--outliers", type=int, default=0, help="plant an outlier input channel in this many MLPs")
     p.add_argument("--model-size", default="small")
     p.add_argument("--pretrain-steps", type=int, default=150)
     p.add_argument("--batch-size", type=int, default=8)
@@ -79,6 +111,7 @@ def main() -> None:
     args = p.parse_args()
     torch.manual_seed(0)
     model, corpus = base_model(args)
+    plant_outliers(model, args.outliers)
     plan_batches = []
     for i in range(args.plan_batches):
         x, _ = corpus.batch("train", 10_000 + i, args.batch_size, args.seq_len, 0)
