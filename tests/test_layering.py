@@ -58,7 +58,8 @@ def under(module: str, *packages: str) -> bool:
     ("layer", "forbidden"),
     [
         ("ptq", ("train", "data", "models", "compare", "cli", "debug")),
-        ("nn", ("train", "data", "models", "compare", "cli", "debug", "ptq", "export")),
+        ("nn", ("train", "data", "models", "compare", "cli", "debug", "ptq", "export", "planner")),
+        ("planner", ("train", "data", "models", "compare", "cli", "debug", "export")),
         ("debug", ("train", "data", "models", "compare", "cli", "ptq", "export")),
         ("evaluation", ("train", "data", "models", "compare", "cli", "ptq", "debug", "nn")),
         ("export", ("train", "data", "models", "compare", "cli", "debug")),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ from .version import __version__
 
 def convert(
     model: torch.nn.Module | str | os.PathLike,
-    recipe: Recipe | str | None = None,
+    recipe: Recipe | str | Mapping[str, Recipe | str] | None = None,
     module_filter: Callable[[str, torch.nn.Module], bool] | None = None,
     **kwargs: Any,
 ) -> torch.nn.Module:
@@ -36,7 +36,7 @@ def convert(
     FP8 or INT8 checkpoint (``compressed-tensors``, ``modelopt`` or ``fp8-block``, from fp8kit or any
     producer): FP8 model in, FP8 model out. The checkpoint is read by ``fp8kit.export.dequantized_model``
     (weights exactly ``code * scale``, float32), and with the block recipe each layer starts from the
-    checkpoint's own 128x128 tiles."""
+    checkpoint's own 128x128 tiles. ``recipe`` may be a per-layer plan (``fp8kit.autotune``'s ``Plan``)."""
     if isinstance(model, (str, os.PathLike)):
         if not os.path.isdir(model):
             raise TypeError(f"convert() takes an nn.Module or the directory of an FP8 checkpoint; {model!r} is neither")
@@ -58,12 +58,19 @@ _LAZY_SUBMODULES = (
     "integrations",
     "models",
     "optim",
+    "planner",
     "ptq",
     "train",
 )
+# Functions and classes of lazy submodules reachable from ``fp8kit`` (``fp8kit.autotune(...)``), imported on first use.
+_LAZY_NAMES = {"autotune": "planner", "Plan": "planner"}
 
 
 def __getattr__(name: str):
+    if name in _LAZY_NAMES:
+        value = getattr(__getattr__(_LAZY_NAMES[name]), name)
+        globals()[name] = value
+        return value
     if name in _LAZY_SUBMODULES:
         import importlib
 
@@ -79,7 +86,7 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY_SUBMODULES})
+    return sorted({*globals(), *_LAZY_SUBMODULES, *_LAZY_NAMES})
 
 
 __all__ = [
@@ -91,6 +98,7 @@ __all__ = [
     "Recipe",
     "RowwiseScaling",
     "autocast",
+    "autotune",
     "compile",
     "convert",
     "fp8_gemm",
@@ -104,6 +112,7 @@ __all__ = [
     "INT8",
     "Format",
     "Granularity",
+    "Plan",
     "QuantizedTensor",
     "cast",
     "compute_scale",

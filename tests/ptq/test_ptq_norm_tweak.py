@@ -105,11 +105,11 @@ def test_norm_tweak_reverts_when_it_does_not_help(llama):
     model, calib = llama
     q = quantize(copy.deepcopy(model), "fp8", lambda m: [m(input_ids=x) for x in calib])
     start = {k: v.clone() for k, v in norm_parameters(q).items()}
-    from fp8kit.ptq.layer_error import _swap
+    from fp8kit.ptq.layer_error import swap_submodule
 
-    originals = {n: _swap(q, n, copy.deepcopy(model.get_submodule(n))) for n in q.ptq_report.quantized}
+    originals = {n: swap_submodule(q, n, copy.deepcopy(model.get_submodule(n))) for n in q.ptq_report.quantized}
     for n, m in originals.items():  # put the quantized layers back; keep the originals as the teacher
-        originals[n] = _swap(q, n, m)
+        originals[n] = swap_submodule(q, n, m)
     res = tweak_norms(q, originals, lambda m: [m(input_ids=x) for x in calib], steps=5, lr=50.0)
     assert res.reverted and res.loss_after == res.loss_before
     assert all(torch.equal(p, start[k]) for k, p in norm_parameters(q).items())

@@ -35,25 +35,27 @@ DESCRIPTION = (
     "Train the same model from the same weights and batches in BF16 and in each FP8 recipe, then write "
     "a loss plot, a summary table and checkpoints to --out."
 )
-WRITES = ("config.json", "metrics.jsonl", "summary.json", "summary.md", "loss.png", "ckpt")
+WRITES = ("config.json", "metrics.jsonl", "summary.json", "summary.md", "loss.png", "ckpt", "plan.json")
 SIGNATURE = ("config.json", ("recipes", "model_size", "eval_interval"))
 
 
 def recipe_list(text: str) -> str:
-    """``all`` or a comma list of recipe names."""
+    """``all``, ``auto`` or a comma list of recipe names."""
     from ..recipes import RECIPE_NAMES, recipe_from_name
 
     names = [s.strip() for s in text.split(",") if s.strip()]
     if text.strip().lower() == "all":
         return "all"
     if not names:
-        raise argparse.ArgumentTypeError(f"give a recipe: {', '.join(RECIPE_NAMES)}, all, or a comma list")
+        raise argparse.ArgumentTypeError(f"give a recipe: {', '.join(RECIPE_NAMES)}, auto, all, or a comma list")
     for n in names:
+        if n.lower() == "auto":
+            continue
         try:
             recipe_from_name(n)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"unknown recipe {n!r}; accepted: {', '.join(RECIPE_NAMES)}, all, or a comma list"
+                f"unknown recipe {n!r}; accepted: {', '.join(RECIPE_NAMES)}, auto, all, or a comma list"
             ) from None
     return text
 
@@ -69,8 +71,27 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
 
 
 def _add_model_options(t: argparse.ArgumentParser) -> None:
+    from ..planner.roofline import TARGETS
+
     t.add_argument(
-        "--recipe", default="delayed", type=recipe_list, help="delayed|current|rowwise|block|mxfp8|all, or a comma list"
+        "--recipe",
+        default="delayed",
+        type=recipe_list,
+        help="delayed|current|rowwise|block|mxfp8|all, or a comma list; auto: a recipe per layer (or bf16), "
+        "planned by fp8kit.autotune on the first batches for the least step time on --target within --loss-budget",
+    )
+    t.add_argument(
+        "--loss-budget",
+        type=float,
+        default=0.01,
+        help="--recipe auto: the predicted loss increase the plan may cost, relative (default 0.01 = 1%%)",
+    )
+    t.add_argument(
+        "--target",
+        choices=TARGETS,
+        default="h100",
+        help="--recipe auto: the step time the plan minimises: a GPU's roofline (h100, h200, b200) or timed on "
+        "this CPU (default: h100)",
     )
     t.add_argument(
         "--model",
@@ -218,6 +239,8 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         sp=args.sp,
         device=args.device,
         emulate=args.emulate,
+        loss_budget=args.loss_budget,
+        target=args.target,
         **settings,
     )
 
@@ -276,9 +299,10 @@ def _announce_cost(cfg: TrainConfig, force: bool) -> None:
     """Parameters, peak memory per process and time per run, before anything is loaded."""
     from ..cost import estimate_training
     from ..device import resolve_device
+    from ..train.checks import fixed_recipes
     from ..train.loop import run_names
 
-    device = resolve_device(cfg.device, recipe=cfg.recipes, emulate=cfg.emulate)
+    device = resolve_device(cfg.device, recipe=fixed_recipes(cfg.recipes), emulate=cfg.emulate)
     shape = shape_of(cfg.model, cfg.arch, cfg.model_size, cfg.seq_len)
     micro = cfg.batch_size * cfg.seq_len // max(cfg.nproc, 1)
     cost = estimate_training(
@@ -303,6 +327,13 @@ def _train(cfg: TrainConfig) -> dict | None:
 def _print_summary(cfg: TrainConfig, summary: dict) -> None:
     from ..train.report import summary_markdown
 
+    plan_file = Path(cfg.out) / "plan.json"
+    if "auto" in cfg.recipes and plan_file.is_file():
+        from ..planner import Plan
+
+        print()
+        print(Plan.from_json(plan_file))
+        print(f"wrote the fp8-auto run's plan to {plan_file}")
     print()
     print(summary_markdown(summary))
     print(f"wrote {cfg.out}/summary.json, summary.md, loss.png, metrics.jsonl and checkpoints in {cfg.out}/ckpt")

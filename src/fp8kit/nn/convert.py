@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import re
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +30,14 @@ from ..recipes import DelayedScaling, Recipe, recipe_from_name
 from .experts import convert_experts, experts_why_not, fp8_experts_forward, is_experts_module
 from .linear import Linear
 
-__all__ = ["ConversionReport", "convert", "convert_layer", "default_module_filter"]
+__all__ = [
+    "ConversionReport",
+    "ConversionTargets",
+    "conversion_targets",
+    "convert",
+    "convert_layer",
+    "default_module_filter",
+]
 
 log = logging.getLogger("fp8kit")
 
@@ -173,43 +180,36 @@ def _placeholder(weight: torch.Tensor, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.zeros((), dtype=weight.dtype, device=device).expand(weight.shape), requires_grad=False)
 
 
-def convert(
-    model: nn.Module,
-    recipe: Recipe | str | None = None,
-    module_filter: Callable[[str, nn.Module], bool] | None = None,
-    *,
-    save_fp8_activations: bool = True,
-    verbose: bool = False,
-) -> nn.Module:
-    """Turn eligible ``nn.Linear`` layers of ``model`` into ``fp8kit.nn.Linear`` in place.
+@dataclass
+class ConversionTargets:
+    """What ``convert`` would convert in a model: ``experts`` (transformers experts modules) and ``linears``
+    (``nn.Linear``), by qualified name in module order; ``found_experts`` every experts module (converted
+    or not); ``skipped`` the rest, with the reason."""
 
-    ``recipe`` is a recipe object or its name (``"delayed"``, ``"current"``, ``"rowwise"``, ``"block"``,
-    ``"mxfp8"``; default delayed scaling). Layers keep their identity, parameters, hooks and attributes,
-    so an optimizer built before or after conversion keeps working and accelerate/PEFT/user hooks still
-    fire. ``module_filter(name, module) -> bool`` picks layers by qualified name (it replaces the default
-    filter, which skips the output head and dims that are not multiples of 16). The report is stored as
-    ``model.fp8_conversion_report`` and logged (printed with ``verbose=True``).
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}")
-    if isinstance(recipe, str):
-        recipe = recipe_from_name(recipe)
-    recipe = recipe if recipe is not None else DelayedScaling()
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be an fp8kit recipe or its name (e.g. 'delayed'), got {recipe!r}")
-    if isinstance(model, nn.Linear) and type(model) is nn.Linear:
-        raise ValueError(
-            "convert() replaces layers inside a model, not the model itself: wrap the Linear in "
-            "nn.Sequential, or use fp8kit.nn.Linear.from_linear(layer, recipe)"
-        )
-    report = ConversionReport()
+    experts: list[tuple[str, nn.Module]] = field(default_factory=list)
+    found_experts: list[tuple[str, nn.Module]] = field(default_factory=list)
+    linears: list[tuple[str, nn.Linear]] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def conversion_targets(
+    model: nn.Module, module_filter: Callable[[str, nn.Module], bool] | None = None
+) -> ConversionTargets:
+    """The layers ``convert(model, recipe, module_filter)`` converts, and those it skips with the reason."""
+    out = ConversionTargets()
+    out.found_experts = [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
+    for name, module in out.found_experts:
+        excluded = module_filter is not None and not module_filter(name, module)
+        reason = "excluded by module_filter" if excluded else experts_why_not(module, HARDWARE_MULTIPLE)
+        if reason:
+            out.skipped[name] = reason
+        else:
+            out.experts.append((name, module))
+    routers = _routers(model, out.found_experts)
     default = default_module_filter(model)
-    experts = _convert_experts(model, recipe, module_filter, save_fp8_activations, report)
-    routers = _routers(model, experts)
-    targets: list[tuple[str, nn.Linear]] = []
     for name, module in model.named_modules():
         if name in routers:
-            report.skipped[name] = routers[name]
+            out.skipped[name] = routers[name]
             continue
         parametrized = isinstance(module, nn.Linear) and hasattr(module, "parametrizations")
         if type(module) is not nn.Linear and not parametrized:
@@ -220,11 +220,91 @@ def convert(
             reason = default(name, module)
         reason = reason or _why_not_convertible(module)
         if reason:
-            report.skipped[name] = reason
+            out.skipped[name] = reason
         else:
-            targets.append((name, module))
-    for name, module in targets:
-        convert_layer(module, recipe, save_fp8_activations=save_fp8_activations, name=name)
+            out.linears.append((name, module))
+    return out
+
+
+KEPT_BY_PLAN = "kept in high precision by the per-layer plan"
+
+
+def _recipe_per_layer(recipe: object, targets: ConversionTargets) -> Callable[[str], Recipe | None]:
+    """``name -> Recipe`` (``None``: keep the layer) for a recipe, its name, ``None`` (delayed), a mapping
+    ``name -> recipe or name or "bf16"``, or a plan (an object with such a mapping as ``per_layer``)."""
+    per_layer = getattr(recipe, "per_layer", recipe)
+    if not isinstance(per_layer, Mapping):
+        one = recipe_from_name(recipe) if isinstance(recipe, str) else recipe
+        one = one if one is not None else DelayedScaling()
+        if not isinstance(one, Recipe):
+            raise TypeError(
+                f"recipe must be an fp8kit recipe, its name (e.g. 'delayed') or a per-layer plan, got {recipe!r}"
+            )
+        return lambda _name: one
+    chosen: dict[str, Recipe | None] = {}
+    for name, r in per_layer.items():
+        if isinstance(r, str):
+            r = None if r.lower() == "bf16" else recipe_from_name(r)
+        if r is not None and not isinstance(r, Recipe):
+            raise TypeError(f"the plan gives layer {name!r} {r!r}: give a recipe, its name or 'bf16'")
+        chosen[name] = r
+    known = {name for name, _ in targets.experts + targets.linears}
+    unknown = sorted(set(chosen) - known)
+    if unknown:
+        raise ValueError(
+            f"the plan names layers convert cannot convert in this model: {', '.join(unknown[:5])}"
+            f"{' ...' if len(unknown) > 5 else ''} (a plan made for another model?)"
+        )
+    return chosen.get
+
+
+def convert(
+    model: nn.Module,
+    recipe: Recipe | str | Mapping[str, Recipe | str] | None = None,
+    module_filter: Callable[[str, nn.Module], bool] | None = None,
+    *,
+    save_fp8_activations: bool = True,
+    verbose: bool = False,
+) -> nn.Module:
+    """Turn eligible ``nn.Linear`` layers of ``model`` into ``fp8kit.nn.Linear`` in place.
+
+    ``recipe`` is a recipe object or its name (``"delayed"``, ``"current"``, ``"rowwise"``, ``"block"``,
+    ``"mxfp8"``; default delayed scaling), or a per-layer plan: ``fp8kit.autotune``'s ``Plan`` or a mapping
+    ``layer name -> recipe, its name or "bf16"`` (layers given ``"bf16"`` or absent stay in high
+    precision). Layers keep their identity, parameters, hooks and attributes,
+    so an optimizer built before or after conversion keeps working and accelerate/PEFT/user hooks still
+    fire. ``module_filter(name, module) -> bool`` picks layers by qualified name (it replaces the default
+    filter, which skips the output head and dims that are not multiples of 16). The report is stored as
+    ``model.fp8_conversion_report`` and logged (printed with ``verbose=True``).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}")
+    if isinstance(model, nn.Linear) and type(model) is nn.Linear:
+        raise ValueError(
+            "convert() replaces layers inside a model, not the model itself: wrap the Linear in "
+            "nn.Sequential, or use fp8kit.nn.Linear.from_linear(layer, recipe)"
+        )
+    targets = conversion_targets(model, module_filter)
+    recipe_for = _recipe_per_layer(recipe, targets)
+    report = ConversionReport(skipped=dict(targets.skipped))
+    experts = [(name, m, recipe_for(name)) for name, m in targets.experts]
+    if any(r is not None for _, _, r in experts):
+        from .experts_interface import IMPLEMENTATION, use_implementation
+
+        use_implementation([m for _, m in targets.found_experts], IMPLEMENTATION, fp8_experts_forward)
+    for name, module, r in experts:
+        if r is None:
+            report.skipped[name] = KEPT_BY_PLAN
+            continue
+        convert_experts(module, r, save_fp8_activations=save_fp8_activations, name=name)
+        report.converted.append(name)
+        report.experts.append(name)
+    for name, module in targets.linears:
+        r = recipe_for(name)
+        if r is None:
+            report.skipped[name] = KEPT_BY_PLAN
+            continue
+        convert_layer(module, r, save_fp8_activations=save_fp8_activations, name=name)
         report.converted.append(name)
     object.__setattr__(model, "fp8_conversion_report", report)
     (print if verbose else log.info)(str(report))
@@ -232,36 +312,6 @@ def convert(
 
 
 _ROUTER = "MoE router (kept in high precision, as DeepSeek-V3 does: routing decisions are sensitive to rounding)"
-
-
-def _convert_experts(
-    model: nn.Module,
-    recipe: Recipe,
-    module_filter: Callable[[str, nn.Module], bool] | None,
-    save_fp8_activations: bool,
-    report: ConversionReport,
-) -> list[tuple[str, nn.Module]]:
-    """Convert the ``transformers`` experts modules of ``model``; returns all of them (converted or not)."""
-    found = [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
-    if not found:
-        return found
-    from .experts_interface import IMPLEMENTATION, use_implementation
-
-    chosen = []
-    for name, module in found:
-        excluded = module_filter is not None and not module_filter(name, module)
-        reason = "excluded by module_filter" if excluded else experts_why_not(module, HARDWARE_MULTIPLE)
-        if reason:
-            report.skipped[name] = reason
-        else:
-            chosen.append((name, module))
-    if chosen:
-        use_implementation([m for _, m in found], IMPLEMENTATION, fp8_experts_forward)
-    for name, module in chosen:
-        convert_experts(module, recipe, save_fp8_activations=save_fp8_activations, name=name)
-        report.converted.append(name)
-        report.experts.append(name)
-    return found
 
 
 def _routers(model: nn.Module, experts: list[tuple[str, nn.Module]]) -> dict[str, str]:

@@ -2,7 +2,8 @@
 
 * ``rank_by_fisher``: one pass with gradients for all layers at once (causal LMs): each layer's output
   change under quantization, weighted by the gradient of the next-token loss (a Fisher estimate of the
-  loss increase, as in HAWQ-V2 and BRECQ).
+  loss increase, as in HAWQ-V2 and BRECQ); ``fisher_totals`` computes it for any loss and several
+  quantized variants per layer (``fp8kit.autotune``).
 * ``rank_by_output_error``: one ``forward_loop`` per layer with that layer alone quantized (any model).
 
 A leaf module (no import of ``ptq.quantize``): ``ptq.sensitivity`` builds the full report on top of it.
@@ -10,14 +11,14 @@ A leaf module (no import of ``ptq.quantize``): ``ptq.sensitivity`` builds the fu
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-__all__ = ["LayerScore", "rank_by_fisher", "rank_by_output_error"]
+__all__ = ["LayerScore", "fisher_totals", "rank_by_fisher", "rank_by_output_error", "swap_submodule"]
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,8 @@ class LayerScore:
     metric: str
 
 
-def _swap(model: nn.Module, name: str, module: nn.Module) -> nn.Module:
+def swap_submodule(model: nn.Module, name: str, module: nn.Module) -> nn.Module:
+    """Put ``module`` at ``model``'s qualified ``name``; returns the module that was there."""
     parent_name, _, attr = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     old = getattr(parent, attr)
@@ -78,13 +80,13 @@ def rank_by_output_error(
     scores = []
     for name, q in qmods.items():
         state.update(i=0, err=0.0, norm=0.0)
-        orig = _swap(model, name, q)
+        orig = swap_submodule(model, name, q)
         h = model.register_forward_hook(compare)
         try:
             forward_loop(model)
         finally:
             h.remove()
-            _swap(model, name, orig)
+            swap_submodule(model, name, orig)
         scores.append(LayerScore(name, state["err"] / max(state["norm"], 1e-30), "relative output error"))
     return sorted(scores, key=lambda s: -s.score)
 
@@ -102,34 +104,68 @@ def _causal_lm_loss(output: Any, args: tuple, kwargs: dict) -> torch.Tensor | No
     )
 
 
-def rank_by_fisher(
-    model: nn.Module, qmods: dict[str, nn.Module], forward_loop: Callable[[nn.Module], object]
-) -> list[LayerScore] | None:
-    """Layers of ``qmods``, worst first, by ``0.5 * sum(g**2 * dy**2)`` over output elements divided by the
-    tokens seen (diagonal-Fisher estimate of the loss increase, nats/token): ``dy`` is the change of the layer's output
-    when its quantized module runs on the same input, ``g`` the gradient of the summed next-token loss
-    with respect to that output. One ``forward_loop`` with gradients (the parameters' own gradients are
-    not computed). Returns ``None`` if ``model``'s calls are not causal-LM calls (no ``logits`` or
-    ``input_ids``): use ``rank_by_output_error`` then."""
-    totals = dict.fromkeys(qmods, 0.0)
-    state = {"seqs": 0, "tokens": 0, "ok": True}
-    handles = []
+def fisher_totals(
+    model: nn.Module, variants: Mapping[str, Mapping[Hashable, nn.Module]], backward_pass: Callable[[], object]
+) -> dict[str, dict[Hashable, float]]:
+    """Per layer of ``variants`` (name -> key -> module computing what layer ``name`` computes, quantized) and
+    per key, ``0.5 * sum(g**2 * dy**2)`` over the layer's output elements in every forward of
+    ``backward_pass()`` (which runs ``model`` and calls ``backward`` on its summed loss): ``dy`` is the change of
+    the output when the variant runs on the same inputs, ``g`` the loss gradient with respect to that output.
+    The parameters' own gradients are not computed when ``model`` has input embeddings (their output is made
+    to require grad instead); otherwise they are, and each parameter's ``.grad`` is restored after."""
+    totals: dict[str, dict[Hashable, float]] = {n: dict.fromkeys(v, 0.0) for n, v in variants.items()}
 
     def layer_hook(name: str):
-        q = qmods[name]
-
-        def hook(_m, args, out):
-            if not torch.is_grad_enabled() or not out.requires_grad:
+        def hook(_m, args, kwargs, out):
+            if not torch.is_grad_enabled() or not isinstance(out, torch.Tensor) or not out.requires_grad:
                 return
-            with torch.no_grad():
-                dy = (q(args[0].detach()) - out.detach()).float()
+            args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+            y = out.detach().clone()  # a copy: later in-place ops on the output must not change it
 
-            def on_grad(g: torch.Tensor) -> None:
-                totals[name] += 0.5 * float((g.float() * dy).pow(2).sum())
+            def on_grad(g: torch.Tensor) -> None:  # the variants run here: one output held per layer, not one dy each
+                g2 = g.float().pow(2)
+                with torch.no_grad():
+                    for key, q in variants[name].items():
+                        dy = (q(*args, **kwargs) - y).float()
+                        totals[name][key] += 0.5 * float((g2 * dy.pow(2)).sum())
 
             out.register_hook(on_grad)
 
         return hook
+
+    def embed_hook(_m, _args, out):
+        return out.requires_grad_() if isinstance(out, torch.Tensor) and out.is_floating_point() else out
+
+    params = list(model.parameters())
+    flags = [p.requires_grad for p in params]
+    grads = [p.grad for p in params]
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    handles = []
+    try:
+        if isinstance(embed, nn.Module):
+            for p in params:
+                p.requires_grad_(False)
+            handles.append(embed.register_forward_hook(embed_hook))
+        handles += [model.get_submodule(n).register_forward_hook(layer_hook(n), with_kwargs=True) for n in variants]
+        with torch.enable_grad():
+            backward_pass()
+    finally:
+        for h in handles:
+            h.remove()
+        for p, flag, grad in zip(params, flags, grads, strict=True):
+            p.requires_grad_(flag)
+            p.grad = grad
+    return totals
+
+
+def rank_by_fisher(
+    model: nn.Module, qmods: dict[str, nn.Module], forward_loop: Callable[[nn.Module], object]
+) -> list[LayerScore] | None:
+    """Layers of ``qmods``, worst first, by ``fisher_totals`` of the summed next-token loss divided by the
+    tokens seen (diagonal-Fisher estimate of the loss increase, nats/token, as in HAWQ-V2 and BRECQ). One
+    ``forward_loop`` with gradients. Returns ``None`` if ``model``'s calls are not causal-LM calls (no
+    ``logits`` or ``input_ids``) or it has no input embeddings: use ``rank_by_output_error`` then."""
+    state = {"seqs": 0, "tokens": 0, "ok": True}
 
     def model_hook(_m, args, kwargs, output):
         loss = _causal_lm_loss(output, args, kwargs)
@@ -141,28 +177,16 @@ def rank_by_fisher(
         state["tokens"] += logits.shape[0] * (logits.shape[1] - 1)
         loss.backward()
 
-    def embed_hook(_m, _args, out):
-        return out.requires_grad_() if isinstance(out, torch.Tensor) and out.is_floating_point() else out
-
-    grads = {p: p.requires_grad for p in model.parameters()}
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if not isinstance(embed, nn.Module):
         return None
+    handle = model.register_forward_hook(model_hook, with_kwargs=True)
     try:
-        for p in grads:
-            p.requires_grad_(False)
-        handles.append(embed.register_forward_hook(embed_hook))
-        handles += [model.get_submodule(n).register_forward_hook(layer_hook(n)) for n in qmods]
-        handles.append(model.register_forward_hook(model_hook, with_kwargs=True))
-        with torch.enable_grad():
-            forward_loop(model)
+        totals = fisher_totals(model, {n: {n: q} for n, q in qmods.items()}, lambda: forward_loop(model))
     finally:
-        for h in handles:
-            h.remove()
-        for p, flag in grads.items():
-            p.requires_grad_(flag)
+        handle.remove()
     if not state["ok"] or state["seqs"] == 0:
         return None
     metric = "Fisher estimate of the loss increase (nats/token)"
-    scores = [LayerScore(n, t / state["tokens"], metric) for n, t in totals.items()]
+    scores = [LayerScore(n, t[n] / state["tokens"], metric) for n, t in totals.items()]
     return sorted(scores, key=lambda s: -s.score)

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .layer_error import _output_tensor, _swap
+from .layer_error import _output_tensor, swap_submodule
 from .linear import holding_dequantized_weights
 
 __all__ = ["TEACHER_CACHE_BYTES", "NormTweakResult", "norm_parameters", "tweak_norms"]
@@ -169,7 +169,7 @@ class _Teacher:
         model = self.model
         tuned = {n: p.detach().clone() for n, p in self.params.items()}
         for n, m in self.originals.items():
-            _swap(model, n, m)
+            swap_submodule(model, n, m)
         modes = [st["mode"] for st in self.kv_states]
         for st in self.kv_states:  # the teacher's keys and values in high precision too
             st["mode"] = "off"
@@ -184,7 +184,7 @@ class _Teacher:
                 for n, p in self.params.items():
                     p.copy_(tuned[n])
             for n, m in self.quantized.items():
-                _swap(model, n, m)
+                swap_submodule(model, n, m)
 
     def __call__(self, i: int) -> Any:
         if i in self.answers:

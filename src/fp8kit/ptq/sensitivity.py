@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .layer_error import LayerScore, _swap, rank_by_output_error
+from .layer_error import LayerScore, rank_by_output_error, swap_submodule
 
 __all__ = ["LayerScore", "dev_loss", "keep_filter", "layer_sensitivity", "rank_by_output_error"]
 
@@ -48,15 +48,15 @@ def layer_sensitivity(
     work = copy.deepcopy(model)
     originals: dict[str, nn.Module] = {}
     quantize(work, scheme, forward_loop, _originals=originals, **quantize_kwargs)
-    qmods = {name: _swap(work, name, orig) for name, orig in originals.items()}  # work: folded, high precision
+    qmods = {name: swap_submodule(work, name, orig) for name, orig in originals.items()}  # work: folded, high precision
     base = score(work)
     out = []
     for name, q in qmods.items():
-        orig = _swap(work, name, q)
+        orig = swap_submodule(work, name, q)
         try:
             out.append(LayerScore(name, score(work) - base, metric))
         finally:
-            _swap(work, name, orig)
+            swap_submodule(work, name, orig)
     return sorted(out, key=lambda s: -s.score)
 
 

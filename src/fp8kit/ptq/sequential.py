@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from .experts import QuantExperts, find_experts
-from .layer_error import _swap
+from .layer_error import swap_submodule
 from .linear import QuantLinear
 from .quantize import quantize as quantize_module
 from .report import PTQReport
@@ -166,14 +166,14 @@ def capture_inputs(
     head = model.get_output_embeddings()
     if head is not None:
         swapped[_module_name(model, head)] = _ZeroLogits(model.config.vocab_size)
-    originals = {name: _swap(model, name, m) for name, m in swapped.items()}
+    originals = {name: swap_submodule(model, name, m) for name, m in swapped.items()}
     try:
         forward_loop(model)
     finally:
         hook.remove()
         emb.weight = meta_weight
         for name, m in originals.items():
-            _swap(model, name, m)
+            swap_submodule(model, name, m)
     if not record:
         raise ValueError("forward_loop ran no batch through the model: nothing to calibrate on")
     return record

@@ -17,26 +17,34 @@ if TYPE_CHECKING:
     from .config import TrainConfig
 
 __all__ = [
+    "AUTO",
     "MASTER_WEIGHTS",
     "OPTIMIZERS",
     "check_config",
     "check_device",
     "check_model_parallel",
     "check_resumable",
+    "fixed_recipes",
     "parse_recipes",
     "run_names",
 ]
 
+AUTO = "auto"  # ``--recipe auto``: a recipe per layer, planned by ``fp8kit.autotune`` (``train/auto_plan.py``)
 OPTIMIZERS = ("adamw", "fp8-adamw")
 MASTER_WEIGHTS = ("fp32", "bf16")
 
 
 def parse_recipes(spec: str) -> list[str]:
-    """``"all"`` or comma-separated recipe names -> validated list (bf16 is always the baseline)."""
+    """``"all"`` or comma-separated recipe names (or ``auto``) -> validated list (bf16 is always the baseline)."""
     names = list(RECIPE_NAMES) if spec.strip().lower() == "all" else [s.strip() for s in spec.split(",") if s.strip()]
     if not names:
-        raise ValueError(f"no recipe given; accepted: {', '.join(RECIPE_NAMES)} or all")
-    return [recipe_from_name(n).kind for n in names]
+        raise ValueError(f"no recipe given; accepted: {', '.join(RECIPE_NAMES)}, {AUTO} or all")
+    return [AUTO if n.lower() == AUTO else recipe_from_name(n).kind for n in names]
+
+
+def fixed_recipes(recipes: list[str]) -> list[str]:
+    """The recipes of a run list that name one recipe for the whole model (all but ``auto``)."""
+    return [r for r in recipes if r != AUTO]
 
 
 def run_names(cfg: TrainConfig) -> list[str]:
@@ -66,10 +74,24 @@ def check_config(cfg: TrainConfig) -> None:
         )
     if cfg.master_weights == "bf16" and cfg.optimizer != "fp8-adamw":
         raise ValueError("--master-weights bf16 needs --optimizer fp8-adamw (torch AdamW rounds BF16 updates away)")
+    if AUTO in cfg.recipes:
+        check_auto(cfg)
     check_parallel_settings(cfg.batch_size, planned_world_size(cfg.nproc), cfg.fsdp, cfg.optimizer, cfg.tp, cfg.ep)
     check_model_parallel(cfg)
     if cfg.resume:
         check_resumable(Path(cfg.out), run_names(cfg), cfg)
+
+
+def check_auto(cfg: TrainConfig) -> None:
+    """``--recipe auto``: one process, a budget >= 0 and a known ``--target``."""
+    from ..planner.roofline import TARGETS
+
+    if planned_world_size(cfg.nproc) > 1:
+        raise ValueError("--recipe auto plans and trains on one process: drop --nproc (or give fixed recipes)")
+    if not cfg.loss_budget >= 0:
+        raise ValueError(f"--loss-budget is a relative loss increase >= 0 (0.01 = 1%), got {cfg.loss_budget}")
+    if cfg.target not in TARGETS:
+        raise ValueError(f"--target must be one of {', '.join(TARGETS)}, got {cfg.target!r}")
 
 
 def check_device(cfg: TrainConfig) -> None:
@@ -79,7 +101,7 @@ def check_device(cfg: TrainConfig) -> None:
 
     from ..device import DeviceError, resolve_device
 
-    device = resolve_device(cfg.device, recipe=cfg.recipes, emulate=cfg.emulate)
+    device = resolve_device(cfg.device, recipe=fixed_recipes(cfg.recipes), emulate=cfg.emulate)
     world = planned_world_size(cfg.nproc)
     if device.type == "cuda" and world > torch.cuda.device_count():
         raise DeviceError(
@@ -113,7 +135,9 @@ def check_model_parallel(cfg: TrainConfig) -> None:
         from ..models.llama import MODEL_SIZES
 
         hidden, _, heads, inter = MODEL_SIZES[cfg.model_size]
-        check_tp_model(cfg.tp, heads, heads, hidden, inter if cfg.arch == "dense" else hidden, cfg.recipes)
+        check_tp_model(
+            cfg.tp, heads, heads, hidden, inter if cfg.arch == "dense" else hidden, fixed_recipes(cfg.recipes)
+        )
     if cfg.ep > 1:
         import importlib.util
 

@@ -40,6 +40,7 @@ def evaluate_checkpoint(
         seq_len=info["seq_len"],
         batch_size=info["batch_size"],
         text=text,
+        plan=info.get("plan"),
     )
     base, tokenizer = build_base(cfg)
     corpus = load_corpus(text, tokenizer)

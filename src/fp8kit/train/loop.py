@@ -7,7 +7,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from ..nn import convert, saved_activation_bytes, to_bf16_gemms
 from ..nn.memory import persistent_bytes
 from ..recipes import recipe_from_name
 from .checkpoint import latest_checkpoint, load_run_checkpoint, save_run_checkpoint
-from .checks import check_config, check_resumable, parse_recipes, run_names
+from .checks import AUTO, check_config, check_resumable, fixed_recipes, parse_recipes, run_names
 from .config import TrainConfig
 from .load_balance import RouterStats
 
@@ -75,9 +75,14 @@ def build_base(cfg: TrainConfig) -> tuple[torch.nn.Module, Any]:
 
 
 def make_model(base: torch.nn.Module, cfg: TrainConfig, run: str) -> torch.nn.Module:
-    """A copy of ``base`` with the run's GEMMs: BF16 for ``bf16``, FP8 ``convert`` for ``fp8-<recipe>``."""
+    """A copy of ``base`` with the run's GEMMs: BF16 for ``bf16``, FP8 ``convert`` for ``fp8-<recipe>``, and
+    for ``fp8-auto`` ``cfg.plan`` (layer name -> recipe name or "bf16")."""
     model = copy.deepcopy(base)
-    if run != "bf16":
+    if run == f"fp8-{AUTO}":
+        if cfg.plan is None:
+            raise ValueError(f"the {run} run needs its per-layer plan (plan.json of its run folder)")
+        convert(model, cfg.plan)
+    elif run != "bf16":
         convert(model, recipe_from_name(run.removeprefix("fp8-")))
     to_bf16_gemms(model)  # the layers that stay high precision (all of them for bf16) use BF16 GEMMs
     return model
@@ -197,7 +202,7 @@ def start_run(
     train_model = dctx.wrap(model)  # several processes: synchronized FP8 scaling + DDP, or FSDP2 in place
     opt = make_optimizer(model, cfg, run)
     info = {key: getattr(cfg, key) for key in ("model_size", "model", "arch", "seed", "seq_len", "batch_size")}
-    info = {"run": run, **info}
+    info = {"run": run, **info, **({"plan": cfg.plan} if run == f"fp8-{AUTO}" else {})}
     val = [_to(b, dctx.device) for b in corpus.val_batches(cfg.eval_batches, cfg.batch_size, cfg.seq_len, cfg.seed)]
     state = RunState(
         run, model, train_model, _step_fn(cfg, run, train_model), opt, out / "ckpt" / run, info, val,
@@ -324,12 +329,16 @@ def run_comparison(cfg: TrainConfig) -> dict[str, Any]:
     check_config(cfg)
     if cfg.nproc > 1 and not in_torchrun():
         raise ValueError(f"nproc={cfg.nproc} needs torchrun: run `fp8kit train --nproc {cfg.nproc}` (it launches it)")
-    device = resolve_device(cfg.device, recipe=cfg.recipes, emulate=cfg.emulate)
+    device = resolve_device(cfg.device, recipe=fixed_recipes(cfg.recipes), emulate=cfg.emulate)
     dctx = context_from_env(cfg.fsdp, cfg.tp, cfg.ep, cfg.sp, device)  # under torchrun: joins the group (and mesh)
     base, tokenizer = build_base(cfg)
     corpus = load_corpus(cfg.text, tokenizer)
     corpus.check_fits(cfg.seq_len)
     out, log = _open_run_folder(cfg)
+    if AUTO in cfg.recipes:  # the fp8-auto run's per-layer recipes
+        from .auto_plan import plan_for_run
+
+        cfg = replace(cfg, plan=plan_for_run(cfg, base, corpus, out, dctx.device, write=dctx.is_main).per_layer)
     results = {run: train_run(run, cfg, corpus, base, out, log) for run in run_names(cfg)}
     for res in results.values():
         if res is not results["bf16"]:

@@ -58,6 +58,7 @@ def load_train_checkpoint(path: Path, dtype: torch.dtype = torch.float32) -> tup
         seed=info["seed"],
         seq_len=info["seq_len"],
         batch_size=info["batch_size"],
+        plan=info.get("plan"),
     )
     base, tokenizer = build_base(cfg)
     model = base if info["run"] == "bf16" else make_model(base, cfg, info["run"])

@@ -23,7 +23,7 @@ def export_runs(out: str | Path, fmt: str, runs: list[str]) -> list[Path]:
         info = read_info(found)
         if base is None:
             base, tokenizer = build_base(TrainConfig(model=info["model"], seed=info["seed"]))
-        model = make_model(base, TrainConfig(model=info["model"]), run)
+        model = make_model(base, TrainConfig(model=info["model"], plan=info.get("plan")), run)
         load_checkpoint(found, model)
         written.append(save_pretrained(model, Path(out) / "serving" / run, tokenizer, format=fmt))
     return written

@@ -1,0 +1,170 @@
+"""How much each layer's quantization alone raises a model's loss, per candidate recipe.
+
+* ``predicted_increase``: the Fisher estimate ``0.5 * sum((g * (Y_q - Y))**2) / tokens`` per layer and
+  recipe (``ptq.layer_error.fisher_totals``), in one pass with gradients over the batches: ``Y`` is the
+  layer's output in the model, ``Y_q`` the output of a copy of the layer converted to the recipe (same
+  parameters) on the same input, ``g`` the gradient of the summed loss with respect to ``Y``.
+* ``measured_increase``: the loss change of running the model with one layer swapped for its converted
+  copy, for a few layers (the check of the prediction); ``spearman`` their rank agreement.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..nn.convert import conversion_targets, convert_layer
+from ..nn.experts import convert_experts, fp8_experts_forward
+from ..ptq.layer_error import fisher_totals, swap_submodule
+from ..recipes import Recipe
+
+__all__ = [
+    "batch_loss",
+    "measured_increase",
+    "plannable_layers",
+    "predicted_increase",
+    "quantized_copy",
+    "spearman",
+]
+
+
+def plannable_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The layers ``fp8kit.convert`` would convert (``nn.Linear`` and MoE experts modules), in module order."""
+    targets = conversion_targets(model)
+    chosen = {id(m) for _, m in targets.experts + targets.linears}
+    return {name: m for name, m in model.named_modules() if id(m) in chosen}
+
+
+class _ConvertedExperts(nn.Module):
+    """Calls a converted copy of an experts module through fp8kit's experts forward (no config switch)."""
+
+    def __init__(self, experts: nn.Module) -> None:
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return fp8_experts_forward(self.experts, *args, **kwargs)
+
+
+def quantized_copy(layer: nn.Module, recipe: Recipe) -> nn.Module:
+    """A copy of ``layer`` (sharing its parameters, without its hooks) that computes with ``recipe``."""
+    shared: dict[int, Any] = {id(p): p for p in layer.parameters()}
+    q = copy.deepcopy(layer, shared)
+    for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
+        getattr(q, attr).clear()
+    if isinstance(layer, nn.Linear):
+        return convert_layer(q, recipe)
+    return _ConvertedExperts(convert_experts(q, recipe))
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    return {k: _to(v, device) for k, v in batch.items()} if isinstance(batch, Mapping) else batch
+
+
+def _tokens(batch: Mapping[str, Any], out: Any) -> int:
+    """Tokens a batch's mean loss averages over: shifted labels other than -100, else the logits' positions."""
+    labels = batch.get("labels")
+    if isinstance(labels, torch.Tensor) and labels.dim() >= 2:
+        return int((labels[..., 1:] != -100).sum())
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return int(logits.shape[:-1].numel())
+    ids = batch.get("input_ids")
+    return int(ids.numel()) if isinstance(ids, torch.Tensor) else 1
+
+
+def batch_loss(model: nn.Module, batch: Mapping[str, Any]) -> tuple[torch.Tensor, int]:
+    """``model(**batch).loss`` and the tokens it averages over."""
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"autotune: batches are dicts of the model's forward arguments, got {type(batch).__name__}")
+    out = model(**batch)
+    loss = getattr(out, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError("autotune: the model's output has no .loss: give batches with labels (e.g. labels=input_ids)")
+    return loss, _tokens(batch, out)
+
+
+def predicted_increase(
+    model: nn.Module, variants: Mapping[str, Mapping[str, nn.Module]], batches: Iterable[Mapping[str, Any]]
+) -> tuple[dict[str, dict[str, float]], float, int]:
+    """Fisher-predicted loss increase (nats/token) per layer and candidate of ``variants`` (layer -> candidate
+    -> quantized copy), the base loss (nats/token) and the tokens seen."""
+    seen = {"loss": 0.0, "tokens": 0}
+    device = next(model.parameters()).device
+
+    def backward_pass() -> None:
+        for batch in batches:
+            loss, n = batch_loss(model, _to(batch, device))
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"autotune: the model's loss is {float(loss)} on the given batches")
+            (loss * n).backward()
+            seen["loss"] += loss.item() * n
+            seen["tokens"] += n
+
+    totals = fisher_totals(model, variants, backward_pass)
+    if not seen["tokens"]:
+        raise ValueError("autotune: no batches given (pass a few dicts of the model's forward arguments)")
+    per_token = {name: {c: t / seen["tokens"] for c, t in row.items()} for name, row in totals.items()}
+    return per_token, seen["loss"] / seen["tokens"], seen["tokens"]
+
+
+@torch.no_grad()
+def _mean_loss(model: nn.Module, batches: list[Mapping[str, Any]], device: torch.device) -> float:
+    total = tokens = 0
+    for batch in batches:
+        loss, n = batch_loss(model, _to(batch, device))
+        total += float(loss) * n
+        tokens += n
+    return total / max(tokens, 1)
+
+
+def measured_increase(
+    model: nn.Module, variants: Mapping[str, nn.Module], batches: list[Mapping[str, Any]]
+) -> dict[str, float]:
+    """Loss change (nats/token) of running ``model`` with each layer of ``variants`` (name -> quantized copy)
+    swapped in alone."""
+    device = next(model.parameters()).device
+    base = _mean_loss(model, batches, device)
+    out = {}
+    for name, q in variants.items():
+        orig = swap_submodule(model, name, q)
+        try:
+            out[name] = _mean_loss(model, batches, device) - base
+        finally:
+            swap_submodule(model, name, orig)
+    return out
+
+
+def _ranks(values: list[float]) -> list[float]:
+    """Ranks from 0, ties given their mean rank."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2
+        i = j + 1
+    return ranks
+
+
+def spearman(a: list[float], b: list[float]) -> float | None:
+    """Spearman rank correlation of two equal-length lists (``None`` under 3 values or a constant list)."""
+    if len(a) != len(b):
+        raise ValueError(f"spearman: {len(a)} and {len(b)} values")
+    if len(a) < 3:
+        return None
+    ra, rb = _ranks(a), _ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    va = sum((x - ma) ** 2 for x in ra)
+    vb = sum((y - mb) ** 2 for y in rb)
+    return cov / (va * vb) ** 0.5 if va > 0 and vb > 0 else None
