@@ -69,6 +69,11 @@ class PTQOptions:
             raise ValueError(
                 f"unknown calibration method {self.calibration!r}; accepted: {', '.join(CALIBRATION_METHODS)}"
             )
+        if scheme.act_strategy == "nvfp4" and self.calibration == "mse":
+            raise ValueError(
+                f"{scheme.name} calibrates its activations' per-tensor scale only (the 1x16 block scales follow "
+                "the data at run time): use calibration 'max' (ModelOpt's and llm-compressor's) or 'percentile'"
+            )
         if self.kv_cache and not scheme.is_fp8:
             raise ValueError(f"kv_cache (fp8-kv) goes with the FP8 schemes, not {scheme.name!r}")
         if self.awq and scheme.act_format is not None:
@@ -78,6 +83,8 @@ class PTQOptions:
             raise ValueError(f"alpha must be a number in [0, 1] or 'search', got {a!r}")
         if isinstance(self.keep_bf16, bool) or not isinstance(self.keep_bf16, int) or self.keep_bf16 < 0:
             raise ValueError(f"keep_bf16 must be a whole number >= 0, got {self.keep_bf16!r}")
+        if self.smooth_for(scheme) and scheme.is_fp4:
+            raise ValueError(f"smooth goes with the 8-bit W8A8 schemes, not {scheme.name!r}")
         if self.smooth_for(scheme) and scheme.act_format is None:
             raise ValueError(f"smooth goes with schemes that quantize activations, not {scheme.name!r}")
         if isinstance(self.norm_tweak, bool) or not isinstance(self.norm_tweak, int) or self.norm_tweak < 0:
@@ -443,10 +450,11 @@ def quantize(
 
     Args:
         scheme: ``"fp8"``, ``"fp8-dynamic"``, ``"int8-smoothquant"`` or ``"int8-weight-only"``; or FP4 weights
-            (``"nvfp4-weight-only"``, ``"mxfp4-weight-only"``: round to nearest, GPTQ or AWQ, nn.Linear layers
-            whose in_features are whole blocks; not exported yet).
+            (``"nvfp4-weight-only"``, ``"mxfp4-weight-only"``: round to nearest, GPTQ or AWQ; ``"nvfp4"``: W4A4,
+            NVFP4 activations with a calibrated per-tensor scale; nn.Linear layers whose in_features are whole
+            blocks).
         forward_loop: ``forward_loop(model)`` runs the model on calibration data (ModelOpt's
-            convention); required by the static schemes (``fp8``, ``int8-smoothquant``) and ``kv_cache``,
+            convention); required by the static schemes (``fp8``, ``int8-smoothquant``, ``nvfp4``) and ``kv_cache``,
             except that a model trained with ``fp8kit.convert`` under delayed scaling exports to ``fp8``
             with its trained input amax (every layer's history) and needs none.
         calibration: ``"max"``, ``"percentile"`` or ``"mse"`` (static activation scales).
