@@ -113,7 +113,7 @@ def test_awq_and_gptq_run_for_fp4_and_the_unsupported_paths_say_why(llama_and_to
     q = ptq.quantize(copy.deepcopy(model), "nvfp4-weight-only", lambda m: m(ids), awq=True)
     assert sqnr_db(ref, logits(q, ids)) >= FLOORS["nvfp4-weight-only"]
     with pytest.raises(ExportError, match="nvfp4-weight-only"):
-        save_pretrained(q, tmp_path / "out")
+        save_pretrained(q, tmp_path / "out", format="fp8-block")
     g = ptq.quantize(copy.deepcopy(model), "mxfp4-weight-only", lambda m: m(ids), gptq=True)
     assert sqnr_db(ref, logits(g, ids)) >= FLOORS["mxfp4-weight-only"]
     assert "nvfp4-weight-only" not in ptq.SCHEMES  # not a command-line scheme until an export writes it

@@ -8,7 +8,7 @@ Formats (``save_pretrained(format=...)``, ``fp8kit quantize --format``):
   ``transformers``' ``FineGrainedFP8Config``).
 
 Schemes are fp8kit's PTQ schemes (``fp8``, ``fp8-dynamic``, ``int8-smoothquant``, ``int8-weight-only``,
-``+kv`` for an FP8 KV cache) and ``fp8-block``, the block training recipe's layout (128x128 weight
+``+kv`` for an FP8 KV cache; the FP4 ``nvfp4``, ``nvfp4-weight-only``, ``mxfp4-weight-only``) and ``fp8-block``, the block training recipe's layout (128x128 weight
 tiles, dynamic 1x128 activations).
 """
 
@@ -29,7 +29,15 @@ MODELOPT_ALGOS = {
 }
 
 _CARRIES = {
-    "compressed-tensors": {"fp8", "fp8-dynamic", "int8-smoothquant", "int8-weight-only"},
+    "compressed-tensors": {
+        "fp8",
+        "fp8-dynamic",
+        "int8-smoothquant",
+        "int8-weight-only",
+        "nvfp4",
+        "nvfp4-weight-only",
+        "mxfp4-weight-only",
+    },
     "modelopt": set(MODELOPT_ALGOS),
     "fp8-block": {BLOCK_SCHEME},
 }
