@@ -26,6 +26,8 @@ MODELOPT_ALGOS = {
     "int8-smoothquant": "W8A8_SQ_PER_CHANNEL",
     "int8-weight-only": "W8A16",
     BLOCK_SCHEME: "fp8_pb_wo",
+    "nvfp4": "NVFP4",
+    "nvfp4-weight-only": "W4A16_NVFP4",
 }
 
 _CARRIES = {

@@ -216,15 +216,23 @@ class QuantLinear(nn.Module):
             self.weight_scale_2 = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, scheme: Scheme | str, input_amax: float | None = None) -> QuantLinear:
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        scheme: Scheme | str,
+        input_amax: float | None = None,
+        weight_global_scale: torch.Tensor | None = None,
+    ) -> QuantLinear:
         """Quantize ``linear``'s weight; ``input_amax`` sets the static activation scale (required for
-        static schemes)."""
+        static schemes); ``weight_global_scale``: NVFP4's per-tensor weight scale when it is shared with
+        other layers (``fp8kit.quantize``'s ``global_scale``), else the weight's own."""
         scheme = get_scheme(scheme)
         q = cls(linear.in_features, linear.out_features, linear.bias is not None, scheme)
         w = linear.weight.detach().float()
         if not torch.isfinite(w).all():
             raise ValueError("the weight holds NaN or inf; it cannot be quantized")
-        qt = fp8_quantize(w, scheme.weight_format, scheme.weight_granularity)
+        shared = {"global_scale": weight_global_scale} if weight_global_scale is not None else {}
+        qt = fp8_quantize(w, scheme.weight_format, scheme.weight_granularity, **shared)
         if scheme.is_fp4:
             q.set_fp4_weight(qt)
         else:

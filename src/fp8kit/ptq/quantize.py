@@ -11,7 +11,7 @@ import torch.nn as nn
 from ..nn.convert import is_output_head
 from ..nn.linear import Linear as FP8Linear
 from ..recipes import DelayedScaling
-from ..scaling import parse_granularity
+from ..scaling import nvfp4_tensor_scale, parse_granularity
 from .calibrate import CALIBRATION_METHODS, InputObserver, choose_amax, observe_inputs
 from .experts import ExpertsObserver, find_experts, observe_experts, quantize_experts_module
 from .kv_cache import enable_fp8_kv, finish_calibration
@@ -286,16 +286,33 @@ def _hessians(run: _Run) -> None:
     run.report.gptq = True
 
 
+def shared_weight_scales(model: nn.Module, scheme: Scheme, targets: list[str]) -> dict[str, torch.Tensor]:
+    """NVFP4's per-tensor weight scale of the layers that read one input (q/k/v, gate/up): one per group, from
+    the largest of their weights' amaxes. Serving engines fuse such layers into one GEMM with one per-tensor
+    scale (vLLM takes the max of the shards', TensorRT-LLM the fused layer's), and ModelOpt's and llm-compressor's
+    NVFP4 exports share it the same way. Empty for other schemes."""
+    if scheme.weight_strategy != "nvfp4":
+        return {}
+    shared: dict[str, torch.Tensor] = {}
+    for mapping in find_mappings(model, set(targets)):
+        if len(mapping.targets) > 1:
+            amax = max(float(model.get_submodule(t).weight.detach().abs().amax()) for t in mapping.targets)
+            shared.update(dict.fromkeys(mapping.targets, nvfp4_tensor_scale(amax)))
+    return shared
+
+
 def _quantize_layers(run: _Run) -> None:
     from .gptq import gptq_linear
 
+    shared = shared_weight_scales(run.model, run.scheme, run.targets)
     with run.progress.phase("GPTQ" if run.opts.gptq else "quantize", len(run.targets), unit="layer") as update:
         for name in run.targets:
-            linear = run.model.get_submodule(name)
+            linear, amax, scale = run.model.get_submodule(name), run.amax.get(name), shared.get(name)
             if run.opts.gptq:
-                run.qmods[name] = gptq_linear(linear, run.hessians.pop(name), run.scheme, run.amax.get(name))
+                hessian = run.hessians.pop(name)
+                run.qmods[name] = gptq_linear(linear, hessian, run.scheme, amax, weight_global_scale=scale)
             else:
-                run.qmods[name] = QuantLinear.from_linear(linear, run.scheme, run.amax.get(name))
+                run.qmods[name] = QuantLinear.from_linear(linear, run.scheme, amax, scale)
             update(1)
 
 
