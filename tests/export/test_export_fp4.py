@@ -13,7 +13,7 @@ import torch
 from fp8kit import ptq
 from fp8kit.export import load_pretrained, save_pretrained
 from tests.helpers.checkpoints import read_safetensors
-from tests.helpers.models import calib, tiny_llama
+from tests.helpers.models import calib, tiny_llama, token_batches
 from tests.helpers.numerics import sqnr_db
 
 transformers = pytest.importorskip("transformers")
@@ -25,20 +25,14 @@ LAYER = "model.layers.0.mlp.down_proj"  # (64, 128)
 
 
 @pytest.fixture(scope="module")
-def base():
-    return tiny_llama()
-
-
-@pytest.fixture(scope="module")
 def data():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 256, (4, 32), generator=g) for _ in range(3)]  # two to calibrate, one to compare
+    return token_batches(256, 3, (4, 32))  # two to calibrate, one to compare
 
 
 @pytest.fixture(scope="module")
-def exported(base, data, tmp_path_factory):
-    """Each scheme's quantized model and its export (made once per module)."""
-    out = {}
+def exported(data, tmp_path_factory):
+    """Each scheme's quantized tiny Llama and its export (made once per module)."""
+    base, out = tiny_llama(), {}
     for scheme in PRESETS:
         q = ptq.quantize(copy.deepcopy(base), scheme, calib(data[:2]))
         out[scheme] = (q, save_pretrained(q, tmp_path_factory.mktemp(scheme) / "export"))

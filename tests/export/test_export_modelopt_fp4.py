@@ -12,7 +12,7 @@ import torch
 from fp8kit import ptq
 from fp8kit.export import ExportError, load_pretrained, save_pretrained
 from tests.helpers.checkpoints import read_safetensors
-from tests.helpers.models import calib, whole_tile_llama
+from tests.helpers.models import calib, token_batches, whole_tile_llama
 from tests.helpers.numerics import sqnr_db
 
 pytest.importorskip("transformers")
@@ -29,8 +29,7 @@ def base():
 
 @pytest.fixture(scope="module")
 def batches():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 320, (2, 24), generator=g) for _ in range(3)]  # two to calibrate, one to compare
+    return token_batches(320, 3, (2, 24))  # two to calibrate, one to compare
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,8 @@ Scales are dequantization multipliers (``real = code * scale``), as in compresse
 ``scale = amax / 448`` for E4M3 and ``amax / 127`` for symmetric INT8. The FP4 schemes (``FP4_SCHEMES``:
 E2M1 weights in NVFP4's or MXFP4's blocks, ``fp8kit.quantize``'s granularities; ``nvfp4`` also quantizes
 the activations to NVFP4 under a calibrated per-tensor scale ``amax / 2688``) are taken by ``ptq.quantize``
-(round to nearest, GPTQ; AWQ for the weight-only ones) but not yet by the exports or the command line.
+(round to nearest, GPTQ; AWQ for the weight-only ones), the ``compressed-tensors`` and (NVFP4)
+``modelopt`` exports and the command line. ``SCHEMES`` holds the 8-bit ones, ``PTQ_SCHEMES`` every one.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 from ..formats import E2M1, E4M3, INT8, Format
 
-__all__ = ["FP4_SCHEMES", "FP8_BLOCK", "SCHEMES", "Scheme", "get_scheme"]
+__all__ = ["FP4_SCHEMES", "FP8_BLOCK", "PTQ_SCHEMES", "SCHEMES", "Scheme", "get_scheme"]
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ FP8_BLOCK = Scheme(
 )
 
 
-# FP4: ``ptq.quantize`` only, not a ``fp8kit quantize --scheme`` (no export writes them yet).
+# FP4: E2M1 weights in NVFP4's or MXFP4's blocks (``nvfp4``: NVFP4 activations too).
 FP4_SCHEMES: dict[str, Scheme] = {
     s.name: s
     for s in (
@@ -164,13 +165,15 @@ FP4_SCHEMES: dict[str, Scheme] = {
 }
 
 
+# every ``fp8kit quantize --scheme`` / ``fp8kit compare --schemes`` name
+PTQ_SCHEMES: dict[str, Scheme] = {**SCHEMES, **FP4_SCHEMES}
+
+
 def get_scheme(scheme: Scheme | str) -> Scheme:
-    """The ``Scheme`` named ``scheme`` (``SCHEMES`` or ``FP4_SCHEMES``; clear error listing the accepted names)."""
+    """The ``Scheme`` named ``scheme`` (``PTQ_SCHEMES``; clear error listing the accepted names)."""
     if isinstance(scheme, Scheme):
         return scheme
     key = str(scheme).strip().lower()
-    if key in FP4_SCHEMES:
-        return FP4_SCHEMES[key]
-    if key not in SCHEMES:
-        raise ValueError(f"unknown PTQ scheme {scheme!r}; accepted: {', '.join([*SCHEMES, *FP4_SCHEMES])}")
-    return SCHEMES[key]
+    if key not in PTQ_SCHEMES:
+        raise ValueError(f"unknown PTQ scheme {scheme!r}; accepted: {', '.join(PTQ_SCHEMES)}")
+    return PTQ_SCHEMES[key]
