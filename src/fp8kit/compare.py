@@ -43,7 +43,7 @@ from .pretrained_ptq import (  # re-exported: the names `fp8kit compare` users a
 from .ptq.kv_cache import kv_cache_bytes
 from .ptq.linear import QuantLinear
 from .ptq.quantize import quantize
-from .ptq.schemes import SCHEMES
+from .ptq.schemes import PTQ_SCHEMES
 
 __all__ = [
     "DEFAULT_KEEP_BF16",
@@ -64,12 +64,14 @@ __all__ = [
 
 def parse_schemes(spec: str) -> list[str]:
     """``"all"`` or a comma list of scheme names, each optionally suffixed ``+kv`` (FP8 KV cache)."""
-    names = [*SCHEMES, "fp8+kv"] if spec.strip().lower() == "all" else [s.strip() for s in spec.split(",") if s.strip()]
+    names = (
+        [*PTQ_SCHEMES, "fp8+kv"] if spec.strip().lower() == "all" else [s.strip() for s in spec.split(",") if s.strip()]
+    )
     for n in names:
         base = n.removesuffix("+kv")
-        if base not in SCHEMES:
-            raise ValueError(f"unknown scheme {n!r}; accepted: {', '.join(SCHEMES)} (FP8 ones with +kv), or all")
-        if n.endswith("+kv") and not SCHEMES[base].is_fp8:
+        if base not in PTQ_SCHEMES:
+            raise ValueError(f"unknown scheme {n!r}; accepted: {', '.join(PTQ_SCHEMES)} (FP8 ones with +kv), or all")
+        if n.endswith("+kv") and not PTQ_SCHEMES[base].is_fp8:
             raise ValueError(f"{n!r}: the FP8 KV cache goes with the FP8 schemes")
     if not names:
         raise ValueError("no scheme given")
@@ -77,7 +79,7 @@ def parse_schemes(spec: str) -> list[str]:
 
 
 def weight_memory(model: nn.Module) -> dict[str, int]:
-    """Bytes of the weights as stored: 8-bit codes + scales for quantized layers, 2 bytes (BF16) for
+    """Bytes of the weights as stored: 8-bit (FP4: packed 4-bit) codes + scales for quantized layers, 2 bytes (BF16) for
     every other parameter (tied tensors counted once). ``linear_bytes`` counts the Linear weights."""
     seen: set[int] = set()
     linear = other = 0
@@ -238,7 +240,7 @@ def _quantized_row(
         return model, extra
     calibration, alpha, smooth, gptq, awq, keep_bf16, norm_tweak = settings
     kw = ptq_settings(name, calibration, alpha, smooth, gptq, awq, keep_bf16, quantizable_layers(base), norm_tweak)
-    smoothed = SCHEMES[name.removesuffix("+kv")].smooth if kw["smooth"] is None else kw["smooth"]
+    smoothed = PTQ_SCHEMES[name.removesuffix("+kv")].smooth if kw["smooth"] is None else kw["smooth"]
     extra["settings"] = {**{k: v for k, v in kw.items() if k != "kv_cache"}, "smooth": smoothed}
     n_keep = kw["keep_bf16"]
     if sens_windows is not None:

@@ -43,6 +43,10 @@ _NATIVE: dict[str, tuple[tuple[int, int], int | None]] = {
     "int8-smoothquant": ((8, 0), None),
     "int8-weight-only": ((0, 0), None),
     "fp8-block": ((0, 0), None),  # block-FP8 layers dequantize their weight tiles (export.block_linear)
+    # FP4 PTQ layers run block_scaled_mm on the dequantized weight (and NVFP4 input) on every device
+    "nvfp4": ((0, 0), None),
+    "nvfp4-weight-only": ((0, 0), None),
+    "mxfp4-weight-only": ((0, 0), None),
 }
 
 

@@ -20,7 +20,7 @@ from .data import PTQSplits, load_ids, ptq_splits, reference_text, windows
 from .data.splits import available_windows
 from .evaluation import model_device
 from .ptq.quantize import quantize
-from .ptq.schemes import SCHEMES
+from .ptq.schemes import PTQ_SCHEMES
 
 __all__ = [
     "DEFAULT_KEEP_BF16",
@@ -91,7 +91,7 @@ def load_splits(text: str | None, tokenizer, second_text: bool = True) -> list[P
 # per-tensor activations lose most in a few layers (down_proj above all): the dev sweep keeps the
 # most sensitive ones (Fisher ranking on calibration data) in BF16; the searched SmoothQuant alpha
 # lost to the fixed 0.8 on dev, so it is opt-in (--alpha search).
-DEFAULT_CALIBRATION = {"int8-smoothquant": "max"}
+DEFAULT_CALIBRATION = {"int8-smoothquant": "max", "nvfp4": "max"}  # nvfp4: max is all it takes (see ptq.md)
 DEFAULT_ALPHA: dict[str, float | str] = {}  # per scheme; 0.8 otherwise
 DEFAULT_SMOOTH: dict[str, bool] = {}  # per scheme; the scheme's own choice otherwise
 # share of the quantizable layers kept in BF16 by default: of SmolLM2's 210, 16 for fp8, 8 for int8-smoothquant
@@ -102,13 +102,13 @@ DEFAULT_NORM_TWEAK: dict[str, int] = {"fp8": 120}  # norm-tweaking steps per sch
 
 
 def calibration_for(scheme: str, calibration: str | None) -> str:
-    """``calibration``, or the default for ``scheme`` when ``None`` (``mse``; ``max`` for int8-smoothquant)."""
+    """``calibration``, or the default for ``scheme`` when ``None`` (``mse``; ``max`` for int8-smoothquant, nvfp4)."""
     return calibration or DEFAULT_CALIBRATION.get(scheme.removesuffix("+kv"), "mse")
 
 
 def ptq_options(scheme: str, gptq: bool, awq: bool) -> dict[str, bool]:
     """The ``quantize`` switches for ``scheme``: GPTQ for every scheme, AWQ for the weight-only one."""
-    return {"gptq": gptq, "awq": awq and SCHEMES[scheme.removesuffix("+kv")].act_format is None}
+    return {"gptq": gptq, "awq": awq and PTQ_SCHEMES[scheme.removesuffix("+kv")].act_format is None}
 
 
 def ptq_settings(
@@ -127,7 +127,7 @@ def ptq_settings(
     of the model's ``n_layers`` quantizable layers (rounded; 210 in SmolLM2-135M)."""
     base = scheme.removesuffix("+kv")
     smooth = DEFAULT_SMOOTH.get(base) if smooth is None else smooth
-    if smooth and SCHEMES[base].act_format is None:
+    if smooth and (PTQ_SCHEMES[base].act_format is None or PTQ_SCHEMES[base].is_fp4):
         smooth = False  # SmoothQuant folds need quantized activations
     return {
         "calibration": calibration_for(base, calibration),

@@ -39,6 +39,7 @@ __all__ = [
     "mx_scale",
     "named_element_bits",
     "nvfp4_scales",
+    "nvfp4_tensor_scale",
     "parse_granularity",
 ]
 
@@ -140,7 +141,18 @@ def mx_scale(amax: torch.Tensor, fmt: Format | str = E4M3, rounding: str = "rcei
     return torch.where(bad, torch.ones_like(scale), scale)
 
 
-def nvfp4_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def nvfp4_tensor_scale(tensor_amax: torch.Tensor | float) -> torch.Tensor:
+    """NVFP4's per-tensor dequantization multiplier for a tensor amax: ``amax / 2688`` in float32 (0-d),
+    clamped to ``[2**-120, 2**120]``; 1.0 for a zero or non-finite amax."""
+    tensor_amax = torch.as_tensor(tensor_amax, dtype=torch.float32).reshape(())
+    global_inv = torch.clamp(_div32(tensor_amax, tensor_amax.new_tensor(NVFP4_TENSOR_MAX)), MIN_SCALE, MAX_SCALE)
+    usable = (tensor_amax > 0) & torch.isfinite(tensor_amax)
+    return torch.where(usable, global_inv, torch.ones_like(global_inv))
+
+
+def nvfp4_scales(
+    amax: torch.Tensor, global_inv: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4's two-level scales from the 1x16 block amaxes ``amax`` (float32, any shape) of one tensor.
 
     The numerics of torchao's ``nvfp4_quantize`` with ``per_tensor_scale = amax / (448 * 6)`` and of the
@@ -154,13 +166,18 @@ def nvfp4_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     dequantized value is ``code * (block * global_inv)``. Degenerate amax (module docstring): a zero or
     non-finite tensor amax gives ``global_inv = 1.0``, a non-finite block amax counts as zero, and
     ``global_inv`` is clamped to ``[2**-120, 2**120]``, so nothing is inf or NaN.
+
+    A given ``global_inv`` (a static per-tensor scale, e.g. calibrated activations: torchao's
+    ``per_tensor_scale``) is used as is; blocks whose amax exceeds ``2688 * global_inv`` get block scale
+    448 and saturate.
     """
     amax = amax.float()
     bad = ~torch.isfinite(amax)
     amax = torch.where(bad, torch.zeros_like(amax), amax)
-    tensor_amax = amax.amax()
-    global_inv = torch.clamp(_div32(tensor_amax, tensor_amax.new_tensor(NVFP4_TENSOR_MAX)), MIN_SCALE, MAX_SCALE)
-    global_inv = torch.where((tensor_amax == 0) | bad.any(), torch.ones_like(global_inv), global_inv)
+    if global_inv is None:
+        global_inv = nvfp4_tensor_scale(torch.where(bad.any(), amax.new_tensor(0.0), amax.amax()))
+    else:
+        global_inv = torch.as_tensor(global_inv, dtype=torch.float32, device=amax.device).reshape(())
     per_block = _div32(_div32(amax, amax.new_tensor(E2M1.max)), global_inv)
     block = torch.clamp(per_block, E4M3.min_normal, E4M3.max).to(E4M3.dtype)
     multiplier = _div32(_div32(1.0, global_inv), block.float())

@@ -18,7 +18,8 @@ from .kernels import (
 )
 from .kernels.fused import nvfp4_block_scales, quantize_values_fused
 from .kernels.opaque import dequantize_tiles, dequantize_tiles_opaque, is_ragged, quantize_tiles_opaque
-from .scaling import Granularity, named_element_bits, parse_granularity
+from .kernels.reference import tile_amax
+from .scaling import Granularity, named_element_bits, nvfp4_scales, parse_granularity
 
 __all__ = [
     "CodesFromValues",
@@ -245,6 +246,7 @@ def quantize(
     values: torch.dtype | None = None,
     lazy_codes: bool = False,
     amax: torch.Tensor | None = None,
+    global_scale: torch.Tensor | float | None = None,
 ) -> QuantizedTensor:
     """Quantize ``x`` with scales shared per tensor, row, column, tile or MX block.
 
@@ -276,6 +278,9 @@ def quantize(
         amax: ``x``'s absolute maximum per tile (shape of the scales, float32), where the caller already
             reduced it (delayed scaling records it): the kernel that writes ``values`` then reads ``x``
             once instead of twice. Trusted as given (it becomes ``QuantizedTensor.amax``).
+        global_scale: NVFP4 only: a static per-tensor dequant multiplier (e.g. calibrated activations,
+            ``scaling.nvfp4_tensor_scale(amax)``) instead of the tensor's own ``amax / 2688``; the block
+            scales are still computed from ``x`` (``scaling.nvfp4_scales``).
     """
     fmt, gran = _validate(x, fmt, granularity, nonfinite)
     if gran.kind in ("block", "column") and x.dim() < 2 and gran.block_shape(1, 1)[0] != 1:
@@ -289,7 +294,17 @@ def quantize(
     spec = BlockSpec(fmt, block, margin, power_of_two, mx_rounding if gran.is_mx else None, gran.is_nvfp4)
     static = None
     if scale is not None and gran.is_nvfp4:
-        raise ValueError("granularity nvfp4 computes its two-level scales from the tensor; drop scale=")
+        raise ValueError(
+            "granularity nvfp4 computes its block scales from the tensor; drop scale= (a static per-tensor "
+            "scale is global_scale=)"
+        )
+    if global_scale is not None:
+        if not gran.is_nvfp4:
+            raise ValueError(f"global_scale= is NVFP4's static per-tensor scale; granularity {gran} has none")
+        global_scale = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device).reshape(())
+        if check_scale and not bool(torch.isfinite(global_scale) & (global_scale > 0)):
+            raise ValueError("global_scale must be finite and positive")
+        scale = nvfp4_scales(tile_amax(x2, block), global_scale)[2]  # the blocks' multipliers, then as static
     if scale is not None:
         static = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
         nb = (-(-rows // block[0]), -(-cols // block[1]))
@@ -323,7 +338,7 @@ def quantize(
         data, sc, amax = quantize_blocks_eager(x2, spec, static)
     else:
         raise ValueError(f"unknown backend {backend!r}; accepted: 'eager', 'compiled', 'reference'")
-    q = _finish(data, sc, amax, x.shape, fmt, gran, block, x.dtype, nonfinite, vals)
+    q = _finish(data, sc, amax, x.shape, fmt, gran, block, x.dtype, nonfinite, vals, global_scale)
     per_row = block[1] == cols and block[0] in (1, rows) and not gran.is_mx and not fmt.sub_byte
     if fmt.kind == "float" and per_row and x.device.type == "cpu" and torch.compiler.is_compiling():
         # the same float32 products the cast rounded, so inductor computes both in one loop
@@ -341,7 +356,9 @@ def _values_in_kernel(values: torch.dtype | None, x2: torch.Tensor, fmt: Format,
     return not torch.compiler.is_compiling() and block[1] == cols and rows % block[0] == 0
 
 
-def _finish(data, sc, amax, shape, fmt, gran, block, dtype, nonfinite, values=None) -> QuantizedTensor:
+def _finish(
+    data, sc, amax, shape, fmt, gran, block, dtype, nonfinite, values=None, static_global=None
+) -> QuantizedTensor:
     if (nonfinite == "raise" or fmt.sub_byte) and not bool(torch.isfinite(amax).all()):
         if fmt.sub_byte:
             raise ValueError(
@@ -354,7 +371,7 @@ def _finish(data, sc, amax, shape, fmt, gran, block, dtype, nonfinite, values=No
         )
     global_scale = None
     if gran.is_nvfp4:
-        scales, global_scale, _ = nvfp4_block_scales(amax)  # the scales the multipliers ``sc`` were made from
+        scales, global_scale, _ = nvfp4_block_scales(amax, static_global)  # those ``sc`` were made from
     else:
         scale_inv = (1.0 / sc).float()
         scales = e8m0_encode(scale_inv) if gran.is_mx else scale_inv

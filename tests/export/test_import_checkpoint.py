@@ -14,7 +14,7 @@ import fp8kit
 from fp8kit.cli import main
 from fp8kit.export import BlockQuantLinear, load_pretrained
 from tests.helpers.checkpoints import read_safetensors
-from tests.helpers.models import SAMPLE_TEXT, save_local_llama
+from tests.helpers.models import save_sample_llama
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -23,15 +23,7 @@ pytest.importorskip("tokenizers")
 @pytest.fixture(scope="module")
 def local_model(tmp_path_factory):
     """A tiny Llama (hidden 128: whole 128x128 tiles) with a word-level tokenizer, as a Hugging Face folder."""
-    return save_local_llama(
-        tmp_path_factory.mktemp("hf"),
-        SAMPLE_TEXT,
-        hidden_size=128,
-        intermediate_size=256,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=True,
-    )
+    return save_sample_llama(tmp_path_factory.mktemp("hf"), 128, 256)
 
 
 def test_unsupported_pairs_exit_2_before_any_model_is_loaded(local_model, tmp_path, capsys, monkeypatch):

@@ -37,6 +37,12 @@ def calib(model_batches: list[torch.Tensor]):
     return loop
 
 
+def token_batches(vocab: int, count: int, shape: tuple[int, int], seed: int = 1) -> list[torch.Tensor]:
+    """``count`` batches of random token ids below ``vocab`` (calibration and evaluation inputs)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, shape, generator=g) for _ in range(count)]
+
+
 def whole_tile_llama(seed: int = 0):
     """A random 2-layer Llama in eval mode, hidden 256, intermediate 384: every weight holds whole 128x128 tiles."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -71,6 +77,19 @@ def save_local_llama(root, text: str, **overrides):
     fast.save_pretrained(root / "model")
     (root / "text.txt").write_text(text)
     return root
+
+
+def save_sample_llama(root, hidden_size: int = 32, intermediate_size: int = 64):
+    """``save_local_llama`` on ``SAMPLE_TEXT``: a tied Llama with 2 heads, 1 KV head, of the given widths."""
+    return save_local_llama(
+        root,
+        SAMPLE_TEXT,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
 
 
 SAMPLE_TEXT = (  # a short English text repeated: a word-level tokenizer learns it whole

@@ -118,15 +118,17 @@ def ref_e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(codes.numpy().view(ml_dtypes.float4_e2m1fn).astype(np.float32))
 
 
-def ref_nvfp4(x: torch.Tensor, elem_max: float = F4_E2M1_MAX):
+def ref_nvfp4(x: torch.Tensor, elem_max: float = F4_E2M1_MAX, per_tensor_scale: torch.Tensor | None = None):
     """``(codes, block scales float8_e4m3fn (rows, cols/16), per-tensor scale)`` of a 2-D ``x``;
-    ``elem_max`` other than 6 plants a wrong scale (for the tests' mutants)."""
+    ``elem_max`` other than 6 plants a wrong scale (for the tests' mutants); ``per_tensor_scale`` given:
+    torchao's static (calibrated) per-tensor scale, used as is."""
     rows, cols = x.shape
     data = x.float().reshape(rows, cols // 16, 16)
-    amax = data.abs().amax()
-    per_tensor_scale = amax / (F8E4M3_MAX * elem_max) if amax > 0 else torch.tensor(1.0)
-    # fp8kit's rule where torchao's reciprocals can overflow to inf (amax < 2688 * 2**-120 ~ 2e-33)
-    per_tensor_scale = per_tensor_scale.clamp(min=2.0**-120)
+    if per_tensor_scale is None:
+        amax = data.abs().amax()
+        per_tensor_scale = amax / (F8E4M3_MAX * elem_max) if amax > 0 else torch.tensor(1.0)
+        # fp8kit's rule where torchao's reciprocals can overflow to inf (amax < 2688 * 2**-120 ~ 2e-33)
+        per_tensor_scale = per_tensor_scale.clamp(min=2.0**-120)
     block_scale = data.abs().amax(dim=-1) / elem_max
     scaled_block_scales = block_scale / per_tensor_scale
     eps = torch.finfo(torch.float8_e4m3fn).tiny

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from fp8kit.cli import main
-from tests.helpers.models import SAMPLE_TEXT, save_local_llama
+from tests.helpers.models import save_sample_llama
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -17,15 +17,7 @@ tokenizers = pytest.importorskip("tokenizers")
 @pytest.fixture(scope="module")
 def local_model(tmp_path_factory):
     """A tiny Llama with tied embeddings and a word-level tokenizer, saved as a Hugging Face directory."""
-    return save_local_llama(
-        tmp_path_factory.mktemp("hf"),
-        SAMPLE_TEXT,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=True,
-    )
+    return save_sample_llama(tmp_path_factory.mktemp("hf"))
 
 
 def test_train_eval_quantize_compare_on_a_local_model(local_model, tmp_path, capsys):

@@ -28,19 +28,19 @@ def smoothquant_alpha(text: str) -> float | str:
 
 def scheme_names() -> str:
     """Every accepted scheme, ``+kv`` variants included, for error messages."""
-    from ..ptq.schemes import SCHEMES
+    from ..ptq.schemes import PTQ_SCHEMES
 
-    return ", ".join([*SCHEMES, *(f"{n}+kv" for n, s in SCHEMES.items() if s.is_fp8)])
+    return ", ".join([*PTQ_SCHEMES, *(f"{n}+kv" for n, s in PTQ_SCHEMES.items() if s.is_fp8)])
 
 
 def check_scheme(name: str) -> str:
     """One scheme name, normalized (lower case); ``+kv`` only on the FP8 schemes."""
-    from ..ptq.schemes import SCHEMES
+    from ..ptq.schemes import PTQ_SCHEMES
 
     base = name.strip().lower().removesuffix("+kv")
-    if base not in SCHEMES:
+    if base not in PTQ_SCHEMES:
         raise argparse.ArgumentTypeError(f"unknown scheme {name.strip()!r}; accepted: {scheme_names()}")
-    if name.strip().lower().endswith("+kv") and not SCHEMES[base].is_fp8:
+    if name.strip().lower().endswith("+kv") and not PTQ_SCHEMES[base].is_fp8:
         raise argparse.ArgumentTypeError(f"{name.strip()!r}: the FP8 KV cache (+kv) goes with the FP8 schemes only")
     return name.strip().lower()
 

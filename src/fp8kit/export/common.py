@@ -273,11 +273,10 @@ def load_layer(model: nn.Module, path: Any, name: str, build: Callable[[nn.Linea
         raise ExportError(f"{path}: tensor {err.args[0]} is missing") from err
     except RuntimeError as err:
         raise ExportError(f"{path}: tensors of {name} have the wrong shape ({err})") from err
-    if tuple(new.weight.shape) != (lin.out_features, lin.in_features):
-        raise ExportError(
-            f"{path}: {name}.weight has shape {tuple(new.weight.shape)}, the model needs "
-            f"{(lin.out_features, lin.in_features)}"
-        )
+    packed = getattr(getattr(new, "scheme", None), "is_fp4", False)  # FP4: two codes per byte
+    want = (lin.out_features, lin.in_features // 2 if packed else lin.in_features)
+    if tuple(new.weight.shape) != want:
+        raise ExportError(f"{path}: {name}'s weight codes have shape {tuple(new.weight.shape)}, the model needs {want}")
     replace_module(model, name, new)
 
 

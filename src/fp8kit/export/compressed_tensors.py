@@ -8,7 +8,18 @@ the safetensors files hold, for each quantized ``Linear`` named ``NAME``:
   tensor or ``(out, 1)`` per channel) and, for static activations, ``NAME.input_scale`` (``(1,)``);
 * ``int-quantized`` (INT8 W8A8): the same with an int8 ``NAME.weight``;
 * ``pack-quantized`` (INT8 weight-only): ``NAME.weight_packed`` (int32, four offset-by-128 bytes per
-  word, little-endian), ``NAME.weight_scale`` and ``NAME.weight_shape``.
+  word, little-endian), ``NAME.weight_scale`` and ``NAME.weight_shape``;
+* ``nvfp4-pack-quantized`` (``nvfp4``, ``nvfp4-weight-only``): ``NAME.weight_packed`` (uint8, two E2M1
+  codes per byte, element ``2i`` in the low nibble), ``NAME.weight_scale`` (float8_e4m3fn, one per 1x16
+  block), ``NAME.weight_global_scale`` and, for ``nvfp4``, ``NAME.input_global_scale`` (float32 ``(1,)``);
+* ``mxfp4-pack-quantized`` (``mxfp4-weight-only``): ``NAME.weight_packed`` and ``NAME.weight_scale``
+  (uint8 E8M0 exponents, one per 1x32 block).
+
+compressed-tensors' global scales are the reciprocals of fp8kit's (and ModelOpt's) per-tensor dequant
+multipliers: ``weight_global_scale = 2688 / amax = 1 / weight_scale_2`` and ``input_global_scale = 1 /
+input_scale``, each a float32 reciprocal; dequantization is ``code * (weight_scale / weight_global_scale)``.
+Reading one back takes the float32 reciprocal again, which returns fp8kit's value exactly when that value is
+itself a float32 reciprocal (about 87% of values) and one ulp away otherwise.
 
 Scales are dequant multipliers (``amax / 448`` for E4M3, ``amax / 127`` for INT8). An FP8 KV cache adds
 ``kv_cache_scheme`` and per-layer ``self_attn.k_scale`` / ``self_attn.v_scale``. Loading reads JSON and
@@ -25,7 +36,7 @@ import torch
 import torch.nn as nn
 
 from ..ptq.linear import QuantLinear
-from ..ptq.schemes import SCHEMES, Scheme
+from ..ptq.schemes import FP4_SCHEMES, SCHEMES, Scheme
 from .common import ExportError, load_layer, load_rest, model_from_config, read_tensors, stored_codes
 from .experts import experts_naming, has_expert_tensors, load_experts, model_key
 
@@ -34,10 +45,30 @@ __all__ = ["QUANT_METHOD", "export_tensors", "load", "pack_int8", "quantization_
 QUANT_METHOD = "compressed-tensors"
 
 
+def _fp4_args(scheme: Scheme, which: str) -> dict[str, Any]:
+    """An FP4 scheme's ``weights`` / ``input_activations`` as compressed-tensors 0.20 serializes its ``NVFP4``,
+    ``NVFP4A16`` and ``MXFP4A16`` presets."""
+    nvfp4 = scheme.weight_strategy == "nvfp4"
+    args: dict[str, Any] = {
+        "num_bits": 4,
+        "type": "float",
+        "symmetric": True,
+        "group_size": 16 if nvfp4 else 32,
+        "strategy": "tensor_group" if nvfp4 else "group",
+        "dynamic": False,
+        "scale_dtype": "torch.float8_e4m3fn" if nvfp4 else "torch.uint8",
+    }
+    if which != "weights":  # static per-tensor (global) scale, block scales at run time
+        args.update(dynamic="local", observer="static_minmax")
+    return args
+
+
 def _args(scheme: Scheme, which: str) -> dict[str, Any] | None:
     fmt = scheme.weight_format if which == "weights" else scheme.act_format
     if fmt is None:
         return None
+    if scheme.is_fp4:
+        return _fp4_args(scheme, which)
     strategy = scheme.weight_strategy if which == "weights" else scheme.act_strategy
     dynamic = which != "weights" and strategy == "token"
     return {
@@ -106,8 +137,29 @@ def _matches(name: str, module: nn.Module, patterns: list[str]) -> bool:
     return False
 
 
+def _fp4_scheme_of(w: dict[str, Any], a: dict[str, Any] | None, fmt: str) -> Scheme:
+    """The FP4 scheme of an ``nvfp4-pack-quantized`` / ``mxfp4-pack-quantized`` group (weights as compressed-tensors'
+    NVFP4 / MXFP4 presets; activations none, or NVFP4's static global scale with dynamic local scales)."""
+    nvfp4 = fmt == "nvfp4-pack-quantized"
+    want = ("tensor_group", 16) if nvfp4 else ("group", 32)
+    if (w.get("type"), w.get("strategy"), w.get("group_size")) != ("float", *want) or not w.get("symmetric", True):
+        raise ExportError(
+            f"unsupported {fmt} weights {w}: fp8kit loads symmetric E2M1 in {want[0]} blocks of {want[1]}"
+        )
+    if a is None:
+        return FP4_SCHEMES["nvfp4-weight-only" if nvfp4 else "mxfp4-weight-only"]
+    fits = (a.get("num_bits"), a.get("type"), a.get("strategy"), a.get("group_size"), a.get("dynamic"))
+    if nvfp4 and fits == (4, "float", "tensor_group", 16, "local"):
+        return FP4_SCHEMES["nvfp4"]
+    raise ExportError(
+        f"unsupported {fmt} activations {a}: fp8kit loads none or NVFP4 (a static global scale, dynamic local scales)"
+    )
+
+
 def _scheme_of(group: dict[str, Any], fmt: str) -> Scheme:
     w, a = group.get("weights"), group.get("input_activations")
+    if fmt in ("nvfp4-pack-quantized", "mxfp4-pack-quantized") and w:
+        return _fp4_scheme_of(w, a, fmt)
     if (
         not w
         or w.get("num_bits") != 8
@@ -152,6 +204,38 @@ def _write_linear(
         tensors[f"{name}.input_scale"] = input_scale.float().reshape(1).clone()
 
 
+def _reciprocal(t: torch.Tensor) -> torch.Tensor:
+    """The float32 reciprocal of a ``(1,)`` per-tensor scale: compressed-tensors' global scale <-> fp8kit's."""
+    return (1.0 / t.float()).reshape(1).contiguous()
+
+
+def _write_fp4_linear(tensors: dict[str, torch.Tensor], name: str, q: QuantLinear) -> None:
+    """An FP4 ``QuantLinear``'s tensors under ``name`` (module doc): the packed codes and block scales as the
+    layer holds them, the per-tensor scales as compressed-tensors' reciprocal global scales."""
+    tensors[f"{name}.weight_packed"] = q.weight.contiguous()
+    tensors[f"{name}.weight_scale"] = q.weight_scale.contiguous()
+    if q.weight_scale_2 is not None:
+        tensors[f"{name}.weight_global_scale"] = _reciprocal(q.weight_scale_2)
+    if q.input_scale is not None:
+        tensors[f"{name}.input_global_scale"] = _reciprocal(q.input_scale)
+
+
+def _read_fp4_linear(tensors: dict[str, torch.Tensor], name: str, q: QuantLinear, where: Path) -> None:
+    """Fill an FP4 ``QuantLinear`` from ``_write_fp4_linear``'s tensors (or another producer's of the layout)."""
+    packed = stored_codes(tensors.pop(f"{name}.weight_packed"), torch.uint8, f"{where}: {name}.weight_packed")
+    scale = stored_codes(tensors.pop(f"{name}.weight_scale"), q.weight_scale.dtype, f"{where}: {name}.weight_scale")
+    if packed.shape != q.weight.shape or scale.shape != q.weight_scale.shape:
+        raise ExportError(
+            f"{where}: {name} holds codes {tuple(packed.shape)} and scales {tuple(scale.shape)}; the layer needs "
+            f"{tuple(q.weight.shape)} and {tuple(q.weight_scale.shape)}"
+        )
+    q.weight, q.weight_scale = packed, scale
+    if q.weight_scale_2 is not None:
+        q.weight_scale_2 = _reciprocal(tensors.pop(f"{name}.weight_global_scale"))
+    if q.scheme.static_activations:
+        q.input_scale = _reciprocal(tensors.pop(f"{name}.input_global_scale"))
+
+
 def export_tensors(
     model: nn.Module,
     qlayers: dict[str, QuantLinear],
@@ -167,7 +251,10 @@ def export_tensors(
 
     tensors: dict[str, torch.Tensor] = {}
     for name, q in qlayers.items():
-        _write_linear(tensors, scheme, name, q.weight, q.weight_scale, q.input_scale)
+        if scheme.is_fp4:
+            _write_fp4_linear(tensors, name, q)
+        else:
+            _write_linear(tensors, scheme, name, q.weight, q.weight_scale, q.input_scale)
         if q.bias is not None:
             tensors[f"{name}.bias"] = q.bias.contiguous()
     for name, m in (experts or {}).items():
@@ -196,6 +283,11 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
 
     def build(name: str, lin: nn.Linear) -> QuantLinear:
         q = QuantLinear(lin.in_features, lin.out_features, lin.bias is not None, scheme)
+        if scheme.is_fp4:
+            _read_fp4_linear(tensors, name, q, path)
+            if lin.bias is not None:
+                q.bias = tensors.pop(f"{name}.bias").float()
+            return q
         if fmt == "pack-quantized":
             q.weight = unpack_int8(tensors.pop(f"{name}.weight_packed"), lin.in_features)
             tensors.pop(f"{name}.weight_shape", None)

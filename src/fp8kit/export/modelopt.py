@@ -13,10 +13,18 @@ fp8kit scheme                 ``quant_algo``                 tensors beside ``NA
                                                              ``pre_quant_scale`` ``(in,)``
 ``int8-weight-only``          ``W8A16``                      ``weight_scale`` ``(out,)``
 ``fp8-block``                 ``fp8_pb_wo``                  ``weight_scale`` ``(out/128, 1, in/128, 1)``
+``nvfp4``                     ``NVFP4``                      ``weight_scale`` ``(out, in/16)`` E4M3,
+                                                             ``weight_scale_2`` ``()``, ``input_scale`` ``()``
+``nvfp4-weight-only``         ``W4A16_NVFP4``                ``weight_scale`` ``(out, in/16)`` E4M3,
+                                                             ``weight_scale_2`` ``()``
 ============================  =============================  ======================================
 
 Weights are ``float8_e4m3fn`` (FP8) or ``int8``; every scale is a float32 dequant multiplier
-(``amax / 448``, ``amax / 127``). ``pre_quant_scale`` multiplies the input before it is quantized:
+(``amax / 448``, ``amax / 127``). NVFP4 weights are uint8, two E2M1 codes per byte (element ``2i`` in the low
+nibble), with E4M3 block scales under the per-tensor ``weight_scale_2 = amax / 2688``; W4A4's
+``input_scale`` is the activations' per-tensor scale ``amax / 2688`` (the 1x16 block scales are computed at
+run time); ``hf_quant_config.json`` adds ``"group_size": 16``. MXFP4 is not written: ModelOpt's ``mxfp4``
+also quantizes the activations, which ``mxfp4-weight-only`` does not. ``pre_quant_scale`` multiplies the input before it is quantized:
 fp8kit folds SmoothQuant into the preceding layer, so it writes ones. ``fp8_pb_wo`` is ModelOpt's only
 128x128-block FP8 format and is weight-only: serving keeps the activations in high precision. An FP8 KV
 cache adds ``ATTN.k_proj.k_scale`` and ``ATTN.v_proj.v_scale`` (``()``, ``amax / 448``).
@@ -48,6 +56,8 @@ __all__ = ["HF_QUANT_CONFIG", "QUANT_METHOD", "export_tensors", "hf_quant_config
 QUANT_METHOD = "modelopt"
 HF_QUANT_CONFIG = "hf_quant_config.json"
 _SCHEME_OF = {algo: scheme for scheme, algo in MODELOPT_ALGOS.items()}
+_NVFP4 = ("nvfp4", "nvfp4-weight-only")
+NVFP4_GROUP = 16
 
 
 def _producer() -> dict[str, str]:
@@ -63,6 +73,7 @@ def hf_quant_config(scheme: str, exclude: list[str], kv: bool) -> dict[str, Any]
         "quantization": {
             "quant_algo": MODELOPT_ALGOS[scheme],
             "kv_cache_quant_algo": "FP8" if kv else None,
+            **({"group_size": NVFP4_GROUP} if scheme in _NVFP4 else {}),
             "exclude_modules": sorted(exclude),
         },
     }
@@ -75,6 +86,10 @@ def quantization_config(hf_quant: dict[str, Any]) -> dict[str, Any]:
     if q["quant_algo"] == "FP8":
         fp8 = {"dynamic": False, "num_bits": 8, "type": "float"}
         out["config_groups"] = {"group_0": {"input_activations": fp8, "weights": dict(fp8), "targets": ["Linear"]}}
+    elif q["quant_algo"] in ("NVFP4", "W4A16_NVFP4"):
+        fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": NVFP4_GROUP}
+        group: dict[str, Any] = {"input_activations": dict(fp4)} if q["quant_algo"] == "NVFP4" else {}
+        out["config_groups"] = {"group_0": {**group, "weights": fp4, "targets": ["Linear"]}}
     out["ignore"] = list(q["exclude_modules"])
     out["quant_algo"] = q["quant_algo"]
     if q.get("kv_cache_quant_algo") == "FP8":
@@ -115,7 +130,13 @@ def export_tensors(
 
     tensors: dict[str, torch.Tensor] = {}
     for name, q in qlayers.items():
-        if isinstance(q, BlockQuantLinear):
+        if isinstance(q, QuantLinear) and q.scheme.is_fp4:
+            tensors[f"{name}.weight"] = q.weight.contiguous()
+            tensors[f"{name}.weight_scale"] = q.weight_scale.contiguous()
+            tensors[f"{name}.weight_scale_2"] = q.weight_scale_2.float().reshape(()).clone()
+            if q.input_scale is not None:
+                tensors[f"{name}.input_scale"] = q.input_scale.float().reshape(()).clone()
+        elif isinstance(q, BlockQuantLinear):
             tensors[f"{name}.weight"] = q.weight.contiguous()
             r, c = q.weight_scale_inv.shape
             tensors[f"{name}.weight_scale"] = q.weight_scale_inv.float().reshape(r, 1, c, 1).contiguous()
@@ -169,6 +190,8 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
     if kv_algo not in (None, "FP8"):
         raise ExportError(f"{path}: KV cache {kv_algo!r} is not one fp8kit loads (FP8 only)")
     scheme = _SCHEME_OF[algo]
+    if scheme in _NVFP4 and q.get("group_size", NVFP4_GROUP) != NVFP4_GROUP:
+        raise ExportError(f"{path}: NVFP4 with group_size {q.get('group_size')}; fp8kit loads blocks of {NVFP4_GROUP}")
     exclude = list(q.get("exclude_modules") or [])
     model = model_from_config(path, raw, dtype)
     tensors = read_tensors(path)
@@ -180,8 +203,8 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
     for name in names:
         load_layer(model, path, name, lambda lin, name=name: _layer(tensors, name, lin, scheme))
     if has_expert_tensors(tensors):
-        if scheme == BLOCK_SCHEME:
-            raise ExportError(f"{path}: fp8kit does not load block-FP8 MoE experts yet")
+        if scheme == BLOCK_SCHEME or scheme in _NVFP4:
+            raise ExportError(f"{path}: fp8kit does not load {scheme} MoE experts yet")
 
         def read_expert(key: str, out_features: int, in_features: int):
             codes = stored_codes(
@@ -204,22 +227,41 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
     return model, scheme, names, kv_scales, kv_algo == "FP8"
 
 
+def _fp4_layer(
+    tensors: dict[str, torch.Tensor], name: str, new: QuantLinear, weight: torch.Tensor, scale: torch.Tensor
+) -> None:
+    """Fill an NVFP4 ``QuantLinear`` from its packed codes, E4M3 block scales and per-tensor scales."""
+    new.weight = stored_codes(weight, torch.uint8, f"{name}.weight")
+    new.weight_scale = stored_codes(scale, torch.float8_e4m3fn, f"{name}.weight_scale")
+    if new.weight.shape[0] != new.out_features or new.weight_scale.shape != (new.out_features, new.in_features // 16):
+        raise ExportError(
+            f"{name}: NVFP4 codes {tuple(new.weight.shape)} and block scales {tuple(new.weight_scale.shape)} do not "
+            f"fit a ({new.out_features}, {new.in_features}) layer"
+        )
+    new.weight_scale_2 = tensors.pop(f"{name}.weight_scale_2").float().reshape(1)
+    if new.scheme.static_activations:
+        new.input_scale = tensors.pop(f"{name}.input_scale").float().reshape(1)
+
+
 def _layer(tensors: dict[str, torch.Tensor], name: str, lin: nn.Linear, scheme: str) -> nn.Module:
     weight = tensors.pop(f"{name}.weight")
-    scale = tensors.pop(f"{name}.weight_scale").float()
+    scale = tensors.pop(f"{name}.weight_scale")
     bias = tensors.pop(f"{name}.bias", None) if lin.bias is not None else None
     if lin.bias is not None and bias is None:
         raise KeyError(f"{name}.bias")
     if scheme == BLOCK_SCHEME:
         new: nn.Module = BlockQuantLinear(lin.in_features, lin.out_features, lin.bias is not None)
         new.weight = stored_codes(weight, torch.float8_e4m3fn, f"{name}.weight")
-        new.weight_scale_inv = scale.reshape(new.weight_scale_inv.shape)
+        new.weight_scale_inv = scale.float().reshape(new.weight_scale_inv.shape)
         new.dynamic_activations = False  # fp8_pb_wo: weight-only
     else:
         new = QuantLinear(lin.in_features, lin.out_features, lin.bias is not None, scheme)
-        new.weight = stored_codes(weight, new.scheme.weight_format.dtype, f"{name}.weight")
-        new.weight_scale = scale.reshape(new.weight_scale.shape)
-        if new.scheme.static_activations:
+        if new.scheme.is_fp4:
+            _fp4_layer(tensors, name, new, weight, scale)
+        else:
+            new.weight = stored_codes(weight, new.scheme.weight_format.dtype, f"{name}.weight")
+            new.weight_scale = scale.float().reshape(new.weight_scale.shape)
+        if new.scheme.static_activations and not new.scheme.is_fp4:
             new.input_scale = tensors.pop(f"{name}.input_scale").float().reshape(1)
         pre = tensors.pop(f"{name}.pre_quant_scale", None)
         if pre is not None and not torch.all(pre.float() == 1):

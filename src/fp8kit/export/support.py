@@ -8,7 +8,7 @@ Formats (``save_pretrained(format=...)``, ``fp8kit quantize --format``):
   ``transformers``' ``FineGrainedFP8Config``).
 
 Schemes are fp8kit's PTQ schemes (``fp8``, ``fp8-dynamic``, ``int8-smoothquant``, ``int8-weight-only``,
-``+kv`` for an FP8 KV cache) and ``fp8-block``, the block training recipe's layout (128x128 weight
+``+kv`` for an FP8 KV cache; the FP4 ``nvfp4``, ``nvfp4-weight-only``, ``mxfp4-weight-only``) and ``fp8-block``, the block training recipe's layout (128x128 weight
 tiles, dynamic 1x128 activations).
 """
 
@@ -26,10 +26,20 @@ MODELOPT_ALGOS = {
     "int8-smoothquant": "W8A8_SQ_PER_CHANNEL",
     "int8-weight-only": "W8A16",
     BLOCK_SCHEME: "fp8_pb_wo",
+    "nvfp4": "NVFP4",
+    "nvfp4-weight-only": "W4A16_NVFP4",
 }
 
 _CARRIES = {
-    "compressed-tensors": {"fp8", "fp8-dynamic", "int8-smoothquant", "int8-weight-only"},
+    "compressed-tensors": {
+        "fp8",
+        "fp8-dynamic",
+        "int8-smoothquant",
+        "int8-weight-only",
+        "nvfp4",
+        "nvfp4-weight-only",
+        "mxfp4-weight-only",
+    },
     "modelopt": set(MODELOPT_ALGOS),
     "fp8-block": {BLOCK_SCHEME},
 }

@@ -273,9 +273,14 @@ def scale_output(
     return run_kernel("scale_output", scale_output_eager, acc, s1, s2, ids, dtype)
 
 
-def nvfp4_block_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def nvfp4_block_scales(
+    amax: torch.Tensor, global_inv: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``scaling.nvfp4_scales`` as one compiled kernel on CPU (eager mode): the scales a quantized NVFP4
-    tensor stores, from its block amaxes, bit for bit the ones its quantize kernel multiplied by."""
+    tensor stores, from its block amaxes (and a static per-tensor scale ``global_inv``), bit for bit the
+    ones its quantize kernel multiplied by."""
+    if global_inv is not None:
+        return nvfp4_scales(amax, global_inv)
     if amax.device.type != "cpu" or torch.compiler.is_compiling():
         return nvfp4_scales(amax)
     return run_kernel("nvfp4_scales", nvfp4_scales, amax)

@@ -1,4 +1,4 @@
-"""Post-training quantization for inference: FP8 and INT8 schemes, calibration, FP8 KV cache, MoE experts."""
+"""Post-training quantization for inference: FP8, INT8 and FP4 schemes, calibration, FP8 KV cache, MoE experts."""
 
 from .awq import apply_awq
 from .calibrate import CALIBRATION_METHODS
@@ -7,7 +7,7 @@ from .gptq import collect_hessians, gptq_linear, gptq_weight
 from .kv_cache import kv_cache_bytes
 from .linear import QuantLinear, resident_bytes, set_weight_cache
 from .report import PTQReport
-from .schemes import SCHEMES, Scheme, get_scheme
+from .schemes import FP4_SCHEMES, PTQ_SCHEMES, SCHEMES, Scheme, get_scheme
 from .sensitivity import LayerScore, keep_filter, layer_sensitivity, rank_by_output_error
 from .sequential import quantize, quantize_checkpoint
 
@@ -17,6 +17,8 @@ __all__ = [
     "PTQReport",
     "QuantExperts",
     "QuantLinear",
+    "FP4_SCHEMES",
+    "PTQ_SCHEMES",
     "SCHEMES",
     "Scheme",
     "apply_awq",

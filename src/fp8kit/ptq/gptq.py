@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from ..formats import E2M1, Format, cast, e2m1_decode
 from ..kernels.reference import BlockSpec, scale_from_amax
-from ..scaling import compute_scale, dequant_scale
+from ..scaling import compute_scale, dequant_scale, nvfp4_scales
 from ..tensor import QuantizedTensor
 from ..tensor import quantize as fp8_quantize
 from .calibrate import run_with_input_hooks
@@ -156,18 +156,20 @@ def gptq_fp4_weight(
     granularity: str,
     block: int = GPTQ_BLOCK,
     damping: float = DAMPING,
+    global_scale: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """GPTQ-round ``weight`` (``(out, in)``) to E2M1 in ``granularity``'s blocks (``"nvfp4"``, ``"mxfp4"``):
-    the block scales (and NVFP4's per-tensor scale) come from ``fp8kit.quantize`` of the original weight and
-    stay fixed; each column is cast with its blocks' multipliers (the quantize kernel's). Returns the
-    ``QuantizedTensor`` of the GPTQ codes with those scales (``dequantize()`` is the rounded weight)."""
+    the block scales (and NVFP4's per-tensor scale, or the shared ``global_scale``) come from
+    ``fp8kit.quantize`` of the original weight and stay fixed; each column is cast with its blocks'
+    multipliers (the quantize kernel's). Returns the ``QuantizedTensor`` of the GPTQ codes with those scales
+    (``dequantize()`` is the rounded weight)."""
     w = _checked_weight(weight, hessian, block, damping)
-    qt = fp8_quantize(w, E2M1, granularity)
+    qt = fp8_quantize(w, E2M1, granularity, **({"global_scale": global_scale} if global_scale is not None else {}))
     group = qt.block[1]
-    mult = scale_from_amax(
-        qt.amax,
-        BlockSpec(E2M1, qt.block, mx_rounding="rceil" if qt.granularity.is_mx else None, nvfp4=qt.granularity.is_nvfp4),
-    )
+    if qt.granularity.is_nvfp4:
+        mult = nvfp4_scales(qt.amax, qt.global_scale)[2]
+    else:
+        mult = scale_from_amax(qt.amax, BlockSpec(E2M1, qt.block, mx_rounding="rceil"))
     scale_inv = qt.scale_inv
 
     def round_column(j: int, col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,12 +187,14 @@ def gptq_linear(
     input_amax: float | None = None,
     block: int = GPTQ_BLOCK,
     damping: float = DAMPING,
+    weight_global_scale: torch.Tensor | None = None,
 ) -> QuantLinear:
     """A ``QuantLinear`` of ``scheme`` whose weight codes come from GPTQ (scales as ``from_linear`` sets them)."""
     scheme = get_scheme(scheme)
-    q = QuantLinear.from_linear(linear, scheme, input_amax)
+    q = QuantLinear.from_linear(linear, scheme, input_amax, weight_global_scale)
     if scheme.is_fp4:
-        q.set_fp4_weight(gptq_fp4_weight(linear.weight, hessian, scheme.weight_granularity, block, damping))
+        qt = gptq_fp4_weight(linear.weight, hessian, scheme.weight_granularity, block, damping, weight_global_scale)
+        q.set_fp4_weight(qt)
         return q
     per_channel = scheme.weight_strategy == "channel"
     codes, amax, _ = gptq_weight(linear.weight, hessian, scheme.weight_format, per_channel, block, damping)

@@ -7,7 +7,10 @@ per-tensor dequant multiplier ``weight_scale_2`` (``amax / 2688``, ModelOpt's na
 ``fp8kit.quantize(w, "e2m1", "nvfp4" | "mxfp4")``. Their GEMM is the floor's ``block_scaled_mm``: the
 exact float32 dequantized weight (``codes * block scale (* weight_scale_2)``; lean: decoded in tiles of
 whole rows inside the GEMM; ``weight_cache="cached"``: kept) with FP32 accumulation; ``_forward_reference``
-computes the same.
+computes the same. The ``nvfp4`` scheme (W4A4) also quantizes the input to NVFP4: 1x16 E4M3 block scales
+at run time under the static per-tensor ``input_scale`` (``amax / 2688`` of the calibrated amax, ModelOpt's
+convention), ``fp8kit.quantize(x, "e2m1", "nvfp4", global_scale=input_scale)``; the GEMM takes the exact
+dequantized input (the emulation of the NVFP4 tensor-core GEMM up to FP32 summation order).
 
 Weights are held as ``float8_e4m3fn`` or ``int8`` codes with float32 dequant scales
 (``weight_scale``: shape ``(1,)`` per tensor or ``(out, 1)`` per channel, ``amax / 448`` for E4M3 and
@@ -58,7 +61,7 @@ import torch.nn as nn
 
 from ..formats import E2M1, Format
 from ..gemm.scaled import KERNELS, KernelChoice, block_scaled_mm, choose_kernel, scaled_mm, use_compiled
-from ..scaling import dequant_scale, parse_granularity
+from ..scaling import dequant_scale, nvfp4_tensor_scale, parse_granularity
 from ..state_dict import pack_fp4, unpack_fp4
 from ..tensor import QuantizedTensor
 from ..tensor import quantize as fp8_quantize
@@ -213,15 +216,23 @@ class QuantLinear(nn.Module):
             self.weight_scale_2 = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, scheme: Scheme | str, input_amax: float | None = None) -> QuantLinear:
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        scheme: Scheme | str,
+        input_amax: float | None = None,
+        weight_global_scale: torch.Tensor | None = None,
+    ) -> QuantLinear:
         """Quantize ``linear``'s weight; ``input_amax`` sets the static activation scale (required for
-        static schemes)."""
+        static schemes); ``weight_global_scale``: NVFP4's per-tensor weight scale when it is shared with
+        other layers (``fp8kit.quantize``'s ``global_scale``), else the weight's own."""
         scheme = get_scheme(scheme)
         q = cls(linear.in_features, linear.out_features, linear.bias is not None, scheme)
         w = linear.weight.detach().float()
         if not torch.isfinite(w).all():
             raise ValueError("the weight holds NaN or inf; it cannot be quantized")
-        qt = fp8_quantize(w, scheme.weight_format, scheme.weight_granularity)
+        shared = {"global_scale": weight_global_scale} if weight_global_scale is not None else {}
+        qt = fp8_quantize(w, scheme.weight_format, scheme.weight_granularity, **shared)
         if scheme.is_fp4:
             q.set_fp4_weight(qt)
         else:
@@ -232,7 +243,10 @@ class QuantLinear(nn.Module):
         if scheme.static_activations:
             if input_amax is None:
                 raise ValueError(f"scheme {scheme.name!r} needs a calibrated input amax (run a forward_loop)")
-            q.input_scale = dequant_scale(torch.tensor([float(input_amax)]), scheme.act_format)
+            if scheme.act_strategy == "nvfp4":
+                q.input_scale = nvfp4_tensor_scale(float(input_amax)).reshape(1)
+            else:
+                q.input_scale = dequant_scale(torch.tensor([float(input_amax)]), scheme.act_format)
         return q
 
     def set_fp4_weight(self, qt: QuantizedTensor) -> None:
@@ -272,6 +286,15 @@ class QuantLinear(nn.Module):
 
     # -- activations -------------------------------------------------------------------------------
 
+    def quantize_fp4_input(self, x2: torch.Tensor) -> QuantizedTensor:
+        """A 2-D input ``(tokens, in_features)`` in NVFP4 (``nvfp4`` scheme): block scales from ``x2``, the
+        static per-tensor ``input_scale``. Non-finite input raises (E2M1 cannot encode it)."""
+        return fp8_quantize(x2, E2M1, "nvfp4", global_scale=self.input_scale, check_scale=False)
+
+    def _gemm_input(self, x2: torch.Tensor) -> QuantizedTensor | torch.Tensor:
+        """An FP4 layer's GEMM operand: the NVFP4 input (W4A4) or ``x2`` itself (weight-only)."""
+        return x2 if self.scheme.act_format is None else self.quantize_fp4_input(x2)
+
     def quantize_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes of a 2-D input ``(tokens, in_features)`` and their dequant scale: ``(1,)`` for a static
         per-tensor scale, ``(tokens, 1)`` per token. Through ``fp8kit.quantize``; NaN/inf propagate."""
@@ -292,7 +315,11 @@ class QuantLinear(nn.Module):
         """The FP32-upcast math every kernel is held to: exact code products, FP32 accumulation."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.scheme.act_format is None:  # weight-only
+        if self.scheme.is_fp4:
+            xin = self._gemm_input(x2)
+            xd = xin.dequantize(torch.float32) if isinstance(xin, QuantizedTensor) else xin.float()
+            out = xd @ self.dequantized_weight().t()
+        elif self.scheme.act_format is None:  # weight-only
             out = x2.float() @ self.dequantized_weight().t()
         else:
             xq, sx = self.quantize_input(x2)
@@ -310,8 +337,11 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.scheme.act_format is not None:
             with torch.no_grad():
-                xq, sx = self.quantize_input(x2.detach())
-                xd = (xq.float() * sx.reshape(-1, 1)).to(x2.dtype)
+                if self.scheme.is_fp4:
+                    xd = self.quantize_fp4_input(x2.detach()).dequantize(x2.dtype)
+                else:
+                    xq, sx = self.quantize_input(x2.detach())
+                    xd = (xq.float() * sx.reshape(-1, 1)).to(x2.dtype)
             x2 = x2 + (xd - x2).detach()
         out = x2.float() @ self._straight_through_weight().t()
         if self.bias is not None:
@@ -373,7 +403,7 @@ class QuantLinear(nn.Module):
         return c[4]
 
     def _forward_fp4(self, x: torch.Tensor) -> torch.Tensor:
-        """An FP4 weight-only layer: the GEMM floor's ``block_scaled_mm`` on the dequantized weight."""
+        """An FP4 layer: the GEMM floor's ``block_scaled_mm`` on the dequantized weight (and NVFP4 input)."""
         if self.kernel not in (None, "reference"):
             raise ValueError(f"{self.scheme.name} layers run block_scaled_mm or 'reference', not {self.kernel!r}")
         if self.kernel == "reference":
@@ -383,7 +413,8 @@ class QuantLinear(nn.Module):
         cached = self._fp4_compute_weight() if self.weight_cache == "cached" else None
         if cached is None:
             self._fp4_cache = None
-        out = block_scaled_mm(x.reshape(-1, self.in_features), self.fp4_weight(), self.bias, x.dtype, cached=cached)
+        xin = self._gemm_input(x.reshape(-1, self.in_features))
+        out = block_scaled_mm(xin, self.fp4_weight(), self.bias, x.dtype, cached=cached)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch.nn as nn
 from ..nn.convert import is_output_head
 from ..nn.linear import Linear as FP8Linear
 from ..recipes import DelayedScaling
-from ..scaling import parse_granularity
+from ..scaling import nvfp4_tensor_scale, parse_granularity
 from .calibrate import CALIBRATION_METHODS, InputObserver, choose_amax, observe_inputs
 from .experts import ExpertsObserver, find_experts, observe_experts, quantize_experts_module
 from .kv_cache import enable_fp8_kv, finish_calibration
@@ -69,6 +69,11 @@ class PTQOptions:
             raise ValueError(
                 f"unknown calibration method {self.calibration!r}; accepted: {', '.join(CALIBRATION_METHODS)}"
             )
+        if scheme.act_strategy == "nvfp4" and self.calibration == "mse":
+            raise ValueError(
+                f"{scheme.name} calibrates its activations' per-tensor scale only (the 1x16 block scales follow "
+                "the data at run time): use calibration 'max' (ModelOpt's and llm-compressor's) or 'percentile'"
+            )
         if self.kv_cache and not scheme.is_fp8:
             raise ValueError(f"kv_cache (fp8-kv) goes with the FP8 schemes, not {scheme.name!r}")
         if self.awq and scheme.act_format is not None:
@@ -78,6 +83,8 @@ class PTQOptions:
             raise ValueError(f"alpha must be a number in [0, 1] or 'search', got {a!r}")
         if isinstance(self.keep_bf16, bool) or not isinstance(self.keep_bf16, int) or self.keep_bf16 < 0:
             raise ValueError(f"keep_bf16 must be a whole number >= 0, got {self.keep_bf16!r}")
+        if self.smooth_for(scheme) and scheme.is_fp4:
+            raise ValueError(f"smooth goes with the 8-bit W8A8 schemes, not {scheme.name!r}")
         if self.smooth_for(scheme) and scheme.act_format is None:
             raise ValueError(f"smooth goes with schemes that quantize activations, not {scheme.name!r}")
         if isinstance(self.norm_tweak, bool) or not isinstance(self.norm_tweak, int) or self.norm_tweak < 0:
@@ -279,16 +286,33 @@ def _hessians(run: _Run) -> None:
     run.report.gptq = True
 
 
+def shared_weight_scales(model: nn.Module, scheme: Scheme, targets: list[str]) -> dict[str, torch.Tensor]:
+    """NVFP4's per-tensor weight scale of the layers that read one input (q/k/v, gate/up): one per group, from
+    the largest of their weights' amaxes. Serving engines fuse such layers into one GEMM with one per-tensor
+    scale (vLLM takes the max of the shards', TensorRT-LLM the fused layer's), and ModelOpt's and llm-compressor's
+    NVFP4 exports share it the same way. Empty for other schemes."""
+    if scheme.weight_strategy != "nvfp4":
+        return {}
+    shared: dict[str, torch.Tensor] = {}
+    for mapping in find_mappings(model, set(targets)):
+        if len(mapping.targets) > 1:
+            amax = max(float(model.get_submodule(t).weight.detach().abs().amax()) for t in mapping.targets)
+            shared.update(dict.fromkeys(mapping.targets, nvfp4_tensor_scale(amax)))
+    return shared
+
+
 def _quantize_layers(run: _Run) -> None:
     from .gptq import gptq_linear
 
+    shared = shared_weight_scales(run.model, run.scheme, run.targets)
     with run.progress.phase("GPTQ" if run.opts.gptq else "quantize", len(run.targets), unit="layer") as update:
         for name in run.targets:
-            linear = run.model.get_submodule(name)
+            linear, amax, scale = run.model.get_submodule(name), run.amax.get(name), shared.get(name)
             if run.opts.gptq:
-                run.qmods[name] = gptq_linear(linear, run.hessians.pop(name), run.scheme, run.amax.get(name))
+                hessian = run.hessians.pop(name)
+                run.qmods[name] = gptq_linear(linear, hessian, run.scheme, amax, weight_global_scale=scale)
             else:
-                run.qmods[name] = QuantLinear.from_linear(linear, run.scheme, run.amax.get(name))
+                run.qmods[name] = QuantLinear.from_linear(linear, run.scheme, amax, scale)
             update(1)
 
 
@@ -443,10 +467,11 @@ def quantize(
 
     Args:
         scheme: ``"fp8"``, ``"fp8-dynamic"``, ``"int8-smoothquant"`` or ``"int8-weight-only"``; or FP4 weights
-            (``"nvfp4-weight-only"``, ``"mxfp4-weight-only"``: round to nearest, GPTQ or AWQ, nn.Linear layers
-            whose in_features are whole blocks; not exported yet).
+            (``"nvfp4-weight-only"``, ``"mxfp4-weight-only"``: round to nearest, GPTQ or AWQ; ``"nvfp4"``: W4A4,
+            NVFP4 activations with a calibrated per-tensor scale; nn.Linear layers whose in_features are whole
+            blocks).
         forward_loop: ``forward_loop(model)`` runs the model on calibration data (ModelOpt's
-            convention); required by the static schemes (``fp8``, ``int8-smoothquant``) and ``kv_cache``,
+            convention); required by the static schemes (``fp8``, ``int8-smoothquant``, ``nvfp4``) and ``kv_cache``,
             except that a model trained with ``fp8kit.convert`` under delayed scaling exports to ``fp8``
             with its trained input amax (every layer's history) and needs none.
         calibration: ``"max"``, ``"percentile"`` or ``"mse"`` (static activation scales).

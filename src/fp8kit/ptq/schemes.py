@@ -1,9 +1,11 @@
 """Post-training quantization schemes: what is quantized, to which format, at which granularity.
 
 Scales are dequantization multipliers (``real = code * scale``), as in compressed-tensors and vLLM:
-``scale = amax / 448`` for E4M3 and ``amax / 127`` for symmetric INT8. The FP4 weight-only schemes
-(``FP4_SCHEMES``: E2M1 weights in NVFP4's or MXFP4's blocks, ``fp8kit.quantize``'s granularities) are
-taken by ``ptq.quantize`` (round to nearest, GPTQ, AWQ) but not yet by the exports or the command line.
+``scale = amax / 448`` for E4M3 and ``amax / 127`` for symmetric INT8. The FP4 schemes (``FP4_SCHEMES``:
+E2M1 weights in NVFP4's or MXFP4's blocks, ``fp8kit.quantize``'s granularities; ``nvfp4`` also quantizes
+the activations to NVFP4 under a calibrated per-tensor scale ``amax / 2688``) are taken by ``ptq.quantize``
+(round to nearest, GPTQ; AWQ for the weight-only ones), the ``compressed-tensors`` and (NVFP4)
+``modelopt`` exports and the command line. ``SCHEMES`` holds the 8-bit ones, ``PTQ_SCHEMES`` every one.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 
 from ..formats import E2M1, E4M3, INT8, Format
 
-__all__ = ["FP4_SCHEMES", "FP8_BLOCK", "SCHEMES", "Scheme", "get_scheme"]
+__all__ = ["FP4_SCHEMES", "FP8_BLOCK", "PTQ_SCHEMES", "SCHEMES", "Scheme", "get_scheme"]
 
 
 @dataclass(frozen=True)
@@ -26,8 +28,9 @@ class Scheme:
             (one scale per ``block`` x ``block`` tile), or the FP4 blocks ``"nvfp4"`` / ``"mxfp4"`` (1x16
             with E4M3 scales under a per-tensor scale / 1x32 with E8M0 scales, along the input dim).
         act_format: activation format, or ``None`` for weight-only (high-precision activations).
-        act_strategy: ``"tensor"`` (static, calibrated), ``"token"`` (dynamic, per row at run time) or
-            ``"group"`` (dynamic, per 1 x ``block`` group along K at run time).
+        act_strategy: ``"tensor"`` (static, calibrated), ``"token"`` (dynamic, per row at run time),
+            ``"group"`` (dynamic, per 1 x ``block`` group along K at run time) or ``"nvfp4"`` (NVFP4
+            blocks: a static calibrated per-tensor scale ``amax / 2688``, 1x16 E4M3 block scales at run time).
         smooth: apply SmoothQuant before quantizing.
         export_format: the compressed-tensors ``format`` the export writes.
     """
@@ -44,7 +47,7 @@ class Scheme:
 
     @property
     def static_activations(self) -> bool:
-        return self.act_format is not None and self.act_strategy == "tensor"
+        return self.act_format is not None and self.act_strategy in ("tensor", "nvfp4")
 
     @property
     def is_fp8(self) -> bool:
@@ -124,10 +127,20 @@ FP8_BLOCK = Scheme(
 )
 
 
-# FP4 weight-only (W4A16): ``ptq.quantize`` only, not a ``fp8kit quantize --scheme`` (no export writes them yet).
+# FP4: E2M1 weights in NVFP4's or MXFP4's blocks (``nvfp4``: NVFP4 activations too).
 FP4_SCHEMES: dict[str, Scheme] = {
     s.name: s
     for s in (
+        Scheme(
+            "nvfp4",
+            E2M1,
+            "nvfp4",
+            E2M1,
+            "nvfp4",
+            False,
+            "nvfp4-pack-quantized",
+            "NVFP4 weights, NVFP4 activations (static calibrated per-tensor scale, 1x16 block scales at run time)",
+        ),
         Scheme(
             "nvfp4-weight-only",
             E2M1,
@@ -152,13 +165,15 @@ FP4_SCHEMES: dict[str, Scheme] = {
 }
 
 
+# every ``fp8kit quantize --scheme`` / ``fp8kit compare --schemes`` name
+PTQ_SCHEMES: dict[str, Scheme] = {**SCHEMES, **FP4_SCHEMES}
+
+
 def get_scheme(scheme: Scheme | str) -> Scheme:
-    """The ``Scheme`` named ``scheme`` (``SCHEMES`` or ``FP4_SCHEMES``; clear error listing the accepted names)."""
+    """The ``Scheme`` named ``scheme`` (``PTQ_SCHEMES``; clear error listing the accepted names)."""
     if isinstance(scheme, Scheme):
         return scheme
     key = str(scheme).strip().lower()
-    if key in FP4_SCHEMES:
-        return FP4_SCHEMES[key]
-    if key not in SCHEMES:
-        raise ValueError(f"unknown PTQ scheme {scheme!r}; accepted: {', '.join([*SCHEMES, *FP4_SCHEMES])}")
-    return SCHEMES[key]
+    if key not in PTQ_SCHEMES:
+        raise ValueError(f"unknown PTQ scheme {scheme!r}; accepted: {', '.join(PTQ_SCHEMES)}")
+    return PTQ_SCHEMES[key]
