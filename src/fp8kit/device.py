@@ -38,6 +38,7 @@ _NATIVE: dict[str, tuple[tuple[int, int], int | None]] = {
     "rowwise": ((8, 9), None),
     "block": ((9, 0), 9),
     "mxfp8": ((10, 0), None),
+    "nvfp4": ((10, 0), None),
     "fp8": ((8, 9), None),
     "fp8-dynamic": ((8, 9), None),
     "int8-smoothquant": ((8, 0), None),

@@ -41,19 +41,19 @@ SIGNATURE = ("config.json", ("recipes", "model_size", "eval_interval"))
 
 def recipe_list(text: str) -> str:
     """``all`` or a comma list of recipe names."""
-    from ..recipes import RECIPE_NAMES, recipe_from_name
+    from ..recipes import TRAINING_RECIPE_NAMES, recipe_from_name
 
     names = [s.strip() for s in text.split(",") if s.strip()]
     if text.strip().lower() == "all":
         return "all"
     if not names:
-        raise argparse.ArgumentTypeError(f"give a recipe: {', '.join(RECIPE_NAMES)}, all, or a comma list")
+        raise argparse.ArgumentTypeError(f"give a recipe: {', '.join(TRAINING_RECIPE_NAMES)}, all, or a comma list")
     for n in names:
         try:
             recipe_from_name(n)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"unknown recipe {n!r}; accepted: {', '.join(RECIPE_NAMES)}, all, or a comma list"
+                f"unknown recipe {n!r}; accepted: {', '.join(TRAINING_RECIPE_NAMES)}, all, or a comma list"
             ) from None
     return text
 
@@ -70,7 +70,10 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
 
 def _add_model_options(t: argparse.ArgumentParser) -> None:
     t.add_argument(
-        "--recipe", default="delayed", type=recipe_list, help="delayed|current|rowwise|block|mxfp8|all, or a comma list"
+        "--recipe",
+        default="delayed",
+        type=recipe_list,
+        help="delayed|current|rowwise|block|mxfp8|nvfp4|all (the FP8 ones), or a comma list",
     )
     t.add_argument(
         "--model",

@@ -76,13 +76,37 @@ def is_output_head(model: nn.Module) -> Callable[[str, nn.Module], bool]:
     return lambda name, module: module is head or name == "lm_head" or name.endswith(".lm_head")
 
 
-def default_module_filter(model: nn.Module) -> Callable[[str, nn.Module], str | None]:
-    """Reason to skip a layer, or ``None`` to convert it: the output head and FP8-unfriendly shapes."""
+def decoder_blocks(model: nn.Module) -> tuple[str, int] | None:
+    """``(qualified name, length)`` of the model's stack of blocks: its longest ``nn.ModuleList`` of at least
+    two modules of one class that hold ``nn.Linear`` layers (``model.layers`` of a Llama), or None."""
+    best = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < 2 or len({type(m) for m in module}) != 1:
+            continue
+        if not any(isinstance(m, nn.Linear) for m in module[0].modules()):
+            continue
+        if best is None or len(module) > best[1]:
+            best = (name, len(module))
+    return best
+
+
+def default_module_filter(model: nn.Module, recipe: Recipe | None = None) -> Callable[[str, nn.Module], str | None]:
+    """Reason to skip a layer, or ``None`` to convert it: the output head, FP8-unfriendly shapes, and the
+    decoder blocks ``recipe`` keeps in high precision (``Recipe.high_precision_blocks``; NVFP4's first and
+    last blocks)."""
     head = is_output_head(model)
+    blocks = decoder_blocks(model)
+    kept_prefixes: tuple[str, ...] = ()
+    kept_why = ""
+    if recipe is not None and blocks is not None:
+        kept, kept_why = recipe.high_precision_blocks(blocks[1])
+        kept_prefixes = tuple(f"{blocks[0]}.{i}." if blocks[0] else f"{i}." for i in kept)
 
     def why_skip(name: str, module: nn.Module) -> str | None:
         if head(name, module):
             return "output head (kept in high precision, as Transformer Engine and torchao do)"
+        if kept_prefixes and f"{name}.".startswith(kept_prefixes):
+            return kept_why
         if _LORA_ADAPTER.search(f".{name}."):
             return "LoRA adapter (rank-r GEMMs: little FP8 gain, and the low-rank update needs the precision)"
         assert isinstance(module, nn.Linear)
@@ -184,10 +208,11 @@ def convert(
     """Turn eligible ``nn.Linear`` layers of ``model`` into ``fp8kit.nn.Linear`` in place.
 
     ``recipe`` is a recipe object or its name (``"delayed"``, ``"current"``, ``"rowwise"``, ``"block"``,
-    ``"mxfp8"``; default delayed scaling). Layers keep their identity, parameters, hooks and attributes,
+    ``"mxfp8"``, ``"nvfp4"``; default delayed scaling). Layers keep their identity, parameters, hooks and attributes,
     so an optimizer built before or after conversion keeps working and accelerate/PEFT/user hooks still
     fire. ``module_filter(name, module) -> bool`` picks layers by qualified name (it replaces the default
-    filter, which skips the output head and dims that are not multiples of 16). The report is stored as
+    filter, which skips the output head, dims that are not multiples of 16 and the blocks the recipe keeps in
+    high precision). The report is stored as
     ``model.fp8_conversion_report`` and logged (printed with ``verbose=True``).
     """
     if not isinstance(model, nn.Module):
@@ -203,7 +228,7 @@ def convert(
             "nn.Sequential, or use fp8kit.nn.Linear.from_linear(layer, recipe)"
         )
     report = ConversionReport()
-    default = default_module_filter(model)
+    default = default_module_filter(model, recipe)
     experts = _convert_experts(model, recipe, module_filter, save_fp8_activations, report)
     routers = _routers(model, experts)
     targets: list[tuple[str, nn.Linear]] = []
@@ -251,6 +276,7 @@ def _convert_experts(
     for name, module in found:
         excluded = module_filter is not None and not module_filter(name, module)
         reason = "excluded by module_filter" if excluded else experts_why_not(module, HARDWARE_MULTIPLE)
+        reason = reason or recipe.converts_experts
         if reason:
             report.skipped[name] = reason
         else:
