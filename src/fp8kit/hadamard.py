@@ -9,8 +9,6 @@ product unchanged: ``(A R)(B R)^T = A B^T``. Before quantization it spreads a bl
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 __all__ = ["RHT_SEED", "apply_rht", "random_hadamard"]
@@ -18,21 +16,22 @@ __all__ = ["RHT_SEED", "apply_rht", "random_hadamard"]
 RHT_SEED = 0x5EED  # the fixed seed of the random signs
 
 
-@functools.cache
-def _rht_cpu(size: int) -> torch.Tensor:
-    if size < 2 or size & (size - 1):
-        raise ValueError(f"the Hadamard transform size must be a power of two >= 2, got {size}")
-    h = torch.ones(1, 1)
-    while h.shape[0] < size:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    gen = torch.Generator().manual_seed(RHT_SEED)
-    signs = torch.randint(0, 2, (size,), generator=gen).float() * 2 - 1
-    return (h * signs) / size**0.5
+_MATRICES: dict[int, torch.Tensor] = {}  # size -> the CPU matrix (built outside compiled graphs: see recipes)
 
 
 def random_hadamard(size: int = 16, device: torch.device | str = "cpu") -> torch.Tensor:
     """The ``(size, size)`` float32 orthogonal matrix ``H diag(signs) / sqrt(size)`` (fixed random signs)."""
-    return _rht_cpu(size).to(device)
+    m = _MATRICES.get(size)
+    if m is None:
+        if size < 2 or size & (size - 1):
+            raise ValueError(f"the Hadamard transform size must be a power of two >= 2, got {size}")
+        h = torch.ones(1, 1)
+        while h.shape[0] < size:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        gen = torch.Generator().manual_seed(RHT_SEED)
+        signs = torch.randint(0, 2, (size,), generator=gen).float() * 2 - 1
+        m = _MATRICES[size] = (h * signs) / size**0.5
+    return m.to(device)
 
 
 def apply_rht(x: torch.Tensor, size: int = 16) -> torch.Tensor:

@@ -334,6 +334,9 @@ class NVFP4BlockScaling(Recipe):
             )
         if self.rht_size < 2 or self.rht_size & (self.rht_size - 1) or self.rht_size > 128:
             raise ValueError(f"rht_size must be a power of two in [2, 128], got {self.rht_size}")
+        from .hadamard import random_hadamard
+
+        random_hadamard(self.rht_size)  # built here, eagerly: compiled graphs read it as a constant
 
     def format_for(self, role: str) -> Format:
         return E2M1
