@@ -228,7 +228,7 @@ def _swizzled_scales(q: QuantizedTensor) -> torch.Tensor:
     cuBLAS's 128x4 swizzled layout (the layout ``torch._scaled_mm`` reads for NVFP4), flattened."""
     s = q.scales
     if q.block[0] > 1:
-        s = s.repeat_interleave(q.block[0], 0)[: q.shape[0]]
+        s = repeat_tiles(s, q.block[0], 0, q.shape[0])
     rows, cols = s.shape
     padded = torch.zeros(-(-rows // 128) * 128, -(-cols // 4) * 4, dtype=s.dtype, device=s.device)
     padded[:rows, :cols] = s
