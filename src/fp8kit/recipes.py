@@ -414,7 +414,7 @@ def all_recipes() -> list[Recipe]:
 def recipe_from_name(name: str) -> Recipe:
     """``"delayed"``, ``"current"``, ``"rowwise"``, ``"block"``, ``"mxfp8"`` or ``"nvfp4"`` with default settings."""
     key = name.lower().replace("-", "").replace("_", "")
-    alias = {"mx": "mxfp8", "blockwise": "block", "deepseek": "block", "tensorwise": "current", "fp4": "nvfp4"}
+    alias = {"mx": "mxfp8", "blockwise": "block", "deepseek": "block", "tensorwise": "current"}
     key = alias.get(key, key)
     if key not in _KINDS or key is None:
         raise ValueError(f"unknown recipe {name!r}; accepted: {', '.join(TRAINING_RECIPE_NAMES)}")

@@ -240,3 +240,15 @@ def test_cuda_gemm_is_native_on_sm100_else_falls_back_with_a_reason():
     if major < 10:
         assert "SM100" in native_gemm_fallbacks()["nvfp4"]
     assert sqnr_db(want, y.cpu()) > 60
+
+
+def test_input_kept_in_high_precision_gives_the_same_gradients():
+    """``save_fp8_activations=False``: the backward quantizes the saved input's transformed transpose itself."""
+    recipe = fp8kit.NVFP4BlockScaling(disable_stochastic_rounding=True)
+    a = _layer(recipe)
+    b = Linear(64, 48, recipe=recipe, save_fp8_activations=False)
+    b.load_state_dict(a.state_dict())
+    torch.manual_seed(1)
+    x, g = torch.randn(40, 64), torch.randn(40, 48)
+    for got, want in zip(_run(b, x, g), _run(a, x, g), strict=True):
+        assert torch.equal(got, want)
