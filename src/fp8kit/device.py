@@ -38,13 +38,13 @@ _NATIVE: dict[str, tuple[tuple[int, int], int | None]] = {
     "rowwise": ((8, 9), None),
     "block": ((9, 0), 9),
     "mxfp8": ((10, 0), None),
+    "nvfp4": ((10, 0), None),  # the training recipe and the W4A4 PTQ scheme: FP4 tensor cores are SM100+
     "fp8": ((8, 9), None),
     "fp8-dynamic": ((8, 9), None),
     "int8-smoothquant": ((8, 0), None),
     "int8-weight-only": ((0, 0), None),
     "fp8-block": ((0, 0), None),  # block-FP8 layers dequantize their weight tiles (export.block_linear)
-    # FP4 PTQ layers run block_scaled_mm on the dequantized weight (and NVFP4 input) on every device
-    "nvfp4": ((0, 0), None),
+    # FP4 weight-only layers dequantize their weight for a high-precision GEMM on every device
     "nvfp4-weight-only": ((0, 0), None),
     "mxfp4-weight-only": ((0, 0), None),
 }

@@ -1,4 +1,4 @@
-"""FP8 training recipes: frozen, validated, comparable by value.
+"""FP8 and NVFP4 training recipes: frozen, validated, comparable by value.
 
 A recipe says how each GEMM operand is scaled and in which format. Mutable state (amax histories,
 scales) lives in the modules (``fp8kit.nn``), never in the recipe, so one recipe can be shared.
@@ -10,24 +10,27 @@ scales) lives in the modules (``fp8kit.nn``), never in the recipe, so one recipe
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import os
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-from .formats import E4M3, E5M2, Format
-from .scaling import compute_scale
+from .formats import E2M1, E4M3, E5M2, Format
+from .scaling import Granularity, compute_scale
 
 __all__ = [
     "BlockScaling",
     "CurrentScaling",
     "DelayedScaling",
     "MXFP8Scaling",
+    "NVFP4BlockScaling",
     "Recipe",
     "RowwiseScaling",
     "all_recipes",
     "recipe_from_name",
     "RECIPE_NAMES",
+    "TRAINING_RECIPE_NAMES",
 ]
 
 _FORMATS = ("hybrid", "e4m3")
@@ -51,9 +54,33 @@ class Recipe:
             return E5M2
         return E4M3
 
-    def granularity_for(self, role: str) -> str | tuple[int, int]:
+    def granularity_for(self, role: str) -> str | tuple[int, int] | Granularity:
         """Granularity of an operand, expressed on its 2-D view whose last dim is the GEMM's reduction."""
         return "tensor"
+
+    def rounding_for(self, role: str) -> str:
+        """How a ``role`` operand is rounded to its format: ``"nearest"`` (even) or ``"stochastic"``."""
+        return "nearest"
+
+    @property
+    def transforms_wgrad_operands(self) -> bool:
+        """``wgrad_operand`` changes the weight-gradient GEMM's operands (they are quantized on their own)."""
+        return False
+
+    def wgrad_operand(self, x: torch.Tensor) -> torch.Tensor:
+        """A weight-gradient GEMM operand ``(rows, tokens)`` (the input or the output gradient, transposed) as
+        it is quantized: unchanged, or transformed along the token dim in a way that cancels in the product."""
+        return x
+
+    def high_precision_blocks(self, num_blocks: int) -> tuple[list[int], str]:
+        """The decoder blocks (indices of ``num_blocks``) whose layers the default filter keeps in high
+        precision, and why; none for the FP8 recipes."""
+        return [], ""
+
+    @property
+    def converts_experts(self) -> str | None:
+        """Why MoE experts modules cannot run this recipe (they stay in high precision), or None."""
+        return None
 
     @property
     def per_tensor(self) -> bool:
@@ -266,10 +293,117 @@ class MXFP8Scaling(Recipe):
         return {"mx_rounding": self.rounding}
 
 
+def _env_flag(name: str) -> bool:
+    """An environment switch as Transformer Engine reads it: ``"1"`` is on."""
+    return os.getenv(name, "0") == "1"
+
+
+@dataclass(frozen=True)
+class NVFP4BlockScaling(Recipe):
+    """NVFP4 training as Transformer Engine's ``NVFP4BlockScaling`` (knobs named as there).
+
+    E2M1 elements in 1x16 blocks along the reduction dim with E4M3 block scales under an FP32 per-tensor
+    scale (current scaling of the tensor's amax, ``scaling.nvfp4_scales``) for activations and gradients;
+    16x16 blocks for weights (``disable_2d_quantization=False``), so W and W^T share codes and the weight is
+    quantized once per step; stochastic rounding of the output gradient (both backward GEMMs); a random
+    Hadamard transform of size ``rht_size`` on both inputs of the weight-gradient GEMM along the token dim
+    (``hadamard.apply_rht``; it cancels in the product). ``fp8_format`` is the block scales' format and
+    ``fp4_format`` the elements', as in TE (the only values accepted). The default module filter keeps the
+    first and last decoder blocks in high precision in NVIDIA's proportion (``high_precision_blocks``).
+    The three ``disable_*`` knobs default to TE's environment variables (``NVTE_NVFP4_DISABLE_RHT=1``,
+    ``NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING=1``, ``NVTE_NVFP4_DISABLE_2D_QUANTIZATION=1``), read when the
+    recipe is made: ``fp8kit train --recipe nvfp4`` takes them from there.
+    """
+
+    fp8_format: str = "e4m3"
+    fp4_format: str = "e2m1"
+    disable_rht: bool = field(default_factory=lambda: _env_flag("NVTE_NVFP4_DISABLE_RHT"))
+    disable_stochastic_rounding: bool = field(
+        default_factory=lambda: _env_flag("NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING")
+    )
+    disable_2d_quantization: bool = field(default_factory=lambda: _env_flag("NVTE_NVFP4_DISABLE_2D_QUANTIZATION"))
+    rht_size: int = 16
+
+    kind = "nvfp4"
+
+    def __post_init__(self) -> None:
+        if self.fp8_format != "e4m3" or self.fp4_format != "e2m1":
+            raise ValueError(
+                f"NVFP4BlockScaling takes fp8_format='e4m3' (block scales) and fp4_format='e2m1' (elements), got "
+                f"{self.fp8_format!r}, {self.fp4_format!r}"
+            )
+        if self.rht_size < 2 or self.rht_size & (self.rht_size - 1) or self.rht_size > 128:
+            raise ValueError(f"rht_size must be a power of two in [2, 128], got {self.rht_size}")
+        from .hadamard import random_hadamard
+
+        random_hadamard(self.rht_size)  # built here, eagerly: compiled graphs read it as a constant
+
+    def format_for(self, role: str) -> Format:
+        return E2M1
+
+    def granularity_for(self, role: str) -> str | tuple[int, int] | Granularity:
+        if role == "weight" and not self.disable_2d_quantization:
+            return Granularity("nvfp4", (16, 16))
+        return "nvfp4"
+
+    def rounding_for(self, role: str) -> str:
+        return "stochastic" if role == "grad" and not self.disable_stochastic_rounding else "nearest"
+
+    def wgrad_operand(self, x: torch.Tensor) -> torch.Tensor:
+        """Zero tokens padded to a multiple of the blocks (16, and ``rht_size``; zeros add nothing to the
+        product), then the random Hadamard transform along the tokens unless ``disable_rht``."""
+        from .hadamard import apply_rht
+
+        multiple = 16 if self.disable_rht else max(16, self.rht_size)
+        pad = (-x.shape[-1]) % multiple
+        if pad:
+            x = torch.nn.functional.pad(x, (0, pad))
+        return x if self.disable_rht else apply_rht(x, self.rht_size)
+
+    def high_precision_blocks(self, num_blocks: int) -> tuple[list[int], str]:
+        """NVIDIA's NVFP4 12B run kept the first 2 and the last 8 of 62 blocks in BF16: that proportion,
+        at least the first and the last block; none below 4 blocks (little would be left in NVFP4)."""
+        if num_blocks < 4:
+            return [], ""
+        first = max(1, round(num_blocks * 2 / 62))
+        last = max(1, round(num_blocks * 8 / 62))
+        kept = sorted(set(range(first)) | set(range(num_blocks - last, num_blocks)))
+        why = (
+            f"NVFP4 keeps the first {first} and last {last} of {num_blocks} decoder blocks in BF16 (NVIDIA's NVFP4 "
+            "recipe: first 2 and last 8 of 62); pass module_filter to choose otherwise"
+        )
+        return kept, why
+
+    @property
+    def transforms_wgrad_operands(self) -> bool:
+        return True
+
+    @property
+    def converts_experts(self) -> str | None:
+        return (
+            "NVFP4 MoE experts are not supported yet (kept in BF16); train the experts with an FP8 recipe, e.g. "
+            "convert(model, 'mxfp8'), or keep them out with module_filter"
+        )
+
+    @property
+    def per_tensor(self) -> bool:
+        return False
+
+    @property
+    def weight_transposes_codes(self) -> bool:
+        return not self.disable_2d_quantization  # 16x16 weight blocks
+
+    @property
+    def tile_width(self) -> int | None:
+        return 16
+
+
 _KINDS: dict[str | None, type[Recipe]] = {
-    c.kind: c for c in (DelayedScaling, CurrentScaling, RowwiseScaling, BlockScaling, MXFP8Scaling)
+    c.kind: c for c in (DelayedScaling, CurrentScaling, RowwiseScaling, BlockScaling, MXFP8Scaling, NVFP4BlockScaling)
 }
 RECIPE_NAMES = ("delayed", "current", "rowwise", "block", "mxfp8")
+# every training recipe by name: the FP8 ones (``RECIPE_NAMES``, what ``all`` selects) and NVFP4
+TRAINING_RECIPE_NAMES = (*RECIPE_NAMES, "nvfp4")
 
 
 def all_recipes() -> list[Recipe]:
@@ -278,10 +412,10 @@ def all_recipes() -> list[Recipe]:
 
 
 def recipe_from_name(name: str) -> Recipe:
-    """``"delayed"``, ``"current"``, ``"rowwise"``, ``"block"`` or ``"mxfp8"`` with default settings."""
+    """``"delayed"``, ``"current"``, ``"rowwise"``, ``"block"``, ``"mxfp8"`` or ``"nvfp4"`` with default settings."""
     key = name.lower().replace("-", "").replace("_", "")
     alias = {"mx": "mxfp8", "blockwise": "block", "deepseek": "block", "tensorwise": "current"}
     key = alias.get(key, key)
     if key not in _KINDS or key is None:
-        raise ValueError(f"unknown recipe {name!r}; accepted: {', '.join(RECIPE_NAMES)}")
+        raise ValueError(f"unknown recipe {name!r}; accepted: {', '.join(TRAINING_RECIPE_NAMES)}")
     return _KINDS[key]()

@@ -19,12 +19,14 @@ SIGNATURE = ("report.json", ("healthy", "culprits", "recipe"))
 
 def recipe_name(text: str) -> str:
     """One recipe name."""
-    from ..recipes import RECIPE_NAMES, recipe_from_name
+    from ..recipes import TRAINING_RECIPE_NAMES, recipe_from_name
 
     try:
         recipe_from_name(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"unknown recipe {text!r}; accepted: {', '.join(RECIPE_NAMES)}") from None
+        raise argparse.ArgumentTypeError(
+            f"unknown recipe {text!r}; accepted: {', '.join(TRAINING_RECIPE_NAMES)}"
+        ) from None
     return text
 
 
@@ -45,7 +47,7 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
         help="demo model, as fp8kit train --arch: dense (Llama), moe (Qwen3-MoE; the report reads each expert) or "
         "gpt_oss (GPT-OSS)",
     )
-    d.add_argument("--recipe", type=recipe_name, default="delayed", help="delayed|current|rowwise|block|mxfp8")
+    d.add_argument("--recipe", type=recipe_name, default="delayed", help="delayed|current|rowwise|block|mxfp8|nvfp4")
     d.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, help="training steps of each copy")
     d.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step")
     d.add_argument("--seq-len", type=at_least(2), default=64, help="tokens per sequence")

@@ -41,13 +41,15 @@ SIGNATURE = ("config.json", ("recipes", "model_size", "eval_interval"))
 
 def recipe_list(text: str) -> str:
     """``all``, ``auto`` or a comma list of recipe names."""
-    from ..recipes import RECIPE_NAMES, recipe_from_name
+    from ..recipes import TRAINING_RECIPE_NAMES, recipe_from_name
 
     names = [s.strip() for s in text.split(",") if s.strip()]
     if text.strip().lower() == "all":
         return "all"
     if not names:
-        raise argparse.ArgumentTypeError(f"give a recipe: {', '.join(RECIPE_NAMES)}, auto, all, or a comma list")
+        raise argparse.ArgumentTypeError(
+            f"give a recipe: {', '.join(TRAINING_RECIPE_NAMES)}, auto, all, or a comma list"
+        )
     for n in names:
         if n.lower() == "auto":
             continue
@@ -55,7 +57,7 @@ def recipe_list(text: str) -> str:
             recipe_from_name(n)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"unknown recipe {n!r}; accepted: {', '.join(RECIPE_NAMES)}, auto, all, or a comma list"
+                f"unknown recipe {n!r}; accepted: {', '.join(TRAINING_RECIPE_NAMES)}, auto, all, or a comma list"
             ) from None
     return text
 
@@ -77,7 +79,7 @@ def _add_model_options(t: argparse.ArgumentParser) -> None:
         "--recipe",
         default="delayed",
         type=recipe_list,
-        help="delayed|current|rowwise|block|mxfp8|all, or a comma list; auto: a recipe per layer (or bf16), "
+        help="delayed|current|rowwise|block|mxfp8|nvfp4|all (the FP8 ones), or a comma list; auto: a recipe per layer (or bf16), "
         "planned by fp8kit.autotune on the first batches for the least step time on --target within --loss-budget",
     )
     t.add_argument(

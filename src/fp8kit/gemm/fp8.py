@@ -30,7 +30,13 @@ CUDA: one native FP8 GEMM per recipe, with the scales applied inside the kernel:
   >= 2.10, SM90, cuBLASLt >= 12.9): no dequantization to bf16 on Hopper. Fast accumulation is never
   used here: Hopper's FP8 tensor cores keep about 14 bits between promotions to FP32, and DeepSeek-V3
   promotes every 128 elements of K precisely to avoid that error; block scaling exists for accuracy;
-* MXFP8 (1x32 blocks, E8M0 scales): ``ScalingType.BlockWise1x32`` (Blackwell, SM100).
+* MXFP8 (1x32 blocks, E8M0 scales): ``ScalingType.BlockWise1x32`` (Blackwell, SM100);
+* NVFP4 (E2M1 codes, 1x16 E4M3 block scales or 16x16 weight tiles, FP32 per-tensor scales):
+  ``torch._scaled_mm`` on packed ``float4_e2m1fn_x2`` operands with swizzled block scales (Blackwell, SM100),
+  the per-tensor scales applied to the result.
+
+CPU, NVFP4: the operands are dequantized (``code * block_scale * global_scale`` in float32) and multiplied
+in an FP32 GEMM: the emulation exact to the format (its products are not exact in bf16).
 
 Where the native GEMM is unavailable (older torch, an unsupported GPU or shape) the product falls back
 to dequantized bf16 operands (exact for power-of-two scales), and the reason is logged once per kind.
@@ -217,6 +223,62 @@ def _try_block_scaled_mm(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torc
 _LAYOUTS: dict[str, str] = {}  # kind pair -> mat_b scale layout checked on the first call
 
 
+def _swizzled_scales(q: QuantizedTensor) -> torch.Tensor:
+    """``q``'s E4M3 block scales, one per 1x16 block of its rows (16x16 tiles repeat over their rows), in
+    cuBLAS's 128x4 swizzled layout (the layout ``torch._scaled_mm`` reads for NVFP4), flattened."""
+    s = q.scales
+    if q.block[0] > 1:
+        s = repeat_tiles(s, q.block[0], 0, q.shape[0])
+    rows, cols = s.shape
+    padded = torch.zeros(-(-rows // 128) * 128, -(-cols // 4) * 4, dtype=s.dtype, device=s.device)
+    padded[:rows, :cols] = s
+    blocks = padded.view(padded.shape[0] // 128, 128, padded.shape[1] // 4, 4).permute(0, 2, 1, 3)
+    return blocks.reshape(-1, 4, 32, 4).transpose(1, 2).reshape(-1, 32, 16).flatten()
+
+
+def _try_nvfp4_mm(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """Native NVFP4 GEMM through ``torch._scaled_mm`` (packed E2M1 operands, swizzled E4M3 block scales, the
+    two per-tensor scales applied to the result) on Blackwell (SM100+), held once against the dequantized
+    product; else None with the reason logged (the caller dequantizes)."""
+    label = "nvfp4"
+    if label in _FALLBACKS:
+        return None
+    if not (a.granularity.is_nvfp4 and b.granularity.is_nvfp4) or a.block[1] != 16 or b.block[1] != 16:
+        _fallback(label, "only NVFP4 operands blocked along K have a native FP4 GEMM (MXFP4 is not wired)")
+        return None
+    major = torch.cuda.get_device_capability(a.data.device)[0]
+    fp4 = getattr(torch, "float4_e2m1fn_x2", None)
+    if major < 10 or fp4 is None:
+        why = f"this GPU is SM{major}x" if fp4 is not None else "this torch has no float4_e2m1fn_x2"
+        _fallback(label, f"NVFP4 GEMMs need Blackwell (SM100) and torch's FP4 dtype: {why}")
+        return None
+
+    def packed(q: QuantizedTensor) -> torch.Tensor:
+        c = q.data.contiguous()
+        return (c[:, ::2] | (c[:, 1::2] << 4)).view(fp4)
+
+    try:
+        out = torch._scaled_mm(
+            packed(a),
+            packed(b).t(),
+            _swizzled_scales(a).view(torch.float8_e4m3fn),
+            _swizzled_scales(b).view(torch.float8_e4m3fn),
+            out_dtype=torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32,
+        )
+    except (RuntimeError, TypeError, ValueError, NotImplementedError) as err:
+        _fallback(label, f"torch._scaled_mm refused NVFP4 operands: {err}")
+        return None
+    out = out.float() * (a.global_scale * b.global_scale)
+    if label not in _LAYOUTS:
+        rel = _relative_error(out, a, b)
+        if rel > 2**-6:
+            _fallback(label, f"torch._scaled_mm disagreed with the dequantized product (relative error {rel:.3g})")
+            return None
+        _LAYOUTS[label] = "swizzled"
+        log.info("fp8kit: native NVFP4 GEMM in use (torch._scaled_mm)")
+    return out.to(out_dtype)
+
+
 def _relative_error(out: torch.Tensor, a: QuantizedTensor, b: QuantizedTensor) -> float:
     """Frobenius relative error of a native GEMM result against the dequantized bf16 product (once per
     kind and process, outside graphs: it reads the device)."""
@@ -256,9 +318,15 @@ def fp8_gemm(
         raise ValueError(
             f"fp8_gemm needs a (M, K) and b (N, K) with the same K; got {tuple(a.shape)} and {tuple(b.shape)}"
         )
-    factor = scales_factor_out(a) and scales_factor_out(b)
+    # FP4 codes are never multiplied raw: their scales enter before the GEMM (NVFP4's two levels)
+    factor = scales_factor_out(a) and scales_factor_out(b) and not (a.fmt.sub_byte or b.fmt.sub_byte)
     if a.device.type == "cuda":
-        out = _try_scaled_mm(a, b, out_dtype, use_fast_accum) if factor else _try_block_scaled_mm(a, b, out_dtype)
+        if a.fmt.sub_byte:
+            out = _try_nvfp4_mm(a, b, out_dtype)
+        elif factor:
+            out = _try_scaled_mm(a, b, out_dtype, use_fast_accum)
+        else:
+            out = _try_block_scaled_mm(a, b, out_dtype)
         if out is not None:
             return out
         acc = torch.matmul(a.dequantize(torch.bfloat16), b.dequantize(torch.bfloat16).t()).float()

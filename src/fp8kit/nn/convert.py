@@ -83,13 +83,37 @@ def is_output_head(model: nn.Module) -> Callable[[str, nn.Module], bool]:
     return lambda name, module: module is head or name == "lm_head" or name.endswith(".lm_head")
 
 
-def default_module_filter(model: nn.Module) -> Callable[[str, nn.Module], str | None]:
-    """Reason to skip a layer, or ``None`` to convert it: the output head and FP8-unfriendly shapes."""
+def decoder_blocks(model: nn.Module) -> tuple[str, int] | None:
+    """``(qualified name, length)`` of the model's stack of blocks: its longest ``nn.ModuleList`` of at least
+    two modules of one class that hold ``nn.Linear`` layers (``model.layers`` of a Llama), or None."""
+    best = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < 2 or len({type(m) for m in module}) != 1:
+            continue
+        if not any(isinstance(m, nn.Linear) for m in module[0].modules()):
+            continue
+        if best is None or len(module) > best[1]:
+            best = (name, len(module))
+    return best
+
+
+def default_module_filter(model: nn.Module, recipe: Recipe | None = None) -> Callable[[str, nn.Module], str | None]:
+    """Reason to skip a layer, or ``None`` to convert it: the output head, FP8-unfriendly shapes, and the
+    decoder blocks ``recipe`` keeps in high precision (``Recipe.high_precision_blocks``; NVFP4's first and
+    last blocks)."""
     head = is_output_head(model)
+    blocks = decoder_blocks(model)
+    kept_prefixes: tuple[str, ...] = ()
+    kept_why = ""
+    if recipe is not None and blocks is not None:
+        kept, kept_why = recipe.high_precision_blocks(blocks[1])
+        kept_prefixes = tuple(f"{blocks[0]}.{i}." if blocks[0] else f"{i}." for i in kept)
 
     def why_skip(name: str, module: nn.Module) -> str | None:
         if head(name, module):
             return "output head (kept in high precision, as Transformer Engine and torchao do)"
+        if kept_prefixes and f"{name}.".startswith(kept_prefixes):
+            return kept_why
         if _LORA_ADAPTER.search(f".{name}."):
             return "LoRA adapter (rank-r GEMMs: little FP8 gain, and the low-rank update needs the precision)"
         assert isinstance(module, nn.Linear)
@@ -193,20 +217,22 @@ class ConversionTargets:
 
 
 def conversion_targets(
-    model: nn.Module, module_filter: Callable[[str, nn.Module], bool] | None = None
+    model: nn.Module, module_filter: Callable[[str, nn.Module], bool] | None = None, recipe: Recipe | None = None
 ) -> ConversionTargets:
-    """The layers ``convert(model, recipe, module_filter)`` converts, and those it skips with the reason."""
+    """The layers ``convert(model, recipe, module_filter)`` converts, and those it skips with the reason
+    (``recipe``: one recipe for the whole model, whose kept blocks and experts support count; ``None``: a plan)."""
     out = ConversionTargets()
     out.found_experts = [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
     for name, module in out.found_experts:
         excluded = module_filter is not None and not module_filter(name, module)
         reason = "excluded by module_filter" if excluded else experts_why_not(module, HARDWARE_MULTIPLE)
+        reason = reason or (recipe.converts_experts if recipe is not None else None)
         if reason:
             out.skipped[name] = reason
         else:
             out.experts.append((name, module))
     routers = _routers(model, out.found_experts)
-    default = default_module_filter(model)
+    default = default_module_filter(model, recipe)
     for name, module in model.named_modules():
         if name in routers:
             out.skipped[name] = routers[name]
@@ -229,18 +255,23 @@ def conversion_targets(
 KEPT_BY_PLAN = "kept in high precision by the per-layer plan"
 
 
-def _recipe_per_layer(recipe: object, targets: ConversionTargets) -> Callable[[str], Recipe | None]:
-    """``name -> Recipe`` (``None``: keep the layer) for a recipe, its name, ``None`` (delayed), a mapping
-    ``name -> recipe or name or "bf16"``, or a plan (an object with such a mapping as ``per_layer``)."""
-    per_layer = getattr(recipe, "per_layer", recipe)
-    if not isinstance(per_layer, Mapping):
-        one = recipe_from_name(recipe) if isinstance(recipe, str) else recipe
-        one = one if one is not None else DelayedScaling()
-        if not isinstance(one, Recipe):
-            raise TypeError(
-                f"recipe must be an fp8kit recipe, its name (e.g. 'delayed') or a per-layer plan, got {recipe!r}"
-            )
-        return lambda _name: one
+def _one_recipe(recipe: object) -> Recipe | None:
+    """The recipe of a whole-model conversion (a recipe, its name, ``None``: delayed), or ``None`` for a
+    per-layer plan (a mapping ``name -> recipe or name or "bf16"``, or an object with one as ``per_layer``)."""
+    if isinstance(getattr(recipe, "per_layer", recipe), Mapping):
+        return None
+    one = recipe_from_name(recipe) if isinstance(recipe, str) else recipe
+    one = one if one is not None else DelayedScaling()
+    if not isinstance(one, Recipe):
+        raise TypeError(
+            f"recipe must be an fp8kit recipe, its name (e.g. 'delayed') or a per-layer plan, got {recipe!r}"
+        )
+    return one
+
+
+def _plan_recipes(plan: object, targets: ConversionTargets) -> Callable[[str], Recipe | None]:
+    """``name -> Recipe`` (``None``: keep the layer) of a per-layer plan, checked against ``targets``."""
+    per_layer = getattr(plan, "per_layer", plan)
     chosen: dict[str, Recipe | None] = {}
     for name, r in per_layer.items():
         if isinstance(r, str):
@@ -269,12 +300,13 @@ def convert(
     """Turn eligible ``nn.Linear`` layers of ``model`` into ``fp8kit.nn.Linear`` in place.
 
     ``recipe`` is a recipe object or its name (``"delayed"``, ``"current"``, ``"rowwise"``, ``"block"``,
-    ``"mxfp8"``; default delayed scaling), or a per-layer plan: ``fp8kit.autotune``'s ``Plan`` or a mapping
+    ``"mxfp8"``, ``"nvfp4"``; default delayed scaling), or a per-layer plan: ``fp8kit.autotune``'s ``Plan`` or a mapping
     ``layer name -> recipe, its name or "bf16"`` (layers given ``"bf16"`` or absent stay in high
     precision). Layers keep their identity, parameters, hooks and attributes,
     so an optimizer built before or after conversion keeps working and accelerate/PEFT/user hooks still
     fire. ``module_filter(name, module) -> bool`` picks layers by qualified name (it replaces the default
-    filter, which skips the output head and dims that are not multiples of 16). The report is stored as
+    filter, which skips the output head, dims that are not multiples of 16 and the decoder blocks the recipe
+    keeps in high precision). The report is stored as
     ``model.fp8_conversion_report`` and logged (printed with ``verbose=True``).
     """
     if not isinstance(model, nn.Module):
@@ -284,8 +316,9 @@ def convert(
             "convert() replaces layers inside a model, not the model itself: wrap the Linear in "
             "nn.Sequential, or use fp8kit.nn.Linear.from_linear(layer, recipe)"
         )
-    targets = conversion_targets(model, module_filter)
-    recipe_for = _recipe_per_layer(recipe, targets)
+    uniform = _one_recipe(recipe)
+    targets = conversion_targets(model, module_filter, uniform)
+    recipe_for = (lambda _name: uniform) if uniform is not None else _plan_recipes(recipe, targets)
     report = ConversionReport(skipped=dict(targets.skipped))
     experts = [(name, m, recipe_for(name)) for name, m in targets.experts]
     if any(r is not None for _, _, r in experts):

@@ -151,6 +151,8 @@ class FP8Experts:
     def _init_fp8(self, recipe: Recipe, save_fp8_activations: bool, name: str) -> None:
         if not isinstance(recipe, Recipe):
             raise TypeError(f"recipe must be an fp8kit recipe, got {recipe!r}")
+        if recipe.converts_experts:
+            raise ValueError(f"{name or 'these experts'}: {recipe.converts_experts}")
         self.recipe = recipe
         self.save_fp8_activations = save_fp8_activations
         self.fp8_name = name or type(self).__name__

@@ -142,6 +142,7 @@ class Linear(nn.Linear):
         if state is not None:
             return self._quantize_delayed(x, role, fmt, state, backend, values, record)
         kw = {"nonfinite": "propagate", "backend": backend, "values": values, "lazy_codes": role == "grad"}
+        kw["rounding"] = recipe.rounding_for(role)
         if self.amax_reduce is not None and recipe.per_tensor and role != "weight":
             # current scaling across ranks: one scale from the global amax (MAX over the group)
             scale = recipe.scale_from_amax(self.amax_reduce(tensor_amax(x)), role)
@@ -154,7 +155,12 @@ class Linear(nn.Linear):
     def quantize_operand_pair(
         self, x: torch.Tensor, role: str, recipe: Recipe
     ) -> tuple[QuantizedTensor, QuantizedTensor]:
-        """``x`` along its last dim and ``x.T`` along its last dim, from one fused kernel (tile recipes)."""
+        """``x`` along its last dim and ``x.T`` along its last dim, from one fused kernel (tile recipes); where
+        the recipe transforms the weight-gradient GEMM's operands, ``recipe.wgrad_operand(x.T)`` on its own."""
+        if recipe.transforms_wgrad_operands:
+            return self.quantize_operand(x, role, recipe), self.quantize_operand(
+                recipe.wgrad_operand(x.t()), role, recipe
+            )
         fmt = recipe.format_for(role)
         gran = recipe.granularity_for(role)
         q, q_t = quantize_with_transpose(
@@ -321,7 +327,8 @@ def _pack(obj: QuantizedTensor | torch.Tensor | None) -> tuple[list[torch.Tensor
     if obj is None:
         return [], None
     if isinstance(obj, QuantizedTensor):
-        return [obj.data, obj.scales], (obj.fmt, obj.granularity, obj.block, obj.orig_dtype)
+        two_level = [] if obj.global_scale is None else [obj.global_scale]  # NVFP4's per-tensor scale
+        return [obj.data, obj.scales, *two_level], (obj.fmt, obj.granularity, obj.block, obj.orig_dtype)
     return [obj], None
 
 
@@ -330,7 +337,8 @@ def _unpack(tensors: tuple[torch.Tensor, ...], meta: tuple | None) -> QuantizedT
         return None
     if meta is None:
         return tensors[0]
-    return QuantizedTensor(tensors[0], tensors[1], *meta)
+    global_scale = tensors[2] if len(tensors) > 2 else None
+    return QuantizedTensor(tensors[0], tensors[1], *meta, global_scale=global_scale)
 
 
 class _FP8LinearFn(torch.autograd.Function):
@@ -385,11 +393,15 @@ class _FP8LinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = fp8_gemm(gq, wq_t, out_dtype=ctx.x_dtype, power_of_two=pow2)
         if ctx.needs_input_grad[1]:
-            gq_t = gq.t() if recipe.per_tensor else module.quantize_operand(g.t().contiguous(), "grad", recipe)
+            if recipe.per_tensor:
+                gq_t = gq.t()
+            else:
+                gq_t = module.quantize_operand(recipe.wgrad_operand(g.t()).contiguous(), "grad", recipe)
             if isinstance(saved_x, QuantizedTensor):
                 xq_t = saved_x.t() if recipe.per_tensor else saved_x
             else:
-                xq_t = module.quantize_operand(saved_x.t().contiguous(), "input", recipe, record=False)
+                x_t = recipe.wgrad_operand(saved_x.t()).contiguous()
+                xq_t = module.quantize_operand(x_t, "input", recipe, record=False)
             dw = fp8_gemm(gq_t, xq_t, out_dtype=ctx.w_dtype, power_of_two=pow2)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g.sum(0).to(ctx.w_dtype)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from ..distributed.runtime import check_parallel_settings, planned_world_size
 from ..models import ARCHS
-from ..recipes import RECIPE_NAMES, recipe_from_name
+from ..recipes import RECIPE_NAMES, TRAINING_RECIPE_NAMES, recipe_from_name
 from .checkpoint import CheckpointError, latest_checkpoint
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ def parse_recipes(spec: str) -> list[str]:
     """``"all"`` or comma-separated recipe names (or ``auto``) -> validated list (bf16 is always the baseline)."""
     names = list(RECIPE_NAMES) if spec.strip().lower() == "all" else [s.strip() for s in spec.split(",") if s.strip()]
     if not names:
-        raise ValueError(f"no recipe given; accepted: {', '.join(RECIPE_NAMES)}, {AUTO} or all")
+        raise ValueError(f"no recipe given; accepted: {', '.join(TRAINING_RECIPE_NAMES)}, {AUTO} or all")
     return [AUTO if n.lower() == AUTO else recipe_from_name(n).kind for n in names]
 
 
