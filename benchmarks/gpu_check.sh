@@ -19,10 +19,14 @@ $py -c "import fp8kit" 2>/dev/null || export PYTHONPATH="$PWD/src:${PYTHONPATH:-
     $py -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 } 2>&1 | tee "$out/gpu.txt"
 timeout 150 $py -m pytest -q -p no:cacheprovider tests/kernels/test_cuda.py tests/ptq/test_ptq_kernels.py tests/kernels/test_kernels.py \
-    tests/nn/test_linear.py tests/cli/test_device_cuda.py tests/ptq/test_ptq_sequential.py -k cuda 2>&1 | tee "$out/tests.log"
+    tests/nn/test_linear.py tests/nn/test_nvfp4.py tests/cli/test_device_cuda.py tests/ptq/test_ptq_sequential.py \
+    -k cuda 2>&1 | tee "$out/tests.log"
 timeout 30 $py benchmarks/quantize.py --device cuda --sizes 4,64 2>&1 | tee "$out/quantize.log"
 timeout 150 $py benchmarks/linear.py --shapes 4096x8192,8192x8192 --no-eager --recipes current,rowwise,block,delayed \
     --reps 10 2>&1 | tee "$out/linear.log"
+# NVFP4 GEMMs: native torch._scaled_mm on SM100 (Blackwell); elsewhere the log names the dequantized fallback
+timeout 90 $py benchmarks/linear.py --shapes 4096x8192,8192x8192 --no-eager --recipes nvfp4 --reps 10 2>&1 \
+    | tee "$out/linear_nvfp4.log"
 timeout 120 $py benchmarks/llama_step.py --size 1b --batch 4 --seq 2048 --steps 5 --recipes current,rowwise,block \
     2>&1 | tee "$out/llama_step.log"
 timeout 60 $py benchmarks/inference.py --device cuda --size 1b 2>&1 | tee "$out/inference.log"
