@@ -155,8 +155,8 @@ def _fsdp_inductor_worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("FP8KIT_SLOW_TESTS"), reason="compiles 4 models: set FP8KIT_SLOW_TESTS=1")
 def test_fsdp2_with_inductor_matches_eager(tmp_path):
-    # Per-block compile failed before FP8GatherWeight kept the unsharded parameter's version counter on a
-    # re-gather (inductor's graph saves the weight for backward; FSDP2 re-gathers it in backward).
+    # Per-block compile needs FP8GatherWeight to keep the unsharded parameter's version counter on a re-gather
+    # (inductor's graph saves the weight for backward; FSDP2 re-gathers it in backward).
     run_spawned(_fsdp_inductor_worker, 2, tmp_path, timeout_s=900)
     res = json.loads((tmp_path / "result.json").read_text())
     for recipe in ("delayed", "current"):
