@@ -39,6 +39,25 @@ not a multiple of 128 is refused, as a tile would mix gate and up rows). Activat
 time per 1x128 group along K of each routed token (``amax / 448``); the GEMM runs on the exact
 dequantized values with FP32 accumulation, as ``export.BlockQuantLinear`` does.
 
+FP4 (``nvfp4``, ``nvfp4-weight-only``, ``mxfp4-weight-only``): each expert's ``(out, in)`` weight is
+quantized on its own by ``fp8kit.quantize(w_e, "e2m1", "nvfp4" | "mxfp4")``, as the dense ``QuantLinear``
+quantizes its weight, and stored as that layer stores it: ``P`` ``(E, out, in / 2)`` uint8, two E2M1 codes
+per byte (``state_dict.pack_fp4``); ``P_weight_scale`` ``(E, out, in / 16)`` float8_e4m3fn (NVFP4) or
+``(E, out, in / 32)`` E8M0 uint8 codes (MXFP4); NVFP4's per-tensor ``P_weight_scale_2`` ``(E, 1)``
+(``amax / 2688``, ModelOpt's name): one per expert, and for the fused ``gate_up`` one for gate and up
+together (the fused matrix's amax), the per-expert ``w13`` scale vLLM's NVFP4 fused-MoE kernels take (they
+keep gate's and warn when up's differs; llm-compressor and ModelOpt fuse gate/up global scales the same
+way). A checkpoint whose gate and up scales differ loads as ``(E, 2)``: gate's rows under the first, up's
+under the second. W4A4 (``nvfp4``) activations: 1x16 E4M3 block scales of each routed token at run time
+under a static per-tensor ``P_input_scale`` ``(1,)`` (``amax / 2688``) shared by the experts of the layer,
+the max over experts as for FP8. ModelOpt and llm-compressor calibrate one input amax per expert with every
+token through every expert (so ``gate_up``'s is the same for all experts and only ``down_proj``'s differ)
+and write them per expert; vLLM's FlashInfer NVFP4 MoE backends reduce them to their max over experts (its
+CUTLASS one keeps them per expert), so fp8kit computes with that max and the exports write it to every
+expert. The GEMM is the floor's ``block_scaled_mm`` with ``offs``, as the dense FP4 layer's: one grouped
+GEMM on the exact float32 dequantized weights (and NVFP4 inputs), FP32 accumulation. GPTQ rounds FP4
+experts with each expert's block scales fixed (``gptq.gptq_fp4_weight``).
+
 Dynamic per-token activations (``fp8-dynamic``) are scaled per routed token, never across tokens; the
 weight-only scheme leaves them in high precision.
 
@@ -60,13 +79,15 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..formats import E2M1
 from ..grouped_tensor import GroupedWeight, quantize_experts
 from ..kernels.reference import expand_tiles
 from ..nn.class_swap import swap_class
 from ..nn.experts import routed_experts_forward
 from ..nn.experts_interface import fallback_forward, restore_implementation, use_implementation
 from ..nn.routing import RoutingPlan, routing_plan
-from ..scaling import dequant_scale
+from ..scaling import dequant_scale, nvfp4_tensor_scale, parse_granularity
+from ..state_dict import pack_fp4, unpack_fp4
 from ..tensor import QuantizedTensor
 from ..tensor import quantize as fp8_quantize
 from .calibrate import InputObserver, choose_amax
@@ -82,6 +103,8 @@ __all__ = [
     "QuantExperts",
     "experts_projections",
     "find_experts",
+    "fp4_experts_problem",
+    "fp4_tensors",
     "gptq_codes",
     "observe_experts",
     "quant_experts_forward",
@@ -252,8 +275,46 @@ class QuantExperts:
     def input_scale(self, p: int) -> torch.Tensor | None:
         return getattr(self, f"{self.projections[p]}_input_scale", None)
 
+    def weight_scale_2(self, p: int) -> torch.Tensor | None:
+        """NVFP4's per-tensor weight scales of projection ``p``, ``(E, 1)`` (or ``(E, 2)``: gate's, up's)."""
+        return getattr(self, f"{self.projections[p]}_weight_scale_2", None)
+
+    def expert_fp4_weight(self, p: int, e: int) -> QuantizedTensor:
+        """Expert ``e``'s FP4 weight of projection ``p`` ``(out, in)``, as ``QuantLinear.fp4_weight`` holds
+        a dense layer's (unpacked codes, block scales, NVFP4's per-tensor scale; one per expert)."""
+        s2 = self.weight_scale_2(p)
+        if s2 is not None and s2.shape[1] != 1:
+            raise ValueError("gate and up hold their own per-tensor scales here: use grouped_fp4_weight")
+        codes = unpack_fp4(self.weight_codes(p)[e])
+        gran = parse_granularity(self.scheme.weight_granularity)
+        block = gran.block_shape(*codes.shape)
+        gs = None if s2 is None else s2[e, 0].reshape(())
+        return QuantizedTensor(codes, self.weight_scale(p)[e], E2M1, gran, block, torch.float32, global_scale=gs)
+
+    def grouped_fp4_weight(self, p: int) -> QuantizedTensor:
+        """Projection ``p``'s FP4 weights ``(E, out, in)`` as one operand of the GEMM floor: the unpacked
+        codes with each row's float32 block multipliers (NVFP4: ``block scale * weight_scale_2`` of its
+        expert, the product ``QuantizedTensor.scale_inv`` forms for one expert; MXFP4: the E8M0 codes)."""
+        codes = unpack_fp4(self.weight_codes(p))
+        e, out, cols = codes.shape
+        gran = parse_granularity(self.scheme.weight_granularity)
+        block = gran.block_shape(out, cols)
+        scales = self.weight_scale(p)
+        s2 = self.weight_scale_2(p)
+        if s2 is not None:
+            rows = s2.float().repeat_interleave(out // s2.shape[1], dim=1).reshape(e, out, 1)
+            scales = scales.float() * rows
+        return QuantizedTensor(codes, scales.reshape(e * out, -1), E2M1, gran, block, torch.float32)
+
+    def quantize_fp4_input(self, p: int, x: torch.Tensor) -> QuantizedTensor:
+        """The routed tokens ``x`` ``(S, in)`` in NVFP4 (``nvfp4``): 1x16 block scales from ``x`` under the
+        static per-tensor ``input_scale``, as ``QuantLinear.quantize_fp4_input`` (non-finite input raises)."""
+        return fp8_quantize(x, E2M1, "nvfp4", global_scale=self.input_scale(p), check_scale=False)
+
     def dequantized_weight(self, p: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``codes * scale``, ``(E, out, in)``: the weight the module computes with."""
+        if self.scheme.is_fp4:
+            return self.grouped_fp4_weight(p).dequantize(torch.float32).to(dtype)
         codes, scale = self.weight_codes(p), self.weight_scale(p)
         if self.scheme.weight_strategy == "block":
             scale = expand_tiles(scale, (self.scheme.block, self.scheme.block), tuple(codes.shape[1:]))
@@ -264,6 +325,8 @@ class QuantExperts:
         activation format with ``quantize_input``'s scales, or per 1 x ``block`` group (block FP8)."""
         if self.scheme.act_strategy == "group":
             return self.quantize_groups(x).dequantize(torch.float32)
+        if self.scheme.act_strategy == "nvfp4":
+            return self.quantize_fp4_input(p, x).dequantize(torch.float32)
         xq, sx = self.quantize_input(p, x)
         return xq.float() * sx.reshape(-1, 1)
 
@@ -290,7 +353,7 @@ class QuantExperts:
 
     def project(self, p: int, x: torch.Tensor, offs: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
         """``out[j] = dequant(x[j]) @ dequant(W[e_j]).T`` (float32, no bias) for tokens sorted by expert: one
-        grouped GEMM of the GEMM floor (``gemm.grouped.grouped_scaled_mm``, block FP8
+        grouped GEMM of the GEMM floor (``gemm.grouped.grouped_scaled_mm``, block FP8 and FP4
         ``gemm.scaled.block_scaled_mm``)."""
         from ..gemm.grouped import grouped_scaled_mm
         from ..gemm.scaled import block_scaled_mm
@@ -299,6 +362,9 @@ class QuantExperts:
             return self._project_straight_through(p, x, offs, group_ids)
         if self.scheme.weight_strategy == "block":
             return block_scaled_mm(self.quantize_groups(x), self.grouped_weight(p), offs=offs)
+        if self.scheme.is_fp4:  # as the dense FP4 QuantLinear: the floor's block_scaled_mm, here grouped
+            xin = x if self.scheme.act_format is None else self.quantize_fp4_input(p, x)
+            return block_scaled_mm(xin, self.grouped_fp4_weight(p), offs=offs)
         codes, w_scale = self.weight_codes(p), self.weight_scale(p)
         if self.scheme.act_format is None:  # weight-only: high-precision activations
             return grouped_scaled_mm(x, codes, w_scale, offs, group_ids)
@@ -373,6 +439,7 @@ def quantize_experts_module(
         raise ValueError(f"scheme {scheme.name!r} needs calibrated input amaxes for {what} (run a forward_loop)")
     projections = experts_projections(module)
     problem = block_tiling_problem(module, scheme.block) if scheme.weight_strategy == "block" else None
+    problem = problem or fp4_experts_problem(module, scheme)
     if problem:
         raise ValueError(f"{what}: {problem}; keep these experts in high precision (module_filter)")
     new: dict[str, torch.Tensor] = {}
@@ -380,11 +447,15 @@ def quantize_experts_module(
         w = _weight_out_in(module, proj)
         if not torch.isfinite(w).all():
             raise ValueError(f"{what}.{proj} holds NaN or inf; it cannot be quantized")
-        if hessians is None:
+        if scheme.is_fp4:
+            new.update(fp4_tensors(proj, w, scheme, None if hessians is None else hessians[p], f"{what}.{proj}"))
+        elif hessians is None:
             new[proj], new[f"{proj}_weight_scale"] = quantize_codes(w, scheme)
         else:
             new[proj], new[f"{proj}_weight_scale"] = gptq_codes(w, hessians[p], scheme, f"{what}.{proj}")
-        if scheme.static_activations:
+        if scheme.act_strategy == "nvfp4":
+            new[f"{proj}_input_scale"] = nvfp4_tensor_scale(float(input_amax[p])).reshape(1)
+        elif scheme.static_activations:
             amax = torch.tensor([float(input_amax[p])])
             new[f"{proj}_input_scale"] = dequant_scale(amax, scheme.act_format)
         bias = getattr(module, f"{proj}_bias", None)
@@ -408,6 +479,47 @@ def block_tiling_problem(module: nn.Module, block: int) -> str | None:
         f"intermediate size {inter} is not a multiple of {block}, so a {block}x{block} tile of the fused "
         "gate_up_proj would mix gate and up rows"
     )
+
+
+def fp4_experts_problem(module: nn.Module, scheme: Scheme) -> str | None:
+    """Why an FP4 scheme cannot quantize ``module``'s experts (an input dim that is not whole blocks), or ``None``."""
+    if not scheme.is_fp4:
+        return None
+    for proj in experts_projections(module):
+        cols = _weight_out_in(module, proj).shape[2]
+        block = parse_granularity(scheme.weight_granularity).block_shape(1, cols)[1]
+        if cols % block:
+            return f"{proj}'s input dim {cols} is not a multiple of {scheme.name}'s {block}-element blocks"
+    return None
+
+
+def fp4_tensors(
+    proj: str, w: torch.Tensor, scheme: Scheme, hessian: torch.Tensor | None = None, what: str = ""
+) -> dict[str, torch.Tensor]:
+    """Projection ``proj``'s FP4 buffers (module doc) from the expert weights ``w`` ``(E, out, in)``: each
+    expert quantized on its own by ``fp8kit.quantize(w[e], "e2m1", <the scheme's granularity>)`` (its own
+    NVFP4 per-tensor scale), or GPTQ-rounded against ``hessian`` (``(in, in)`` shared or ``(E, in, in)``)
+    with those scales fixed (``gptq.gptq_fp4_weight``)."""
+    from .gptq import gptq_fp4_weight
+
+    gran = scheme.weight_granularity
+    qts = []
+    for e in range(w.shape[0]):
+        if hessian is None:
+            qts.append(fp8_quantize(w[e], E2M1, gran))
+        else:
+            h = hessian if hessian.dim() == 2 else hessian[e]
+            try:
+                qts.append(gptq_fp4_weight(w[e], h, gran))
+            except ValueError as err:
+                raise ValueError(f"{what} expert {e}: {err}") from err
+    out = {
+        proj: pack_fp4(torch.stack([q.data for q in qts])).contiguous(),
+        f"{proj}_weight_scale": torch.stack([q.scales for q in qts]).contiguous(),
+    }
+    if scheme.weight_strategy == "nvfp4":
+        out[f"{proj}_weight_scale_2"] = torch.stack([q.global_scale.reshape(1) for q in qts]).float().contiguous()
+    return out
 
 
 def shallow_copy(module: nn.Module) -> nn.Module:
@@ -494,7 +606,7 @@ def dequantize_experts_module(module: QuantExperts, dtype: torch.dtype = torch.f
         if bias is not None:
             params[f"{proj}_bias"] = bias.to(dtype)
     for proj in module.projections:
-        for key in (proj, f"{proj}_weight_scale", f"{proj}_input_scale", f"{proj}_bias"):
+        for key in (proj, f"{proj}_weight_scale", f"{proj}_weight_scale_2", f"{proj}_input_scale", f"{proj}_bias"):
             module._buffers.pop(key, None)
     module.__class__ = type(module).__bases__[1]
     module.is_transposed = module.__dict__.pop("_fp8kit_was_transposed")
@@ -509,7 +621,7 @@ def dequantize_experts_module(module: QuantExperts, dtype: torch.dtype = torch.f
 def quant_experts_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """The ``"fp8kit_ptq"`` experts implementation: ``grouped_mm_experts_forward`` on 8-bit codes.
+    """The ``"fp8kit_ptq"`` experts implementation: ``grouped_mm_experts_forward`` on 8-bit or FP4 codes.
 
     ``hidden_states`` ``(T, H)``, ``top_k_index`` / ``top_k_weights`` ``(T, k)``; returns ``(T, H)``.
     Experts modules that are not ``QuantExperts`` (kept in high precision) run the implementation their

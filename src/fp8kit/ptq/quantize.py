@@ -13,7 +13,7 @@ from ..nn.linear import Linear as FP8Linear
 from ..recipes import DelayedScaling
 from ..scaling import nvfp4_tensor_scale, parse_granularity
 from .calibrate import CALIBRATION_METHODS, InputObserver, choose_amax, observe_inputs
-from .experts import ExpertsObserver, find_experts, observe_experts, quantize_experts_module
+from .experts import ExpertsObserver, find_experts, fp4_experts_problem, observe_experts, quantize_experts_module
 from .kv_cache import enable_fp8_kv, finish_calibration
 from .linear import QuantLinear
 from .progress import Progress
@@ -171,10 +171,12 @@ def _select_layers(run: _Run) -> None:
             run.targets.append(name)
     for name, module in find_experts(model).items():
         keep = opts.module_filter(name, module) if opts.module_filter else True
-        if keep:
+        misfit = fp4_experts_problem(module, run.scheme) if keep else None
+        if keep and not misfit:
             run.experts.append(name)
         else:
-            report.skipped[name] = "excluded by module_filter"
+            report.skipped[name] = misfit or "excluded by module_filter"
+            keep = False
         parent = name.rpartition(".")[0]
         router = f"{parent}.gate" if parent else "gate"
         if (
@@ -183,11 +185,6 @@ def _select_layers(run: _Run) -> None:
             and isinstance(getattr(model.get_submodule(parent), "gate", None), nn.Module)
         ):
             report.skipped[router] = "MoE router (kept in high precision, as DeepSeek-V3 and llm-compressor do)"
-    if run.experts and run.scheme.is_fp4:
-        raise ValueError(
-            f"{run.scheme.name} quantizes nn.Linear layers, not MoE experts ({', '.join(run.experts)}): keep them "
-            "in high precision with module_filter"
-        )
     if not run.targets and not run.experts:
         raise ValueError(
             "no nn.Linear layer to quantize"
@@ -461,15 +458,17 @@ def quantize(
     """Quantize ``model``'s ``nn.Linear`` layers and MoE experts in place for inference and return it.
 
     ``transformers`` experts modules (3-D expert weights) become ``ptq.experts.QuantExperts`` with
-    per-expert weight scales; static calibration runs every token through every expert (the layer's
-    output stays the routed one) and ``ptq_report.expert_tokens`` counts the tokens routed to each. GPTQ
-    and AWQ apply to the ``nn.Linear`` layers; the experts round to nearest. Routers stay in high precision.
+    per-expert weight scales (FP4: each expert's own block scales and NVFP4 per-tensor scale); static
+    calibration runs every token through every expert (the layer's output stays the routed one) and
+    ``ptq_report.expert_tokens`` counts the tokens routed to each. GPTQ rounds the ``nn.Linear`` layers and
+    the experts; AWQ applies to the ``nn.Linear`` layers only (the experts round to nearest). Routers stay
+    in high precision.
 
     Args:
         scheme: ``"fp8"``, ``"fp8-dynamic"``, ``"int8-smoothquant"`` or ``"int8-weight-only"``; or FP4 weights
             (``"nvfp4-weight-only"``, ``"mxfp4-weight-only"``: round to nearest, GPTQ or AWQ; ``"nvfp4"``: W4A4,
-            NVFP4 activations with a calibrated per-tensor scale; nn.Linear layers whose in_features are whole
-            blocks).
+            NVFP4 activations with a calibrated per-tensor scale; nn.Linear layers and MoE experts whose input
+            dims are whole blocks).
         forward_loop: ``forward_loop(model)`` runs the model on calibration data (ModelOpt's
             convention); required by the static schemes (``fp8``, ``int8-smoothquant``, ``nvfp4``) and ``kv_cache``,
             except that a model trained with ``fp8kit.convert`` under delayed scaling exports to ``fp8``
