@@ -15,6 +15,8 @@ the safetensors files hold, for each quantized ``Linear`` named ``NAME``:
 * ``mxfp4-pack-quantized`` (``mxfp4-weight-only``): ``NAME.weight_packed`` and ``NAME.weight_scale``
   (uint8 E8M0 exponents, one per 1x32 block).
 
+An FP4 MoE expert's projection gets the same tensors under its per-expert name (``export.experts``).
+
 compressed-tensors' global scales are the reciprocals of fp8kit's (and ModelOpt's) per-tensor dequant
 multipliers: ``weight_global_scale = 2688 / amax = 1 / weight_scale_2`` and ``input_global_scale = 1 /
 input_scale``, each a float32 reciprocal; dequantization is ``code * (weight_scale / weight_global_scale)``.
@@ -38,7 +40,7 @@ import torch.nn as nn
 from ..ptq.linear import QuantLinear
 from ..ptq.schemes import FP4_SCHEMES, SCHEMES, Scheme
 from .common import ExportError, load_layer, load_rest, model_from_config, read_tensors, stored_codes
-from .experts import experts_naming, has_expert_tensors, load_experts, model_key
+from .experts import experts_naming, has_expert_tensors, load_experts, load_fp4_experts, model_key
 
 __all__ = ["QUANT_METHOD", "export_tensors", "load", "pack_int8", "quantization_config", "unpack_int8"]
 
@@ -209,31 +211,54 @@ def _reciprocal(t: torch.Tensor) -> torch.Tensor:
     return (1.0 / t.float()).reshape(1).contiguous()
 
 
-def _write_fp4_linear(tensors: dict[str, torch.Tensor], name: str, q: QuantLinear) -> None:
-    """An FP4 ``QuantLinear``'s tensors under ``name`` (module doc): the packed codes and block scales as the
-    layer holds them, the per-tensor scales as compressed-tensors' reciprocal global scales."""
-    tensors[f"{name}.weight_packed"] = q.weight.contiguous()
-    tensors[f"{name}.weight_scale"] = q.weight_scale.contiguous()
-    if q.weight_scale_2 is not None:
-        tensors[f"{name}.weight_global_scale"] = _reciprocal(q.weight_scale_2)
-    if q.input_scale is not None:
-        tensors[f"{name}.input_global_scale"] = _reciprocal(q.input_scale)
+def _write_fp4(
+    tensors: dict[str, torch.Tensor],
+    name: str,
+    packed: torch.Tensor,
+    block_scales: torch.Tensor,
+    weight_scale_2: torch.Tensor | None,
+    input_scale: torch.Tensor | None,
+) -> None:
+    """One FP4 linear's tensors under ``name`` (module doc; a ``QuantLinear`` or one expert's projection): the
+    packed codes and block scales as held, the per-tensor scales as compressed-tensors' reciprocal global scales."""
+    tensors[f"{name}.weight_packed"] = packed.clone(memory_format=torch.contiguous_format)  # experts: own storage
+    tensors[f"{name}.weight_scale"] = block_scales.clone(memory_format=torch.contiguous_format)
+    if weight_scale_2 is not None:
+        tensors[f"{name}.weight_global_scale"] = _reciprocal(weight_scale_2)
+    if input_scale is not None:
+        tensors[f"{name}.input_global_scale"] = _reciprocal(input_scale)
+
+
+def _read_fp4(
+    tensors: dict[str, torch.Tensor], name: str, codes_shape: tuple, scale_dtype: torch.dtype, where: Path
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``_write_fp4``'s tensors under ``name`` (or another producer's of the layout): ``(packed codes, block
+    scales, weight_scale_2 or None, input_scale or None)``, the per-tensor scales as fp8kit's multipliers."""
+    packed = stored_codes(tensors.pop(f"{name}.weight_packed"), torch.uint8, f"{where}: {name}.weight_packed")
+    scale = stored_codes(tensors.pop(f"{name}.weight_scale"), scale_dtype, f"{where}: {name}.weight_scale")
+    rows, cols = codes_shape
+    block = 16 if scale_dtype == torch.float8_e4m3fn else 32
+    if tuple(packed.shape) != (rows, cols // 2) or tuple(scale.shape) != (rows, cols // block):
+        raise ExportError(
+            f"{where}: {name} holds codes {tuple(packed.shape)} and scales {tuple(scale.shape)}; the layer needs "
+            f"{(rows, cols // 2)} and {(rows, cols // block)}"
+        )
+    s2, s_in = tensors.pop(f"{name}.weight_global_scale", None), tensors.pop(f"{name}.input_global_scale", None)
+    return packed, scale, None if s2 is None else _reciprocal(s2), None if s_in is None else _reciprocal(s_in)
 
 
 def _read_fp4_linear(tensors: dict[str, torch.Tensor], name: str, q: QuantLinear, where: Path) -> None:
-    """Fill an FP4 ``QuantLinear`` from ``_write_fp4_linear``'s tensors (or another producer's of the layout)."""
-    packed = stored_codes(tensors.pop(f"{name}.weight_packed"), torch.uint8, f"{where}: {name}.weight_packed")
-    scale = stored_codes(tensors.pop(f"{name}.weight_scale"), q.weight_scale.dtype, f"{where}: {name}.weight_scale")
-    if packed.shape != q.weight.shape or scale.shape != q.weight_scale.shape:
-        raise ExportError(
-            f"{where}: {name} holds codes {tuple(packed.shape)} and scales {tuple(scale.shape)}; the layer needs "
-            f"{tuple(q.weight.shape)} and {tuple(q.weight_scale.shape)}"
-        )
-    q.weight, q.weight_scale = packed, scale
+    """Fill an FP4 ``QuantLinear`` from ``_write_fp4``'s tensors."""
+    shape = (q.out_features, q.in_features)
+    q.weight, q.weight_scale, s2, s_in = _read_fp4(tensors, name, shape, q.weight_scale.dtype, where)
     if q.weight_scale_2 is not None:
-        q.weight_scale_2 = _reciprocal(tensors.pop(f"{name}.weight_global_scale"))
+        if s2 is None:
+            raise KeyError(f"{name}.weight_global_scale")
+        q.weight_scale_2 = s2
     if q.scheme.static_activations:
-        q.input_scale = _reciprocal(tensors.pop(f"{name}.input_global_scale"))
+        if s_in is None:
+            raise KeyError(f"{name}.input_global_scale")
+        q.input_scale = s_in
 
 
 def export_tensors(
@@ -247,18 +272,21 @@ def export_tensors(
     """The quantized layers' tensors, the MoE experts' per-expert tensors in the architecture's checkpoint
     naming (``export.experts``), the attention blocks' k/v scales (``kv``: FP8 KV cache) and the
     ``quantization_config``."""
-    from .experts import expert_tensors
+    from .experts import expert_tensors, fp4_expert_tensors
 
     tensors: dict[str, torch.Tensor] = {}
     for name, q in qlayers.items():
         if scheme.is_fp4:
-            _write_fp4_linear(tensors, name, q)
+            _write_fp4(tensors, name, q.weight, q.weight_scale, q.weight_scale_2, q.input_scale)
         else:
             _write_linear(tensors, scheme, name, q.weight, q.weight_scale, q.input_scale)
         if q.bias is not None:
             tensors[f"{name}.bias"] = q.bias.contiguous()
     for name, m in (experts or {}).items():
-        expert_tensors(model, name, m, lambda key, c, s, i: _write_linear(tensors, scheme, key, c, s, i))
+        if scheme.is_fp4:
+            fp4_expert_tensors(model, name, m, lambda key, c, s, s2, i: _write_fp4(tensors, key, c, s, s2, i))
+        else:
+            expert_tensors(model, name, m, lambda key, c, s, i: _write_linear(tensors, scheme, key, c, s, i))
     for name, m in kv.items():
         tensors[f"{name}.k_scale"] = m.k_scale.float().reshape(1).contiguous()
         tensors[f"{name}.v_scale"] = m.v_scale.float().reshape(1).contiguous()
@@ -317,7 +345,16 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
         input_scale = tensors.pop(f"{key}.input_scale", None)
         return codes, scale, input_scale
 
-    experts = load_experts(model, path, tensors, scheme, read_expert) if has_expert_tensors(tensors) else []
+    def read_fp4_expert(key: str, out_features: int, in_features: int):
+        scale_dtype = torch.float8_e4m3fn if scheme.weight_strategy == "nvfp4" else torch.uint8
+        return _read_fp4(tensors, key, (out_features, in_features), scale_dtype, path)
+
+    if not has_expert_tensors(tensors):
+        experts = []
+    elif scheme.is_fp4:
+        experts = load_fp4_experts(model, path, scheme, read_fp4_expert)
+    else:
+        experts = load_experts(model, path, tensors, scheme, read_expert)
     names += experts
     if experts:
         _, block = experts_naming(model)

@@ -19,7 +19,10 @@ expert: vLLM takes the max over experts, so it computes what fp8kit does). Readi
 experts likewise, so a checkpoint from another producer with per-expert input scales loads with vLLM's
 semantics. Block FP8 (``fp8-block``): each expert's linear gets ``weight`` and its own 128x128 tiles'
 ``weight_scale_inv``; the fused ``gate_up`` tiles split at row ``I / 128`` (``I`` a multiple of 128, see
-``ptq.experts``), so ``gate_proj`` and ``up_proj`` each hold whole tiles.
+``ptq.experts``), so ``gate_proj`` and ``up_proj`` each hold whole tiles. FP4 (``fp4_expert_tensors``,
+``load_fp4_experts``): each expert's linear gets the tensors the format gives a dense FP4 linear (packed
+codes, its rows' block scales, NVFP4's per-tensor scale: the fused ``gate_up``'s one written to both
+``gate`` and ``up``, and the layer's shared input scale to every expert).
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ __all__ = [
     "checkpoint_key",
     "expert_tensors",
     "experts_naming",
+    "fp4_expert_tensors",
     "has_expert_tensors",
     "load_experts",
+    "load_fp4_experts",
     "model_key",
 ]
 
@@ -136,6 +141,41 @@ def expert_tensors(
                 write(f"{base}{e}.{linears[which]}", codes[e], scale[e], input_scale)
 
 
+def _fp4_split(module: QuantExperts, p: int) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """FP4 projection ``p`` as ``(linear index, packed codes (E, out, in / 2), block scales (E, out, in / b),
+    NVFP4 per-tensor scales (E,) or None)``; the fused ``gate_up`` splits by rows, each half with its scale."""
+    codes, scale, s2 = module.weight_codes(p), module.weight_scale(p), module.weight_scale_2(p)
+    first = None if s2 is None else s2[:, 0]
+    if p == 1:
+        return [(2, codes, scale, first)]
+    if not module.has_gate:
+        return [(1, codes, scale, first)]
+    if not getattr(module, "is_concatenated", True):
+        raise ExportError(f"{type(module).__name__}: interleaved gate/up experts have no per-expert checkpoint layout")
+    half = codes.shape[1] // 2
+    last = None if s2 is None else s2[:, -1]
+    return [(0, codes[:, :half], scale[:, :half], first), (1, codes[:, half:], scale[:, half:], last)]
+
+
+def fp4_expert_tensors(
+    model: nn.Module,
+    name: str,
+    module: QuantExperts,
+    write: Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], None],
+) -> None:
+    """``expert_tensors`` for FP4 experts: ``write(prefix, packed codes (out, in / 2), block scales,
+    weight_scale_2 (0-d, NVFP4) or None, input_scale or None)`` for each expert's linear."""
+    if module.has_bias:
+        raise ExportError(f"{name}: experts with biases have no per-expert checkpoint layout in fp8kit's exports")
+    linears, block = experts_naming(model)
+    base = checkpoint_key(f"{name}.", block)
+    for p in range(2):
+        input_scale = module.input_scale(p)
+        for which, codes, scale, s2 in _fp4_split(module, p):
+            for e in range(module.num_experts):
+                write(f"{base}{e}.{linears[which]}", codes[e], scale[e], None if s2 is None else s2[e], input_scale)
+
+
 def has_expert_tensors(tensors: dict[str, torch.Tensor]) -> bool:
     """Whether a checkpoint holds per-expert tensors (``...experts.0....``)."""
     return any(".experts.0." in k for k in tensors)
@@ -202,6 +242,52 @@ def load_experts(
                 ins = [part[2] for w in whiches for part in parts[w]]
                 if any(s is None for s in ins):
                     raise ExportError(f"{path}: {base}*.{proj}: static scheme without input_scale")
+                new[f"{proj}_input_scale"] = torch.stack([s.float().reshape(()) for s in ins]).max().reshape(1)
+        install_quant_experts(module, scheme, new)
+        names.append(name)
+    return names
+
+
+def load_fp4_experts(
+    model: nn.Module,
+    path: Any,
+    scheme: Scheme,
+    read: Callable[[str, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
+) -> list[str]:
+    """``load_experts`` for FP4 experts: ``read(prefix, out, in)`` pops one linear's ``(packed codes (out, in / 2),
+    block scales, NVFP4 per-tensor weight scale (fp8kit's ``amax / 2688``) or None, input scale or None)``.
+    Gate and up with one per-tensor scale per expert keep ``(E, 1)``, with two ``(E, 2)`` (``ptq.experts``);
+    per-expert input scales become their max (vLLM's semantics). Returns the module names."""
+    from ..ptq.experts import find_experts
+
+    found = find_experts(model)
+    linears, block = experts_naming(model) if found else ((), "mlp")
+    names = []
+    for name, module in found.items():
+        base = checkpoint_key(f"{name}.", block)
+        first, second = experts_projections(module)
+        w1 = getattr(module, first)
+        e = module.num_experts
+        inter, hidden = (w1.shape[2], w1.shape[1]) if module.is_transposed else (w1.shape[1], w1.shape[2])
+        if module.has_gate:
+            inter //= 2
+        shapes = {0: (inter, hidden), 1: (inter, hidden), 2: (hidden, inter)}
+        new: dict[str, torch.Tensor] = {}
+        groups = {first: (0, 1) if module.has_gate else (1,), second: (2,)}
+        for proj, whiches in groups.items():
+            try:
+                parts = [[read(f"{base}{i}.{linears[w]}", *shapes[w]) for i in range(e)] for w in whiches]
+            except KeyError as err:
+                raise ExportError(f"{path}: tensor {err.args[0]} is missing") from err
+            new[proj] = torch.cat([torch.stack([x[0] for x in part]) for part in parts], dim=1).contiguous()
+            new[f"{proj}_weight_scale"] = torch.cat([torch.stack([x[1] for x in part]) for part in parts], dim=1)
+            if scheme.weight_strategy == "nvfp4":
+                s2 = torch.stack([torch.stack([x[2].float().reshape(()) for x in part]) for part in parts], dim=1)
+                new[f"{proj}_weight_scale_2"] = s2[:, :1].contiguous() if torch.equal(s2[:, :1], s2[:, -1:]) else s2
+            if scheme.static_activations:
+                ins = [x[3] for part in parts for x in part]
+                if any(s is None for s in ins):
+                    raise ExportError(f"{path}: {base}*.{proj}: static scheme without input scales")
                 new[f"{proj}_input_scale"] = torch.stack([s.float().reshape(()) for s in ins]).max().reshape(1)
         install_quant_experts(module, scheme, new)
         names.append(name)

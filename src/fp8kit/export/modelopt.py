@@ -27,7 +27,8 @@ run time); ``hf_quant_config.json`` adds ``"group_size": 16``. MXFP4 is not writ
 also quantizes the activations, which ``mxfp4-weight-only`` does not. ``pre_quant_scale`` multiplies the input before it is quantized:
 fp8kit folds SmoothQuant into the preceding layer, so it writes ones. ``fp8_pb_wo`` is ModelOpt's only
 128x128-block FP8 format and is weight-only: serving keeps the activations in high precision. An FP8 KV
-cache adds ``ATTN.k_proj.k_scale`` and ``ATTN.v_proj.v_scale`` (``()``, ``amax / 448``).
+cache adds ``ATTN.k_proj.k_scale`` and ``ATTN.v_proj.v_scale`` (``()``, ``amax / 448``). MoE experts get
+the same tensors per expert (``export.experts``), NVFP4 included.
 
 ``hf_quant_config.json`` holds ``{"producer", "quantization": {"quant_algo", "kv_cache_quant_algo",
 "exclude_modules"}}`` and ``config.json``'s ``quantization_config`` the same in ModelOpt's
@@ -45,10 +46,10 @@ import torch
 import torch.nn as nn
 
 from ..ptq.linear import QuantLinear
-from ..ptq.schemes import SCHEMES
+from ..ptq.schemes import SCHEMES, get_scheme
 from .block_linear import BlockQuantLinear
 from .common import ExportError, load_layer, load_rest, model_from_config, read_tensors, stored_codes
-from .experts import experts_naming, has_expert_tensors, load_experts, model_key
+from .experts import experts_naming, has_expert_tensors, load_experts, load_fp4_experts, model_key
 from .support import BLOCK_SCHEME, MODELOPT_ALGOS
 
 __all__ = ["HF_QUANT_CONFIG", "QUANT_METHOD", "export_tensors", "hf_quant_config", "load", "quantization_config"]
@@ -116,6 +117,23 @@ def _write_linear(
         tensors[f"{name}.input_scale"] = input_scale.float().reshape(()).clone()
 
 
+def _write_nvfp4(
+    tensors: dict[str, torch.Tensor],
+    name: str,
+    packed: torch.Tensor,
+    block_scales: torch.Tensor,
+    weight_scale_2: torch.Tensor,
+    input_scale: torch.Tensor | None,
+) -> None:
+    """One NVFP4 linear's tensors under ``name`` (a ``QuantLinear`` or one expert's projection): ``weight``
+    (packed), ``weight_scale`` (E4M3 blocks), ``weight_scale_2`` ``()`` and W4A4's ``input_scale`` ``()``."""
+    tensors[f"{name}.weight"] = packed.clone(memory_format=torch.contiguous_format)  # experts: own storage
+    tensors[f"{name}.weight_scale"] = block_scales.clone(memory_format=torch.contiguous_format)
+    tensors[f"{name}.weight_scale_2"] = weight_scale_2.float().reshape(()).clone()
+    if input_scale is not None:
+        tensors[f"{name}.input_scale"] = input_scale.float().reshape(()).clone()
+
+
 def export_tensors(
     model: nn.Module,
     qlayers: dict[str, nn.Module],
@@ -126,16 +144,12 @@ def export_tensors(
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, dict[str, Any]]]:
     """The quantized layers' tensors, the MoE experts' per-expert tensors (``export.experts``; ModelOpt
     writes the same names), ``config.json``'s ``quantization_config`` and the extra JSON files."""
-    from .experts import expert_tensors
+    from .experts import expert_tensors, fp4_expert_tensors
 
     tensors: dict[str, torch.Tensor] = {}
     for name, q in qlayers.items():
         if isinstance(q, QuantLinear) and q.scheme.is_fp4:
-            tensors[f"{name}.weight"] = q.weight.contiguous()
-            tensors[f"{name}.weight_scale"] = q.weight_scale.contiguous()
-            tensors[f"{name}.weight_scale_2"] = q.weight_scale_2.float().reshape(()).clone()
-            if q.input_scale is not None:
-                tensors[f"{name}.input_scale"] = q.input_scale.float().reshape(()).clone()
+            _write_nvfp4(tensors, name, q.weight, q.weight_scale, q.weight_scale_2, q.input_scale)
         elif isinstance(q, BlockQuantLinear):
             tensors[f"{name}.weight"] = q.weight.contiguous()
             r, c = q.weight_scale_inv.shape
@@ -147,7 +161,10 @@ def export_tensors(
         if q.bias is not None:
             tensors[f"{name}.bias"] = q.bias.contiguous()
     for name, m in (experts or {}).items():
-        expert_tensors(model, name, m, lambda key, c, s, i: _write_linear(tensors, scheme, key, c, s, i))
+        if scheme in _NVFP4:
+            fp4_expert_tensors(model, name, m, lambda key, c, s, s2, i: _write_nvfp4(tensors, key, c, s, s2, i))
+        else:
+            expert_tensors(model, name, m, lambda key, c, s, i: _write_linear(tensors, scheme, key, c, s, i))
     for name, m in kv.items():
         tensors[f"{name}.k_proj.k_scale"] = m.k_scale.float().reshape(()).contiguous()
         tensors[f"{name}.v_proj.v_scale"] = m.v_scale.float().reshape(()).contiguous()
@@ -202,8 +219,24 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
     ]
     for name in names:
         load_layer(model, path, name, lambda lin, name=name: _layer(tensors, name, lin, scheme))
-    if has_expert_tensors(tensors):
-        if scheme == BLOCK_SCHEME or scheme in _NVFP4:
+    if has_expert_tensors(tensors) and scheme in _NVFP4:
+
+        def read_fp4_expert(key: str, out_features: int, in_features: int):
+            packed = stored_codes(tensors.pop(f"{key}.weight"), torch.uint8, f"{path}: {key}.weight")
+            scale = stored_codes(tensors.pop(f"{key}.weight_scale"), torch.float8_e4m3fn, f"{path}: {key}.weight_scale")
+            want = ((out_features, in_features // 2), (out_features, in_features // NVFP4_GROUP))
+            if (tuple(packed.shape), tuple(scale.shape)) != want:
+                raise ExportError(
+                    f"{path}: {key} holds NVFP4 codes {tuple(packed.shape)} and block scales {tuple(scale.shape)}, "
+                    f"not {want[0]} and {want[1]}"
+                )
+            s2 = tensors.pop(f"{key}.weight_scale_2").float()
+            return packed, scale, s2, tensors.pop(f"{key}.input_scale", None)
+
+        names += load_fp4_experts(model, path, get_scheme(scheme), read_fp4_expert)
+        tensors = {model_key(k, experts_naming(model)[1]): v for k, v in tensors.items()}
+    elif has_expert_tensors(tensors):
+        if scheme == BLOCK_SCHEME:
             raise ExportError(f"{path}: fp8kit does not load {scheme} MoE experts yet")
 
         def read_expert(key: str, out_features: int, in_features: int):
