@@ -62,16 +62,23 @@ def whole_tile_llama(seed: int = 0):
     return LlamaForCausalLM(cfg).eval()
 
 
-def save_local_llama(root, text: str, **overrides):
-    """A tiny Llama and a word-level tokenizer trained on ``text``, saved as the Hugging Face folder
-    ``root / "model"``; ``text`` is written to ``root / "text.txt"``."""
+def word_tokenizer(text: str):
+    """A word-level ``transformers`` tokenizer trained on ``text``."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator([text], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+
+
+def save_local_llama(root, text: str, **overrides):
+    """A tiny Llama and a word-level tokenizer trained on ``text``, saved as the Hugging Face folder
+    ``root / "model"``; ``text`` is written to ``root / "text.txt"``."""
+    import transformers
+
+    fast = word_tokenizer(text)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(tiny_llama_config(vocab_size=len(fast), **overrides)).save_pretrained(root / "model")
     fast.save_pretrained(root / "model")

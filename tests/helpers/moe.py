@@ -59,6 +59,23 @@ def tiny_moe_model(arch: str, seed: int = 0):
     raise ValueError(arch)
 
 
+def save_local_moe(root):
+    """The tiny Qwen3-MoE (``qwen3_moe_config`` with the tokenizer's vocabulary) and a word-level tokenizer
+    trained on ``models.SAMPLE_TEXT``, saved as the Hugging Face folder ``root / "model"``; the text is
+    written to ``root / "text.txt"``."""
+    import transformers
+
+    from tests.helpers.models import SAMPLE_TEXT, word_tokenizer
+
+    fast = word_tokenizer(SAMPLE_TEXT)
+    torch.manual_seed(0)
+    cfg = qwen3_moe_config(vocab_size=len(fast), architectures=["Qwen3MoeForCausalLM"])
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(root / "model")
+    fast.save_pretrained(root / "model")
+    (root / "text.txt").write_text(SAMPLE_TEXT)
+    return root
+
+
 def ep_config(num_experts: int = E, **kw):
     """The Qwen3-MoE config of the expert-parallel tests (hidden ``H``, ``E`` experts, top-``TOP_K``)."""
     from transformers import Qwen3MoeConfig

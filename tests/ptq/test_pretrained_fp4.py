@@ -36,6 +36,22 @@ def test_quantize_writes_an_fp4_checkpoint_that_loads_back(local_model, scheme, 
     assert loaded.ptq_report.scheme == scheme
 
 
+@pytest.mark.parametrize(("scheme", "fmt"), [("nvfp4", "compressed-tensors"), ("nvfp4-weight-only", "modelopt")])
+def test_quantize_writes_fp4_moe_experts_that_load_back(tmp_path, scheme, fmt):
+    """A tiny Qwen3-MoE folder, layer by layer: every experts module in FP4 per expert, read back by ``load_pretrained``."""
+    from fp8kit.ptq.experts import QuantExperts
+    from tests.helpers.moe import save_local_moe
+
+    root = save_local_moe(tmp_path)
+    out = tmp_path / "export"
+    args = ["quantize", "--model", str(root / "model"), "--scheme", scheme, "--format", fmt]
+    assert main([*args, "--text", str(root / "text.txt"), "--calib-batches", "2", "--out", str(out)]) == 0
+    loaded = load_pretrained(out)
+    experts = [m for m in loaded.modules() if isinstance(m, QuantExperts)]
+    assert len(experts) == 2 and all(m.scheme.name == scheme for m in experts)
+    assert loaded.ptq_report.experts == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+
+
 def test_formats_that_cannot_carry_a_scheme_say_which_can(local_model, tmp_path, capsys):
     model = str(local_model / "model")
     args = ["quantize", "--model", model, "--scheme", "mxfp4-weight-only", "--format", "modelopt"]

@@ -130,14 +130,6 @@ def test_layers_whose_input_dim_is_not_whole_blocks_stay_in_high_precision():
         ptq.QuantLinear(40, 8, False, "nvfp4-weight-only")
 
 
-def test_moe_experts_are_refused_with_the_way_out():
-    from tests.helpers.moe import tiny_moe_model
-
-    model = tiny_moe_model("qwen3_moe")
-    with pytest.raises(ValueError, match="module_filter"):
-        ptq.quantize(model, "nvfp4-weight-only")
-
-
 @pytest.mark.parametrize("gran", ["nvfp4", "mxfp4"])
 def test_gptq_lowers_the_output_error_with_the_block_scales_fixed(gran):
     torch.manual_seed(0)

@@ -116,6 +116,26 @@ def test_round_to_nearest_is_bit_identical_moe(tmp_path, arch, scheme):
     assert len(back.ptq_report.experts) == 2
 
 
+@pytest.mark.parametrize(
+    ("arch", "scheme", "fmt"),
+    [
+        ("qwen3_moe", "nvfp4", "compressed-tensors"),
+        ("mixtral", "nvfp4-weight-only", "modelopt"),
+        ("qwen3_moe", "mxfp4-weight-only", "compressed-tensors"),
+    ],
+)
+def test_fp4_experts_layer_by_layer_are_bit_identical(tmp_path, arch, scheme, fmt):
+    """FP4 experts (W4A4 with its calibrated input scales too) quantized one layer at a time give the
+    whole-model export's tensors, per expert."""
+    src = tmp_path / "src"
+    tiny_moe_model(arch).save_pretrained(src)
+    whole, seq = _whole_and_sequential(src, tmp_path, scheme, fmt, _ids(128))
+    a, b = _tensors(whole), _tensors(seq)
+    assert set(a) == set(b) and all(_same(a[k], b[k]) for k in a)
+    assert any(".experts.7." in k and k.endswith("weight_scale") for k in b)
+    assert len(load_pretrained(seq).ptq_report.experts) == 2
+
+
 def _loss(model, ids: torch.Tensor) -> float:
     with torch.no_grad():
         return float(model(input_ids=ids, labels=ids).loss)
