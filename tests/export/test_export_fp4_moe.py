@@ -179,3 +179,34 @@ def test_modelopt_nvfp4_experts_match_modelopts_own_export(scheme, cfg, tmp_path
         assert torch.equal(logits(theirs_back, ids), logits(ours, ids))
     else:  # ModelOpt calibrates down_proj's input on the routed tokens only: another input scale, close logits
         assert sqnr_db(logits(ours, ids), logits(theirs_back, ids)) > 25
+
+
+def test_another_producers_per_expert_scales_load_with_their_meaning(exported, tmp_path):
+    """A checkpoint whose gate and up carry their own NVFP4 tensor scales loads both (gate's rows under one,
+    up's under the other: the decompressor's weights), and per-expert input scales load as their max."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from safetensors.torch import save_file
+
+    _, out = exported["qwen3_moe", "nvfp4"]
+    t = read_safetensors(out)
+    up = "model.layers.1.mlp.experts.3.up_proj"
+    t[f"{up}.weight_global_scale"] = t[f"{up}.weight_global_scale"] / 2  # up's weights twice as large
+    down = "model.layers.1.mlp.experts.5.down_proj.input_global_scale"
+    t[down] = t[down] / 4  # one expert's input scale four times the others'
+    folder = tmp_path / "theirs"
+    folder.mkdir()
+    for f in ("config.json", "generation_config.json"):
+        if (out / f).is_file():
+            (folder / f).write_text((out / f).read_text())
+    save_file(t, str(folder / "model.safetensors"))
+    back = load_pretrained(folder)
+    experts = back.model.layers[1].mlp.experts
+    assert experts.weight_scale_2(0).shape == (8, 2) and experts.weight_scale_2(1).shape == (8, 1)
+    compressor = BaseCompressor.get_value_from_registry("nvfp4-pack-quantized")
+    state = {k.removeprefix(f"{up}."): v for k, v in t.items() if k.startswith(f"{up}.")}
+    theirs = compressor.decompress(state, preset_name_to_scheme("NVFP4", ["Linear"]))["weight"]
+    assert torch.equal(experts.dequantized_weight(0)[3, 32:].to(theirs.dtype), theirs)
+    assert torch.equal(experts.down_proj_input_scale, reciprocal(t[down]))  # the max over experts
+    again = read_safetensors(save_pretrained(back, tmp_path / "again"))
+    assert torch.equal(again[f"{up}.weight_global_scale"], t[f"{up}.weight_global_scale"])

@@ -302,7 +302,7 @@ class QuantExperts:
         scales = self.weight_scale(p)
         s2 = self.weight_scale_2(p)
         if s2 is not None:
-            rows = s2.float().repeat_interleave(out // s2.shape[1], dim=1).reshape(e, out, 1)
+            rows = expand_tiles(s2.float().reshape(e, -1, 1), (out // s2.shape[1], 1), (out, 1))  # (E, out, 1)
             scales = scales.float() * rows
         return QuantizedTensor(codes, scales.reshape(e * out, -1), E2M1, gran, block, torch.float32)
 
