@@ -54,9 +54,9 @@ the max over experts as for FP8: ModelOpt 0.47's fused-experts export writes one
 for all experts, llm-compressor writes one per expert (with every token through every expert, so
 ``gate_up``'s is the same for all experts and only ``down_proj``'s differ), and vLLM's FlashInfer NVFP4 MoE
 backends reduce per-expert scales to their max (its CUTLASS one keeps them per expert); the exports write
-the shared one to every expert. The GEMM is the floor's ``block_scaled_mm`` with ``offs``, as the dense FP4 layer's: one grouped
-GEMM on the exact float32 dequantized weights (and NVFP4 inputs), FP32 accumulation. GPTQ rounds FP4
-experts with each expert's block scales fixed (``gptq.gptq_fp4_weight``).
+the shared one to every expert. The GEMM is the floor's ``block_scaled_mm`` with ``offs``, as the dense FP4
+layer's: one grouped GEMM on the exact float32 dequantized weights (and NVFP4 inputs), FP32 accumulation.
+GPTQ rounds FP4 experts with each expert's block scales fixed (``gptq.gptq_fp4_weight``).
 
 Dynamic per-token activations (``fp8-dynamic``) are scaled per routed token, never across tokens; the
 weight-only scheme leaves them in high precision.
