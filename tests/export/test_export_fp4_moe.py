@@ -177,7 +177,8 @@ def test_modelopt_nvfp4_experts_match_modelopts_own_export(scheme, cfg, tmp_path
     assert len(theirs_back.ptq_report.experts) == 2
     if scheme == "nvfp4-weight-only":  # the same weights everywhere: the same model
         assert torch.equal(logits(theirs_back, ids), logits(ours, ids))
-    else:  # ModelOpt calibrates down_proj's input on the routed tokens only: another input scale, close logits
+    else:  # one shared input scale per projection in both; ModelOpt's down_proj one is smaller (its calibration
+        # does not send every token through every expert's down_proj as fp8kit's does): close logits
         assert sqnr_db(logits(ours, ids), logits(theirs_back, ids)) > 25
 
 

@@ -50,8 +50,8 @@ keep gate's and warn when up's differs; llm-compressor and ModelOpt fuse gate/up
 way). A checkpoint whose gate and up scales differ loads as ``(E, 2)``: gate's rows under the first, up's
 under the second. W4A4 (``nvfp4``) activations: 1x16 E4M3 block scales of each routed token at run time
 under a static per-tensor ``P_input_scale`` ``(1,)`` (``amax / 2688``) shared by the experts of the layer,
-the max over experts as for FP8: ModelOpt 0.47's fused-experts export writes one input scale per projection
-for all experts, llm-compressor writes one per expert (with every token through every expert, so
+the max over experts as for FP8: ModelOpt 0.47's fused-experts quantizer shares one input quantizer per
+projection across the experts ("the shared input quantization scale used by downstream inference frameworks"), llm-compressor writes one per expert (with every token through every expert, so
 ``gate_up``'s is the same for all experts and only ``down_proj``'s differ), and vLLM's FlashInfer NVFP4 MoE
 backends reduce per-expert scales to their max (its CUTLASS one keeps them per expert); the exports write
 the shared one to every expert. The GEMM is the floor's ``block_scaled_mm`` with ``offs``, as the dense FP4
