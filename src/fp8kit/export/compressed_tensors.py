@@ -29,6 +29,7 @@ safetensors only (nothing is unpickled).
 from __future__ import annotations
 
 import re
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -258,7 +259,8 @@ def export_tensors(
         if q.bias is not None:
             tensors[f"{name}.bias"] = q.bias.contiguous()
     for name, m in (experts or {}).items():
-        expert_tensors(model, name, m, lambda key, c, s, i: _write_linear(tensors, scheme, key, c, s, i))
+        write = partial(_write_linear, tensors, scheme)
+        tensors.update(expert_tensors(model, name, m, write, QUANT_METHOD))
     for name, m in kv.items():
         tensors[f"{name}.k_scale"] = m.k_scale.float().reshape(1).contiguous()
         tensors[f"{name}.v_scale"] = m.v_scale.float().reshape(1).contiguous()
@@ -317,7 +319,9 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
         input_scale = tensors.pop(f"{key}.input_scale", None)
         return codes, scale, input_scale
 
-    experts = load_experts(model, path, tensors, scheme, read_expert) if has_expert_tensors(tensors) else []
+    experts = (
+        load_experts(model, path, tensors, scheme, read_expert, QUANT_METHOD) if has_expert_tensors(tensors) else []
+    )
     names += experts
     if experts:
         _, block = experts_naming(model)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -147,7 +148,8 @@ def export_tensors(
         if q.bias is not None:
             tensors[f"{name}.bias"] = q.bias.contiguous()
     for name, m in (experts or {}).items():
-        expert_tensors(model, name, m, lambda key, c, s, i: _write_linear(tensors, scheme, key, c, s, i))
+        write = partial(_write_linear, tensors, scheme)
+        tensors.update(expert_tensors(model, name, m, write, QUANT_METHOD))
     for name, m in kv.items():
         tensors[f"{name}.k_proj.k_scale"] = m.k_scale.float().reshape(()).contiguous()
         tensors[f"{name}.v_proj.v_scale"] = m.v_scale.float().reshape(()).contiguous()
@@ -217,7 +219,7 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
                 raise ExportError(f"{key}.pre_quant_scale is not all ones: fp8kit loads folded SmoothQuant only")
             return codes, tensors.pop(f"{key}.weight_scale").float(), tensors.pop(f"{key}.input_scale", None)
 
-        experts = load_experts(model, path, tensors, SCHEMES[scheme], read_expert)
+        experts = load_experts(model, path, tensors, SCHEMES[scheme], read_expert, QUANT_METHOD)
         names += experts
         if experts:
             block = experts_naming(model)[1]
