@@ -84,7 +84,8 @@ _NO_READER: dict[str, dict[str, str]] = {
             "never runs on the fused gate_up_proj + gate_up_proj_scale_inv that its Fp8Quantize writes (they load as "
             "raw codes) and per-expert tensors do not load at all; its GPU FP8Experts refuses biases and splits "
             "gate/up by halves, not interleaved; and a 128-row tile of the interleaved gate_up_proj mixes gate and "
-            "up rows. Write --format compressed-tensors (llm-compressor's per-expert layout)"
+            "up rows. Quantize with fp8 or fp8-dynamic and write --format compressed-tensors (llm-compressor's "
+            "per-expert layout)"
         ),
         "modelopt": (
             "ModelOpt writes 'gpt_oss' experts fused (gate_up_proj, down_proj and their scales, as its "
