@@ -109,3 +109,77 @@ def ep_causal_lm(recipe: str) -> nn.Module:
     torch.manual_seed(0)
     cfg = ep_config(vocab_size=128, num_hidden_layers=2, intermediate_size=128, mlp_only_layers=[])
     return fp8kit.convert(Qwen3MoeForCausalLM(cfg), ep_recipe(recipe))
+
+
+def gpt_oss_128(seed: int = 0):
+    """A tiny random GPT-OSS whose every GEMM dim is a multiple of 128 (whole 128x128 tiles): 2 layers,
+    4 biased experts (top-2, intermediate 128), hidden 128, 2 heads of 64 (2 key/value heads)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.GptOssConfig(
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+        attn_implementation="eager",
+    )
+    model = tf.GptOssForCausalLM(cfg)
+    model.config.architectures = ["GptOssForCausalLM"]
+    with torch.no_grad():  # random biases (initialised to zero); one expert 50x larger than the others
+        for m in model.modules():
+            if isinstance(getattr(m, "down_proj_bias", None), torch.nn.Parameter):
+                m.gate_up_proj_bias.normal_(0, 0.02)
+                m.down_proj_bias.normal_(0, 0.02)
+        model.model.layers[0].mlp.experts.gate_up_proj[1] *= 50
+    return model.eval()
+
+
+class LinearGptOssExpert(nn.Module):
+    """One GPT-OSS expert as llm-compressor linearizes it: ``gate_proj``, ``up_proj``, ``down_proj``
+    ``nn.Linear`` with biases and the clamped SwiGLU of ``GptOssExperts``."""
+
+    def __init__(self, hidden: int, inter: int, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter)
+        self.up_proj = nn.Linear(hidden, inter)
+        self.down_proj = nn.Linear(inter, hidden)
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x).clamp(max=self.limit)
+        up = self.up_proj(x).clamp(min=-self.limit, max=self.limit)
+        return self.down_proj((up + 1) * gate * torch.sigmoid(gate * self.alpha))
+
+
+class LinearGptOssExperts(nn.ModuleList):
+    """A layer's experts as a list of ``LinearGptOssExpert`` (the module names llm-compressor's linearized
+    GPT-OSS checkpoints carry: ``mlp.experts.E.gate_proj``), called as ``GptOssExperts`` is."""
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self):
+            token, slot = torch.where(top_k_index == e)
+            if token.numel():
+                out.index_add_(0, token, expert(x[token]) * top_k_weights[token, slot, None])
+        return out
+
+
+def linearized_gpt_oss(config):
+    """A ``GptOssForCausalLM`` of ``config`` whose experts are ``LinearGptOssExperts`` (fresh weights)."""
+    import transformers as tf
+
+    model = tf.GptOssForCausalLM(config)
+    for layer in model.model.layers:
+        layer.mlp.experts = LinearGptOssExperts(
+            LinearGptOssExpert(config.hidden_size, config.intermediate_size, config.swiglu_alpha, config.swiglu_limit)
+            for _ in range(config.num_local_experts)
+        )
+    return model.eval()

@@ -95,7 +95,14 @@ def test_round_to_nearest_is_bit_identical_dense(llama_dir, tmp_path, scheme, fm
 
 
 @pytest.mark.parametrize(
-    ("arch", "scheme"), [("qwen3_moe", "fp8-dynamic"), ("qwen3_moe", "fp8-block"), ("mixtral", "int8-weight-only")]
+    ("arch", "scheme"),
+    [
+        ("qwen3_moe", "fp8-dynamic"),
+        ("qwen3_moe", "fp8-block"),
+        ("mixtral", "int8-weight-only"),
+        # fused experts on disk, per-expert in the export; calibrated on each layer's own (sliding) mask
+        ("gpt_oss", "fp8"),
+    ],
 )
 def test_round_to_nearest_is_bit_identical_moe(tmp_path, arch, scheme):
     src = tmp_path / "src"

@@ -93,7 +93,7 @@ def save_pretrained(
             "the modelopt export does not carry block-FP8 MoE experts yet: write --format fp8-block, "
             "or keep the experts in high precision with module_filter"
         )
-    block = experts_naming(model)[1] if experts else "mlp"  # the MoE block's name on disk (Mixtral's differs)
+    block = experts_naming(model, format)[1] if experts else "mlp"  # the MoE block's name on disk (Mixtral's differs)
     ignore = [checkpoint_key(n, block) for n in ignore]
     cfg = hf_config_dict(model)
     out = check_export_dir(out_dir, overwrite)

@@ -31,6 +31,7 @@ safetensors only (nothing is unpickled).
 from __future__ import annotations
 
 import re
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -284,9 +285,9 @@ def export_tensors(
             tensors[f"{name}.bias"] = q.bias.contiguous()
     for name, m in (experts or {}).items():
         if scheme.is_fp4:
-            fp4_expert_tensors(model, name, m, lambda key, c, s, s2, i: _write_fp4(tensors, key, c, s, s2, i))
+            tensors.update(fp4_expert_tensors(model, name, m, partial(_write_fp4, tensors), QUANT_METHOD))
         else:
-            expert_tensors(model, name, m, lambda key, c, s, i: _write_linear(tensors, scheme, key, c, s, i))
+            tensors.update(expert_tensors(model, name, m, partial(_write_linear, tensors, scheme), QUANT_METHOD))
     for name, m in kv.items():
         tensors[f"{name}.k_scale"] = m.k_scale.float().reshape(1).contiguous()
         tensors[f"{name}.v_scale"] = m.v_scale.float().reshape(1).contiguous()
@@ -352,9 +353,9 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
     if not has_expert_tensors(tensors):
         experts = []
     elif scheme.is_fp4:
-        experts = load_fp4_experts(model, path, scheme, read_fp4_expert)
+        experts = load_fp4_experts(model, path, tensors, scheme, read_fp4_expert, QUANT_METHOD)
     else:
-        experts = load_experts(model, path, tensors, scheme, read_expert)
+        experts = load_experts(model, path, tensors, scheme, read_expert, QUANT_METHOD)
     names += experts
     if experts:
         _, block = experts_naming(model)

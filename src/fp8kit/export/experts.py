@@ -23,6 +23,13 @@ semantics. Block FP8 (``fp8-block``): each expert's linear gets ``weight`` and i
 ``load_fp4_experts``): each expert's linear gets the tensors the format gives a dense FP4 linear (packed
 codes, its rows' block scales, NVFP4's per-tensor scale: the fused ``gate_up``'s one written to both
 ``gate`` and ``up``, and the layer's shared input scale to every expert).
+
+GPT-OSS (``gpt_oss``) keeps gate and up interleaved in its fused ``gate_up_proj`` (gate the even rows of the
+``(2I, H)`` weight, up the odd ones) and gives every projection a bias. Its per-expert layout is
+llm-compressor's linearized one (``GptOssLinearExperts``): ``model.layers.L.mlp.experts.E.gate_proj.*`` from
+the even rows, ``.up_proj.*`` from the odd rows, ``.down_proj.*``, each with its ``bias`` (``gate_up_proj_bias``
+split the same way), router ``model.layers.L.mlp.router.*`` in high precision. Reading interleaves the rows
+back. A format whose readers take no quantized GPT-OSS experts is refused with the reason (``_NO_READER``).
 """
 
 from __future__ import annotations
@@ -40,8 +47,8 @@ from .common import ExportError
 __all__ = [
     "checkpoint_key",
     "expert_tensors",
-    "experts_naming",
     "fp4_expert_tensors",
+    "experts_naming",
     "has_expert_tensors",
     "load_experts",
     "load_fp4_experts",
@@ -65,6 +72,7 @@ _NAMING: dict[str, tuple[tuple[str, str, str], str]] = {
             "ernie4_5_moe",
             "hunyuan_v1_moe",
             "qwen3_next",
+            "gpt_oss",
         ),
         (_QWEN2_MOE, "mlp"),
     ),
@@ -72,23 +80,34 @@ _NAMING: dict[str, tuple[tuple[str, str, str], str]] = {
 }
 
 
-# architectures whose quantized experts no reader takes in a format fp8kit writes, and why
-_NO_READER = {
-    "gpt_oss": (
-        "'gpt_oss' checkpoints keep each layer's biased experts fused (3-D gate_up_proj, gate and up interleaved, "
-        "down_proj, *_bias) and transformers 5 reads no quantized layout of them: it has no conversion from "
-        "per-expert tensors for 'gpt_oss' (compressed-tensors and ModelOpt name experts one by one), its FP8 "
-        "experts take no bias, and on a CPU it dequantizes only '.weight' tensors (the fused layout its "
-        "Fp8Quantize writes, gate_up_proj + gate_up_proj_scale_inv, loads as raw codes)"
-    ),
+# model_type -> {format: why no reader takes that architecture's quantized experts as fp8kit writes them}
+_NO_READER: dict[str, dict[str, str]] = {
+    "gpt_oss": {
+        "fp8-block": (
+            "transformers 5 reads no quant_method 'fp8' layout of 'gpt_oss' experts (biased, gate and up "
+            "interleaved): its conversion mapping has no 'gpt_oss' entry, so on a CPU (dequantize) Fp8Dequantize "
+            "never runs on the fused gate_up_proj + gate_up_proj_scale_inv that its Fp8Quantize writes (they load as "
+            "raw codes) and per-expert tensors do not load at all; its GPU FP8Experts refuses biases and splits "
+            "gate/up by halves, not interleaved; and a 128-row tile of the interleaved gate_up_proj mixes gate and "
+            "up rows. Quantize with fp8 or fp8-dynamic and write --format compressed-tensors (llm-compressor's "
+            "per-expert layout)"
+        ),
+        "modelopt": (
+            "ModelOpt writes 'gpt_oss' experts fused (gate_up_proj, down_proj and their scales, as its "
+            "_export_bmm_experts does), a layout fp8kit's modelopt export does not write. Write --format "
+            "compressed-tensors (llm-compressor's per-expert layout)"
+        ),
+    },
 }
 
 
-def experts_naming(model: nn.Module) -> tuple[tuple[str, str, str], str]:
-    """``((gate, up, down) linear names, MoE block name on disk)`` for ``model``'s architecture."""
+def experts_naming(model: nn.Module, fmt: str | None = None) -> tuple[tuple[str, str, str], str]:
+    """``((gate, up, down) linear names, MoE block name on disk)`` for ``model``'s architecture; ``ExportError``
+    when no reader takes its quantized experts in the checkpoint format ``fmt``."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type in _NO_READER:
-        raise ExportError(f"{_NO_READER[model_type]}: keep the experts in high precision with module_filter")
+    reason = _NO_READER.get(model_type, {}).get(fmt)
+    if reason:
+        raise ExportError(f"{reason}, or keep the experts in high precision with module_filter")
     if model_type not in _NAMING:
         raise ExportError(
             f"fp8kit does not know how {model_type!r} checkpoints name their experts on disk (it knows "
@@ -107,6 +126,26 @@ def model_key(key: str, block: str) -> str:
     return key if block == "mlp" else key.replace(f".{block}.", ".mlp.")
 
 
+def _interleaved(module: nn.Module) -> bool:
+    """Whether the fused ``gate_up`` holds gate and up in alternate rows (GPT-OSS), not in halves."""
+    return module.has_gate and not getattr(module, "is_concatenated", True)
+
+
+def _gate_up_rows(module: nn.Module, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up rows (dim 1) of a fused ``gate_up`` tensor ``(E, 2I, ...)``."""
+    if _interleaved(module):
+        return t[:, 0::2], t[:, 1::2]
+    half = t.shape[1] // 2
+    return t[:, :half], t[:, half:]
+
+
+def _fuse_rows(module: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``_gate_up_rows``."""
+    if _interleaved(module):
+        return torch.stack([gate, up], dim=2).flatten(1, 2)
+    return torch.cat([gate, up], dim=1)
+
+
 def _split(module: QuantExperts, p: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
     """Projection ``p`` as ``(linear index (0 gate, 1 up, 2 down), codes (E, out, in), scale (E, out|1, 1))``."""
     codes, scale = module.weight_codes(p), module.weight_scale(p)
@@ -114,47 +153,65 @@ def _split(module: QuantExperts, p: int) -> list[tuple[int, torch.Tensor, torch.
         return [(2, codes, scale)]
     if not module.has_gate:
         return [(1, codes, scale)]
-    if not getattr(module, "is_concatenated", True):
-        raise ExportError(f"{type(module).__name__}: interleaved gate/up experts have no per-expert checkpoint layout")
-    half = codes.shape[1] // 2
+    gate, up = _gate_up_rows(module, codes)
     if module.scheme.weight_strategy == "block":  # tile rows: gate's first, whole tiles (I % block == 0)
-        rows = half // module.scheme.block
-        return [(0, codes[:, :half], scale[:, :rows]), (1, codes[:, half:], scale[:, rows:])]
+        if _interleaved(module):
+            raise ExportError(f"{type(module).__name__}: a tile of the interleaved gate/up rows mixes gate and up")
+        rows = gate.shape[1] // module.scheme.block
+        return [(0, gate, scale[:, :rows]), (1, up, scale[:, rows:])]
     if scale.shape[1] == 1:  # one scale per expert for gate and up together
-        return [(0, codes[:, :half], scale), (1, codes[:, half:], scale)]
-    return [(0, codes[:, :half], scale[:, :half]), (1, codes[:, half:], scale[:, half:])]
+        return [(0, gate, scale), (1, up, scale)]
+    return list(zip((0, 1), (gate, up), _gate_up_rows(module, scale), strict=True))
+
+
+def _biases(module: QuantExperts) -> dict[int, torch.Tensor]:
+    """The experts' biases by linear index (0 gate, 1 up, 2 down), each ``(E, out)``; empty without biases."""
+    if not module.has_bias:
+        return {}
+    first, second = module.projections
+    down = getattr(module, f"{second}_bias")
+    if not module.has_gate:
+        return {1: getattr(module, f"{first}_bias"), 2: down}
+    gate, up = _gate_up_rows(module, getattr(module, f"{first}_bias"))
+    return {0: gate, 1: up, 2: down}
 
 
 def expert_tensors(
-    model: nn.Module, name: str, module: QuantExperts, write: Callable[[str, torch.Tensor, torch.Tensor, Any], None]
-) -> None:
+    model: nn.Module,
+    name: str,
+    module: QuantExperts,
+    write: Callable[[str, torch.Tensor, torch.Tensor, Any], None],
+    fmt: str,
+) -> dict[str, torch.Tensor]:
     """Call ``write(prefix, codes (out, in), weight_scale, input_scale or None)`` for each expert's linear,
-    ``prefix`` its checkpoint name (``model.layers.0.mlp.experts.3.gate_proj``)."""
-    if module.has_bias:
-        raise ExportError(f"{name}: experts with biases have no per-expert checkpoint layout in fp8kit's exports")
-    linears, block = experts_naming(model)
+    ``prefix`` its checkpoint name (``model.layers.0.mlp.experts.3.gate_proj``) in the format ``fmt``;
+    returns the experts' biases by checkpoint name (``PREFIX.bias``, high precision, written as they are)."""
+    linears, block = experts_naming(model, fmt)
     base = checkpoint_key(f"{name}.", block)
     for p in range(2):
         input_scale = module.input_scale(p)
         for which, codes, scale in _split(module, p):
             for e in range(module.num_experts):
                 write(f"{base}{e}.{linears[which]}", codes[e], scale[e], input_scale)
+    return {
+        f"{base}{e}.{linears[which]}.bias": b[e].clone()
+        for which, b in _biases(module).items()
+        for e in range(module.num_experts)
+    }
 
 
 def _fp4_split(module: QuantExperts, p: int) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """FP4 projection ``p`` as ``(linear index, packed codes (E, out, in / 2), block scales (E, out, in / b),
-    NVFP4 per-tensor scales (E,) or None)``; the fused ``gate_up`` splits by rows, each half with its scale."""
+    NVFP4 per-tensor scales (E,) or None)``; the fused ``gate_up`` splits by rows, each part with its scale."""
     codes, scale, s2 = module.weight_codes(p), module.weight_scale(p), module.weight_scale_2(p)
     first = None if s2 is None else s2[:, 0]
     if p == 1:
         return [(2, codes, scale, first)]
     if not module.has_gate:
         return [(1, codes, scale, first)]
-    if not getattr(module, "is_concatenated", True):
-        raise ExportError(f"{type(module).__name__}: interleaved gate/up experts have no per-expert checkpoint layout")
-    half = codes.shape[1] // 2
     last = None if s2 is None else s2[:, -1]
-    return [(0, codes[:, :half], scale[:, :half], first), (1, codes[:, half:], scale[:, half:], last)]
+    (gate, up), (gate_scale, up_scale) = _gate_up_rows(module, codes), _gate_up_rows(module, scale)
+    return [(0, gate, gate_scale, first), (1, up, up_scale, last)]
 
 
 def fp4_expert_tensors(
@@ -162,18 +219,22 @@ def fp4_expert_tensors(
     name: str,
     module: QuantExperts,
     write: Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], None],
-) -> None:
+    fmt: str,
+) -> dict[str, torch.Tensor]:
     """``expert_tensors`` for FP4 experts: ``write(prefix, packed codes (out, in / 2), block scales,
-    weight_scale_2 (0-d, NVFP4) or None, input_scale or None)`` for each expert's linear."""
-    if module.has_bias:
-        raise ExportError(f"{name}: experts with biases have no per-expert checkpoint layout in fp8kit's exports")
-    linears, block = experts_naming(model)
+    weight_scale_2 (0-d, NVFP4) or None, input_scale or None)`` for each expert's linear; returns the biases."""
+    linears, block = experts_naming(model, fmt)
     base = checkpoint_key(f"{name}.", block)
     for p in range(2):
         input_scale = module.input_scale(p)
         for which, codes, scale, s2 in _fp4_split(module, p):
             for e in range(module.num_experts):
                 write(f"{base}{e}.{linears[which]}", codes[e], scale[e], None if s2 is None else s2[e], input_scale)
+    return {
+        f"{base}{e}.{linears[which]}.bias": b[e].clone()
+        for which, b in _biases(module).items()
+        for e in range(module.num_experts)
+    }
 
 
 def has_expert_tensors(tensors: dict[str, torch.Tensor]) -> bool:
@@ -187,32 +248,40 @@ def load_experts(
     tensors: dict[str, torch.Tensor],
     scheme: Scheme,
     read: Callable[[str, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    fmt: str,
 ) -> list[str]:
-    """Make every experts module of ``model`` a ``QuantExperts`` from the per-expert tensors; ``read(prefix,
-    out, in)`` pops one linear's ``(codes (out, in), weight_scale, input_scale or None)`` from ``tensors``.
-    Per-expert input scales become their max (vLLM's semantics); block weight scales stay per tile
-    (``(ceil(out / b), ceil(in / b))`` each). Returns the module names."""
+    """Make every experts module of ``model`` a ``QuantExperts`` from the per-expert tensors of a checkpoint in
+    the format ``fmt``; ``read(prefix, out, in)`` pops one linear's ``(codes (out, in), weight_scale,
+    input_scale or None)`` from ``tensors``, and the experts' ``PREFIX.bias`` are popped here. Per-expert input
+    scales become their max (vLLM's semantics); block weight scales stay per tile (``(ceil(out / b),
+    ceil(in / b))`` each). Returns the module names."""
     from ..ptq.experts import find_experts
 
     found = find_experts(model)
     if not found:
         return []
-    linears, block = experts_naming(model)
+    linears, block = experts_naming(model, fmt)
     names = []
     for name, module in found.items():
         base = checkpoint_key(f"{name}.", block)
         first, second = experts_projections(module)
         w1 = getattr(module, first)
         e = module.num_experts
+        if scheme.weight_strategy == "block" and _interleaved(module):
+            raise ExportError(f"{path}: {name}: a tile of the interleaved gate/up rows mixes gate and up")
         inter, hidden = (w1.shape[2], w1.shape[1]) if module.is_transposed else (w1.shape[1], w1.shape[2])
         if module.has_gate:
             inter //= 2
         shapes = {0: (inter, hidden), 1: (inter, hidden), 2: (hidden, inter)}
         parts: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
+        biases: dict[int, torch.Tensor] = {}
         wanted = (0, 1, 2) if module.has_gate else (1, 2)
         try:
             for which in wanted:
-                parts[which] = [read(f"{base}{i}.{linears[which]}", *shapes[which]) for i in range(e)]
+                prefixes = [f"{base}{i}.{linears[which]}" for i in range(e)]
+                parts[which] = [read(prefix, *shapes[which]) for prefix in prefixes]
+                if module.has_bias:
+                    biases[which] = torch.stack([tensors.pop(f"{prefix}.bias").float() for prefix in prefixes])
         except KeyError as err:
             raise ExportError(f"{path}: tensor {err.args[0]} is missing") from err
 
@@ -220,22 +289,25 @@ def load_experts(
             keep = k == 0 or scheme.weight_strategy == "block"
             return torch.stack([part[k] if keep else part[k].reshape(-1, 1) for part in parts[which]])
 
+        def fuse(ts: list[torch.Tensor], module=module) -> torch.Tensor:
+            return _fuse_rows(module, *ts) if len(ts) == 2 else ts[0]
+
         new: dict[str, torch.Tensor] = {}
         groups = {first: (0, 1) if module.has_gate else (1,), second: (2,)}
         for proj, whiches in groups.items():
-            codes = torch.cat([stack(w, 0) for w in whiches], dim=1)
+            codes = fuse([stack(w, 0) for w in whiches])
             scales = [stack(w, 1) for w in whiches]
             if scheme.weight_strategy == "tensor":
                 if len(scales) == 2 and not torch.equal(scales[0], scales[1]):
                     # gate and up with their own scales: requantize to one per expert (vLLM does the same)
-                    deq = torch.cat([stack(w, 0).float() * s for w, s in zip(whiches, scales, strict=True)], dim=1)
+                    deq = fuse([stack(w, 0).float() * s for w, s in zip(whiches, scales, strict=True)])
                     codes, scale = quantize_codes(deq, scheme)
                 else:
                     scale = scales[0].reshape(e, 1, 1)
             elif scheme.weight_strategy == "block":
                 scale = torch.cat(scales, dim=1)  # (E, tile rows of gate + up, tile cols)
             else:
-                scale = torch.cat(scales, dim=1).reshape(e, -1, 1)
+                scale = fuse(scales).reshape(e, -1, 1)
             new[proj] = codes.to(scheme.weight_format.dtype).contiguous()
             new[f"{proj}_weight_scale"] = scale.float().contiguous()
             if scheme.static_activations:
@@ -243,6 +315,8 @@ def load_experts(
                 if any(s is None for s in ins):
                     raise ExportError(f"{path}: {base}*.{proj}: static scheme without input_scale")
                 new[f"{proj}_input_scale"] = torch.stack([s.float().reshape(()) for s in ins]).max().reshape(1)
+            if module.has_bias:
+                new[f"{proj}_bias"] = fuse([biases[w] for w in whiches]).contiguous()
         install_quant_experts(module, scheme, new)
         names.append(name)
     return names
@@ -251,17 +325,20 @@ def load_experts(
 def load_fp4_experts(
     model: nn.Module,
     path: Any,
+    tensors: dict[str, torch.Tensor],
     scheme: Scheme,
     read: Callable[[str, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
+    fmt: str,
 ) -> list[str]:
     """``load_experts`` for FP4 experts: ``read(prefix, out, in)`` pops one linear's ``(packed codes (out, in / 2),
-    block scales, NVFP4 per-tensor weight scale (fp8kit's ``amax / 2688``) or None, input scale or None)``.
-    Gate and up with one per-tensor scale per expert keep ``(E, 1)``, with two ``(E, 2)`` (``ptq.experts``);
-    per-expert input scales become their max (vLLM's semantics). Returns the module names."""
+    block scales, NVFP4 per-tensor weight scale (fp8kit's ``amax / 2688``) or None, input scale or None)``, and the
+    experts' ``PREFIX.bias`` are popped here. Gate and up with one per-tensor scale per expert keep ``(E, 1)``, with
+    two ``(E, 2)`` (``ptq.experts``); per-expert input scales become their max (vLLM's semantics). Returns the
+    module names."""
     from ..ptq.experts import find_experts
 
     found = find_experts(model)
-    linears, block = experts_naming(model) if found else ((), "mlp")
+    linears, block = experts_naming(model, fmt) if found else ((), "mlp")
     names = []
     for name, module in found.items():
         base = checkpoint_key(f"{name}.", block)
@@ -275,12 +352,22 @@ def load_fp4_experts(
         new: dict[str, torch.Tensor] = {}
         groups = {first: (0, 1) if module.has_gate else (1,), second: (2,)}
         for proj, whiches in groups.items():
+            prefixes = [[f"{base}{i}.{linears[w]}" for i in range(e)] for w in whiches]
             try:
-                parts = [[read(f"{base}{i}.{linears[w]}", *shapes[w]) for i in range(e)] for w in whiches]
+                parts = [[read(prefix, *shapes[w]) for prefix in ps] for w, ps in zip(whiches, prefixes, strict=True)]
+                biases = (
+                    [torch.stack([tensors.pop(f"{prefix}.bias").float() for prefix in ps]) for ps in prefixes]
+                    if module.has_bias
+                    else []
+                )
             except KeyError as err:
                 raise ExportError(f"{path}: tensor {err.args[0]} is missing") from err
-            new[proj] = torch.cat([torch.stack([x[0] for x in part]) for part in parts], dim=1).contiguous()
-            new[f"{proj}_weight_scale"] = torch.cat([torch.stack([x[1] for x in part]) for part in parts], dim=1)
+
+            def fuse(ts: list[torch.Tensor], module=module) -> torch.Tensor:
+                return _fuse_rows(module, *ts) if len(ts) == 2 else ts[0]
+
+            new[proj] = fuse([torch.stack([x[0] for x in part]) for part in parts]).contiguous()
+            new[f"{proj}_weight_scale"] = fuse([torch.stack([x[1] for x in part]) for part in parts]).contiguous()
             if scheme.weight_strategy == "nvfp4":
                 s2 = torch.stack([torch.stack([x[2].float().reshape(()) for x in part]) for part in parts], dim=1)
                 new[f"{proj}_weight_scale_2"] = s2[:, :1].contiguous() if torch.equal(s2[:, :1], s2[:, -1:]) else s2
@@ -289,6 +376,8 @@ def load_fp4_experts(
                 if any(s is None for s in ins):
                     raise ExportError(f"{path}: {base}*.{proj}: static scheme without input scales")
                 new[f"{proj}_input_scale"] = torch.stack([s.float().reshape(()) for s in ins]).max().reshape(1)
+            if biases:
+                new[f"{proj}_bias"] = fuse(biases).contiguous()
         install_quant_experts(module, scheme, new)
         names.append(name)
     return names

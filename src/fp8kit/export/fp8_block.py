@@ -74,7 +74,7 @@ def export_tensors(
         tensors[f"{prefix}.weight_scale_inv"] = scale.float().contiguous()
 
     for name, module in experts.items():
-        expert_tensors(model, name, module, write)
+        tensors.update(expert_tensors(model, name, module, write, BLOCK_SCHEME))
     return tensors, quantization_config(ignore, blocks.pop())
 
 
@@ -119,7 +119,7 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
                 )
             return stored_codes(codes, torch.float8_e4m3fn, f"{path}: {prefix}.weight"), scale.float(), None
 
-        experts = load_experts(model, path, tensors, scheme, read)
+        experts = load_experts(model, path, tensors, scheme, read, BLOCK_SCHEME)
         names += experts
         if experts:
             tensors = {model_key(k, experts_naming(model)[1]): v for k, v in tensors.items()}

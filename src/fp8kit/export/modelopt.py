@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -162,9 +163,9 @@ def export_tensors(
             tensors[f"{name}.bias"] = q.bias.contiguous()
     for name, m in (experts or {}).items():
         if scheme in _NVFP4:
-            fp4_expert_tensors(model, name, m, lambda key, c, s, s2, i: _write_nvfp4(tensors, key, c, s, s2, i))
+            tensors.update(fp4_expert_tensors(model, name, m, partial(_write_nvfp4, tensors), QUANT_METHOD))
         else:
-            expert_tensors(model, name, m, lambda key, c, s, i: _write_linear(tensors, scheme, key, c, s, i))
+            tensors.update(expert_tensors(model, name, m, partial(_write_linear, tensors, scheme), QUANT_METHOD))
     for name, m in kv.items():
         tensors[f"{name}.k_proj.k_scale"] = m.k_scale.float().reshape(()).contiguous()
         tensors[f"{name}.v_proj.v_scale"] = m.v_scale.float().reshape(()).contiguous()
@@ -233,7 +234,7 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
             s2 = tensors.pop(f"{key}.weight_scale_2").float()
             return packed, scale, s2, tensors.pop(f"{key}.input_scale", None)
 
-        names += load_fp4_experts(model, path, get_scheme(scheme), read_fp4_expert)
+        names += load_fp4_experts(model, path, tensors, get_scheme(scheme), read_fp4_expert, QUANT_METHOD)
         tensors = {model_key(k, experts_naming(model)[1]): v for k, v in tensors.items()}
     elif has_expert_tensors(tensors):
         if scheme == BLOCK_SCHEME:
@@ -250,7 +251,7 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
                 raise ExportError(f"{key}.pre_quant_scale is not all ones: fp8kit loads folded SmoothQuant only")
             return codes, tensors.pop(f"{key}.weight_scale").float(), tensors.pop(f"{key}.input_scale", None)
 
-        experts = load_experts(model, path, tensors, SCHEMES[scheme], read_expert)
+        experts = load_experts(model, path, tensors, SCHEMES[scheme], read_expert, QUANT_METHOD)
         names += experts
         if experts:
             block = experts_naming(model)[1]

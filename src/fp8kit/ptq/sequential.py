@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .experts import QuantExperts, find_experts
+from .experts import QuantExperts, experts_projections, find_experts
 from .layer_error import swap_submodule
 from .linear import QuantLinear
 from .quantize import quantize as quantize_module
@@ -118,17 +118,18 @@ def needs_full_load(options: dict[str, Any]) -> list[str]:
 
 
 class _Stop(nn.Module):
-    """Stands in for decoder layer ``index``: layer 0 records its inputs; every one passes them on."""
+    """Stands in for decoder layer ``index``: records the arguments the model gives that layer (its own
+    attention mask where layer types differ, e.g. sliding-window layers) and, for layer 0, the hidden
+    states; passes them on."""
 
-    def __init__(self, index: int, record: list[tuple[torch.Tensor, tuple, dict]]) -> None:
+    def __init__(self, index: int, record: list[list[tuple[torch.Tensor | None, tuple, dict]]]) -> None:
         super().__init__()
         self.index, self.record = index, record
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.index == 0:
-            drop = ("cache", "past_key_values", "past_key_value", "use_cache", "output_attentions")
-            kw = {k: v for k, v in kwargs.items() if k not in drop}
-            self.record.append((hidden_states, args, {**kw, "use_cache": False}))
+        drop = ("cache", "past_key_values", "past_key_value", "use_cache", "output_attentions")
+        kw = {k: v for k, v in kwargs.items() if k not in drop}
+        self.record[self.index].append((hidden_states if self.index == 0 else None, args, {**kw, "use_cache": False}))
         return hidden_states
 
 
@@ -148,12 +149,13 @@ def _module_name(model: nn.Module, module: nn.Module) -> str:
 @torch.no_grad()
 def capture_inputs(
     model: nn.Module, ckpt: Checkpoint, forward_loop: Callable[[nn.Module], object], device: torch.device
-) -> list[tuple[torch.Tensor, tuple, dict]]:
-    """``(hidden states, args, kwargs)`` of the first decoder layer for each batch ``forward_loop`` runs:
-    the embeddings computed from the checkpoint's table (cast to float32), no decoder layer, norm or head
-    run (the model's logits are zeros during the capture)."""
+) -> list[list[tuple[torch.Tensor | None, tuple, dict]]]:
+    """Per decoder layer, ``(hidden states, args, kwargs)`` for each batch ``forward_loop`` runs: the first
+    layer's hidden states are the embeddings computed from the checkpoint's table (cast to float32), the
+    others ``None`` (the layers before give them); no decoder layer, norm or head runs (the model's logits
+    are zeros during the capture)."""
     layers_name, layers = decoder_layers(model)
-    record: list[tuple[torch.Tensor, tuple, dict]] = []
+    record: list[list[tuple[torch.Tensor | None, tuple, dict]]] = [[] for _ in layers]
     emb = model.get_input_embeddings()
     emb_name = _module_name(model, emb)
     meta_weight = emb.weight
@@ -174,7 +176,7 @@ def capture_inputs(
         emb.weight = meta_weight
         for name, m in originals.items():
             swap_submodule(model, name, m)
-    if not record:
+    if not record[0]:
         raise ValueError("forward_loop ran no batch through the model: nothing to calibrate on")
     return record
 
@@ -184,7 +186,8 @@ def capture_inputs(
 
 def _fuse_experts(layer: nn.Module, state: dict[str, torch.Tensor], model: nn.Module) -> None:
     """Per-expert checkpoint tensors (``experts.E.gate_proj.weight`` ...) into the fused 3-D parameters of
-    the layer's ``transformers`` experts modules (``gate_up_proj`` ``(E, 2I, H)``, ``down_proj`` ``(E, H, I)``)."""
+    the layer's ``transformers`` experts modules (``gate_up_proj`` ``(E, 2I, H)``, ``down_proj`` ``(E, H, I)``);
+    a checkpoint that holds them fused already (GPT-OSS's) is left as it is."""
     from ..export.experts import experts_naming
 
     experts = find_experts(layer)
@@ -192,6 +195,8 @@ def _fuse_experts(layer: nn.Module, state: dict[str, torch.Tensor], model: nn.Mo
         return
     (gate, up, down), _ = experts_naming(model)
     for name, m in experts.items():
+        if all(f"{name}.{p}" in state for p in experts_projections(m)):
+            continue
         if getattr(m, "is_transposed", False) or not m.has_gate:
             raise ValueError(f"{type(m).__name__}: sequential PTQ reads concatenated gate/up experts only")
 
@@ -363,7 +368,8 @@ def quantize_checkpoint(
     report.skipped.update(_outside_layers(model, layers_name))
     block = disk_block(model)
     t0 = time.perf_counter()
-    inputs = capture_inputs(model, ckpt, forward_loop, device) if forward_loop is not None else []
+    captured = capture_inputs(model, ckpt, forward_loop, device) if forward_loop is not None else None
+    inputs = captured[0] if captured is not None else []
     config_args: tuple | None = None
     with export_folder(out_path) as tmp:
         writer = ShardWriter(tmp, max_shard_size or DEFAULT_MAX_SHARD_SIZE)
@@ -374,6 +380,8 @@ def quantize_checkpoint(
                 if kv_cache:  # the shared config routes attention through fp8kit's: high precision until calibrated
                     enable_fp8_kv(layer, "off")
                 opts = dict(options)
+                if captured is not None:
+                    inputs = _own_arguments(inputs, captured[i])
                 following = _propagate(layer, inputs) if propagate == "float" else None
                 _merge(report, _quantize_layer(layer, prefix, name, inputs, module_filter, opts), prefix)
                 tensors, args = _layer_tensors(model, layer, prefix, format, name, kv_cache, block)
@@ -438,12 +446,18 @@ def _outside_layers(model: nn.Module, layers_name: str) -> dict[str, str]:
 
 @torch.no_grad()
 def _propagate(layer: nn.Module, inputs: list[tuple[torch.Tensor, tuple, dict]]) -> list:
-    """The next layer's inputs: ``layer`` run on each batch (the other arguments are shared)."""
+    """The next layer's hidden states: ``layer`` run on each batch (``_own_arguments`` sets that layer's
+    other arguments)."""
     out = []
     for h, args, kw in inputs:
         y = layer(h, *args, **kw)
         out.append((y[0] if isinstance(y, tuple) else y, args, kw))
     return out
+
+
+def _own_arguments(inputs: list[tuple[torch.Tensor, tuple, dict]], captured: list[tuple]) -> list:
+    """Each batch's hidden states with the arguments the model gives this layer (``capture_inputs``)."""
+    return [(h, args, kw) for (h, _, _), (_, args, kw) in zip(inputs, captured, strict=True)]
 
 
 def _libc():
