@@ -319,7 +319,8 @@ class NVFP4BlockScaling(Recipe):
     first and last decoder blocks in high precision in NVIDIA's proportion (``high_precision_blocks``).
     The three ``disable_*`` knobs default to TE's environment variables (``NVTE_NVFP4_DISABLE_RHT=1``,
     ``NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING=1``, ``NVTE_NVFP4_DISABLE_2D_QUANTIZATION=1``), read when the
-    recipe is made: ``fp8kit train --recipe nvfp4`` takes them from there.
+    recipe is made: ``fp8kit train --recipe nvfp4`` takes them from there. MoE experts (``nn.experts``) run it
+    with one tensor scale per expert weight and each expert's token group padded to ``wgrad_token_multiple``.
     """
 
     fp8_format: str = "e4m3"

@@ -223,6 +223,18 @@ def test_cuda_has_no_grouped_nvfp4_gemm_and_says_so(caplog):
     assert "no grouped NVFP4 GEMM" in caplog.text
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_experts_run_dequantized_bf16_gemms_close_to_the_cpu_emulation():
+    recipe = fp8kit.NVFP4BlockScaling(disable_stochastic_rounding=True)
+    module = _module(recipe)
+    ids, x, g = _routed()
+    want = _run(module, ids, x, g)
+    got = _run(module.cuda(), ids.cuda(), x.cuda(), g.cuda())
+    assert "no grouped NVFP4 GEMM" in grouped_gemms.grouped_gemm_fallbacks()["forward nvfp4"]
+    for name, a, b in zip(("y", "dx", "dW"), got, want, strict=True):
+        assert sqnr_db(b, a.cpu()) > 35, name  # bf16 operands: NVFP4 values times an FP32 tensor scale round
+
+
 # ---- a tiny transformers Qwen3-MoE --------------------------------------------------------------------
 
 

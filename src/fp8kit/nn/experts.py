@@ -32,6 +32,16 @@ rows; it is built and dropped with index operations from the routing counts, wit
 SM90 with E4M3 gradients (row-wise's default) every expert's tokens are padded to 16 rows the same way,
 for ``torch._scaled_grouped_mm``'s weight-gradient kernel (``token_alignment``).
 
+NVFP4 (``NVFP4BlockScaling``): each expert's weight is quantized as its own tensor (16x16 E2M1 tiles, E4M3
+tile scales under the expert's FP32 tensor scale; W^T is the codes transposed) once per optimizer step; the
+routed activations and output gradients in 1x16 blocks along K under one tensor scale over the layer's
+tokens, the gradients with stochastic rounding. The weight-gradient operands are the padded rows
+transposed, multiplied by the random Hadamard transform along the tokens (``Recipe.wgrad_operand``) and
+quantized in 1x16 blocks along them: every expert's group is zero-padded to a multiple of 16 rows (and of
+``rht_size``), so no block or transform mixes two experts' tokens (a group of 5 tokens becomes 16 rows, 5
+of them real) and the transform cancels in each expert's product. The GEMMs dequantize their FP4 operands
+(``gemm.grouped``; torch has no grouped NVFP4 GEMM).
+
 An expert that receives no token is valid: its rows are empty, its GEMMs are empty groups (on CUDA,
 where rows are padded, one group of zero rows instead: ``routing_plan(pad_empty=)``), its weight
 gradient is zero; layer-wide activation amaxes are taken over the real tokens only (padding rows are
