@@ -249,7 +249,8 @@ class FP8Experts:
     ) -> tuple[QuantizedTensor, QuantizedTensor | GroupColumns]:
         """``(padded x along K, its transpose along the tokens)`` for the tile recipes. Eager:
         ``quantize_with_transpose`` of the padded ``x``. Compiled: the transpose is padded on its own, so
-        that inductor does not fuse the two casts (its CPU loop-split pass asserts on that pair)."""
+        that inductor does not fuse the two casts (its CPU loop-split pass asserts on that pair). Row-wise
+        and NVFP4 (its transpose transformed, ``quantize_along_tokens``): two quantizations, in that order."""
         xp = _pad(x, dest, rows)
         if recipe.scales_whole_rows or recipe.transforms_wgrad_operands:
             return self.quantize_activation(xp, p, role, recipe, saved=False), self.quantize_along_tokens(
