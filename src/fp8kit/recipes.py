@@ -116,6 +116,13 @@ class Recipe:
         return None
 
     @property
+    def wgrad_token_multiple(self) -> int | None:
+        """Tokens that one scaling tile (or transform block) of a weight-gradient GEMM operand spans along the
+        token dim, or ``None``: each MoE expert's token group is zero-padded to a multiple of it, so that
+        none straddles two experts (``nn.experts.token_alignment``)."""
+        return self.tile_width
+
+    @property
     def quantize_kwargs(self) -> dict[str, Any]:
         """The recipe's settings as ``fp8kit.quantize`` keyword arguments."""
         return {}
@@ -312,7 +319,8 @@ class NVFP4BlockScaling(Recipe):
     first and last decoder blocks in high precision in NVIDIA's proportion (``high_precision_blocks``).
     The three ``disable_*`` knobs default to TE's environment variables (``NVTE_NVFP4_DISABLE_RHT=1``,
     ``NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING=1``, ``NVTE_NVFP4_DISABLE_2D_QUANTIZATION=1``), read when the
-    recipe is made: ``fp8kit train --recipe nvfp4`` takes them from there.
+    recipe is made: ``fp8kit train --recipe nvfp4`` takes them from there. MoE experts (``nn.experts``) run it
+    with one tensor scale per expert weight and each expert's token group padded to ``wgrad_token_multiple``.
     """
 
     fp8_format: str = "e4m3"
@@ -354,8 +362,7 @@ class NVFP4BlockScaling(Recipe):
         product), then the random Hadamard transform along the tokens unless ``disable_rht``."""
         from .hadamard import apply_rht
 
-        multiple = 16 if self.disable_rht else max(16, self.rht_size)
-        pad = (-x.shape[-1]) % multiple
+        pad = (-x.shape[-1]) % self.wgrad_token_multiple
         if pad:
             x = torch.nn.functional.pad(x, (0, pad))
         return x if self.disable_rht else apply_rht(x, self.rht_size)
@@ -379,11 +386,9 @@ class NVFP4BlockScaling(Recipe):
         return True
 
     @property
-    def converts_experts(self) -> str | None:
-        return (
-            "NVFP4 MoE experts are not supported yet (kept in BF16); train the experts with an FP8 recipe, e.g. "
-            "convert(model, 'mxfp8'), or keep them out with module_filter"
-        )
+    def wgrad_token_multiple(self) -> int | None:
+        """The 1x16 blocks along the tokens, and the transform's ``rht_size`` blocks unless ``disable_rht``."""
+        return 16 if self.disable_rht else max(16, self.rht_size)
 
     @property
     def per_tensor(self) -> bool:

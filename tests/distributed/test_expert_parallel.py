@@ -541,3 +541,15 @@ def test_ep2_inspector_names_each_rank_experts_by_global_id(ep2):
         if key[1] == "input" and ".experts[" in key[0]:
             got = [rank["inspector"][key][2] for rank in ep2 if key in rank["inspector"]]
             assert got == [one[key]["tokens_routed"]], key
+
+
+def test_nvfp4_experts_are_refused_across_ranks_naming_the_fix():
+    """NVFP4 experts have no FP4 dispatch: on an expert-parallel group of two the forward refuses before any
+    collective (the group size set by hand: the check runs first)."""
+    from fp8kit.distributed.expert_parallel import parallelize_experts
+
+    model = make("nvfp4")
+    parallelize_experts(model, None)
+    model.blocks[0].experts.ep_size = 2
+    with pytest.raises(NotImplementedError, match="NVFP4 experts are not dispatched.*FP8 recipe"):
+        model(torch.randn(1, 4, H))

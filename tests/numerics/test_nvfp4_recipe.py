@@ -83,20 +83,6 @@ def test_the_name_is_accepted_by_train_and_doctor_but_all_stays_fp8():
         recipe_list("nvfp3")
 
 
-def test_moe_experts_refuse_nvfp4_naming_the_fix():
-    from fp8kit.nn.experts import convert_experts, is_experts_module
-    from tests.helpers.moe import tiny_moe_model
-
-    model = fp8kit.convert(tiny_moe_model("qwen3_moe"), "nvfp4")
-    report = model.fp8_conversion_report
-    assert not report.experts
-    why = report.skipped["model.layers.0.mlp.experts"]
-    assert "not supported yet" in why and "mxfp8" in why
-    experts = next(m for m in model.modules() if is_experts_module(m))
-    with pytest.raises(ValueError, match="NVFP4 MoE experts"):
-        convert_experts(experts, fp8kit.NVFP4BlockScaling(), name="experts")
-
-
 def test_what_if_readings_of_nvfp4():
     """The inspector's what-if figures quantize as the recipe: Gaussian operands read about 20 dB (E2M1's
     SQNR), FP8 per-tensor scaling about 31 dB (E4M3) and 25 dB (E5M2 gradients)."""

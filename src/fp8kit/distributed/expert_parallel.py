@@ -378,6 +378,11 @@ class ExpertParallel:
                 f"{self.ep_name}: converted to FP8 after parallelize_experts; call fp8kit.convert first, then "
                 "parallelize_experts"
             )
+        if recipe.format_for("input").sub_byte and self.ep_size > 1:
+            raise NotImplementedError(
+                f"{self.ep_name}: NVFP4 experts are not dispatched across expert-parallel ranks (the dispatch sends "
+                "FP8 codes); give these experts an FP8 recipe (a per-layer plan or module_filter) or run without EP"
+            )
         if isinstance(self.recipe, DelayedScaling) and self.ep_size > 1:
             if self.fp8_seen.shape[1] != 2 + self.ep_num_experts:
                 raise RuntimeError(f"{self.ep_name}: FP8 state sized for another expert count; convert before EP")

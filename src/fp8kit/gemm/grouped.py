@@ -32,8 +32,15 @@ format's E5M2 gradients, block tiles, MXFP8, other GPUs and old torch run ``torc
 dequantized bf16 operands (exact for power-of-two scales) and log the reason once per kind
 (``grouped_gemm_fallbacks()``).
 
+NVFP4 (E2M1 codes in 1x16 blocks or 16x16 weight tiles, E4M3 block scales under FP32 per-tensor scales, one
+per expert for the weights): torch has no grouped NVFP4 GEMM (``torch._scaled_grouped_mm`` takes FP8
+row-wise or MXFP8 operands), so CUDA always takes the logged fallback above. CPU dequantizes the operands
+(``code * block_scale * tensor_scale`` in float32, as ``QuantizedTensor.dequantize``) and multiplies them in
+an FP32 grouped GEMM: the dense NVFP4 GEMM's emulation (``gemm.fp8``), one expert group at a time.
+
 ``grouped_gemm_counts()`` counts the FP8 grouped GEMMs run in eager mode by kind (``"forward"``,
-``"dgrad"``, ``"wgrad"``): tests use it to show that every expert GEMM ran in FP8.
+``"dgrad"``, ``"wgrad"``), and those on E2M1 operands also as ``"forward e2m1"``, ... : tests use it to
+show that every expert GEMM ran in FP8 (or FP4).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from collections import Counter
 
 import torch
 
+from ..formats import e2m1_decode
 from ..grouped_tensor import GroupColumns, GroupedWeight
 from ..kernels import decode_fp8
 from ..kernels.fused import scale_output, transpose_last
@@ -74,7 +82,8 @@ _FALLBACKS: dict[str, str] = {}
 
 
 def grouped_gemm_counts() -> dict[str, int]:
-    """FP8 grouped GEMMs run so far in this process (eager mode), by kind."""
+    """FP8 grouped GEMMs run so far in this process (eager mode), by kind; those whose two operands are E2M1
+    codes (NVFP4) also under ``"<kind> e2m1"``."""
     return dict(_COUNTS)
 
 
@@ -84,9 +93,11 @@ def grouped_gemm_fallbacks() -> dict[str, str]:
     return dict(_FALLBACKS)
 
 
-def _count(kind: str) -> None:
+def _count(kind: str, a: object, b: object) -> None:
     if not torch.compiler.is_compiling():
         _COUNTS[kind] += 1
+        if getattr(a, "fmt", None) is not None and a.fmt.sub_byte and b.fmt.sub_byte:  # type: ignore[attr-defined]
+            _COUNTS[f"{kind} {a.fmt.name}"] += 1  # type: ignore[attr-defined]
 
 
 def _fallback(kind: str, reason: str) -> None:
@@ -133,8 +144,9 @@ _OP.register_fake(_grouped_mm_fake)
 def _dequantize(q: QuantizedTensor | GroupedWeight, dtype: torch.dtype) -> torch.Tensor:
     """Tile-scaled operand as ``dtype`` values, in the op opaque to inductor ``fp8kit::dequantize_tiles``
     (``kernels.opaque``; inductor's CPU loop-split pass fails on the 1x128 dequantizations of one tensor
-    in both orientations that a weight gradient has)."""
-    return dequantize_tiles_opaque(q.data, q.scale_inv, q.block, dtype)
+    in both orientations that a weight gradient has). E2M1 codes are decoded to their float32 values first."""
+    codes = e2m1_decode(q.data) if q.fmt.sub_byte else q.data
+    return dequantize_tiles_opaque(codes, q.scale_inv, q.block, dtype)
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -254,8 +266,8 @@ def grouped_gemm(
     then multiplies tile-dequantized operands in the backend's bf16, else in float32 (exact operands)."""
     if not isinstance(x, QuantizedTensor) or not isinstance(w, GroupedWeight):
         raise TypeError("grouped_gemm takes FP8 operands (QuantizedTensor, GroupedWeight)")
-    _count(kind)
-    factor = x.block[1] >= x.shape[1] and w.scales_factor_out
+    _count(kind, x, w)
+    factor = x.block[1] >= x.shape[1] and w.scales_factor_out  # never for E2M1 (``scales_factor_out``)
     if x.device.type == "cuda":
         out = _try_scaled_grouped_mm(x, w, offs, out_dtype, kind)
         if out is None:
@@ -284,7 +296,7 @@ def grouped_gemm_wgrad(
     ``(K, P)`` quantized along P (per tensor, per expert and row, or in tiles inside each expert);
     ``power_of_two`` as in ``grouped_gemm``; ``token_align``: every expert's group of rows starts at a
     multiple of it (CUDA's native kernel needs 16)."""
-    _count("wgrad")
+    _count("wgrad", a, b)
     cuda = a.device.type == "cuda"
     if cuda:
         out = _try_scaled_grouped_mm_wgrad(a, b, offs, out_dtype, token_align)
@@ -347,6 +359,7 @@ def scaled_grouped_mm_args(
     rows of ``x``) for ``grouped_gemm``'s operands: ``x`` codes ``(P, K)`` row-major with per-row (or
     per-tensor) scales, ``w`` codes as ``(E, K, N)`` column-major (``w``'s own ``(E, N, K)`` storage) with
     per-expert, per-output-column scales. Raises ``_NotNative`` where the kernel cannot take them."""
+    _no_fp4(x)
     if x.block[1] < x.shape[1] or not w.scales_factor_out:
         raise _NotNative("tile-scaled operands (the kernel takes row-wise scales only)")
     a, b = x.data, w.data
@@ -370,6 +383,7 @@ def scaled_grouped_mm_wgrad_args(
     tensor or per expert and row (``GroupColumns``): ``a`` row-major, ``b.T`` ``(P, K)`` column-major,
     scales ``(E * N,)`` and ``(E * K,)`` expert-major. Raises ``_NotNative`` where the kernel cannot take them."""
     for q in (a, b):
+        _no_fp4(q)
         if isinstance(q, QuantizedTensor) and q.scales.numel() != 1:
             raise _NotNative("tile-scaled operands (the kernel takes per-expert row scales only)")
     ca, cb = a.data, b.data
@@ -384,8 +398,18 @@ def scaled_grouped_mm_wgrad_args(
     )
 
 
+_NO_GROUPED_FP4 = "torch has no grouped NVFP4 GEMM (torch._scaled_grouped_mm takes FP8 row-wise or MXFP8 operands)"
+
+
+def _no_fp4(q: QuantizedTensor | GroupColumns) -> None:
+    if q.fmt.sub_byte:
+        raise _NotNative(_NO_GROUPED_FP4)
+
+
 def _scaling_label(q: QuantizedTensor | GroupColumns) -> str:
-    """How ``q`` is scaled, for the fallback log: ``per-tensor``, ``row-wise`` or its tile."""
+    """How ``q`` is scaled, for the fallback log: ``per-tensor``, ``row-wise``, ``nvfp4`` or its tile."""
+    if isinstance(q, QuantizedTensor) and q.granularity.is_nvfp4:
+        return "nvfp4"
     if isinstance(q, GroupColumns) or q.block[1] >= q.shape[-1] and q.scales.numel() > 1:
         return "row-wise"
     return "per-tensor" if q.scales.numel() == 1 else f"{q.block[0]}x{q.block[1]} tiles"
@@ -415,6 +439,9 @@ def _try_scaled_grouped_mm(
     broadcast to rows), bf16 output, fast accumulation in the forward GEMM only (as the dense layers);
     None (reason logged) where it cannot run."""
     label = f"{kind} {_scaling_label(x)}"
+    if x.fmt.sub_byte:  # whatever the GPU
+        _fallback(label, _NO_GROUPED_FP4)
+        return None
     return _run_native(
         label, x.device, lambda: scaled_grouped_mm_args(x, w), out_dtype, offs=offs, use_fast_accum=kind == "forward"
     )
@@ -435,4 +462,7 @@ def _try_scaled_grouped_mm_wgrad(
             raise _NotNative(f"token groups padded to {token_align} rows, not to a multiple of 16")
         return scaled_grouped_mm_wgrad_args(a, b, offs.numel())
 
+    if a.fmt.sub_byte:  # whatever the GPU
+        _fallback(f"wgrad {_scaling_label(a)}", _NO_GROUPED_FP4)
+        return None
     return _run_native(f"wgrad {_scaling_label(a)}", a.device, build_args, out_dtype, offs=offs)

@@ -102,17 +102,13 @@ def default_module_filter(model: nn.Module, recipe: Recipe | None = None) -> Cal
     decoder blocks ``recipe`` keeps in high precision (``Recipe.high_precision_blocks``; NVFP4's first and
     last blocks)."""
     head = is_output_head(model)
-    blocks = decoder_blocks(model)
-    kept_prefixes: tuple[str, ...] = ()
-    kept_why = ""
-    if recipe is not None and blocks is not None:
-        kept, kept_why = recipe.high_precision_blocks(blocks[1])
-        kept_prefixes = tuple(f"{blocks[0]}.{i}." if blocks[0] else f"{i}." for i in kept)
+    kept_block = _kept_blocks(model, recipe)
 
     def why_skip(name: str, module: nn.Module) -> str | None:
         if head(name, module):
             return "output head (kept in high precision, as Transformer Engine and torchao do)"
-        if kept_prefixes and f"{name}.".startswith(kept_prefixes):
+        kept_why = kept_block(name)
+        if kept_why:
             return kept_why
         if _LORA_ADAPTER.search(f".{name}."):
             return "LoRA adapter (rank-r GEMMs: little FP8 gain, and the low-rank update needs the precision)"
@@ -125,6 +121,17 @@ def default_module_filter(model: nn.Module, recipe: Recipe | None = None) -> Cal
         return None
 
     return why_skip
+
+
+def _kept_blocks(model: nn.Module, recipe: Recipe | None) -> Callable[[str], str | None]:
+    """``name -> reason`` for a module inside a decoder block that ``recipe`` keeps in high precision
+    (``Recipe.high_precision_blocks``), else ``None``: the dense layers and the MoE experts alike."""
+    blocks = decoder_blocks(model)
+    if recipe is None or blocks is None:
+        return lambda name: None
+    kept, why = recipe.high_precision_blocks(blocks[1])
+    prefixes = tuple(f"{blocks[0]}.{i}." if blocks[0] else f"{i}." for i in kept)
+    return lambda name: why if prefixes and f"{name}.".startswith(prefixes) else None
 
 
 def _is_linear_forward(fn: object, module: nn.Module) -> bool:
@@ -223,9 +230,11 @@ def conversion_targets(
     (``recipe``: one recipe for the whole model, whose kept blocks and experts support count; ``None``: a plan)."""
     out = ConversionTargets()
     out.found_experts = [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
+    kept_block = _kept_blocks(model, recipe) if module_filter is None else (lambda name: None)
     for name, module in out.found_experts:
         excluded = module_filter is not None and not module_filter(name, module)
-        reason = "excluded by module_filter" if excluded else experts_why_not(module, HARDWARE_MULTIPLE)
+        reason = "excluded by module_filter" if excluded else kept_block(name)
+        reason = reason or experts_why_not(module, HARDWARE_MULTIPLE)
         reason = reason or (recipe.converts_experts if recipe is not None else None)
         if reason:
             out.skipped[name] = reason

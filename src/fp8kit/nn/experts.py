@@ -32,6 +32,16 @@ rows; it is built and dropped with index operations from the routing counts, wit
 SM90 with E4M3 gradients (row-wise's default) every expert's tokens are padded to 16 rows the same way,
 for ``torch._scaled_grouped_mm``'s weight-gradient kernel (``token_alignment``).
 
+NVFP4 (``NVFP4BlockScaling``): each expert's weight is quantized as its own tensor (16x16 E2M1 tiles, E4M3
+tile scales under the expert's FP32 tensor scale; W^T is the codes transposed) once per optimizer step; the
+routed activations and output gradients in 1x16 blocks along K under one tensor scale over the layer's
+tokens, the gradients with stochastic rounding. The weight-gradient operands are the padded rows
+transposed, multiplied by the random Hadamard transform along the tokens (``Recipe.wgrad_operand``) and
+quantized in 1x16 blocks along them: every expert's group is zero-padded to a multiple of 16 rows (and of
+``rht_size``), so no block or transform mixes two experts' tokens (a group of 5 tokens becomes 16 rows, 5
+of them real) and the transform cancels in each expert's product. The GEMMs dequantize their FP4 operands
+(``gemm.grouped``; torch has no grouped NVFP4 GEMM).
+
 An expert that receives no token is valid: its rows are empty, its GEMMs are empty groups (on CUDA,
 where rows are padded, one group of zero rows instead: ``routing_plan(pad_empty=)``), its weight
 gradient is zero; layer-wide activation amaxes are taken over the real tokens only (padding rows are
@@ -195,6 +205,7 @@ class FP8Experts:
         # the GEMM operand comes out of the quantize kernel beside the codes (CPU; per-tensor and row scales)
         values = gemm_values_dtype(x, x.dtype)
         kw = {"nonfinite": "propagate", "backend": quantize_backend(), "values": values}
+        kw["rounding"] = recipe.rounding_for(role)
         if values is not None and not saved:
             kw["lazy_codes"] = True
         state = self.delayed_state(recipe)
@@ -238,9 +249,10 @@ class FP8Experts:
     ) -> tuple[QuantizedTensor, QuantizedTensor | GroupColumns]:
         """``(padded x along K, its transpose along the tokens)`` for the tile recipes. Eager:
         ``quantize_with_transpose`` of the padded ``x``. Compiled: the transpose is padded on its own, so
-        that inductor does not fuse the two casts (its CPU loop-split pass asserts on that pair)."""
+        that inductor does not fuse the two casts (its CPU loop-split pass asserts on that pair). Row-wise
+        and NVFP4 (its transpose transformed, ``quantize_along_tokens``): two quantizations, in that order."""
         xp = _pad(x, dest, rows)
-        if recipe.scales_whole_rows:
+        if recipe.scales_whole_rows or recipe.transforms_wgrad_operands:
             return self.quantize_activation(xp, p, role, recipe, saved=False), self.quantize_along_tokens(
                 xp, role, recipe, group_ids
             )
@@ -254,15 +266,19 @@ class FP8Experts:
     def quantize_along_tokens(
         self, xp: torch.Tensor, role: str, recipe: Recipe, group_ids: torch.Tensor
     ) -> QuantizedTensor | GroupColumns:
-        """``xp.T`` quantized along the token dim for the weight-gradient GEMM (tile recipes)."""
+        """``xp.T`` quantized along the token dim for the weight-gradient GEMM (tile recipes); where the recipe
+        transforms that GEMM's operands, ``recipe.wgrad_operand(xp.T)`` (NVFP4's random Hadamard transform
+        over blocks of tokens: ``xp``'s expert groups are padded to a multiple of the block,
+        ``token_alignment``, so that no block mixes two experts' tokens)."""
         fmt = recipe.format_for(role)
         if recipe.scales_whole_rows:  # a gradient's codes are never saved: its GEMM values only (CPU)
             values = gemm_values_dtype(xp, xp.dtype) if role == "grad" and quantize_backend() == "compiled" else None
             return quantize_group_columns(xp, group_ids, self.num_experts, fmt, values=values)
         return quantize(
-            xp.t().contiguous(),
+            recipe.wgrad_operand(xp.t()).contiguous(),
             fmt,
             recipe.granularity_for(role),
+            rounding=recipe.rounding_for(role),
             nonfinite="propagate",
             backend=quantize_backend(),
             **recipe.quantize_kwargs,
@@ -384,11 +400,12 @@ def convert_experts(
 
 
 def token_alignment(recipe: Recipe, device: torch.device | None = None) -> int:
-    """Rows each expert's group is padded to a multiple of: the tiles along the token dim of the weight-
-    gradient GEMM (block, MXFP8), or 16 where that GEMM runs ``torch._scaled_grouped_mm`` (CUDA SM90, E4M3
-    gradients: its FP8 rows start on 16-byte boundaries, as torchao and torchtitan pad them); else 1."""
-    if recipe.tile_width is not None:
-        return recipe.tile_width
+    """Rows each expert's group is padded to a multiple of: the tiles (and NVFP4's Hadamard blocks) along the
+    token dim of the weight-gradient GEMM (block, MXFP8, NVFP4: ``Recipe.wgrad_token_multiple``), or 16 where
+    that GEMM runs ``torch._scaled_grouped_mm`` (CUDA SM90, E4M3 gradients: its FP8 rows start on 16-byte
+    boundaries, as torchao and torchtitan pad them); else 1."""
+    if recipe.wgrad_token_multiple is not None:
+        return recipe.wgrad_token_multiple
     if device is not None and recipe.format_for("grad") == E4M3 and native_grouped_device(device):
         return SCALED_GROUPED_MM_ALIGN
     return 1
@@ -409,6 +426,8 @@ def _pack(obj: Any) -> tuple[list[torch.Tensor], Any]:
     if isinstance(obj, QuantizedTensor):
         obj.data  # noqa: B018 - encodes codes the kernel skipped (saved activations keep theirs)
         names = ["codes", "scales"]  # values / amax are not needed in backward
+        if obj.global_scale is not None:  # NVFP4's per-tensor scale
+            names.append("global_scale")
     if isinstance(obj, GroupedWeight):
         names = [n for n in names if n != "amax"]  # not needed in backward
     other = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.name not in names}
