@@ -115,8 +115,8 @@ def load_pretrained_lm(
     path = pretrained_dir(name_or_path)
     tok = AutoTokenizer.from_pretrained(path)
     qc = json.loads((path / "config.json").read_text()).get("quantization_config")
-    if isinstance(qc, dict) and qc.get("quant_method") in ("compressed-tensors", "modelopt", "fp8"):
-        from ..export import dequantized_model  # an FP8/INT8 checkpoint: its weights, dequantized exactly
+    if isinstance(qc, dict) and qc.get("quant_method") in ("compressed-tensors", "modelopt", "fp8", "mxfp4"):
+        from ..export import dequantized_model  # an FP8/INT8/FP4 checkpoint: its weights, dequantized exactly
 
         return dequantized_model(path, dtype).to(device), HFTokenizer(tok)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=_device_map(device))
