@@ -247,3 +247,44 @@ def test_an_unknown_fp4_layout_is_refused_in_one_line_naming_it(tmp_path, qc, ex
 def test_fp8_and_plain_configs_are_no_fp4_layout(tmp_path):
     assert fp4_layout(write_config(tmp_path / "plain", None)) is None
     assert fp4_layout(write_config(tmp_path / "fp8", {"quant_method": "fp8", "weight_block_size": [128, 128]})) is None
+
+
+@pytest.fixture(scope="module")
+def fp4_folders(tmp_path_factory):
+    """A compressed-tensors NVFP4 Llama and a GPT-OSS MXFP4 model, each with a tokenizer, and a text."""
+    from tests.helpers.models import save_sample_llama
+
+    root = tmp_path_factory.mktemp("cli")
+    src = save_sample_llama(root / "hf") / "model"
+    tok = transformers.AutoTokenizer.from_pretrained(src)
+    llama = transformers.LlamaForCausalLM.from_pretrained(src)
+    ct = write_fp4(llama, root / "ct", "compressed-tensors", "nvfp4-pack-quantized")
+    go = write_gpt_oss_mxfp4(tiny_moe_model("gpt_oss"), root / "gpt_oss")
+    for d in (ct, go):
+        tok.save_pretrained(d)
+    return ct, go, str(root / "hf" / "text.txt")
+
+
+def test_the_cli_fine_tunes_evaluates_and_requantizes_fp4_checkpoints(fp4_folders, tmp_path, capsys):
+    from fp8kit.cli import main
+    from fp8kit.models.pretrained import load_pretrained_lm
+
+    ct, go, text = fp4_folders
+    model, _ = load_pretrained_lm(str(go))
+    assert torch.equal(
+        model.state_dict()[f"{EXPERTS}.down_proj"], dequantized_model(go).state_dict()[f"{EXPERTS}.down_proj"]
+    )
+    small = ["--steps", "2", "--batch-size", "2", "--seq-len", "8", "--text", text, "--no-progress", "--lr", "1e-3"]
+    assert main(["train", "--model", str(go), *small, "--out", str(tmp_path / "run")]) == 0  # the MoE, fine-tuned
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert all(np.isfinite(r["val_ppl"]) for r in summary["runs"].values())
+    assert main(["eval", "--model", str(ct), "--text", text, "--batches", "2"]) == 0
+    assert "perplexity" in capsys.readouterr().out
+    quick = ["--scheme", "fp8-dynamic", "--text", text, "--calib-batches", "1", "--no-gptq", "--norm-tweak", "0"]
+    for keep, how in (("0", "layer by layer"), ("1", "full load")):
+        out = tmp_path / f"q{keep}"
+        assert main(["quantize", "--model", str(ct), *quick, "--keep-bf16", keep, "--out", str(out)]) == 0, how
+        assert ("loading all" in capsys.readouterr().out) == (keep == "1")
+        t = read_safetensors(out)
+        assert t["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
+        assert not any(k.endswith(("weight_packed", "weight_global_scale")) for k in t)

@@ -11,7 +11,12 @@ from fp8kit.state_dict import pack_fp4
 
 # openai/gpt-oss-20b's quantization_config
 GPT_OSS_QC = {
-    "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
     "quant_method": "mxfp4",
 }
 
