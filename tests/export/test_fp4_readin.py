@@ -172,6 +172,25 @@ def test_dequantized_model_is_the_producers_own_dequantization(nvfp4_dirs, produ
         assert torch.isfinite(model(token_batches(128, 1, (1, 8))[0]).logits).all()
 
 
+def test_modelopts_own_nvfp4_export_reads_in_exactly(tmp_path):
+    """The file ModelOpt itself writes (``export_hf_checkpoint`` after ``NVFP4_DEFAULT_CFG``, on CPU)."""
+    mtq = pytest.importorskip("modelopt.torch.quantization")
+    from modelopt.torch.export import export_hf_checkpoint
+
+    model = tiny_llama(tie=False)
+    model.config.architectures = ["LlamaForCausalLM"]
+    batches = token_batches(256, 2, (2, 16))
+    mtq.quantize(model, mtq.NVFP4_DEFAULT_CFG, lambda m: [m(x) for x in batches])
+    export_hf_checkpoint(model, dtype=torch.float32, export_dir=tmp_path / "mo")
+    stored = read_safetensors(tmp_path / "mo")
+    state = dequantized_model(tmp_path / "mo").state_dict()
+    names = quantized_linears(stored, "modelopt")
+    assert len(names) == 14
+    for name in names:
+        assert torch.equal(state[f"{name}.weight"], modelopt_reference(stored, name)), name
+    assert torch.equal(state["lm_head.weight"], stored["lm_head.weight"])
+
+
 @pytest.mark.parametrize(("producer", "fmt", "arch"), [c for c in CASES if c[2] != "llama"])
 def test_layer_by_layer_read_of_an_nvfp4_moe_is_the_whole_models(nvfp4_dirs, producer, fmt, arch):
     path = nvfp4_dirs[producer, fmt, arch]
