@@ -263,6 +263,19 @@ def test_an_unknown_fp4_layout_is_refused_in_one_line_naming_it(tmp_path, qc, ex
         dequantized_model(path)
 
 
+def test_the_cli_refuses_an_unknown_fp4_layout_in_one_line(tmp_path, capsys):
+    from fp8kit.cli import main
+
+    path = str(write_config(tmp_path / "m", {"quant_method": "modelopt", "quant_algo": "MXFP4"}))
+    for args in (
+        ["eval", "--model", path],
+        ["quantize", "--model", path, "--scheme", "fp8", "--out", str(tmp_path / "q")],
+    ):
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "ModelOpt quant_algo 'MXFP4'" in err and "does not read" in err, err
+
+
 def test_fp8_and_plain_configs_are_no_fp4_layout(tmp_path):
     assert fp4_layout(write_config(tmp_path / "plain", None)) is None
     assert fp4_layout(write_config(tmp_path / "fp8", {"quant_method": "fp8", "weight_block_size": [128, 128]})) is None
