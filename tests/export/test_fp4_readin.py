@@ -61,6 +61,18 @@ def test_gpt_oss_mxfp4_is_transformers_own_dequantization_bit_for_bit(gpt_oss):
     ids = token_batches(128, 1, (2, 12))[0]
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, rtol=1e-5, atol=1e-5)
+    # in bfloat16, as GPT-OSS is usually loaded: rounded once, as transformers' own bfloat16 dequantization
+    ours, theirs = (
+        dequantized_model(gpt_oss, torch.bfloat16),
+        transformers.AutoModelForCausalLM.from_pretrained(
+            gpt_oss, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16
+        ),
+    )
+    st = theirs.state_dict()
+    for key, val in ours.state_dict().items():
+        assert val.dtype == st[key].dtype and torch.equal(val, st[key]), key
+        if val.dtype == torch.bfloat16:
+            assert torch.equal(val, so[key].to(torch.bfloat16)), key
 
 
 def test_gpt_oss_layer_by_layer_reads_only_that_layer_and_gives_the_same_weights(gpt_oss):

@@ -76,8 +76,8 @@ class FP4Layout:
     name: str = field(default="", compare=False)  # the producer's name for it, for messages
 
     def sources(self, keys: Iterable[str]) -> dict[str, tuple[str, ...]]:
-        """Each plain tensor's name -> the stored tensors it is made from (itself for a tensor kept as stored;
-        dropped activation and k/v scales have none)."""
+        """Each plain tensor's name -> the stored tensors it is made from (itself for a tensor kept as stored);
+        activation scales go with their layer's weight, k/v cache scales are left out."""
         marker, plain, companions, dropped = _RULES[self.kind]
         keys = list(keys)
         present = set(keys)
@@ -100,15 +100,18 @@ class FP4Layout:
         return [k for k, group in self.sources(keys).items() if group != (k,) and group[0].endswith(marker)]
 
     def dequantize(
-        self, stored: Mapping[str, torch.Tensor], keys: Iterable[str] | None = None
+        self,
+        stored: Mapping[str, torch.Tensor],
+        keys: Iterable[str] | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> dict[str, torch.Tensor]:
         """The plain tensors (``keys``, default all) made from ``stored``, which holds their ``sources``: FP4
-        weights dequantized in float32, the rest as stored."""
+        weights dequantized exactly in float32, each then cast to ``dtype``; the rest as stored."""
         srcs = self.sources(stored)
         out = {}
         for key in srcs if keys is None else keys:
             group = srcs[key]
-            out[key] = stored[key] if group == (key,) else self._weight(key, group, stored)
+            out[key] = stored[key] if group == (key,) else self._weight(key, group, stored).to(dtype)
         return out
 
     def _weight(self, key: str, group: tuple[str, ...], stored: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -125,6 +128,13 @@ def _need(t: torch.Tensor | None, dtype: torch.dtype, what: str, where: Path) ->
     if t.dtype != dtype:
         raise ExportError(f"{where}: {what} holds {t.dtype}, not the {dtype} of this FP4 layout")
     return t
+
+
+def _e8m0(codes: torch.Tensor, what: str, where: Path) -> torch.Tensor:
+    """E8M0 block scales as float32 powers of two; the NaN code 255 is refused."""
+    if bool((codes == 255).any()):
+        raise ExportError(f"{where}: {what} holds the E8M0 NaN code 255; the checkpoint is corrupted")
+    return e8m0_decode(codes)
 
 
 def _blocks_times(codes: torch.Tensor, scale: torch.Tensor, block: int, what: str, where: Path) -> torch.Tensor:
@@ -147,7 +157,7 @@ def _gpt_oss_weight(key: str, blocks: torch.Tensor, scales: torch.Tensor | None,
             "experts layout ((E, out, in/32, 16) uint8 and (E, out, in/32) E8M0)"
         )
     codes = unpack_fp4(blocks).flatten(-2)  # (E, out, in)
-    w = _blocks_times(codes, e8m0_decode(scales), MXFP4_BLOCK, key, where)
+    w = _blocks_times(codes, _e8m0(scales, f"{key}_scales", where), MXFP4_BLOCK, key, where)
     return w.transpose(1, 2).contiguous()  # (E, in, out): GptOssExperts' layout
 
 
@@ -159,7 +169,7 @@ def _ct_weight(prefix: str, stored: Mapping[str, torch.Tensor], block: int, wher
         g = _need(stored.get(f"{prefix}.weight_global_scale"), torch.float32, f"{prefix}.weight_global_scale", where)
         mult = scale.float() / g.float().reshape(())  # compressed-tensors: code * (scale / global_scale)
     else:
-        mult = e8m0_decode(_need(scale, torch.uint8, f"{prefix}.weight_scale", where))
+        mult = _e8m0(_need(scale, torch.uint8, f"{prefix}.weight_scale", where), f"{prefix}.weight_scale", where)
     return _blocks_times(unpack_fp4(packed), mult, block, prefix, where)
 
 
@@ -265,18 +275,18 @@ def plain_state_dict(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict
 
 
 def fp4_dequantized_model(path: str | Path, layout: FP4Layout, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The plain causal LM of the FP4 checkpoint at ``path``: every FP4 weight dequantized (module doc), the
-    other tensors as stored, in ``dtype``."""
+    """The plain causal LM of the FP4 checkpoint at ``path`` in ``dtype``: every FP4 weight dequantized exactly in
+    float32 (module doc) and rounded once to ``dtype``, the other tensors as stored."""
     from .common import read_config
 
     path = Path(path)
     raw = read_config(path)
-    model = model_from_config(path, raw, torch.float32)
+    model = model_from_config(path, raw, dtype)
     tensors = read_tensors(path)
     if not layout.fp4_weights(tensors):
         raise _refuse(path, f"a {layout.name} config over tensors without FP4 weights ({next(iter(tensors))}, ...)")
-    state = plain_state_dict(model, layout.dequantize(tensors))
+    state = plain_state_dict(model, layout.dequantize(tensors, dtype=dtype))
     del tensors
-    load_rest(model, path, state, [], torch.float32)
+    load_rest(model, path, state, [], dtype)
     model.config.__dict__.pop("quantization_config", None)
-    return model.to(dtype)
+    return model
