@@ -90,6 +90,26 @@ def test_gpt_oss_layer_by_layer_reads_only_that_layer_and_gives_the_same_weights
         assert torch.equal(val, whole[f"model.layers.1.{name}"]), name
 
 
+def test_gpt_oss_requantized_layer_by_layer_is_the_whole_models_export(gpt_oss, tmp_path):
+    """``quantize_checkpoint`` on the MXFP4 folder (attention to FP8, the experts kept in high precision) writes
+    what whole-model PTQ of the dequantized model writes, and transformers loads it."""
+    from fp8kit import ptq
+    from fp8kit.export import save_pretrained
+
+    def keep(name, module):
+        return ".self_attn." in name
+
+    out, report = ptq.quantize_checkpoint(gpt_oss, "fp8-dynamic", tmp_path / "seq", progress=False, module_filter=keep)
+    assert len(report.quantized) == 8
+    whole = ptq.quantize(dequantized_model(gpt_oss), "fp8-dynamic", module_filter=keep)
+    a, b = read_safetensors(out), read_safetensors(save_pretrained(whole, tmp_path / "whole"))
+    assert sorted(a) == sorted(b)
+    for k, v in a.items():
+        assert torch.equal(v.view(torch.uint8), b[k].to(v.dtype).view(torch.uint8)), k
+    assert torch.equal(a[f"{EXPERTS}.down_proj"], dequantized_model(gpt_oss).state_dict()[f"{EXPERTS}.down_proj"])
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(out)).__name__ == "GptOssForCausalLM"
+
+
 def ct_reference(stored: dict, name: str, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """compressed-tensors' own dequantization of layer ``name``: its decompressor (bfloat16) and its ``dequantize``
     on the same float32 unpacked codes."""
