@@ -177,17 +177,20 @@ def quantize_pretrained(
 
 def sequential_source(model_name: str) -> Path | None:
     """The Hugging Face folder of ``model_name`` when it can be quantized layer by layer (safetensors
-    weights in high precision, not an ``fp8kit train`` checkpoint), else ``None``."""
+    weights in high precision, or FP4 ones ``ptq.sequential.Checkpoint`` dequantizes layer by layer; not an
+    ``fp8kit train`` checkpoint), else ``None``."""
     import json
 
+    from .export.fp4_checkpoints import fp4_layout
     from .models.pretrained import pretrained_dir
     from .train.reload import train_checkpoint
 
     if train_checkpoint(Path(model_name)) is not None:
         return None
     path = pretrained_dir(model_name)
-    qc = json.loads((path / "config.json").read_text()).get("quantization_config")
-    return path if qc is None and any(path.glob("*.safetensors")) else None
+    raw = json.loads((path / "config.json").read_text())
+    readable = raw.get("quantization_config") is None or fp4_layout(path, raw) is not None
+    return path if readable and any(path.glob("*.safetensors")) else None
 
 
 def full_load_line(path: Path, options: list[str]) -> str:

@@ -26,6 +26,7 @@ from .compressed_tensors import QUANT_METHOD as CT_METHOD
 from .compressed_tensors import export_tensors as ct_tensors
 from .compressed_tensors import load as ct_load
 from .experts import checkpoint_key, experts_naming
+from .fp4_checkpoints import fp4_dequantized_model, fp4_layout
 from .fp8_block import QUANT_METHOD as BLOCK_METHOD
 from .fp8_block import export_tensors as block_tensors
 from .fp8_block import load as block_load
@@ -138,8 +139,9 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.
     qc = raw.get("quantization_config")
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if method not in _READERS:
+        hint = "; fp8kit.export.dequantized_model reads it as a plain model" if method == "mxfp4" else ""
         raise ExportError(
-            f"{path} is not a compressed-tensors, modelopt or fp8-block checkpoint (quant_method {method!r})"
+            f"{path} is not a compressed-tensors, modelopt or fp8-block checkpoint (quant_method {method!r}){hint}"
         )
     model, scheme, names, kv_scales, kv = _READERS[method](path, raw, dtype)
     if kv:
@@ -168,12 +170,17 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.
 
 def dequantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The FP8 (or INT8) checkpoint at ``path`` (any format ``load_pretrained`` reads) as a plain model:
-    each quantized layer becomes an ``nn.Linear`` whose weight is ``code * scale`` (exact in float32).
+    each quantized layer becomes an ``nn.Linear`` whose weight is ``code * scale`` (exact in float32). An FP4
+    checkpoint (GPT-OSS MXFP4, compressed-tensors NVFP4 / MXFP4, ModelOpt NVFP4; ``fp4_checkpoints``) is read
+    with its producer's dequantization formula, its per-expert tensors fused into the model's experts.
 
     A layer read from 128x128 tiles (``fp8-block``) also keeps them, ``(codes, scale_inv, block)``, as its
     ``fp8_checkpoint_tiles`` attribute: ``fp8kit.convert(model, "block")`` then computes with those exact
     codes until the weight is first updated, instead of rounding ``code * scale`` a second time onto its own
     power-of-two tiles (``fp8kit.nn.Linear.seed_fp8_weight``)."""
+    layout = fp4_layout(path)
+    if layout is not None:
+        return fp4_dequantized_model(path, layout, dtype)
     model = load_pretrained(path, dtype=torch.float32)
     for name, m in list(model.named_modules()):
         if isinstance(m, (QuantLinear, BlockQuantLinear)):

@@ -49,6 +49,7 @@ __all__ = [
     "expert_tensors",
     "fp4_expert_tensors",
     "experts_naming",
+    "fuse_expert_tensors",
     "has_expert_tensors",
     "load_experts",
     "load_fp4_experts",
@@ -240,6 +241,28 @@ def fp4_expert_tensors(
 def has_expert_tensors(tensors: dict[str, torch.Tensor]) -> bool:
     """Whether a checkpoint holds per-expert tensors (``...experts.0....``)."""
     return any(".experts.0." in k for k in tensors)
+
+
+def fuse_expert_tensors(module: nn.Module, state: dict[str, torch.Tensor], model: nn.Module) -> None:
+    """Per-expert tensors in ``state`` (names relative to ``module``: ``experts.E.gate_proj.weight`` ...) into the
+    fused 3-D parameters of ``module``'s ``transformers`` experts modules (``gate_up_proj`` ``(E, 2I, H)``, gate
+    rows first, ``down_proj`` ``(E, H, I)``), in place; ``model`` gives the architecture's naming. Experts
+    already fused in ``state`` (GPT-OSS keeps them so on disk) are left as they are."""
+    from ..ptq.experts import find_experts
+
+    for name, m in find_experts(module).items():
+        if not any(k.startswith(f"{name}.0.") for k in state):
+            continue
+        if getattr(m, "is_transposed", False) or not m.has_gate:
+            raise ValueError(f"{type(m).__name__}: fp8kit fuses concatenated gate/up experts only")
+        (gate, up, down), _ = experts_naming(model)
+
+        def take(e: int, lin: str, name: str = name) -> torch.Tensor:
+            return state.pop(f"{name}.{e}.{lin}.weight")
+
+        n = m.num_experts
+        state[f"{name}.gate_up_proj"] = torch.stack([torch.cat([take(e, gate), take(e, up)]) for e in range(n)])
+        state[f"{name}.down_proj"] = torch.stack([take(e, down) for e in range(n)])
 
 
 def load_experts(

@@ -112,11 +112,15 @@ def load_pretrained_lm(
     ``dtype`` on ``device``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ..export.fp4_checkpoints import fp4_layout
+
     path = pretrained_dir(name_or_path)
+    raw = json.loads((path / "config.json").read_text())
+    fp4 = fp4_layout(path, raw)  # an FP4 layout fp8kit does not read is refused here, in one line
     tok = AutoTokenizer.from_pretrained(path)
-    qc = json.loads((path / "config.json").read_text()).get("quantization_config")
-    if isinstance(qc, dict) and qc.get("quant_method") in ("compressed-tensors", "modelopt", "fp8"):
-        from ..export import dequantized_model  # an FP8/INT8 checkpoint: its weights, dequantized exactly
+    qc = raw.get("quantization_config")
+    if fp4 is not None or isinstance(qc, dict) and qc.get("quant_method") in ("compressed-tensors", "modelopt", "fp8"):
+        from ..export import dequantized_model  # an FP8/INT8/FP4 checkpoint: its weights, dequantized exactly
 
         return dequantized_model(path, dtype).to(device), HFTokenizer(tok)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=_device_map(device))

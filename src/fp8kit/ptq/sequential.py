@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .experts import QuantExperts, experts_projections, find_experts
+from .experts import QuantExperts, find_experts
 from .layer_error import swap_submodule
 from .linear import QuantLinear
 from .quantize import quantize as quantize_module
@@ -44,36 +44,46 @@ PROPAGATE = ("float", "quantized")  # what gives the next layer its calibration 
 
 
 class Checkpoint:
-    """The safetensors weights of a Hugging Face folder, read tensor by tensor (shards opened per read)."""
+    """The safetensors weights of a Hugging Face folder, read tensor by tensor (shards opened per read).
+
+    An FP4 checkpoint (``export.fp4_checkpoints``: GPT-OSS MXFP4, compressed-tensors or ModelOpt NVFP4) is read as
+    its plain model: ``files`` names the plain tensors, and ``read`` reads the stored tensors each is made from
+    and dequantizes them (float32), so a layer's FP4 weights are dequantized when that layer is read."""
 
     def __init__(self, path: str | Path) -> None:
         from safetensors import safe_open
+
+        from ..export.fp4_checkpoints import fp4_layout
 
         self.path = Path(path)
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {k: self.path / f for k, f in weight_map.items()}
+            stored = {k: self.path / f for k, f in weight_map.items()}
         else:
-            self.files = {}
+            stored = {}
             for f in sorted(self.path.glob("*.safetensors")):
                 with safe_open(str(f), "pt") as h:
-                    self.files.update(dict.fromkeys(h.keys(), f))
-        if not self.files:
+                    stored.update(dict.fromkeys(h.keys(), f))
+        if not stored:
             raise ValueError(f"{path} holds no .safetensors weights: sequential PTQ reads safetensors checkpoints")
+        self.stored = stored
+        self.layout = fp4_layout(self.path)
+        self.sources = {k: (k,) for k in stored} if self.layout is None else self.layout.sources(stored)
+        self.files = {k: stored[srcs[0]] for k, srcs in self.sources.items()}
 
     def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        """``keys``' tensors in their checkpoint dtype, on the CPU."""
+        """``keys``' tensors in their checkpoint dtype (FP4 weights: dequantized, float32), on the CPU."""
         from safetensors import safe_open
 
-        out: dict[str, torch.Tensor] = {}
+        raw: dict[str, torch.Tensor] = {}
         by_file: dict[Path, list[str]] = {}
-        for k in keys:
-            by_file.setdefault(self.files[k], []).append(k)
+        for src in dict.fromkeys(s for k in keys for s in self.sources[k]):
+            by_file.setdefault(self.stored[src], []).append(src)
         for f, ks in by_file.items():
             with safe_open(str(f), "pt") as h:  # closed after each read: no mapping stays resident
-                out.update({k: h.get_tensor(k) for k in ks})
-        return out
+                raw.update({k: h.get_tensor(k) for k in ks})
+        return raw if self.layout is None else self.layout.dequantize(raw, keys)
 
     def under(self, prefix: str) -> list[str]:
         return [k for k in self.files if k.startswith(prefix)]
@@ -184,42 +194,18 @@ def capture_inputs(
 # ---- one layer ---------------------------------------------------------------------------------------
 
 
-def _fuse_experts(layer: nn.Module, state: dict[str, torch.Tensor], model: nn.Module) -> None:
-    """Per-expert checkpoint tensors (``experts.E.gate_proj.weight`` ...) into the fused 3-D parameters of
-    the layer's ``transformers`` experts modules (``gate_up_proj`` ``(E, 2I, H)``, ``down_proj`` ``(E, H, I)``);
-    a checkpoint that holds them fused already (GPT-OSS's) is left as it is."""
-    from ..export.experts import experts_naming
-
-    experts = find_experts(layer)
-    if not experts:
-        return
-    (gate, up, down), _ = experts_naming(model)
-    for name, m in experts.items():
-        if all(f"{name}.{p}" in state for p in experts_projections(m)):
-            continue
-        if getattr(m, "is_transposed", False) or not m.has_gate:
-            raise ValueError(f"{type(m).__name__}: sequential PTQ reads concatenated gate/up experts only")
-
-        def take(e: int, lin: str, name: str = name) -> torch.Tensor:
-            return state.pop(f"{name}.{e}.{lin}.weight")
-
-        n = m.num_experts
-        state[f"{name}.gate_up_proj"] = torch.stack([torch.cat([take(e, gate), take(e, up)]) for e in range(n)])
-        state[f"{name}.down_proj"] = torch.stack([take(e, down) for e in range(n)])
-
-
 def load_layer(
     model: nn.Module, layer: nn.Module, prefix: str, ckpt: Checkpoint, device: torch.device, block: str
 ) -> None:
     """Fill the meta ``layer`` (named ``prefix``) with its checkpoint weights, float32 on ``device``; ``block``
     is the MoE block's name on disk (``disk_block``)."""
-    from ..export.experts import checkpoint_key, model_key
+    from ..export.experts import checkpoint_key, fuse_expert_tensors, model_key
 
     disk = checkpoint_key(f"{prefix}.", block)
     raw = ckpt.read(ckpt.under(disk))
     state = {model_key(f"{prefix}.{k[len(disk) :]}", block)[len(prefix) + 1 :]: v for k, v in raw.items()}
     del raw
-    _fuse_experts(layer, state, model)
+    fuse_expert_tensors(layer, state, model)
     for m in layer.modules():
         if m._non_persistent_buffers_set:
             raise ValueError(f"{type(m).__name__} has buffers the checkpoint does not hold: load the model whole")
@@ -231,11 +217,12 @@ def load_layer(
         )
 
 
-def disk_block(model: nn.Module) -> str:
-    """The MoE block's name in the checkpoint (``mlp``; Mixtral's ``block_sparse_moe``), read before quantizing."""
-    from ..export.experts import experts_naming
+def disk_block(model: nn.Module, ckpt: Checkpoint | None = None) -> str:
+    """The MoE block's name in the checkpoint (``mlp``; Mixtral's ``block_sparse_moe``), read before quantizing;
+    ``mlp`` too when ``ckpt`` keeps its experts fused (GPT-OSS)."""
+    from ..export.experts import experts_naming, has_expert_tensors
 
-    if not find_experts(model):
+    if not find_experts(model) or (ckpt is not None and not has_expert_tensors(ckpt.files)):
         return "mlp"
     return experts_naming(model)[1]
 
@@ -366,7 +353,7 @@ def quantize_checkpoint(
     say = _printer(progress)
     report = PTQReport(name, kv_cache=kv_cache)
     report.skipped.update(_outside_layers(model, layers_name))
-    block = disk_block(model)
+    block = disk_block(model, ckpt)
     t0 = time.perf_counter()
     captured = capture_inputs(model, ckpt, forward_loop, device) if forward_loop is not None else None
     inputs = captured[0] if captured is not None else []
