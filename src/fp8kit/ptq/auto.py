@@ -10,6 +10,7 @@ mean effective bits fit ``budget``, and the chosen layers are swapped in (GPTQ-r
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch.nn as nn
 
@@ -46,18 +47,27 @@ def quantize_auto(
     model: nn.Module,
     forward_loop: Callable[[nn.Module], object] | None,
     *,
-    budget: float | None,
+    budget: float | None = None,
     candidates: Sequence[str] | None = None,
     calibration: str = "max",
     percentile: float = 99.99,
     gptq: bool = False,
     module_filter: Callable[[str, nn.Module], bool] | None = None,
     progress: bool | None = None,
+    **other: Any,
 ) -> nn.Module:
-    """Quantize ``model`` in place, each layer with the candidate (default ``AUTO_CANDIDATES``) the plan gives
-    it, and return it; the plan (``planner.bits.BitsPlan``) is ``model.ptq_report.plan``. See ``quantize``."""
+    """Quantize ``model`` in place, each layer with the candidate (default ``AUTO_CANDIDATES``, BF16 always
+    among them) that the plan gives it, and return it: the plan (``planner.bits.BitsPlan``) has the least
+    summed Fisher-predicted loss increase (nats/token) whose mean effective bits per weight fit ``budget``
+    (``planner.bits.EFFECTIVE_BITS``, ModelOpt's counting), and is ``model.ptq_report.plan``;
+    ``ptq_report.schemes`` names each quantized layer's scheme. Static activation scales are calibrated on
+    ``forward_loop`` (``calibration``, ``percentile``) and the predictions made with round-to-nearest weights;
+    ``gptq`` rounds the chosen layers with GPTQ. ``module_filter`` and ``progress`` as in ``ptq.quantize``;
+    other ``ptq.quantize`` options (SmoothQuant, AWQ, FP8 KV cache, keep_bf16, norm tweaking) are refused."""
     from .quantize import PTQOptions, _fp4_misfit, _Run, _select_layers, shared_weight_scales
 
+    if other:
+        raise ValueError(f"scheme 'auto' plans the layers' schemes and bits alone: drop {', '.join(other)}")
     if budget is None:
         raise ValueError("scheme 'auto' needs budget=BITS (mean effective bits per weight, e.g. 8 or 6)")
     if not 0 < budget <= 16:

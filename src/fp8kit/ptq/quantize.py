@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -456,8 +456,6 @@ def quantize(
     norm_tweak: int = 0,
     norm_tweak_lr: float = 1e-3,
     progress: bool | None = None,
-    budget: float | None = None,
-    candidates: Sequence[str] | None = None,
     _originals: dict[str, nn.Module] | None = None,
 ) -> nn.Module:
     """Quantize ``model``'s ``nn.Linear`` layers and MoE experts in place for inference and return it.
@@ -471,10 +469,7 @@ def quantize(
         scheme: ``"fp8"``, ``"fp8-dynamic"``, ``"int8-smoothquant"`` or ``"int8-weight-only"``; or FP4 weights
             (``"nvfp4-weight-only"``, ``"mxfp4-weight-only"``: round to nearest, GPTQ or AWQ; ``"nvfp4"``: W4A4,
             NVFP4 activations with a calibrated per-tensor scale; nn.Linear layers whose in_features are whole
-            blocks); or ``"auto"``: a scheme per layer (``ptq.auto``) among ``candidates`` (default
-            ``ptq.auto.AUTO_CANDIDATES``, BF16 included) with the least Fisher-predicted loss increase whose
-            mean effective bits per weight fit ``budget`` (ModelOpt's counting, ``planner.bits``); it takes
-            ``calibration``, ``percentile``, ``gptq``, ``module_filter`` and ``progress`` only.
+            blocks).
         forward_loop: ``forward_loop(model)`` runs the model on calibration data (ModelOpt's
             convention); required by the static schemes (``fp8``, ``int8-smoothquant``, ``nvfp4``) and ``kv_cache``,
             except that a model trained with ``fp8kit.convert`` under delayed scaling exports to ``fp8``
@@ -509,23 +504,9 @@ def quantize(
     precision -> swap in -> norm tweaking, each only when its option asks for it. The report is stored
     as ``model.ptq_report``.
     """
+    scheme = get_scheme(scheme)
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize() takes an nn.Module, got {type(model).__name__}")
-    if isinstance(scheme, str) and scheme.strip().lower() == "auto":
-        other = {"alpha": alpha != 0.5, "smooth": smooth is not None, "kv_cache": kv_cache, "awq": awq}
-        other.update(keep_bf16=bool(keep_bf16), norm_tweak=bool(norm_tweak), _originals=_originals is not None)
-        given = [k for k, v in other.items() if v]
-        if given:
-            raise ValueError(f"scheme 'auto' plans the layers' schemes and bits alone: drop {', '.join(given)}")
-        from .auto import quantize_auto
-
-        return quantize_auto(
-            model, forward_loop, budget=budget, candidates=candidates, calibration=calibration,
-            percentile=percentile, gptq=gptq, module_filter=module_filter, progress=progress,
-        )  # fmt: skip
-    if budget is not None or candidates is not None:
-        raise ValueError("budget and candidates go with scheme='auto' (a scheme per layer)")
-    scheme = get_scheme(scheme)
     opts = PTQOptions(
         calibration, percentile, alpha, smooth, kv_cache, module_filter, gptq, awq, keep_bf16, norm_tweak, norm_tweak_lr
     )
