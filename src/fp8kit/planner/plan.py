@@ -20,8 +20,10 @@ class Plan:
     candidate's predicted loss increase (nats/token) and step seconds on ``target`` per layer;
     ``predicted`` / ``costs``: the same for every candidate (layer -> candidate -> value); ``uniform``: per
     candidate, the totals of giving every layer that candidate and whether that meets the budget;
-    ``measured``: the loss change of quantizing each sampled layer alone with ``measured_recipe``, and
-    ``spearman`` the rank correlation of those against the prediction."""
+    ``measured``: the mean KL divergence (nats/token) of the next-token distributions of the model with each
+    sampled layer alone quantized with ``measured_recipe`` from the unquantized model's, on the planning
+    batches, and ``spearman`` its rank correlation with the prediction; ``measured_loss`` / ``spearman_loss``:
+    the same for the loss change."""
 
     target: str
     loss_budget: float
@@ -37,6 +39,8 @@ class Plan:
     measured: dict[str, float] = field(default_factory=dict)
     measured_recipe: str = ""
     spearman: float | None = None
+    measured_loss: dict[str, float] = field(default_factory=dict)
+    spearman_loss: float | None = None
 
     @property
     def allowed_increase(self) -> float:
@@ -69,10 +73,10 @@ class Plan:
                 f"{'all ' + name:<{width}}  {'':<8} {u['loss_increase']:>12.3g} {u['cost_s'] * 1e6:>10.2f}  {meets}"
             )
         if self.measured:
-            rho = "n/a" if self.spearman is None else f"{self.spearman:.2f}"
+            rho, rho_loss = (("n/a" if r is None else f"{r:.2f}") for r in (self.spearman, self.spearman_loss))
             lines.append(
-                f"prediction vs measured loss change ({self.measured_recipe}, {len(self.measured)} layers): "
-                f"Spearman {rho}"
+                f"prediction vs measured ({self.measured_recipe}, {len(self.measured)} layers quantized alone): "
+                f"Spearman {rho} against the KL divergence, {rho_loss} against the loss change"
             )
         return "\n".join(lines)
 
