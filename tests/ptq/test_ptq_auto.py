@@ -4,6 +4,8 @@ each layer's scheme, and ``fp8kit quantize --scheme auto`` writes a one-scheme p
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -58,6 +60,18 @@ def test_each_layer_gets_its_planned_scheme(plans):
             assert type(layer) is torch.nn.Linear and name in report.skipped
         else:
             assert isinstance(layer, ptq.QuantLinear) and layer.scheme.name == choice == report.schemes[name]
+
+
+def test_the_plan_prints_and_saves(plans, tmp_path):
+    report = plans[6]
+    text = str(report)
+    assert "auto plan: 6.00 effective bits" in text or "auto plan: 5." in text
+    assert all(f"{n}: {c}" in text for n, c in report.schemes.items())
+    table = str(report.plan)
+    assert all(n in table for n in report.plan.per_layer)
+    saved = json.loads(report.plan.to_json(tmp_path / "plan.json"))
+    assert saved["per_layer"] == report.plan.per_layer and saved["budget"] == 6
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
 
 
 def _make_sensitive(model, block: int, channel: int, factor: float) -> None:

@@ -11,14 +11,12 @@ the scheme that minimises the summed predicted loss increase with the summed bit
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
+from .plan import dataclass_json
 from .solver import Infeasible, solve
 
 __all__ = ["BF16", "EFFECTIVE_BITS", "BitsPlan", "plan_bits"]
@@ -91,18 +89,7 @@ class BitsPlan:
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:
         """The plan as JSON text; with ``path`` also written there (a temp file renamed into place)."""
-        text = json.dumps(asdict(self), indent=2)
-        if path is not None:
-            path = Path(path)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(text)
-                os.replace(tmp, path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
-        return text
+        return dataclass_json(self, path)
 
 
 def plan_bits(predicted: Mapping[str, Mapping[str, float]], params: Mapping[str, int], budget: float) -> BitsPlan:

@@ -9,7 +9,23 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Plan"]
+__all__ = ["Plan", "dataclass_json"]
+
+
+def dataclass_json(obj: Any, path: str | os.PathLike | None = None) -> str:
+    """A dataclass instance as JSON text; with ``path`` also written there (a temp file renamed into place)."""
+    text = json.dumps(asdict(obj), indent=2)
+    if path is not None:
+        path = Path(path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    return text
 
 
 @dataclass
@@ -82,18 +98,7 @@ class Plan:
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:
         """The plan as JSON text; with ``path`` also written there (a temp file renamed into place)."""
-        text = json.dumps(asdict(self), indent=2)
-        if path is not None:
-            path = Path(path)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(text)
-                os.replace(tmp, path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
-        return text
+        return dataclass_json(self, path)
 
     @classmethod
     def from_json(cls, source: str | os.PathLike) -> Plan:
