@@ -88,6 +88,29 @@ def test_plan_predictions_match_a_measured_outlier_layer(planned):
     assert plan.predicted[name]["current"] / 3 < measured[name] < 3 * plan.predicted[name]["current"]
 
 
+def test_layer_check_measures_the_kl_the_fisher_estimate_approximates(planned):
+    model, plan = planned
+    from fp8kit.planner.sensitivity import layer_divergence, quantized_copy
+
+    name = SENSITIVE[0]
+    q = quantized_copy(model.get_submodule(name), fp8kit.recipe_from_name("current"))
+    got = layer_divergence(model, {name: q}, batches())[name]
+    kl = tokens = 0.0  # by hand: sum over positions of KL(p || p_q), every position but the last
+    with torch.no_grad():
+        for batch in batches():
+            logp = torch.log_softmax(model(**batch).logits[:, :-1].float(), -1)
+            orig = model.get_submodule("model.layers.1.mlp").gate_proj
+            model.model.layers[1].mlp.gate_proj = q
+            logq = torch.log_softmax(model(**batch).logits[:, :-1].float(), -1)
+            model.model.layers[1].mlp.gate_proj = orig
+            kl += float(torch.nn.functional.kl_div(logq, logp, log_target=True, reduction="sum"))
+            tokens += logp.shape[0] * logp.shape[1]
+    assert got["kl"] == pytest.approx(kl / tokens, rel=1e-5)
+    assert plan.predicted[name]["current"] / 3 < got["kl"] < 3 * plan.predicted[name]["current"]
+    assert set(plan.measured) == set(plan.measured_loss) and plan.spearman is not None
+    assert plan.measured[name] == pytest.approx(got["kl"], rel=1e-5)  # the plan's check is this measurement
+
+
 def test_convert_applies_the_plan_layer_by_layer(planned):
     model, plan = planned
     model = copy.deepcopy(model)

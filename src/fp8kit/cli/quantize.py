@@ -31,7 +31,20 @@ def one_scheme(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"quantize writes one model, so it takes one scheme: {scheme_names()} (compare takes several, or all)"
         )
-    return "fp8-block" if text.strip().lower() == "fp8-block" else check_scheme(text)
+    if text.strip().lower() in ("fp8-block", "auto"):
+        return text.strip().lower()
+    return check_scheme(text)
+
+
+def bits_budget(text: str) -> float:
+    """``--budget``: mean effective bits per weight in (0, 16]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bits per weight in (0, 16], e.g. 8 or 6, got {text!r}") from None
+    if not 0 < value <= 16:
+        raise argparse.ArgumentTypeError(f"must be in (0, 16] bits per weight, got {text}")
+    return value
 
 
 def add_arguments(q: argparse.ArgumentParser) -> None:
@@ -40,7 +53,20 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
         "--scheme",
         type=one_scheme,
         required=True,
-        help="fp8|fp8-dynamic|int8-smoothquant|int8-weight-only|fp8-block; fp8+kv: FP8 KV",
+        help="fp8|fp8-dynamic|int8-smoothquant|int8-weight-only|nvfp4|nvfp4-weight-only|mxfp4-weight-only|fp8-block; "
+        "fp8+kv: FP8 KV; auto: a scheme per layer for --budget",
+    )
+    q.add_argument(
+        "--budget",
+        type=bits_budget,
+        default=None,
+        metavar="BITS",
+        help="--scheme auto: mean effective bits per weight (ModelOpt's counting: NVFP4 4.5, FP8/INT8 8, BF16 16)",
+    )
+    q.add_argument(
+        "--candidates",
+        default=None,
+        help="--scheme auto: comma-separated schemes to choose from (default: bf16 and every per-layer scheme)",
     )
     q.add_argument("--out", required=True, help="new (or empty) folder for the Hugging Face / vLLM checkpoint")
     q.add_argument(
@@ -73,6 +99,12 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..export import check_export_dir, check_scheme_format, save_pretrained
 
+    if (args.scheme == "auto") != (args.budget is not None):
+        raise UsageError("--scheme auto and --budget BITS go together (a scheme per layer for a bits budget)")
+    if args.candidates is not None and args.scheme != "auto":
+        raise UsageError("--candidates goes with --scheme auto")
+    if args.scheme == "auto":
+        return _run_auto(args)
     try:
         check_scheme_format(args.scheme, args.format)
     except ValueError as err:
@@ -155,5 +187,60 @@ def _run_sequential(args: argparse.Namespace, source: Path, settings: dict, devi
     print(report)
     where = "" if args.scheme == "fp8-block" else f"calibrated on {corpus.name}; "
     print(f"quantized layer by layer; {where}wrote the {args.format} export to {out} (vLLM: LLM(model={str(out)!r}))")
+    print_device_peak(device)
+    return 0
+
+
+def _run_auto(args: argparse.Namespace) -> int:
+    """A scheme per layer (``ptq.quantize(..., "auto")``) on the whole model, its plan printed, the export written
+    when one scheme (and BF16) was chosen or refused (one line) for a mix."""
+    from ..device import work_dtype
+    from ..export import check_export_dir, save_pretrained
+    from ..pretrained_ptq import calibration_loop, load_splits
+    from ..ptq import quantize
+    from ..train.reload import load_model
+
+    given = [
+        f"--{k.replace('_', '-')}"
+        for k in ("keep_bf16", "norm_tweak", "smooth", "alpha")
+        if getattr(args, k) is not None
+    ]
+    if given:
+        raise UsageError(f"--scheme auto chooses each layer's scheme and bits itself: drop {' '.join(given)}")
+    try:
+        check_export_dir(args.out, args.overwrite)
+    except ValueError as err:
+        raise UsageError(f"--out {err}") from None
+    candidates = None if args.candidates is None else [c for c in args.candidates.split(",") if c.strip()]
+    device = job_device(args)
+    print("--scheme auto scores every layer in one pass with gradients: the whole model is loaded", flush=True)
+    passes = ptq_passes(args.calib_batches, args.gptq, False, 0) | {"score": 3}
+    announce_inference(args, "quantize", device, passes, args.calib_batches * 4 * 128)
+    model, tokenizer = load_model(args.model, work_dtype(device), device)
+    model.eval()
+    splits = load_splits(args.text, tokenizer, second_text=False)[0]
+    loop = calibration_loop(splits, args.calib_batches)
+    try:
+        quantize(model, "auto", loop, budget=args.budget, candidates=candidates, calibration=args.calibration or "max",
+                 gptq=args.gptq)  # fmt: skip
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    report = model.ptq_report
+    print(report)
+    if not report.schemes:
+        raise UsageError(f"the plan keeps every layer in BF16 ({args.budget:g} bits allow it): give a lower --budget")
+    if report.scheme == "auto":
+        mix = ", ".join(sorted(set(report.schemes.values())))
+        raise UsageError(
+            f"the plan mixes {mix}, and no --format fp8kit writes carries a mix: give --candidates bf16 and one "
+            "scheme (written as that scheme), or a higher --budget"
+        )
+    try:
+        out = save_pretrained(
+            model, args.out, tokenizer, format=args.format, overwrite=args.overwrite, max_shard_size=args.max_shard_size
+        )
+    except ValueError as err:
+        raise UsageError(f"--format: {err}") from None
+    print(f"calibrated on {splits.name}; wrote the {args.format} export ({report.scheme} and BF16 layers) to {out}")
     print_device_peak(device)
     return 0

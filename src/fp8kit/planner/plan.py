@@ -9,7 +9,23 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Plan"]
+__all__ = ["Plan", "dataclass_json"]
+
+
+def dataclass_json(obj: Any, path: str | os.PathLike | None = None) -> str:
+    """A dataclass instance as JSON text; with ``path`` also written there (a temp file renamed into place)."""
+    text = json.dumps(asdict(obj), indent=2)
+    if path is not None:
+        path = Path(path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    return text
 
 
 @dataclass
@@ -20,8 +36,10 @@ class Plan:
     candidate's predicted loss increase (nats/token) and step seconds on ``target`` per layer;
     ``predicted`` / ``costs``: the same for every candidate (layer -> candidate -> value); ``uniform``: per
     candidate, the totals of giving every layer that candidate and whether that meets the budget;
-    ``measured``: the loss change of quantizing each sampled layer alone with ``measured_recipe``, and
-    ``spearman`` the rank correlation of those against the prediction."""
+    ``measured``: the mean KL divergence (nats/token) of the next-token distributions of the model with each
+    sampled layer alone quantized with ``measured_recipe`` from the unquantized model's, on the planning
+    batches, and ``spearman`` its rank correlation with the prediction; ``measured_loss`` / ``spearman_loss``:
+    the same for the loss change."""
 
     target: str
     loss_budget: float
@@ -37,6 +55,8 @@ class Plan:
     measured: dict[str, float] = field(default_factory=dict)
     measured_recipe: str = ""
     spearman: float | None = None
+    measured_loss: dict[str, float] = field(default_factory=dict)
+    spearman_loss: float | None = None
 
     @property
     def allowed_increase(self) -> float:
@@ -69,27 +89,16 @@ class Plan:
                 f"{'all ' + name:<{width}}  {'':<8} {u['loss_increase']:>12.3g} {u['cost_s'] * 1e6:>10.2f}  {meets}"
             )
         if self.measured:
-            rho = "n/a" if self.spearman is None else f"{self.spearman:.2f}"
+            rho, rho_loss = (("n/a" if r is None else f"{r:.2f}") for r in (self.spearman, self.spearman_loss))
             lines.append(
-                f"prediction vs measured loss change ({self.measured_recipe}, {len(self.measured)} layers): "
-                f"Spearman {rho}"
+                f"prediction vs measured ({self.measured_recipe}, {len(self.measured)} layers quantized alone): "
+                f"Spearman {rho} against the KL divergence, {rho_loss} against the loss change"
             )
         return "\n".join(lines)
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:
         """The plan as JSON text; with ``path`` also written there (a temp file renamed into place)."""
-        text = json.dumps(asdict(self), indent=2)
-        if path is not None:
-            path = Path(path)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(text)
-                os.replace(tmp, path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
-        return text
+        return dataclass_json(self, path)
 
     @classmethod
     def from_json(cls, source: str | os.PathLike) -> Plan:

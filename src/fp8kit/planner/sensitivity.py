@@ -4,8 +4,9 @@
   recipe (``ptq.layer_error.fisher_totals``), in one pass with gradients over the batches: ``Y`` is the
   layer's output in the model, ``Y_q`` the output of a copy of the layer converted to the recipe (same
   parameters) on the same input, ``g`` the gradient of the summed loss with respect to ``Y``.
-* ``measured_increase``: the loss change of running the model with one layer swapped for its converted
-  copy, for a few layers (the check of the prediction); ``spearman`` their rank agreement.
+* ``layer_divergence``: for a few layers, the model run with that layer swapped for its converted copy: the
+  KL divergence of its next-token distributions from the unquantized ones (what the Fisher estimate
+  approximates: the check of the prediction) and the loss change; ``spearman`` their rank agreement.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from ..recipes import Recipe
 
 __all__ = [
     "batch_loss",
+    "batch_loss_of",
+    "layer_divergence",
     "measured_increase",
     "plannable_layers",
     "predicted_increase",
@@ -83,7 +86,11 @@ def batch_loss(model: nn.Module, batch: Mapping[str, Any]) -> tuple[torch.Tensor
     """``model(**batch).loss`` and the tokens it averages over."""
     if not isinstance(batch, Mapping):
         raise TypeError(f"autotune: batches are dicts of the model's forward arguments, got {type(batch).__name__}")
-    out = model(**batch)
+    return batch_loss_of(batch, model(**batch))
+
+
+def batch_loss_of(batch: Mapping[str, Any], out: Any) -> tuple[torch.Tensor, int]:
+    """The ``.loss`` of a model's output ``out`` on ``batch`` and the tokens it averages over."""
     loss = getattr(out, "loss", None)
     if not isinstance(loss, torch.Tensor):
         raise ValueError("autotune: the model's output has no .loss: give batches with labels (e.g. labels=input_ids)")
@@ -114,31 +121,57 @@ def predicted_increase(
     return per_token, seen["loss"] / seen["tokens"], seen["tokens"]
 
 
+def _kl_mask(batch: Mapping[str, Any], logits: torch.Tensor) -> torch.Tensor:
+    """The positions whose next-token distribution the loss scores: those with a shifted label other than
+    -100, else every position but the last."""
+    labels = batch.get("labels")
+    if isinstance(labels, torch.Tensor) and labels.shape == logits.shape[:-1]:
+        return labels[..., 1:] != -100
+    return torch.ones(logits.shape[:-2] + (logits.shape[-2] - 1,), dtype=torch.bool, device=logits.device)
+
+
 @torch.no_grad()
-def _mean_loss(model: nn.Module, batches: list[Mapping[str, Any]], device: torch.device) -> float:
-    total = tokens = 0
+def layer_divergence(
+    model: nn.Module, variants: Mapping[str, nn.Module], batches: list[Mapping[str, Any]]
+) -> dict[str, dict[str, float]]:
+    """Per layer of ``variants`` (name -> quantized copy), run with that layer swapped in alone on every batch:
+    ``"loss"``, the change of the mean loss (nats/token), and ``"kl"``, the mean KL divergence
+    ``KL(p || p_q)`` of the next-token distributions (nats/token, the unquantized ``p`` against the quantized
+    ``p_q``) over the positions the loss scores. The KL is what the Fisher estimate approximates (its
+    second-order term, a Gauss-Newton quadratic); the loss change adds a first-order term whose sign is noise
+    unless averaged over many tokens."""
+    device = next(model.parameters()).device
+    sums = {name: {"loss": 0.0, "kl": 0.0} for name in variants}
+    tokens = kl_tokens = 0
     for batch in batches:
-        loss, n = batch_loss(model, _to(batch, device))
-        total += float(loss) * n
+        batch = _to(batch, device)
+        out = model(**batch)
+        base, n = batch_loss_of(batch, out)
+        if not isinstance(getattr(out, "logits", None), torch.Tensor):
+            raise ValueError("autotune: the layer check compares next-token distributions: the output needs .logits")
+        mask = _kl_mask(batch, out.logits)
+        logp = torch.log_softmax(out.logits[..., :-1, :].float(), dim=-1)[mask]
+        for name, q in variants.items():
+            orig = swap_submodule(model, name, q)
+            try:
+                out_q = model(**batch)
+            finally:
+                swap_submodule(model, name, orig)
+            loss_q, _ = batch_loss_of(batch, out_q)
+            logq = torch.log_softmax(out_q.logits[..., :-1, :].float(), dim=-1)[mask]
+            sums[name]["loss"] += (float(loss_q) - float(base)) * n
+            sums[name]["kl"] += float((logp.exp() * (logp - logq)).sum())
         tokens += n
-    return total / max(tokens, 1)
+        kl_tokens += int(mask.sum())
+    return {name: {"loss": s["loss"] / max(tokens, 1), "kl": s["kl"] / max(kl_tokens, 1)} for name, s in sums.items()}
 
 
 def measured_increase(
     model: nn.Module, variants: Mapping[str, nn.Module], batches: list[Mapping[str, Any]]
 ) -> dict[str, float]:
     """Loss change (nats/token) of running ``model`` with each layer of ``variants`` (name -> quantized copy)
-    swapped in alone."""
-    device = next(model.parameters()).device
-    base = _mean_loss(model, batches, device)
-    out = {}
-    for name, q in variants.items():
-        orig = swap_submodule(model, name, q)
-        try:
-            out[name] = _mean_loss(model, batches, device) - base
-        finally:
-            swap_submodule(model, name, orig)
-    return out
+    swapped in alone (``layer_divergence``' ``"loss"``)."""
+    return {name: m["loss"] for name, m in layer_divergence(model, variants, batches).items()}
 
 
 def _ranks(values: list[float]) -> list[float]:

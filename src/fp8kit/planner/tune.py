@@ -4,8 +4,10 @@ Per plannable layer (what ``fp8kit.convert`` converts) and candidate: the Fisher
 quantizing that layer alone (``sensitivity``) and the step time of its GEMMs and casts on ``target``
 (``roofline``: a named GPU's roofline, or timed on this CPU). ``solver.solve`` then picks one candidate per
 layer, minimising the summed time with the summed predicted increase at most ``loss_budget * base_loss``.
-A few layers' loss change is also measured (quantized alone) and its rank agreement with the prediction
-kept in the plan.
+A few layers, spread over the predicted ranking of the recipe with the largest total, are also run quantized
+alone on the same batches: the KL divergence of the next-token distributions from the unquantized model's
+(what the Fisher estimate approximates) and the loss change are kept in the plan, with each one's rank
+agreement (Spearman) with the prediction.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.nn as nn
 from ..recipes import RECIPE_NAMES, recipe_from_name
 from .plan import Plan
 from .roofline import GPU, GPUS, TARGETS, Gemm, layer_seconds, measured_seconds
-from .sensitivity import measured_increase, plannable_layers, predicted_increase, quantized_copy, spearman
+from .sensitivity import layer_divergence, plannable_layers, predicted_increase, quantized_copy, spearman
 from .solver import Infeasible, solve
 
 __all__ = ["BF16", "DEFAULT_CANDIDATES", "autotune", "layer_gemms"]
@@ -97,8 +99,8 @@ def autotune(
     ``target`` ("h100", "h200", "b200" rooflines, a ``roofline.GPU`` of your own, or "cpu" timed here) is least while the summed
     Fisher-predicted loss increase stays within ``loss_budget`` (relative: 0.01 allows 1% of the model's
     loss on ``batches``). ``batches``: dicts of ``model``'s forward arguments whose output has ``.loss``.
-    ``measure_layers`` layers (spread over the predicted ranking) are also quantized alone and their loss
-    change measured. The model is not changed; apply the plan with ``fp8kit.convert(model, plan)``."""
+    ``measure_layers`` layers (spread over the predicted ranking) are also quantized alone on ``batches`` and
+    their KL divergence from the unquantized next-token distributions and loss change measured. The model is not changed; apply the plan with ``fp8kit.convert(model, plan)``."""
     if not isinstance(target, GPU) and target not in TARGETS:
         raise ValueError(f"autotune: unknown target {target!r}; accepted: {', '.join(TARGETS)}")
     if not loss_budget >= 0:
@@ -145,7 +147,11 @@ def autotune(
         worst = max(fp8, key=lambda c: uniform[c]["loss_increase"])  # the widest spread of effects
         ranked = sorted(order, key=lambda n: -predicted[n][worst])
         sample = _sample(ranked, measure_layers)
-        plan.measured = measured_increase(model, {n: variants[n][worst] for n in sample}, batches)
+        measured = layer_divergence(model, {n: variants[n][worst] for n in sample}, batches)
+        plan.measured = {n: measured[n]["kl"] for n in sample}
+        plan.measured_loss = {n: measured[n]["loss"] for n in sample}
         plan.measured_recipe = worst
-        plan.spearman = spearman([predicted[n][worst] for n in sample], [plan.measured[n] for n in sample])
+        prediction = [predicted[n][worst] for n in sample]
+        plan.spearman = spearman(prediction, [plan.measured[n] for n in sample])
+        plan.spearman_loss = spearman(prediction, [plan.measured_loss[n] for n in sample])
     return plan

@@ -2,8 +2,8 @@
 
 * ``rank_by_fisher``: one pass with gradients for all layers at once (causal LMs): each layer's output
   change under quantization, weighted by the gradient of the next-token loss (a Fisher estimate of the
-  loss increase, as in HAWQ-V2 and BRECQ); ``fisher_totals`` computes it for any loss and several
-  quantized variants per layer (``fp8kit.autotune``).
+  loss increase, as in HAWQ-V2 and BRECQ); ``fisher_per_token`` gives it for several quantized variants
+  per layer (``quantize(..., "auto")``), ``fisher_totals`` for any loss (``fp8kit.autotune``).
 * ``rank_by_output_error``: one ``forward_loop`` per layer with that layer alone quantized (any model).
 
 A leaf module (no import of ``ptq.quantize``): ``ptq.sensitivity`` builds the full report on top of it.
@@ -18,7 +18,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["LayerScore", "fisher_totals", "rank_by_fisher", "rank_by_output_error", "swap_submodule"]
+__all__ = [
+    "LayerScore",
+    "fisher_per_token",
+    "fisher_totals",
+    "rank_by_fisher",
+    "rank_by_output_error",
+    "swap_submodule",
+]
 
 
 @dataclass(frozen=True)
@@ -158,13 +165,13 @@ def fisher_totals(
     return totals
 
 
-def rank_by_fisher(
-    model: nn.Module, qmods: dict[str, nn.Module], forward_loop: Callable[[nn.Module], object]
-) -> list[LayerScore] | None:
-    """Layers of ``qmods``, worst first, by ``fisher_totals`` of the summed next-token loss divided by the
-    tokens seen (diagonal-Fisher estimate of the loss increase, nats/token, as in HAWQ-V2 and BRECQ). One
-    ``forward_loop`` with gradients. Returns ``None`` if ``model``'s calls are not causal-LM calls (no
-    ``logits`` or ``input_ids``) or it has no input embeddings: use ``rank_by_output_error`` then."""
+def fisher_per_token(
+    model: nn.Module, variants: Mapping[str, Mapping[Hashable, nn.Module]], forward_loop: Callable[[nn.Module], object]
+) -> dict[str, dict[Hashable, float]] | None:
+    """``fisher_totals`` of the summed next-token loss of ``forward_loop(model)`` divided by the tokens seen: per
+    layer and variant, the diagonal-Fisher estimate of the loss increase (nats/token, as in HAWQ-V2, BRECQ and
+    ModelOpt's ``auto_quantize``). One ``forward_loop`` with gradients. ``None`` if ``model``'s calls are not
+    causal-LM calls (no ``logits`` or ``input_ids``) or it has no input embeddings."""
     state = {"seqs": 0, "tokens": 0, "ok": True}
 
     def model_hook(_m, args, kwargs, output):
@@ -182,11 +189,22 @@ def rank_by_fisher(
         return None
     handle = model.register_forward_hook(model_hook, with_kwargs=True)
     try:
-        totals = fisher_totals(model, {n: {n: q} for n, q in qmods.items()}, lambda: forward_loop(model))
+        totals = fisher_totals(model, variants, lambda: forward_loop(model))
     finally:
         handle.remove()
     if not state["ok"] or state["seqs"] == 0:
         return None
+    return {n: {k: t / state["tokens"] for k, t in row.items()} for n, row in totals.items()}
+
+
+def rank_by_fisher(
+    model: nn.Module, qmods: dict[str, nn.Module], forward_loop: Callable[[nn.Module], object]
+) -> list[LayerScore] | None:
+    """Layers of ``qmods``, worst first, by ``fisher_per_token`` (nats/token); ``None`` where that is ``None``
+    (use ``rank_by_output_error`` then)."""
+    per_token = fisher_per_token(model, {n: {n: q} for n, q in qmods.items()}, forward_loop)
+    if per_token is None:
+        return None
     metric = "Fisher estimate of the loss increase (nats/token)"
-    scores = [LayerScore(n, t[n] / state["tokens"], metric) for n, t in totals.items()]
+    scores = [LayerScore(n, t[n], metric) for n, t in per_token.items()]
     return sorted(scores, key=lambda s: -s.score)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ..planner.bits import BitsPlan
     from .layer_error import LayerScore
     from .norm_tweak import NormTweakResult
 
@@ -30,9 +31,14 @@ class PTQReport:
     sensitivity: list[LayerScore] = field(default_factory=list)
     experts: list[str] = field(default_factory=list)  # the MoE experts modules quantized (QuantExperts)
     expert_tokens: dict[str, list[int]] = field(default_factory=dict)  # calibration tokens routed per expert
+    schemes: dict[str, str] = field(default_factory=dict)  # scheme "auto": each quantized layer's scheme
+    plan: BitsPlan | None = None  # scheme "auto": the per-layer plan
 
     def __str__(self) -> str:
         lines = [f"fp8kit.ptq ({self.scheme}): quantized {len(self.quantized)} Linear layers"]
+        if self.plan is not None:
+            lines.append("  " + self.plan.summary())
+            lines += [f"  {name}: {scheme}" for name, scheme in self.schemes.items()]
         if self.experts:
             lines.append(
                 f"  quantized {len(self.experts)} MoE experts modules (per-expert weight scales"

@@ -498,14 +498,26 @@ def quantize(
     overwrite: bool = False,
     **options: Any,
 ) -> nn.Module | Path:
-    """``ptq.quantize.quantize`` on a loaded model (returns it, quantized in place); given a Hugging Face
+    """``ptq.quantize.quantize`` on a loaded model (returns it, quantized in place; scheme ``"auto"`` with
+    ``budget=BITS``: ``ptq.auto.quantize_auto``, a scheme per layer); given a Hugging Face
     folder or a model on the ``meta`` device (its ``config._name_or_path`` the folder), the sequential
     ``quantize_checkpoint`` into ``out`` on ``device`` (returns the export's path; the report is the
     skeleton's ``ptq_report``)."""
+    auto = isinstance(scheme, str) and scheme.strip().lower() == "auto"
+    if not auto and ("budget" in options or "candidates" in options):
+        raise ValueError("budget and candidates go with scheme='auto' (a scheme per layer)")
     if isinstance(model, nn.Module) and not is_on_meta(model):
         if out is not None:
             raise ValueError("quantize(model) returns the quantized model: write it with fp8kit.export.save_pretrained")
+        if auto:
+            from .auto import quantize_auto
+
+            return quantize_auto(model, forward_loop, **options)
         return quantize_module(model, scheme, forward_loop, **options)
+    if auto:
+        raise ValueError(
+            "scheme 'auto' scores every layer in one pass over the whole model: load it and pass the model"
+        )
     skeleton_model = model if isinstance(model, nn.Module) else None
     path = getattr(model.config, "_name_or_path", "") if skeleton_model is not None else model
     if not path or not Path(path, "config.json").is_file():
