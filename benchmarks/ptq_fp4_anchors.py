@@ -12,9 +12,10 @@ Rows: fp8kit (``ptq_settings``' defaults, and round to nearest / GPTQ without AW
 ``W4A16_NVFP4_CFG`` and ``NVFP4_DEFAULT_CFG`` (``mtq.quantize``, max calibration, fake quantization);
 llm-compressor's ``NVFP4A16`` and ``NVFP4`` presets (``QuantizationModifier(targets="Linear",
 ignore=["lm_head"])`` oneshot; fake quantization in its calibrated model) when ``--llmc-python`` names a
-Python that has llmcompressor (it pins its own transformers, so it runs in its own environment: this
-script hands it the model folder, the calibration batches and the windows in a safetensors file and
-reads back the per-window losses). ModelOpt and llm-compressor keep the output head in high precision,
+Python that has llmcompressor (0.14.0.1 pins transformers >= 5.15, <= 5.17, so it runs in its own
+environment: ``python -m venv V && V/bin/pip install torch llmcompressor``; this script hands it the model
+folder, the calibration batches and the windows in a safetensors file and reads back the per-window
+losses; it runs on the CPU). ModelOpt and llm-compressor keep the output head in high precision,
 as fp8kit does.
 """
 
