@@ -25,6 +25,7 @@ from .ptq.schemes import PTQ_SCHEMES
 __all__ = [
     "DEFAULT_KEEP_BF16",
     "DEFAULT_NORM_TWEAK",
+    "calibration_batches",
     "calibration_for",
     "full_load_line",
     "calibration_loop",
@@ -57,14 +58,21 @@ def linear_weight_count(model: nn.Module) -> int:
     return sum(m.weight.numel() for m in _quantizable(model))
 
 
-def calibration_loop(splits: PTQSplits, batches: int, batch_size: int = 4, seq_len: int = 128) -> Callable:
-    """``forward_loop`` over ``batches`` batches of windows spread over the calibration split (ModelOpt's
-    convention); the dev and test splits are never seen. A short text (a user's ``--text``) gives as many
-    windows as its calibration split holds."""
+def calibration_batches(
+    splits: PTQSplits, batches: int, batch_size: int = 4, seq_len: int = 128
+) -> tuple[torch.Tensor, ...]:
+    """Up to ``batches`` batches of ``(batch_size, seq_len)`` token ids spread over the calibration split; a
+    short text (a user's ``--text``) gives as many windows as its calibration split holds."""
     n = min(batches * batch_size, available_windows(splits.calib, seq_len, splits.block))
     if n < 1:
         raise ValueError(f"{splits.name} is too short to calibrate on windows of {seq_len + 1} tokens")
-    data = windows(splits.calib, n, seq_len, splits.block)[:, :-1].split(batch_size)
+    return windows(splits.calib, n, seq_len, splits.block)[:, :-1].split(batch_size)
+
+
+def calibration_loop(splits: PTQSplits, batches: int, batch_size: int = 4, seq_len: int = 128) -> Callable:
+    """``forward_loop`` over ``calibration_batches`` (ModelOpt's convention); the dev and test splits are
+    never seen."""
+    data = calibration_batches(splits, batches, batch_size, seq_len)
 
     def forward_loop(model: nn.Module) -> None:
         device = model_device(model)

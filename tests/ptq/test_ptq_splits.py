@@ -32,6 +32,26 @@ def test_splits_are_disjoint_cover_the_text_and_windows_spread_over_it():
         ptq_splits(torch.arange(100), "short")
 
 
+def test_calibration_loop_runs_the_calibration_batches_from_the_calibration_split_only():
+    from fp8kit.pretrained_ptq import calibration_batches, calibration_loop
+
+    ids = torch.arange(40 * BLOCK + 100)
+    sp = ptq_splits(ids, "t")
+    batches = calibration_batches(sp, 3, batch_size=2, seq_len=64)
+    assert [tuple(b.shape) for b in batches] == [(2, 64)] * 3
+    assert torch.isin(torch.cat(batches), sp.calib).all()  # never the dev or test split
+    seen = []
+
+    class Recorder(torch.nn.Module):
+        def forward(self, input_ids):
+            seen.append(input_ids)
+
+    calibration_loop(sp, 3, batch_size=2, seq_len=64)(Recorder())
+    assert len(seen) == 3 and all(torch.equal(a, b) for a, b in zip(seen, batches, strict=True))
+    with pytest.raises(ValueError, match="too short to calibrate"):
+        calibration_batches(sp, 1, seq_len=len(sp.calib) + 10)
+
+
 def test_second_text_is_english_prose_at_hand():
     text = reference_text()
     assert len(text) > 200_000 and " the " in text
