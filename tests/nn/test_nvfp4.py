@@ -5,6 +5,7 @@ transform cancels, the 2-D weight codes serve W and W^T, and a tiny Llama trains
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import scipy.linalg
@@ -216,8 +217,9 @@ def test_compiled_mlp_step_equals_eager_without_stochastic_rounding():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("FP8KIT_SLOW_TESTS"), reason="compiles a whole model: set FP8KIT_SLOW_TESTS=1")
 def test_compiled_llama_step_equals_eager_without_stochastic_rounding():
-    """The tiny Llama whole (about two minutes of tracing on two busy cores): as the MLP test above."""
+    """The tiny Llama whole (about a minute of tracing on two cores): as the MLP test above."""
     recipe = fp8kit.NVFP4BlockScaling(disable_stochastic_rounding=True)
     eager = _llama(2, recipe)
     compiled = copy.deepcopy(eager)
