@@ -265,6 +265,15 @@ def fuse_expert_tensors(module: nn.Module, state: dict[str, torch.Tensor], model
         state[f"{name}.down_proj"] = torch.stack([take(e, down) for e in range(n)])
 
 
+def _linear_shapes(module: nn.Module) -> dict[int, tuple[int, int]]:
+    """Each expert linear's ``(out, in)`` by linear index (0 gate, 1 up, 2 down)."""
+    w1 = getattr(module, experts_projections(module)[0])
+    inter, hidden = (w1.shape[2], w1.shape[1]) if module.is_transposed else (w1.shape[1], w1.shape[2])
+    if module.has_gate:
+        inter //= 2
+    return {0: (inter, hidden), 1: (inter, hidden), 2: (hidden, inter)}
+
+
 def load_experts(
     model: nn.Module,
     path: Any,
@@ -288,14 +297,10 @@ def load_experts(
     for name, module in found.items():
         base = checkpoint_key(f"{name}.", block)
         first, second = experts_projections(module)
-        w1 = getattr(module, first)
         e = module.num_experts
         if scheme.weight_strategy == "block" and _interleaved(module):
             raise ExportError(f"{path}: {name}: a tile of the interleaved gate/up rows mixes gate and up")
-        inter, hidden = (w1.shape[2], w1.shape[1]) if module.is_transposed else (w1.shape[1], w1.shape[2])
-        if module.has_gate:
-            inter //= 2
-        shapes = {0: (inter, hidden), 1: (inter, hidden), 2: (hidden, inter)}
+        shapes = _linear_shapes(module)
         parts: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
         biases: dict[int, torch.Tensor] = {}
         wanted = (0, 1, 2) if module.has_gate else (1, 2)
@@ -366,12 +371,8 @@ def load_fp4_experts(
     for name, module in found.items():
         base = checkpoint_key(f"{name}.", block)
         first, second = experts_projections(module)
-        w1 = getattr(module, first)
         e = module.num_experts
-        inter, hidden = (w1.shape[2], w1.shape[1]) if module.is_transposed else (w1.shape[1], w1.shape[2])
-        if module.has_gate:
-            inter //= 2
-        shapes = {0: (inter, hidden), 1: (inter, hidden), 2: (hidden, inter)}
+        shapes = _linear_shapes(module)
         new: dict[str, torch.Tensor] = {}
         groups = {first: (0, 1) if module.has_gate else (1,), second: (2,)}
         for proj, whiches in groups.items():
