@@ -178,6 +178,25 @@ def test_doctor_names_the_nan_layer(batches):
     assert rep.culprits[0].layer == "4"
 
 
+def test_a_gap_within_the_run_to_run_spread_is_not_fp8s():
+    losses = {"bf16": [1.0] * 10, "fp8": [1.03] * 10}  # a 3% gap, past the 2% tolerance
+    assert debug.diagnosis.classify(losses, None, 0.02, 0.25, 8.0)[0] == "gap"
+    assert debug.diagnosis.classify(losses, None, 0.02, 0.25, 8.0, noise_gap=0.01)[0] == "gap"
+    kind, summary, _ = debug.diagnosis.classify(losses, None, 0.02, 0.25, 8.0, noise_gap=-0.02)
+    assert kind == "none" and "run-to-run spread" in summary and "-2.00%" in summary, summary
+
+
+def test_doctor_noise_floor_trains_bf16_one_layer_one_ulp_off(batches, tmp_path):
+    rep = debug.doctor(mlp(), batches, steps=6, loss_fn=mse, noise_floor=True)
+    ref, nudged = rep.losses["bf16"], rep.losses["bf16_nudged"]
+    assert len(nudged) == len(ref) == 6
+    assert nudged != ref and all(abs(a / b - 1) < 1e-2 for a, b in zip(nudged, ref, strict=True))
+    assert "one ulp off" in rep.summary, rep.summary
+    plain = debug.doctor(mlp(), batches, steps=6, loss_fn=mse)
+    assert plain.losses["bf16"] == ref and "bf16_nudged" not in plain.losses  # the pair trains as without it
+    assert (rep.save(tmp_path / "r") / "..").resolve().joinpath("loss.png").is_file()
+
+
 def test_doctor_bad_input(batches, tmp_path):
     with pytest.raises(ValueError, match="no layer was converted"):
         debug.doctor(nn.Sequential(nn.ReLU()), [torch.randn(2, 2)], steps=2)

@@ -55,6 +55,11 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
     d.add_argument("--seed", type=int, default=0, help="seed of the weights and batches")
     d.add_argument("--text", type=text_file, default=None, help="use this UTF-8 text instead of the shipped corpus")
     d.add_argument("--apply", action="store_true", help="re-run with the top fix and show whether the gap closed")
+    d.add_argument(
+        "--noise-floor",
+        action="store_true",
+        help="also train BF16 with one layer's weights one ulp off: a gap within twice its spread is not FP8's",
+    )
     d.add_argument("--out", default="runs/fp8kit-doctor", help="folder for report.md and its plots")
     add_device_options(d)
     add_overwrite(d, "files")
@@ -83,8 +88,9 @@ def run(args: argparse.Namespace) -> int:
         x, _ = corpus.batch("train", i, args.batch_size, args.seq_len, args.seed)
         batches.append({"input_ids": x, "labels": x})
     report = doctor(
-        model, batches, recipe=recipe, steps=args.steps, lr=args.lr, apply=args.apply, seed=args.seed, device=device
-    )
+        model, batches, recipe=recipe, steps=args.steps, lr=args.lr, apply=args.apply, seed=args.seed, device=device,
+        noise_floor=args.noise_floor,
+    )  # fmt: skip
     path = report.save(out)
     print(
         f"fp8kit doctor ({recipe.kind} vs bf16, {report.steps} steps): "
@@ -105,12 +111,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _announce_cost(args: argparse.Namespace, device) -> None:
-    """Two copies (BF16 and FP8) trained side by side, ``--apply``: twice."""
+    """Two copies (BF16 and FP8) trained side by side, ``--apply``: twice; ``--noise-floor``: one more BF16 run."""
     from ..cost import estimate_training
 
     shape = shape_of(args.model, args.arch, args.model_size, args.seq_len)
     tokens = args.batch_size * args.seq_len
     runs = ["bf16 + fp8"] + (["apply fix"] if args.apply else [])
     cost = estimate_training("doctor", shape, device, runs, 2 * args.steps, tokens, tokens)
+    if args.noise_floor:  # one copy, not two
+        cost.phases["bf16 one ulp off"] = cost.phases["bf16 + fp8"] / 2
     cost.device_bytes *= 2  # both copies live at once
     announce(cost, device, args.force)

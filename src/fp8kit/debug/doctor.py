@@ -56,7 +56,7 @@ class DoctorReport:
     summary: str
     recipe: str
     steps: int
-    losses: dict[str, list[float]]
+    losses: dict[str, list[float]]  # "bf16", "fp8" and, with a noise floor, "bf16_nudged" per step
     layer_error: dict[str, list[float]]  # layer -> per-step relative output error (FP8 vs BF16)
     grad_error: dict[str, list[float]]  # layer -> per-step relative weight-gradient error
     stats: list[dict[str, Any]] = field(repr=False, default_factory=list)
@@ -216,6 +216,34 @@ def _train_pair(
     }
 
 
+def _nudged_losses(
+    model: nn.Module, batches: list[Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor], lr: float,
+    layer: str, seed: int,
+) -> list[float]:  # fmt: skip
+    """The losses of a BF16 copy of ``model`` whose ``layer`` weight is moved to neighbouring bfloat16 values
+    (each element one ulp up or down, at random), trained as the pair is: the run-to-run spread a gap is
+    measured against."""
+    torch.manual_seed(seed)
+    ref = to_bf16_gemms(copy.deepcopy(model)).train()
+    weight = next(p for p in ref.get_submodule(layer).parameters() if p.dim() >= 2)
+    with torch.no_grad():
+        bits = weight.to(torch.bfloat16).view(torch.int16)
+        gen = torch.Generator().manual_seed(seed)
+        step = (torch.randint(0, 2, bits.shape, generator=gen) * 2 - 1).to(torch.int16)
+        step[(bits & 0x7FFF) == 0] = 1  # a zero moves to the smallest subnormal of its sign
+        weight.copy_((bits + step).view(torch.bfloat16).to(weight.dtype))
+    opt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    losses = []
+    for batch in batches:
+        loss = loss_fn(ref, batch)
+        losses.append(loss.item())
+        if not math.isfinite(losses[-1]):
+            break
+        loss.backward()
+        _optimizer_step(opt)
+    return losses
+
+
 def _weights_by_name(model: nn.Module, names: list[str]) -> dict[str, tuple[str, str, int | None]]:
     """``{reported name: (module, parameter, expert or None)}``: a Linear's weight under the layer's name, each
     expert's weight of an experts module as ``"{module}[{e}].{weight}"`` (as the inspector names them)."""
@@ -272,6 +300,7 @@ def doctor(
     marginal_db: float = 3.0,
     seed: int = 0,
     device: str | torch.device | None = None,
+    noise_floor: bool = False,
 ) -> DoctorReport:
     """Diagnose FP8 training of ``model`` (a high-precision module; copied, never modified).
 
@@ -288,6 +317,8 @@ def doctor(
         marginal_db: a departure scoring less (dB past the threshold summed over its steps) is a note.
         spike_z: robust z-score of a loss spike.
         device: where both copies train (default: where ``model`` is); batches follow.
+        noise_floor: also train a BF16 copy with one layer's weights one ulp off (``losses["bf16_nudged"]``): a gap
+            within ``NOISE_FACTOR`` times its final gap is the run-to-run spread, not FP8's (a third run).
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
@@ -309,6 +340,8 @@ def doctor(
         "marginal_db": marginal_db,
     }
     run = _train_pair(model, data, recipe, loss_fn, lr, module_filter, prepare_fp8, seed)
+    if noise_floor:
+        run["losses"]["bf16_nudged"] = _nudged_losses(model, data, loss_fn, lr, run["names"][0], seed)
     found = diagnose(run, **limits)
     # fixes are recommended for problems the loss shows; departures without a loss effect (e.g. a delayed
     # scale one step stale while gradients grow after the first update) are notes and do not alarm
@@ -334,6 +367,8 @@ def doctor(
         if top is not None:
             new_recipe, new_filter = _fix_kwargs(top.fix, recipe, module_filter)
             rerun = _train_pair(model, data, new_recipe, loss_fn, lr, new_filter, prepare_fp8, seed)
+            if noise_floor:  # the BF16 copies train as before: the same spread
+                rerun["losses"]["bf16_nudged"] = run["losses"]["bf16_nudged"]
             after = diagnose(rerun, **limits)
             report.applied = {
                 "fix": top.action,

@@ -138,6 +138,8 @@ def write_report(result: Mapping[str, Any], stats: Sequence[Mapping[str, Any]], 
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.plot(rep.losses["bf16"], label="bf16", color="black", lw=2)
     ax.plot(rep.losses["fp8"], label=f"fp8 ({rep.recipe})")
+    if "bf16_nudged" in rep.losses:
+        ax.plot(rep.losses["bf16_nudged"], label="bf16, one layer one ulp off", color="grey", ls=":")
     if rep.applied:
         ax.plot(rep.applied["losses_after"]["fp8"], label="fp8 after the top fix", ls="--")
     for c in rep.culprits[:1]:
