@@ -206,3 +206,16 @@ def test_a_one_scheme_plan_exports_as_that_scheme(candidates, budget, tmp_path):
     torch.testing.assert_close(back(HELD_OUT).logits, ours, rtol=0, atol=0)
     hf = AutoModelForCausalLM.from_pretrained(out, quantization_config=CompressedTensorsConfig(dequantize=True))
     torch.testing.assert_close(hf.eval()(HELD_OUT).logits, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_cli_plans_the_experts_and_writes_a_one_scheme_plan(tmp_path, capsys):
+    from fp8kit.cli import main
+    from tests.helpers.moe import save_local_moe
+
+    root = save_local_moe(tmp_path / "hf")
+    model, text, out = str(root / "model"), str(root / "text.txt"), tmp_path / "q"
+    args = ["quantize", "--model", model, "--scheme", "auto", "--text", text, "--calib-batches", "2", "--no-gptq"]
+    assert main([*args, "--budget", "8", "--candidates", "int8-weight-only", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert all(f"{n}: int8-weight-only" in printed for n in EXPERTS)
+    assert load_pretrained(out).ptq_report.experts == EXPERTS
