@@ -112,7 +112,8 @@ def quantize_auto(
     run = _Run(model, PTQ_SCHEMES["fp8"], forward_loop, opts, report, Progress(progress), calibrating=True)
     _select_layers(run)
     experts = set(run.experts)
-    units = [n for n, _ in model.named_modules() if n in experts or n in set(run.targets)]  # module order
+    planned = experts.union(run.targets)
+    units = [n for n, _ in model.named_modules() if n in planned]  # in module order
     run.progress.say(
         f"fp8kit.ptq auto on {len(run.targets)} Linear layers"
         + (f" and {len(run.experts)} MoE experts modules" if run.experts else "")
