@@ -1,4 +1,6 @@
-r"""PTQ ``auto`` (a scheme per layer for an effective-bits budget) against uniform schemes on SmolLM2-135M.
+r"""PTQ ``auto`` (a scheme per layer for an effective-bits budget) against uniform schemes on SmolLM2-135M
+or another causal LM (``--model``: the MoE demo's ``fp8kit train`` checkpoint, where each experts module is
+one unit of the plan).
 
 Every configuration calibrates on the same KJV calibration batches and rounds to nearest (no GPTQ, AWQ,
 SmoothQuant or layers kept in BF16 beyond what the plan keeps), the BF16 layers run BF16 GEMMs
@@ -7,6 +9,8 @@ BF16 (mean +- standard error over windows), with its effective bits (``planner.b
 and the summed Fisher-predicted loss increase the plan reported.
 
     OMP_NUM_THREADS=2 python benchmarks/ptq_auto.py --budgets 8,6 --schemes fp8-dynamic,int8-weight-only,nvfp4-weight-only
+    fp8kit train --arch moe --model-size tiny --steps 200 --out RUN
+    OMP_NUM_THREADS=1 python benchmarks/ptq_auto.py --model RUN/ckpt/bf16 --seq-len 128
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ import torch
 
 from fp8kit.data import windows
 from fp8kit.evaluation import window_losses
-from fp8kit.models.pretrained import load_pretrained_lm
 from fp8kit.nn import to_bf16_gemms
 from fp8kit.planner.bits import EFFECTIVE_BITS
 from fp8kit.pretrained_ptq import calibration_loop, load_splits
 from fp8kit.ptq import quantize
+from fp8kit.ptq.experts import find_experts
+from fp8kit.train.reload import load_model
 
 
 def paired(loss: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -35,6 +40,7 @@ def paired(loss: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2", help="smollm2, a Hugging Face folder or an fp8kit train checkpoint")
     p.add_argument("--budgets", default="8,6", help="comma-separated effective-bits budgets for auto")
     p.add_argument("--schemes", default="fp8-dynamic,int8-weight-only,nvfp4-weight-only", help="uniform schemes")
     p.add_argument("--candidates", default=None, help="auto's candidates (default: all per-layer schemes)")
@@ -43,8 +49,9 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=256)
     args = p.parse_args()
     torch.manual_seed(0)
-    base, tok = load_pretrained_lm("smollm2")
+    base, tok = load_model(args.model)
     base.eval()
+    experts_modules = set(find_experts(base))
     kjv = load_splits(None, tok, second_text=False)[0]
     loop = calibration_loop(kjv, args.calib_batches)
     test = windows(kjv.test, args.test_windows, args.seq_len, kjv.block)
@@ -77,6 +84,10 @@ def main() -> None:
         )
         if report.plan is not None:
             print("   " + ", ".join(f"{c} {k}" for c, k in report.plan.counts().items()))
+            experts = {n: c for n, c in report.plan.per_layer.items() if n in experts_modules}
+            if experts:
+                share = sum(report.plan.params[n] for n in experts) / sum(report.plan.params.values())
+                print(f"   experts ({100 * share:.0f}% of the planned weights): " + ", ".join(experts.values()))
     if "uniform" in locals():
         print("predicted (Fisher) loss increase of uniform schemes: "
               + ", ".join(f"{c} {u['loss_increase']:.3g}" for c, u in uniform.items()))  # fmt: skip

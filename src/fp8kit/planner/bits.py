@@ -5,8 +5,9 @@ the weight format's value bits (``E + M + 1`` for floats, ``num_bits`` for integ
 per-channel scales uncounted, NVFP4 4.5 (its ``effective_bits`` override in
 ``modelopt_recipes/configs/numerics/nvfp4.yaml``: an E4M3 scale per 16 values), MXFP4 4.0 (no override:
 its E8M0 scale per 32 values, 0.25 bits, is not counted), no quantization 16. The budget is the mean over
-the planned layers' weights, each layer counted by its weight count. ``solver.solve`` then picks, per layer,
-the scheme that minimises the summed predicted loss increase with the summed bits within the budget.
+the planned layers' weights, each layer counted by its weight count (a MoE experts module by all its
+experts' weights). ``solver.solve`` then picks, per layer, the scheme that minimises the summed predicted
+loss increase with the summed bits within the budget.
 """
 
 from __future__ import annotations

@@ -1,26 +1,41 @@
 """``quantize(model, "auto", forward_loop, budget=BITS)``: a PTQ scheme per layer for an effective-bits budget.
 
 ModelOpt's ``auto_quantize`` design on fp8kit's pieces: every candidate scheme's quantized copy of every
-layer (calibrated on ``forward_loop``, rounded to nearest) is scored in one pass with gradients by the
-Fisher estimate of the loss increase (``layer_error.fisher_per_token``, the rule ``keep_bf16`` ranks by),
-``planner.bits.plan_bits`` picks the scheme per layer (or BF16) with the least summed prediction whose
-mean effective bits fit ``budget``, and the chosen layers are swapped in (GPTQ-rounded with ``gptq``).
+plannable unit (an ``nn.Linear``, or a MoE experts module as one unit, quantized as uniform PTQ quantizes
+it: ``ptq.experts``), calibrated on ``forward_loop`` and rounded to nearest, is scored in one pass with
+gradients by the Fisher estimate of the loss increase at that unit's output (``layer_error.fisher_per_token``,
+the rule ``keep_bf16`` ranks by); ``planner.bits.plan_bits`` picks the scheme per unit (or BF16) with the
+least summed prediction whose mean effective bits, weighted by weight count (all experts of a module
+counted), fit ``budget``; the chosen units are swapped in (GPTQ-rounded with ``gptq``). MoE routers stay
+in high precision, as in uniform PTQ.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.nn as nn
 
 from ..planner.bits import BF16, EFFECTIVE_BITS, plan_bits
 from .calibrate import choose_amax, observe_inputs
+from .experts import (
+    dispatch_quant_experts,
+    experts_projections,
+    fp4_experts_problem,
+    observe_experts,
+    quant_experts_forward,
+    quantize_experts_module,
+)
 from .layer_error import fisher_per_token
 from .linear import QuantLinear
 from .progress import Progress
 from .report import PTQReport
 from .schemes import PTQ_SCHEMES, get_scheme
+
+if TYPE_CHECKING:
+    from .quantize import _Run
 
 __all__ = ["AUTO_CANDIDATES", "quantize_auto"]
 
@@ -43,6 +58,18 @@ def _candidates(candidates: Sequence[str] | None) -> list[str]:
     return list(dict.fromkeys([BF16, *names]))  # BF16 always: it is ModelOpt's "do not quantize" choice
 
 
+class _ExpertsVariant(nn.Module):
+    """A quantized copy of an experts module (a ``QuantExperts`` whose config was left as it is), called
+    through the ``"fp8kit_ptq"`` forward as the model calls it once installed: the module auto scores."""
+
+    def __init__(self, experts: nn.Module) -> None:
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return quant_experts_forward(self.experts, *args, **kwargs)
+
+
 def quantize_auto(
     model: nn.Module,
     forward_loop: Callable[[nn.Module], object] | None,
@@ -56,14 +83,16 @@ def quantize_auto(
     progress: bool | None = None,
     **other: Any,
 ) -> nn.Module:
-    """Quantize ``model`` in place, each layer with the candidate (default ``AUTO_CANDIDATES``, BF16 always
-    among them) that the plan gives it, and return it: the plan (``planner.bits.BitsPlan``) has the least
-    summed Fisher-predicted loss increase (nats/token) whose mean effective bits per weight fit ``budget``
-    (``planner.bits.EFFECTIVE_BITS``, ModelOpt's counting), and is ``model.ptq_report.plan``;
-    ``ptq_report.schemes`` names each quantized layer's scheme. Static activation scales are calibrated on
-    ``forward_loop`` (``calibration``, ``percentile``) and the predictions made with round-to-nearest weights;
-    ``gptq`` rounds the chosen layers with GPTQ. ``module_filter`` and ``progress`` as in ``ptq.quantize``;
-    other ``ptq.quantize`` options (SmoothQuant, AWQ, FP8 KV cache, keep_bf16, norm tweaking) are refused."""
+    """Quantize ``model`` in place, each layer (``nn.Linear``, or MoE experts module as one unit) with the
+    candidate (default ``AUTO_CANDIDATES``, BF16 always among them) that the plan gives it, and return it:
+    the plan (``planner.bits.BitsPlan``) has the least summed Fisher-predicted loss increase (nats/token)
+    whose mean effective bits per weight fit ``budget`` (``planner.bits.EFFECTIVE_BITS``, ModelOpt's
+    counting), and is ``model.ptq_report.plan``; ``ptq_report.schemes`` names each quantized unit's scheme
+    (``ptq_report.experts`` lists the quantized experts modules). Static activation scales are calibrated on
+    ``forward_loop`` (``calibration``, ``percentile``; experts as uniform PTQ calibrates them, every token
+    through every expert) and the predictions made with round-to-nearest weights; ``gptq`` rounds the chosen
+    units with GPTQ. ``module_filter`` and ``progress`` as in ``ptq.quantize``; other ``ptq.quantize``
+    options (SmoothQuant, AWQ, FP8 KV cache, keep_bf16, norm tweaking) are refused."""
     from .quantize import PTQOptions, _fp4_misfit, _Run, _select_layers, shared_weight_scales
 
     if other:
@@ -82,24 +111,28 @@ def quantize_auto(
     report = PTQReport("auto", calibration=calibration)
     run = _Run(model, PTQ_SCHEMES["fp8"], forward_loop, opts, report, Progress(progress), calibrating=True)
     _select_layers(run)
-    if run.experts:
-        raise ValueError(
-            f"auto plans nn.Linear layers, not MoE experts ({', '.join(run.experts)}): keep them in high precision "
-            "with module_filter, or quantize with one scheme"
-        )
+    experts = set(run.experts)
+    planned = experts.union(run.targets)
+    units = [n for n, _ in model.named_modules() if n in planned]  # in module order
     run.progress.say(
-        f"fp8kit.ptq auto on {len(run.targets)} Linear layers, candidates {', '.join(names)}, budget {budget:g} bits: "
-        f"calibrate (1 pass) -> score every candidate (1 pass with gradients)"
+        f"fp8kit.ptq auto on {len(run.targets)} Linear layers"
+        + (f" and {len(run.experts)} MoE experts modules" if run.experts else "")
+        + f", candidates {', '.join(names)}, budget {budget:g} bits: "
+        "calibrate (1 pass) -> score every candidate (1 pass with gradients)"
         + (" -> GPTQ Hessians (1 pass)" if gptq else "")
         + " -> plan -> swap in"
     )
     was_training = model.training
     model.eval()
     try:
-        with run.progress.phase("calibrate", run.progress.batches, model=model, timed_pass=True):
+        with (
+            run.progress.phase("calibrate", run.progress.batches, model=model, timed_pass=True),
+            observe_experts(model, run.experts) as expert_observers,
+        ):
             observers = observe_inputs(model, run.targets, forward_loop)
-        variants: dict[str, dict[str, nn.Module]] = {n: {} for n in run.targets}
-        amax: dict[tuple[str, str], float] = {}
+        report.expert_tokens = {n: o.tokens.tolist() for n, o in expert_observers.items()}
+        variants: dict[str, dict[str, nn.Module]] = {n: {} for n in units}
+        amax: dict[tuple[str, str], Any] = {}  # Linear: the input amax; experts: (gate_up, down) input amaxes
         for s in schemes:
             shared = shared_weight_scales(model, s, run.targets)
             for n in run.targets:
@@ -109,6 +142,14 @@ def quantize_auto(
                 a = choose_amax(observers[n], s.act_format, calibration, percentile) if s.static_activations else None
                 amax[(n, s.name)] = a
                 variants[n][s.name] = QuantLinear.from_linear(linear, s, a, shared.get(n))
+            for n in run.experts:
+                module = model.get_submodule(n)
+                if fp4_experts_problem(module, s):
+                    continue
+                a = expert_observers[n].amax(s.act_format, calibration, percentile) if s.static_activations else None
+                amax[(n, s.name)] = a
+                q = quantize_experts_module(module, s, a, n, copy=True, dispatch=False)
+                variants[n][s.name] = _ExpertsVariant(q)
         with run.progress.phase("score", run.progress.batches, model=model):
             predicted = fisher_per_token(model, variants, forward_loop)
         if predicted is None:
@@ -116,30 +157,32 @@ def quantize_auto(
                 "auto scores layers by the next-token loss: the model must be a causal LM with input embeddings "
                 "called as model(input_ids=...) by forward_loop"
             )
-        params = {n: model.get_submodule(n).weight.numel() for n in run.targets}
+        params = {n: _weight_count(model.get_submodule(n), n in experts) for n in units}
         plan = plan_bits(predicted, params, budget)
         chosen = {n: c for n, c in plan.per_layer.items() if c != BF16}
         if gptq and chosen:
-            from .gptq import collect_hessians, gptq_linear
-
-            with run.progress.phase("GPTQ Hessians", run.progress.batches, model=model, timed_pass=True):
-                hessians = collect_hessians(model, list(chosen), forward_loop)
-            scales = {c: shared_weight_scales(model, get_scheme(c), run.targets) for c in set(chosen.values())}
-            for n, c in chosen.items():
-                variants[n][c] = gptq_linear(
-                    model.get_submodule(n), hessians.pop(n), c, amax.get((n, c)), weight_global_scale=scales[c].get(n)
-                )
+            _gptq_chosen(model, chosen, experts, variants, amax, run)
             report.gptq = True
         for n, c in plan.per_layer.items():
             if c == BF16:
                 report.skipped[n] = f"kept in high precision by the auto plan ({EFFECTIVE_BITS[BF16]:g} bits)"
                 continue
+            q = variants[n][c]
+            if n in experts:
+                q = q.experts
+                dispatch_quant_experts(q)
+                report.experts.append(n)
+                if amax.get((n, c)) is not None:
+                    report.input_amax.update(
+                        {f"{n}.{p}": float(a) for p, a in zip(q.projections, amax[(n, c)], strict=True)}
+                    )
+            else:
+                report.quantized.append(n)
+                if amax.get((n, c)) is not None:
+                    report.input_amax[n] = amax[(n, c)]
             parent, _, attr = n.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, attr, variants[n][c])
-            report.quantized.append(n)
+            setattr(model.get_submodule(parent) if parent else model, attr, q)
             report.schemes[n] = c
-            if amax.get((n, c)) is not None:
-                report.input_amax[n] = amax[(n, c)]
     finally:
         model.train(was_training)
     used = set(report.schemes.values())
@@ -147,3 +190,44 @@ def quantize_auto(
     report.plan = plan
     object.__setattr__(model, "ptq_report", report)
     return model
+
+
+def _weight_count(module: nn.Module, is_experts: bool) -> int:
+    """The weights the bits budget counts: a Linear's ``weight``, all experts of both projections of an
+    experts module (biases, as a Linear's, uncounted)."""
+    if is_experts:
+        return sum(getattr(module, p).numel() for p in experts_projections(module))
+    return module.weight.numel()
+
+
+def _gptq_chosen(
+    model: nn.Module,
+    chosen: dict[str, str],
+    experts: set[str],
+    variants: dict[str, dict[str, nn.Module]],
+    amax: dict[tuple[str, str], Any],
+    run: _Run,
+) -> None:
+    """Replace the chosen variants by GPTQ-rounded ones: Hessians of the chosen Linear layers and experts
+    modules in one pass over ``forward_loop``, the same scales and activation amaxes as the scored variants."""
+    from .experts import collect_expert_hessians
+    from .gptq import collect_hessians, gptq_linear
+    from .quantize import shared_weight_scales
+
+    linears = [n for n in chosen if n not in experts]
+    with (
+        run.progress.phase("GPTQ Hessians", run.progress.batches, model=model, timed_pass=True),
+        collect_expert_hessians(model, [n for n in chosen if n in experts]) as expert_hessians,
+    ):
+        hessians = collect_hessians(model, linears, run.forward_loop)
+    scales = {c: shared_weight_scales(model, get_scheme(c), run.targets) for c in set(chosen.values())}
+    for n, c in chosen.items():
+        module = model.get_submodule(n)
+        if n in experts:
+            h = expert_hessians[n].hessians()
+            q = quantize_experts_module(module, c, amax.get((n, c)), n, copy=True, hessians=h, dispatch=False)
+            variants[n][c] = _ExpertsVariant(q)
+        else:
+            variants[n][c] = gptq_linear(
+                module, hessians.pop(n), c, amax.get((n, c)), weight_global_scale=scales[c].get(n)
+            )

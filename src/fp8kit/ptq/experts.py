@@ -424,13 +424,16 @@ def quantize_experts_module(
     *,
     copy: bool = False,
     hessians: tuple[torch.Tensor, torch.Tensor] | None = None,
+    dispatch: bool = True,
 ) -> nn.Module:
     """Quantize an experts module in place (class swap, 3-D parameters replaced by code and scale buffers)
     with per-expert weight scales; ``input_amax`` ``(gate_up, down)`` sets the shared static activation
     scales (required by static schemes). ``copy``: leave ``module`` as it is and return a new quantized
     module object (tensors not copied; ``fp8kit.ptq.quantize`` keeps the original as norm tweaking's teacher).
     ``hessians`` (``ExpertsHessians.hessians()``): round each expert's weights with GPTQ instead of to
-    nearest (same scales and codes format)."""
+    nearest (same scales and codes format). ``dispatch=False`` leaves the model's config as it is (the
+    module is then called through ``quant_experts_forward`` directly, or dispatched later with
+    ``dispatch_quant_experts``)."""
     scheme = get_scheme(scheme)
     what = name or type(module).__name__
     if getattr(module, "_is_expert_parallel", False):
@@ -463,7 +466,7 @@ def quantize_experts_module(
             new[f"{proj}_bias"] = bias.detach().float().clone()
     if copy:
         module = shallow_copy(module)
-    install_quant_experts(module, scheme, new)
+    install_quant_experts(module, scheme, new, dispatch=dispatch)
     return module
 
 
@@ -524,9 +527,10 @@ def fp4_tensors(
 
 def shallow_copy(module: nn.Module) -> nn.Module:
     """A new module object with ``module``'s attributes, its own parameter/buffer/submodule dicts (tensors
-    and submodules shared), so that a class swap and new buffers leave ``module`` as it was."""
+    and submodules shared; hook dicts copied as their own type, so hooks can be registered on either), so
+    that a class swap and new buffers leave ``module`` as it was."""
     new = object.__new__(type(module))
-    new.__dict__ = {k: (dict(v) if isinstance(v, dict) else v) for k, v in module.__dict__.items()}
+    new.__dict__ = {k: (v.copy() if isinstance(v, dict) else v) for k, v in module.__dict__.items()}
     return new
 
 
