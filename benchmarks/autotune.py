@@ -6,10 +6,10 @@ the plan, every uniform recipe) is applied to a copy with ``fp8kit.convert`` and
 step cost on the target (roofline), the measured CPU time of one training step (forward + backward) of the
 whole model, and its held-out loss and relative gap to BF16 (no further training). Then the cost model's CPU
 prediction (``roofline.cpu_roofline``) against the timed layer steps (``roofline.measured_seconds``), per
-distinct layer shape and recipe, and the Fisher prediction's Spearman against what was measured on the
-sampled layers (each quantized alone on the planning batches, spread over the predicted ranking): the KL
-divergence of the next-token distributions from the unquantized model's (what the Fisher estimate
-approximates) and the loss change.
+distinct layer shape and recipe, and the prediction's (first-order plus Fisher term) and the Fisher term's
+Spearman against what was measured on the sampled layers (each quantized alone on the planning batches,
+spread over the Fisher ranking): the loss change and the KL divergence of the next-token distributions from
+the unquantized model's (what the Fisher term alone approximates).
 
     OMP_NUM_THREADS=2 python benchmarks/autotune.py --model demo --model-size small --loss-budget 0.01
     python benchmarks/autotune.py --model smollm2 --loss-budget 0.01 --batch-size 4 --seq-len 256 --plan-batches 8
@@ -127,10 +127,12 @@ def main() -> None:
     )  # fmt: skip
     print(plan)
     print(f"planned in {time.perf_counter() - t0:.1f} s\n")
-    for name in sorted(plan.measured, key=lambda n: -plan.predicted[n][plan.measured_recipe]):
+    r = plan.measured_recipe
+    for name in sorted(plan.measured, key=lambda n: -plan.fisher[n][r]):
         print(
-            f"  {name:<40} predicted {plan.predicted[name][plan.measured_recipe]:.3g}  KL {plan.measured[name]:.3g}  "
-            f"loss change {plan.measured_loss[name]:+.3g}"
+            f"  {name:<40} Fisher {plan.fisher[name][r]:.3g}  first-order {plan.first_order[name][r]:+.3g}  "
+            f"predicted {plan.predicted[name][r]:.3g}  loss change {plan.measured_loss[name]:+.3g}  "
+            f"KL {plan.measured[name]:.3g}"
         )
     if args.plan_only:
         return
@@ -168,7 +170,7 @@ def main() -> None:
                   f"measured {measured * 1e3:8.3f} ms  ratio {predicted / measured:5.2f}")  # fmt: skip
     within = sum(0.5 <= r <= 2 for r in ratios)
     print(f"  within 2x: {within}/{len(ratios)}")
-    print(str(plan).splitlines()[-1])  # the prediction check: Spearman against the KL and the loss change
+    print(str(plan).splitlines()[-1])  # the prediction check: Spearman against the loss change and the KL
 
 
 if __name__ == "__main__":

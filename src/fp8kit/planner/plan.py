@@ -34,12 +34,14 @@ class Plan:
 
     ``per_layer``: layer name -> recipe name or ``"bf16"``; ``loss_increase`` / ``cost_s``: the chosen
     candidate's predicted loss increase (nats/token) and step seconds on ``target`` per layer;
-    ``predicted`` / ``costs``: the same for every candidate (layer -> candidate -> value); ``uniform``: per
-    candidate, the totals of giving every layer that candidate and whether that meets the budget;
-    ``measured``: the mean KL divergence (nats/token) of the next-token distributions of the model with each
-    sampled layer alone quantized with ``measured_recipe`` from the unquantized model's, on the planning
-    batches, and ``spearman`` its rank correlation with the prediction; ``measured_loss`` / ``spearman_loss``:
-    the same for the loss change."""
+    ``predicted`` / ``costs``: the same for every candidate (layer -> candidate -> value), the prediction
+    being ``max(first_order + fisher, 0)`` of the two Taylor terms also kept; ``uniform``: per candidate, the
+    totals of giving every layer that candidate and whether that meets the budget; ``measured``: the mean KL
+    divergence (nats/token) of the next-token distributions of the model with each sampled layer alone
+    quantized with ``measured_recipe`` from the unquantized model's, on the planning batches, and
+    ``spearman`` its rank correlation with the prediction; ``measured_loss`` / ``spearman_loss``: the same
+    for the loss change; ``spearman_fisher`` / ``spearman_fisher_loss``: the rank correlation of the Fisher
+    term alone with the KL divergence / the loss change."""
 
     target: str
     loss_budget: float
@@ -57,6 +59,10 @@ class Plan:
     spearman: float | None = None
     measured_loss: dict[str, float] = field(default_factory=dict)
     spearman_loss: float | None = None
+    fisher: dict[str, dict[str, float]] = field(default_factory=dict)
+    first_order: dict[str, dict[str, float]] = field(default_factory=dict)
+    spearman_fisher: float | None = None
+    spearman_fisher_loss: float | None = None
 
     @property
     def allowed_increase(self) -> float:
@@ -89,10 +95,14 @@ class Plan:
                 f"{'all ' + name:<{width}}  {'':<8} {u['loss_increase']:>12.3g} {u['cost_s'] * 1e6:>10.2f}  {meets}"
             )
         if self.measured:
-            rho, rho_loss = (("n/a" if r is None else f"{r:.2f}") for r in (self.spearman, self.spearman_loss))
+            loss, kl, fisher_loss, fisher_kl = (
+                "n/a" if r is None else f"{r:.2f}"
+                for r in (self.spearman_loss, self.spearman, self.spearman_fisher_loss, self.spearman_fisher)
+            )
             lines.append(
-                f"prediction vs measured ({self.measured_recipe}, {len(self.measured)} layers quantized alone): "
-                f"Spearman {rho} against the KL divergence, {rho_loss} against the loss change"
+                f"prediction vs measured ({self.measured_recipe}, {len(self.measured)} layers quantized alone), "
+                f"Spearman against the loss change / the KL divergence: first-order + Fisher {loss} / {kl}, "
+                f"Fisher alone {fisher_loss} / {fisher_kl}"
             )
         return "\n".join(lines)
 

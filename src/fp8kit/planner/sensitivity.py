@@ -1,18 +1,21 @@
 """How much each layer's quantization alone raises a model's loss, per candidate recipe.
 
-* ``predicted_increase``: the Fisher estimate ``0.5 * sum((g * (Y_q - Y))**2) / tokens`` per layer and
-  recipe (``ptq.layer_error.fisher_totals``), in one pass with gradients over the batches: ``Y`` is the
-  layer's output in the model, ``Y_q`` the output of a copy of the layer converted to the recipe (same
-  parameters) on the same input, ``g`` the gradient of the summed loss with respect to ``Y``.
+* ``predicted_increase``: per layer and recipe, the two terms of the Taylor estimate of the loss change of
+  quantizing that layer alone (``ptq.layer_error.loss_change_terms``), in one pass with gradients over the
+  batches: the first-order term ``sum(g * (Y_q - Y)) / tokens`` and the Fisher estimate of the second-order
+  term ``0.5 * sum((g * (Y_q - Y))**2) / tokens``; ``Y`` is the layer's output in the model, ``Y_q`` the
+  output of a copy of the layer converted to the recipe (same parameters) on the same input, ``g`` the
+  gradient of the summed loss with respect to ``Y``. The prediction is their sum, at least 0.
 * ``layer_divergence``: for a few layers, the model run with that layer swapped for its converted copy: the
-  KL divergence of its next-token distributions from the unquantized ones (what the Fisher estimate
-  approximates: the check of the prediction) and the loss change; ``spearman`` their rank agreement.
+  loss change (what the prediction estimates) and the KL divergence of its next-token distributions from the
+  unquantized ones (what the Fisher term alone approximates); ``spearman`` their rank agreement.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,10 +23,11 @@ import torch.nn as nn
 
 from ..nn.convert import conversion_targets, convert_layer
 from ..nn.experts import convert_experts, fp8_experts_forward
-from ..ptq.layer_error import fisher_totals, swap_submodule
+from ..ptq.layer_error import loss_change_terms, swap_submodule
 from ..recipes import Recipe
 
 __all__ = [
+    "LossPrediction",
     "batch_loss",
     "batch_loss_of",
     "layer_divergence",
@@ -97,11 +101,29 @@ def batch_loss_of(batch: Mapping[str, Any], out: Any) -> tuple[torch.Tensor, int
     return loss, _tokens(batch, out)
 
 
+@dataclass(frozen=True)
+class LossPrediction:
+    """``predicted_increase``'s result: per layer and candidate (layer -> candidate -> nats/token) the
+    ``first_order`` term ``sum(g * dy) / tokens`` and the ``fisher`` term ``0.5 * sum((g * dy)**2) / tokens``
+    of the loss change of quantizing that layer alone; the ``base_loss`` (nats/token) and the ``tokens`` seen."""
+
+    first_order: dict[str, dict[str, float]]
+    fisher: dict[str, dict[str, float]]
+    base_loss: float
+    tokens: int
+
+    @property
+    def increase(self) -> dict[str, dict[str, float]]:
+        """The predicted loss increase: ``max(first_order + fisher, 0)`` (a layer whose quantization lowers
+        the loss on these batches frees no budget for the others)."""
+        return {n: {c: max(self.first_order[n][c] + f, 0.0) for c, f in row.items()} for n, row in self.fisher.items()}
+
+
 def predicted_increase(
     model: nn.Module, variants: Mapping[str, Mapping[str, nn.Module]], batches: Iterable[Mapping[str, Any]]
-) -> tuple[dict[str, dict[str, float]], float, int]:
-    """Fisher-predicted loss increase (nats/token) per layer and candidate of ``variants`` (layer -> candidate
-    -> quantized copy), the base loss (nats/token) and the tokens seen."""
+) -> LossPrediction:
+    """The Taylor terms of the loss change (nats/token) per layer and candidate of ``variants`` (layer ->
+    candidate -> quantized copy) on ``batches``, the base loss and the tokens seen (``LossPrediction``)."""
     seen = {"loss": 0.0, "tokens": 0}
     device = next(model.parameters()).device
 
@@ -114,11 +136,16 @@ def predicted_increase(
             seen["loss"] += loss.item() * n
             seen["tokens"] += n
 
-    totals = fisher_totals(model, variants, backward_pass)
+    first, fisher = loss_change_terms(model, variants, backward_pass)
     if not seen["tokens"]:
         raise ValueError("autotune: no batches given (pass a few dicts of the model's forward arguments)")
-    per_token = {name: {c: t / seen["tokens"] for c, t in row.items()} for name, row in totals.items()}
-    return per_token, seen["loss"] / seen["tokens"], seen["tokens"]
+    tokens = seen["tokens"]
+    return LossPrediction(
+        first_order={name: {c: t / tokens for c, t in row.items()} for name, row in first.items()},
+        fisher={name: {c: t / tokens for c, t in row.items()} for name, row in fisher.items()},
+        base_loss=seen["loss"] / tokens,
+        tokens=tokens,
+    )
 
 
 def _kl_mask(batch: Mapping[str, Any], logits: torch.Tensor) -> torch.Tensor:
@@ -137,9 +164,9 @@ def layer_divergence(
     """Per layer of ``variants`` (name -> quantized copy), run with that layer swapped in alone on every batch:
     ``"loss"``, the change of the mean loss (nats/token), and ``"kl"``, the mean KL divergence
     ``KL(p || p_q)`` of the next-token distributions (nats/token, the unquantized ``p`` against the quantized
-    ``p_q``) over the positions the loss scores. The KL is what the Fisher estimate approximates (its
-    second-order term, a Gauss-Newton quadratic); the loss change adds a first-order term whose sign is noise
-    unless averaged over many tokens."""
+    ``p_q``) over the positions the loss scores. The KL is what the Fisher term alone approximates (a
+    Gauss-Newton quadratic); the loss change adds the first-order term, which on a model short of a minimum of
+    the loss can outweigh it, with either sign."""
     device = next(model.parameters()).device
     sums = {name: {"loss": 0.0, "kl": 0.0} for name in variants}
     tokens = kl_tokens = 0

@@ -1,13 +1,14 @@
 """``fp8kit.autotune``: the cheapest recipe per layer whose predicted loss increase fits a budget.
 
-Per plannable layer (what ``fp8kit.convert`` converts) and candidate: the Fisher-predicted loss increase of
-quantizing that layer alone (``sensitivity``) and the step time of its GEMMs and casts on ``target``
-(``roofline``: a named GPU's roofline, or timed on this CPU). ``solver.solve`` then picks one candidate per
-layer, minimising the summed time with the summed predicted increase at most ``loss_budget * base_loss``.
-A few layers, spread over the predicted ranking of the recipe with the largest total, are also run quantized
-alone on the same batches: the KL divergence of the next-token distributions from the unquantized model's
-(what the Fisher estimate approximates) and the loss change are kept in the plan, with each one's rank
-agreement (Spearman) with the prediction.
+Per plannable layer (what ``fp8kit.convert`` converts) and candidate: the predicted loss increase of
+quantizing that layer alone (``sensitivity``: first-order term plus Fisher term, at least 0) and the step
+time of its GEMMs and casts on ``target`` (``roofline``: a named GPU's roofline, or timed on this CPU).
+``solver.solve`` then picks one candidate per layer, minimising the summed time with the summed predicted
+increase at most ``loss_budget * base_loss``. A few layers, spread over the Fisher ranking of the recipe with
+the largest Fisher total, are also run quantized alone on the same batches: the loss change and the KL
+divergence of the next-token distributions from the unquantized model's (what the Fisher term alone
+approximates) are kept in the plan, with the rank agreement (Spearman) of each with the prediction and with
+the Fisher term alone.
 """
 
 from __future__ import annotations
@@ -97,10 +98,11 @@ def autotune(
     """The plan (``Plan``) that gives each layer ``fp8kit.convert`` would convert one of ``candidates``
     ("bf16" and recipe names; default bf16 and every training recipe) so that the summed step time on
     ``target`` ("h100", "h200", "b200" rooflines, a ``roofline.GPU`` of your own, or "cpu" timed here) is least while the summed
-    Fisher-predicted loss increase stays within ``loss_budget`` (relative: 0.01 allows 1% of the model's
-    loss on ``batches``). ``batches``: dicts of ``model``'s forward arguments whose output has ``.loss``.
-    ``measure_layers`` layers (spread over the predicted ranking) are also quantized alone on ``batches`` and
-    their KL divergence from the unquantized next-token distributions and loss change measured. The model is not changed; apply the plan with ``fp8kit.convert(model, plan)``."""
+    predicted loss increase (first-order plus Fisher term per layer, at least 0) stays within ``loss_budget``
+    (relative: 0.01 allows 1% of the model's loss on ``batches``). ``batches``: dicts of ``model``'s forward
+    arguments whose output has ``.loss``. ``measure_layers`` layers (spread over the Fisher ranking) are also
+    quantized alone on ``batches`` and their loss change and KL divergence from the unquantized next-token
+    distributions measured. The model is not changed; apply the plan with ``fp8kit.convert(model, plan)``."""
     if not isinstance(target, GPU) and target not in TARGETS:
         raise ValueError(f"autotune: unknown target {target!r}; accepted: {', '.join(TARGETS)}")
     if not loss_budget >= 0:
@@ -112,8 +114,13 @@ def autotune(
         raise ValueError("autotune: the model has no layer fp8kit.convert converts (nn.Linear or MoE experts)")
     fp8 = [c for c in names if c != BF16]
     variants = {n: {c: quantized_copy(m, recipe_from_name(c)) for c in fp8} for n, m in layers.items()}
-    predicted, base_loss, tokens = predicted_increase(model, variants, batches)
-    predicted = {n: {c: (0.0 if c == BF16 else predicted[n][c]) for c in names} for n in layers}
+    terms = predicted_increase(model, variants, batches)
+    base_loss, tokens = terms.base_loss, terms.tokens
+
+    def per_candidate(values: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, float]]:
+        return {n: {c: (0.0 if c == BF16 else values[n][c]) for c in names} for n in layers}
+
+    predicted, fisher, first_order = map(per_candidate, (terms.increase, terms.fisher, terms.first_order))
     costs = _costs(layers, names, target, max(tokens // len(batches), 1))
     allowed = loss_budget * base_loss
     order = list(layers)
@@ -140,18 +147,21 @@ def autotune(
         loss_increase={n: predicted[n][per_layer[n]] for n in order},
         cost_s={n: costs[n][per_layer[n]] for n in order},
         predicted=predicted,
+        fisher=fisher,
+        first_order=first_order,
         costs=costs,
         uniform=uniform,
     )
-    if fp8 and measure_layers > 0:
-        worst = max(fp8, key=lambda c: uniform[c]["loss_increase"])  # the widest spread of effects
-        ranked = sorted(order, key=lambda n: -predicted[n][worst])
+    if fp8 and measure_layers > 0:  # the sample depends on the Fisher term only: the same for both predictors
+        worst = max(fp8, key=lambda c: sum(fisher[n][c] for n in order))  # the widest spread of effects
+        ranked = sorted(order, key=lambda n: -fisher[n][worst])
         sample = _sample(ranked, measure_layers)
         measured = layer_divergence(model, {n: variants[n][worst] for n in sample}, batches)
         plan.measured = {n: measured[n]["kl"] for n in sample}
         plan.measured_loss = {n: measured[n]["loss"] for n in sample}
         plan.measured_recipe = worst
-        prediction = [predicted[n][worst] for n in sample]
-        plan.spearman = spearman(prediction, [plan.measured[n] for n in sample])
-        plan.spearman_loss = spearman(prediction, [plan.measured_loss[n] for n in sample])
+        kl, loss = [plan.measured[n] for n in sample], [plan.measured_loss[n] for n in sample]
+        prediction, fisher_only = [predicted[n][worst] for n in sample], [fisher[n][worst] for n in sample]
+        plan.spearman, plan.spearman_loss = spearman(prediction, kl), spearman(prediction, loss)
+        plan.spearman_fisher, plan.spearman_fisher_loss = spearman(fisher_only, kl), spearman(fisher_only, loss)
     return plan

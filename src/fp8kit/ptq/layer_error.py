@@ -3,7 +3,8 @@
 * ``rank_by_fisher``: one pass with gradients for all layers at once (causal LMs): each layer's output
   change under quantization, weighted by the gradient of the next-token loss (a Fisher estimate of the
   loss increase, as in HAWQ-V2 and BRECQ); ``fisher_per_token`` gives it for several quantized variants
-  per layer (``quantize(..., "auto")``), ``fisher_totals`` for any loss (``fp8kit.autotune``).
+  per layer (``quantize(..., "auto")``), ``fisher_totals`` for any loss and ``loss_change_terms`` with the
+  first-order term ``sum(g * dy)`` too (``fp8kit.autotune``).
 * ``rank_by_output_error``: one ``forward_loop`` per layer with that layer alone quantized (any model).
 
 A leaf module (no import of ``ptq.quantize``): ``ptq.sensitivity`` builds the full report on top of it.
@@ -22,6 +23,7 @@ __all__ = [
     "LayerScore",
     "fisher_per_token",
     "fisher_totals",
+    "loss_change_terms",
     "rank_by_fisher",
     "rank_by_output_error",
     "swap_submodule",
@@ -111,16 +113,19 @@ def _causal_lm_loss(output: Any, args: tuple, kwargs: dict) -> torch.Tensor | No
     )
 
 
-def fisher_totals(
+def loss_change_terms(
     model: nn.Module, variants: Mapping[str, Mapping[Hashable, nn.Module]], backward_pass: Callable[[], object]
-) -> dict[str, dict[Hashable, float]]:
-    """Per layer of ``variants`` (name -> key -> module computing what layer ``name`` computes, quantized) and
-    per key, ``0.5 * sum(g**2 * dy**2)`` over the layer's output elements in every forward of
+) -> tuple[dict[str, dict[Hashable, float]], dict[str, dict[Hashable, float]]]:
+    """The two terms of the Taylor estimate of the summed loss change of swapping each variant in alone:
+    ``(first, fisher)``, per layer of ``variants`` (name -> key -> module computing what layer ``name``
+    computes, quantized) and per key, ``sum(g * dy)`` (first order) and ``0.5 * sum(g**2 * dy**2)`` (the
+    diagonal Fisher estimate of the second-order term) over the layer's output elements in every forward of
     ``backward_pass()`` (which runs ``model`` and calls ``backward`` on its summed loss): ``dy`` is the change of
     the output when the variant runs on the same inputs, ``g`` the loss gradient with respect to that output.
     The parameters' own gradients are not computed when ``model`` has input embeddings (their output is made
     to require grad instead); otherwise they are, and each parameter's ``.grad`` is restored after."""
-    totals: dict[str, dict[Hashable, float]] = {n: dict.fromkeys(v, 0.0) for n, v in variants.items()}
+    first: dict[str, dict[Hashable, float]] = {n: dict.fromkeys(v, 0.0) for n, v in variants.items()}
+    fisher: dict[str, dict[Hashable, float]] = {n: dict.fromkeys(v, 0.0) for n, v in variants.items()}
 
     def layer_hook(name: str):
         def hook(_m, args, kwargs, out):
@@ -130,11 +135,12 @@ def fisher_totals(
             y = out.detach().clone()  # a copy: later in-place ops on the output must not change it
 
             def on_grad(g: torch.Tensor) -> None:  # the variants run here: one output held per layer, not one dy each
-                g2 = g.float().pow(2)
+                dtype = torch.promote_types(g.dtype, torch.float32)
                 with torch.no_grad():
                     for key, q in variants[name].items():
-                        dy = (q(*args, **kwargs) - y).float()
-                        totals[name][key] += 0.5 * float((g2 * dy.pow(2)).sum())
+                        gdy = g.to(dtype) * (q(*args, **kwargs) - y).to(dtype)
+                        first[name][key] += float(gdy.sum(dtype=torch.float64))
+                        fisher[name][key] += 0.5 * float(gdy.pow(2).sum(dtype=torch.float64))
 
             out.register_hook(on_grad)
 
@@ -162,7 +168,14 @@ def fisher_totals(
         for p, flag, grad in zip(params, flags, grads, strict=True):
             p.requires_grad_(flag)
             p.grad = grad
-    return totals
+    return first, fisher
+
+
+def fisher_totals(
+    model: nn.Module, variants: Mapping[str, Mapping[Hashable, nn.Module]], backward_pass: Callable[[], object]
+) -> dict[str, dict[Hashable, float]]:
+    """The Fisher term of ``loss_change_terms``: per layer and key, ``0.5 * sum(g**2 * dy**2)``."""
+    return loss_change_terms(model, variants, backward_pass)[1]
 
 
 def fisher_per_token(
