@@ -1,6 +1,6 @@
 """``quantize(model, "auto", budget=BITS)``: the plan fits the bits budget (ModelOpt's counting), predicts no
 more loss than any uniform scheme it could have chosen, gives a layer made sensitive more bits, installs
-each layer's scheme, and ``fp8kit quantize --scheme auto`` writes a one-scheme plan and refuses a mix."""
+each layer's scheme, and ``fp8kit quantize --scheme auto`` writes a one-scheme plan and a mix."""
 
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ def local_model(tmp_path_factory):
     return save_sample_llama(tmp_path_factory.mktemp("hf"))
 
 
-def test_cli_writes_a_one_scheme_plan_and_refuses_a_mix(local_model, tmp_path, capsys):
+def test_cli_writes_a_one_scheme_plan_and_a_mix(local_model, tmp_path, capsys):
     model, text = str(local_model / "model"), str(local_model / "text.txt")
     base = ["quantize", "--model", model, "--scheme", "auto", "--text", text, "--calib-batches", "2", "--no-gptq"]
     out = tmp_path / "one"
@@ -134,7 +134,17 @@ def test_cli_writes_a_one_scheme_plan_and_refuses_a_mix(local_model, tmp_path, c
     loaded = load_pretrained(out)
     kinds = {type(m).__name__ for n, m in loaded.named_modules() if n.endswith("_proj")}
     assert "QuantLinear" in kinds and "Linear" in kinds  # nvfp4 layers and BF16 layers
-    assert main([*base, "--budget", "6", "--out", str(tmp_path / "mix")]) == 2
-    assert "the plan mixes" in capsys.readouterr().err
-    assert not (tmp_path / "mix").exists() or not any((tmp_path / "mix").iterdir())
+    mix = tmp_path / "mix"
+    assert main([*base, "--budget", "6", "--out", str(mix)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    loaded = load_pretrained(mix)
+    schemes = loaded.ptq_report.schemes
+    assert loaded.ptq_report.scheme == "auto" and len(set(schemes.values())) > 1
+    counts = {s: list(schemes.values()).count(s) for s in set(schemes.values())}
+    assert all(f"{s} {k}" in last for s, k in counts.items()) and str(mix) in last, last
+    qc = json.loads((mix / "config.json").read_text())["quantization_config"]
+    assert len(qc["config_groups"]) == len(counts)
+    block = [*base, "--budget", "6", "--format", "fp8-block", "--out", str(tmp_path / "block")]
+    assert main(block) == 2
+    assert "fp8-block format carries the fp8-block scheme only" in capsys.readouterr().err
     assert main(["quantize", "--model", model, "--scheme", "fp8", "--budget", "6", "--out", str(tmp_path / "x")]) == 2

@@ -14,7 +14,7 @@ tiles, dynamic 1x128 activations).
 
 from __future__ import annotations
 
-__all__ = ["BLOCK_SCHEME", "FORMATS", "MODELOPT_ALGOS", "check_scheme_format", "formats_for"]
+__all__ = ["BLOCK_SCHEME", "FORMATS", "MODELOPT_ALGOS", "check_mix_format", "check_scheme_format", "formats_for"]
 
 FORMATS = ("compressed-tensors", "modelopt", "fp8-block")
 BLOCK_SCHEME = "fp8-block"
@@ -44,6 +44,7 @@ _CARRIES = {
     "fp8-block": {BLOCK_SCHEME},
 }
 _KV = {"compressed-tensors", "modelopt"}
+_MIX = {"compressed-tensors"}  # the formats that carry a scheme per layer
 
 
 def formats_for(scheme: str) -> list[str]:
@@ -64,3 +65,21 @@ def check_scheme_format(scheme: str, fmt: str) -> None:
         f"the {fmt} format cannot carry {what}; "
         + (f"write {scheme} as --format {' or '.join(fits)}" if fits else f"no format carries {scheme}")
     )
+
+
+def check_mix_format(schemes: list[str], fmt: str) -> None:
+    """Raise ``ValueError`` (one line naming the formats that fit) when ``fmt`` cannot carry a model whose layers
+    use several ``schemes`` (``ptq.quantize(..., "auto")``'s plans; ``+kv`` suffix: with an FP8 KV cache)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown checkpoint format {fmt!r}; accepted: {', '.join(FORMATS)}")
+    fits = [f for f in FORMATS if f in _MIX and all(f in formats_for(s) for s in schemes)]
+    if fmt in fits:
+        return
+    mix = ", ".join(s.removesuffix("+kv") for s in schemes)
+    if fmt not in _MIX:
+        why = f"the {fmt} format carries one scheme for the whole model"
+    else:
+        missing = [s.removesuffix("+kv") for s in schemes if fmt not in formats_for(s)]
+        why = f"the {fmt} format has no name for {', '.join(missing)}"
+    where = f"write the mix as --format {' or '.join(fits)}" if fits else "no format carries this mix"
+    raise ValueError(f"{why}, and this model mixes {mix}: {where}")

@@ -1,0 +1,162 @@
+"""A model whose layers mix PTQ schemes (``ptq.quantize(..., "auto")``) in compressed-tensors: one config group per
+scheme targeting its layers by name, ``"mixed-precision"`` on top; compressed-tensors' matcher and decompressors,
+``transformers`` and ``load_pretrained`` each reading every layer in its own scheme."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from fp8kit.export import ExportError, dequantized_model, load_pretrained, save_pretrained
+from fp8kit.export.fp4_checkpoints import fp4_layout
+from fp8kit.ptq.schemes import get_scheme
+from tests.helpers.checkpoints import read_safetensors
+from tests.helpers.mixed import MIX, mixed_llama
+from tests.helpers.models import token_batches
+from tests.helpers.numerics import sqnr_db
+
+transformers = pytest.importorskip("transformers")
+ct = pytest.importorskip("compressed_tensors")
+
+
+@pytest.fixture(scope="module")
+def data():
+    return token_batches(256, 3, (2, 16))  # two to calibrate, one to compare
+
+
+@pytest.fixture(scope="module")
+def exported(data, tmp_path_factory):
+    q = mixed_llama(data[:2])
+    return q, save_pretrained(q, tmp_path_factory.mktemp("mixed") / "export")
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def config(out):
+    return json.loads((out / "config.json").read_text())["quantization_config"]
+
+
+def test_one_group_per_scheme_targets_its_layers(exported):
+    from compressed_tensors.config import CompressionFormat
+    from compressed_tensors.quantization import QuantizationConfig
+
+    q, out = exported
+    qc = config(out)
+    assert qc["format"] == CompressionFormat.mixed_precision.value
+    assert qc["ignore"] == sorted(n for n in q.ptq_report.skipped)
+    groups = list(qc["config_groups"].values())
+    quantized = [s for s in MIX if s != "bf16"]
+    assert list(qc["config_groups"]) == [f"group_{i}" for i in range(len(quantized))]
+    for scheme, group in zip(quantized, groups, strict=True):  # groups in the order their layers come
+        assert group["targets"] == [n for n, s in q.ptq_report.schemes.items() if s == scheme]
+        assert group["format"] == get_scheme(scheme).export_format
+        single = save_config(scheme)
+        assert {k: v for k, v in group.items() if k != "targets"} == {k: v for k, v in single.items() if k != "targets"}
+    QuantizationConfig.model_validate(qc)  # compressed-tensors' own schema accepts it
+
+
+def save_config(scheme):
+    """The config group fp8kit writes for a one-scheme export of ``scheme``."""
+    from fp8kit.export import quantization_config
+
+    return quantization_config(get_scheme(scheme), [], False)["config_groups"]["group_0"]
+
+
+def test_compressed_tensors_matches_and_decompresses_each_layer_in_its_group(exported):
+    """compressed-tensors' ``apply_quantization_config`` gives each layer its group's scheme (none to BF16 ones),
+    and its decompressors give fp8kit's dequantized weights bit for bit (FP8 / INT8 in float32, FP4 in bfloat16)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+
+    from tests.helpers.models import tiny_llama
+
+    q, out = exported
+    qc = QuantizationConfig.model_validate(config(out))
+    skeleton = tiny_llama()
+    apply_quantization_config(skeleton, qc)
+    for name, m in skeleton.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            got = getattr(m, "quantization_scheme", None)
+            want = q.ptq_report.schemes.get(name)
+            assert (got and getattr(got.format, "value", got.format)) == (want and get_scheme(want).export_format), name
+    t = read_safetensors(out)
+    seen = []
+    for group in qc.config_groups.values():
+        compressor = BaseCompressor.get_value_from_registry(group.format)
+        for name in group.targets:
+            state = {k.removeprefix(f"{name}."): v for k, v in t.items() if k.startswith(f"{name}.")}
+            theirs = compressor.decompress(state, group)["weight"]
+            assert theirs.dtype == (torch.bfloat16 if "fp4" in group.format else torch.float32)
+            assert torch.equal(theirs, q.get_submodule(name).dequantized_weight().to(theirs.dtype)), name
+            seen.append(name)
+    assert sorted(seen) == sorted(q.ptq_report.quantized)
+
+
+def test_transformers_loads_the_mix(exported, data):
+    """AutoModelForCausalLM.from_pretrained (compressed-tensors decompresses on the first forward, in bfloat16 on
+    the CPU): every layer holds fp8kit's dequantized weight up to bfloat16 rounding; the logits differ from fp8kit's only as fp8kit's own model run in
+    bfloat16 does (W4A4 NVFP4 layers quantize their bfloat16 activations)."""
+    q, out = exported
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    ids = data[2]
+    theirs = logits(hf, ids)
+    for name in q.ptq_report.quantized:  # code * scale with the scale and product in bfloat16: two roundings
+        ours = q.get_submodule(name).dequantized_weight()
+        torch.testing.assert_close(hf.get_submodule(name).weight.float(), ours, rtol=2**-7, atol=0, msg=name)
+    ours, ours_bf16 = logits(q, ids), logits(copy.deepcopy(q).to(torch.bfloat16), ids)
+    assert sqnr_db(ours, theirs) >= sqnr_db(ours, ours_bf16) - 1.5
+
+
+def test_load_pretrained_reads_each_layer_in_its_scheme(exported, data, tmp_path):
+    """Each layer in its scheme, codes and scales exactly (NVFP4's per-tensor scales as the reciprocal of the stored
+    global scales); the same logits as the model with those scales; a second export identical to the first."""
+    q, out = exported
+    loaded = load_pretrained(out)
+    report = loaded.ptq_report
+    assert report.scheme == "auto" and report.schemes == q.ptq_report.schemes
+    assert sorted(report.quantized) == sorted(q.ptq_report.quantized)
+    expect = copy.deepcopy(q)
+    for name, scheme in q.ptq_report.schemes.items():
+        a, b, e = q.get_submodule(name), loaded.get_submodule(name), expect.get_submodule(name)
+        assert b.scheme.name == scheme
+        assert torch.equal(a.weight.view(torch.uint8), b.weight.view(torch.uint8)), name
+        assert torch.equal(a.weight_scale.view(torch.uint8), b.weight_scale.view(torch.uint8)), name
+        for attr in ("weight_scale_2", "input_scale"):
+            if getattr(a, attr) is not None:
+                got = getattr(b, attr)
+                assert float((got - getattr(a, attr)).abs() / getattr(a, attr)) <= 2**-23, (name, attr)
+                setattr(e, attr, got.clone())
+    for name in q.ptq_report.skipped:
+        assert type(loaded.get_submodule(name)) is torch.nn.Linear
+    ids = data[2]
+    assert torch.equal(logits(loaded, ids), logits(expect, ids))
+    again = save_pretrained(loaded, tmp_path / "again")
+    assert config(again) == config(out)
+    first, second = read_safetensors(out), read_safetensors(again)
+    assert sorted(second) == sorted(first)
+    for k, v in first.items():
+        assert torch.equal(second[k].view(torch.uint8), v.view(torch.uint8)), k
+
+
+def test_dequantized_model_reads_the_mix(exported):
+    """The FP4 layout detector passes the mix to ``load_pretrained`` (it is not one FP4 layout); each plain weight
+    is its layer's dequantized weight."""
+    q, out = exported
+    assert fp4_layout(out) is None
+    plain = dequantized_model(out)
+    loaded = load_pretrained(out)
+    for name in q.ptq_report.quantized:
+        assert torch.equal(plain.get_submodule(name).weight, loaded.get_submodule(name).dequantized_weight()), name
+
+
+def test_fp8_block_refuses_the_mix(exported, tmp_path):
+    q, _ = exported
+    with pytest.raises(ExportError, match="fp8-block format carries one scheme.*mixes.*--format compressed-tensors"):
+        save_pretrained(q, tmp_path / "block", format="fp8-block")
+    assert not (tmp_path / "block").exists()
