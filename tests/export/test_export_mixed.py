@@ -141,7 +141,7 @@ def test_load_pretrained_reads_each_layer_in_its_scheme(exported, data, tmp_path
     first, second = read_safetensors(out), read_safetensors(again)
     assert sorted(second) == sorted(first)
     for k, v in first.items():
-        assert torch.equal(second[k].view(torch.uint8), v.view(torch.uint8)), k
+        assert torch.equal(second[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), k
 
 
 def test_dequantized_model_reads_the_mix(exported):
@@ -160,3 +160,90 @@ def test_fp8_block_refuses_the_mix(exported, tmp_path):
     with pytest.raises(ExportError, match="fp8-block format carries one scheme.*mixes.*--format compressed-tensors"):
         save_pretrained(q, tmp_path / "block", format="fp8-block")
     assert not (tmp_path / "block").exists()
+
+
+# ---- ModelOpt: MIXED_PRECISION ----------------------------------------------------------------------------------
+
+# fp8kit scheme -> the ModelOpt config that quantizes a layer the same way
+MTQ_CFG = {
+    "fp8": "FP8_DEFAULT_CFG",
+    "fp8-dynamic": "FP8_PER_CHANNEL_PER_TOKEN_CFG",
+    "int8-weight-only": "INT8_WEIGHT_ONLY_CFG",
+    "nvfp4": "NVFP4_DEFAULT_CFG",
+    "nvfp4-weight-only": "W4A16_NVFP4_CFG",
+}
+MODELOPT_MIX = tuple(s for s in MIX if s != "mxfp4-weight-only")  # ModelOpt has no weight-only MXFP4
+
+
+@pytest.fixture(scope="module")
+def modelopt_exported(data, tmp_path_factory):
+    q = mixed_llama(data[:2], MODELOPT_MIX)
+    return q, save_pretrained(q, tmp_path_factory.mktemp("mixed-modelopt") / "export", format="modelopt")
+
+
+def modelopt_mixed_export(q, batches, path):
+    """ModelOpt 0.47's own export of the tiny Llama quantized layer by layer as ``q`` is (each layer's weight and
+    input quantizers from its scheme's ModelOpt config, max calibration on ``batches``)."""
+    mtq = pytest.importorskip("modelopt.torch.quantization")
+    from modelopt.torch.export import export_hf_checkpoint
+
+    from tests.helpers.models import calib, tiny_llama
+
+    quant_cfg = [{"quantizer_name": "*", "enable": False}]
+    for name, scheme in q.ptq_report.schemes.items():
+        for entry in getattr(mtq, MTQ_CFG[scheme])["quant_cfg"]:
+            if entry["quantizer_name"] in ("*weight_quantizer", "*input_quantizer"):
+                quant_cfg.append({**copy.deepcopy(entry), "quantizer_name": f"*{name}.{entry['quantizer_name'][1:]}"})
+    m = tiny_llama()
+    m.config.architectures = ["LlamaForCausalLM"]  # ModelOpt's export reads it
+    mtq.quantize(m, {"quant_cfg": quant_cfg, "algorithm": "max"}, calib(batches))
+    export_hf_checkpoint(m, dtype=torch.float32, export_dir=path)
+    return path
+
+
+def test_modelopt_mix_is_what_modelopt_writes(modelopt_exported, data, tmp_path):
+    """ModelOpt's own export of the same per-layer mix: the same ``hf_quant_config.json`` (``MIXED_PRECISION``,
+    ``quantized_layers``) and ``config.json`` config, the same tensors (names, dtypes, shapes) and scales."""
+    q, ours = modelopt_exported
+    mo = modelopt_mixed_export(q, data[:2], tmp_path / "modelopt")
+    hq, their_hq = (json.loads((d / "hf_quant_config.json").read_text()) for d in (ours, mo))
+    assert hq["quantization"]["quant_algo"] == "MIXED_PRECISION" and hq["quantization"] == their_hq["quantization"]
+    without_producer = [{k: v for k, v in config(d).items() if k != "producer"} for d in (ours, mo)]
+    assert without_producer[0] == without_producer[1]
+    ours_t, theirs_t = read_safetensors(ours), read_safetensors(mo)
+    assert sorted(ours_t) == sorted(theirs_t)
+    for key, t in theirs_t.items():
+        assert (ours_t[key].dtype, ours_t[key].shape) == (t.dtype, t.shape), key
+        if t.dtype == torch.float32 and key.endswith(("weight_scale", "weight_scale_2", "input_scale")):
+            torch.testing.assert_close(ours_t[key], t, rtol=1e-6, atol=0, msg=key)  # the same amaxes
+
+
+def test_modelopt_mix_holds_each_layer_in_its_layout_and_reads_back(modelopt_exported, data, tmp_path):
+    q, out = modelopt_exported
+    t = read_safetensors(out)
+    for name, scheme in q.ptq_report.schemes.items():
+        w, s = t[f"{name}.weight"], t[f"{name}.weight_scale"]
+        if scheme.startswith("nvfp4"):
+            assert (w.dtype, s.dtype, t[f"{name}.weight_scale_2"].shape) == (torch.uint8, torch.float8_e4m3fn, ())
+        else:
+            assert w.dtype == (torch.int8 if scheme.startswith("int8") else torch.float8_e4m3fn), name
+            assert s.shape == (() if scheme == "fp8" else (w.shape[0],)), name
+        assert (f"{name}.input_scale" in t) == get_scheme(scheme).static_activations, name
+    loaded = load_pretrained(out)
+    assert loaded.ptq_report.scheme == "auto" and loaded.ptq_report.schemes == q.ptq_report.schemes
+    assert torch.equal(logits(loaded, data[2]), logits(q, data[2]))  # ModelOpt stores fp8kit's scales as they are
+    again = save_pretrained(loaded, tmp_path / "again", format="modelopt")
+    first, second = read_safetensors(out), read_safetensors(again)
+    assert sorted(second) == sorted(first)
+    for k, v in first.items():
+        assert torch.equal(second[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), k
+    plain = dequantized_model(out)  # not one FP4 layout: load_pretrained reads it
+    for name in q.ptq_report.quantized:
+        assert torch.equal(plain.get_submodule(name).weight, q.get_submodule(name).dequantized_weight()), name
+
+
+def test_modelopt_refuses_a_mix_with_a_scheme_it_has_no_name_for(exported, tmp_path):
+    q, _ = exported  # has mxfp4-weight-only layers
+    with pytest.raises(ExportError, match="no name for mxfp4-weight-only.*--format compressed-tensors"):
+        save_pretrained(q, tmp_path / "mo", format="modelopt")
+    assert not (tmp_path / "mo").exists()

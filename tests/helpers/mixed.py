@@ -5,14 +5,17 @@ import copy
 
 import torch.nn as nn
 
-# layer i of the tiny Llama (q, k, v, o, gate, up, down; two decoder layers) gets MIX[i % 7]
+# the fused groups of a tiny Llama decoder layer (q/k/v and gate/up share their input: vLLM fuses them into one
+# linear and ModelOpt's export requantizes them together, so each needs one scheme), in layer order
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+# group i of the tiny Llama (four per decoder layer, two decoder layers) gets MIX[i % 7]
 MIX = ("fp8", "int8-weight-only", "nvfp4-weight-only", "bf16", "fp8-dynamic", "nvfp4", "mxfp4-weight-only")
 
 
 def mixed_llama(batches, mix: tuple[str, ...] = MIX) -> nn.Module:
-    """``tiny_llama()`` with its decoder layers quantized cyclically with the schemes of ``mix`` (``"bf16"``: kept),
-    each layer as ``ptq.quantize`` with that scheme alone makes it (calibrated on ``batches``), and the
-    ``ptq_report`` of an ``auto`` plan (``scheme "auto"``, ``schemes`` per layer)."""
+    """``tiny_llama()`` with its decoder layers' fused groups (``GROUPS``) quantized cyclically with the schemes of
+    ``mix`` (``"bf16"``: kept), each layer as ``ptq.quantize`` with that scheme alone makes it (calibrated on
+    ``batches``), and the ``ptq_report`` of an ``auto`` plan (``scheme "auto"``, ``schemes`` per layer)."""
     from fp8kit import ptq
     from fp8kit.export.common import replace_module
     from fp8kit.ptq.report import PTQReport
@@ -22,18 +25,20 @@ def mixed_llama(batches, mix: tuple[str, ...] = MIX) -> nn.Module:
     base = tiny_llama()
     one = {s: ptq.quantize(copy.deepcopy(base), s, calib(batches)) for s in dict.fromkeys(mix) if s != "bf16"}
     model = copy.deepcopy(base)
-    names = [n for n, m in base.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
     report = PTQReport("auto" if len(one) > 1 else next(iter(one)))
-    for i, name in enumerate(names):
+    blocks = [f"model.layers.{i}" for i in range(len(base.model.layers))]
+    groups = [[f"{b}.{'self_attn' if g[0][0] in 'qkvo' else 'mlp'}.{p}" for p in g] for b in blocks for g in GROUPS]
+    for i, group in enumerate(groups):
         scheme = mix[i % len(mix)]
-        if scheme == "bf16":
-            report.skipped[name] = "kept in high precision by the plan"
-            continue
-        replace_module(model, name, one[scheme].get_submodule(name))
-        report.quantized.append(name)
-        report.schemes[name] = scheme
-        if name in one[scheme].ptq_report.input_amax:
-            report.input_amax[name] = one[scheme].ptq_report.input_amax[name]
+        for name in group:
+            if scheme == "bf16":
+                report.skipped[name] = "kept in high precision by the plan"
+                continue
+            replace_module(model, name, one[scheme].get_submodule(name))
+            report.quantized.append(name)
+            report.schemes[name] = scheme
+            if name in one[scheme].ptq_report.input_amax:
+                report.input_amax[name] = one[scheme].ptq_report.input_amax[name]
     report.skipped["lm_head"] = "output head"
     object.__setattr__(model, "ptq_report", report)
     return model

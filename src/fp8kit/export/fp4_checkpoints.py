@@ -245,7 +245,16 @@ def _modelopt_layout(where: Path, raw: dict[str, Any]) -> FP4Layout | None:
         if q.get("group_size", NVFP4_BLOCK) != NVFP4_BLOCK:
             raise _refuse(where, f"ModelOpt {algo} with group_size {q.get('group_size')}")
         return FP4Layout(MODELOPT, where, NVFP4_BLOCK, algo)
-    if "FP4" in algo.upper() or algo == "MIXED_PRECISION" and "FP4" in json.dumps(q).upper():
+    if algo == "MIXED_PRECISION":  # a quant_algo per layer: load_pretrained reads each layer in its own
+        from .modelopt import _layer_schemes
+
+        try:
+            _layer_schemes(where, q)
+        except ExportError as err:
+            if "FP4" in json.dumps(q).upper():
+                raise _refuse(where, f"ModelOpt MIXED_PRECISION ({err})") from None
+        return None
+    if "FP4" in algo.upper():
         raise _refuse(where, f"ModelOpt quant_algo {algo!r}")
     return None
 
@@ -253,7 +262,8 @@ def _modelopt_layout(where: Path, raw: dict[str, Any]) -> FP4Layout | None:
 def fp4_layout(path: str | Path, raw: dict[str, Any] | None = None) -> FP4Layout | None:
     """The FP4 layout of the Hugging Face folder ``path`` (``raw``: its ``config.json``, read when not given), or
     ``None`` when it holds no FP4 weights (or no ``config.json``), or mixes schemes per layer in a way
-    ``load_pretrained`` reads (a compressed-tensors config whose groups differ in format). A quantization config that names FP4 in a
+    ``load_pretrained`` reads (a compressed-tensors config whose groups differ in format, ModelOpt's
+    ``MIXED_PRECISION``). A quantization config that names FP4 in a
     layout fp8kit does not read raises ``ExportError`` with one line naming it."""
     where = Path(path)
     if raw is None:
