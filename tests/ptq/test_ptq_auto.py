@@ -62,6 +62,26 @@ def test_each_layer_gets_its_planned_scheme(plans):
             assert isinstance(layer, ptq.QuantLinear) and layer.scheme.name == choice == report.schemes[name]
 
 
+def test_layers_that_read_one_input_take_one_scheme(plans):
+    """q/k/v and gate/up: vLLM fuses each into one GEMM (one scheme), ModelOpt's export requires it."""
+    for report in plans.values():
+        for block in range(2):
+            for group in (("self_attn", "q_proj", "k_proj", "v_proj"), ("mlp", "gate_proj", "up_proj")):
+                names = [f"model.layers.{block}.{group[0]}.{p}" for p in group[1:]]
+                assert len({report.plan.per_layer[n] for n in names}) == 1, names
+
+
+def test_plan_bits_plans_a_group_as_one():
+    predicted = {"a": {"nvfp4": 1.0, "fp8": 0.1}, "b": {"nvfp4": 0.0, "fp8": 0.0}, "c": {"nvfp4": 0.5, "fp8": 0.2}}
+    params = {"a": 10, "b": 10, "c": 10}
+    alone = plan_bits(predicted, params, 6.5)  # bits for one 8-bit layer: a, the most sensitive
+    assert alone.per_layer == {"a": "fp8", "b": "nvfp4", "c": "nvfp4"}
+    tied = plan_bits(predicted, params, 6.5, groups=[["a", "b"]])  # a and b only together: 8-bit c instead
+    assert tied.per_layer == {"a": "nvfp4", "b": "nvfp4", "c": "fp8"}
+    assert tied.loss_increase == {"a": 1.0, "b": 0.0, "c": 0.2}
+    assert plan_bits(predicted, params, 8, groups=[["a", "b"]]).per_layer == dict.fromkeys("abc", "fp8")
+
+
 def test_the_plan_prints_and_saves(plans, tmp_path):
     report = plans[6]
     text = str(report)

@@ -4,7 +4,9 @@ ModelOpt's ``auto_quantize`` design on fp8kit's pieces: every candidate scheme's
 layer (calibrated on ``forward_loop``, rounded to nearest) is scored in one pass with gradients by the
 Fisher estimate of the loss increase (``layer_error.fisher_per_token``, the rule ``keep_bf16`` ranks by),
 ``planner.bits.plan_bits`` picks the scheme per layer (or BF16) with the least summed prediction whose
-mean effective bits fit ``budget``, and the chosen layers are swapped in (GPTQ-rounded with ``gptq``).
+mean effective bits fit ``budget`` (the layers that read one input, q/k/v and gate/up, take one scheme
+together: vLLM fuses them into one GEMM, and ModelOpt groups them the same way), and the chosen layers are
+swapped in (GPTQ-rounded with ``gptq``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from .linear import QuantLinear
 from .progress import Progress
 from .report import PTQReport
 from .schemes import PTQ_SCHEMES, get_scheme
+from .smoothquant import find_mappings
 
 __all__ = ["AUTO_CANDIDATES", "quantize_auto"]
 
@@ -117,7 +120,8 @@ def quantize_auto(
                 "called as model(input_ids=...) by forward_loop"
             )
         params = {n: model.get_submodule(n).weight.numel() for n in run.targets}
-        plan = plan_bits(predicted, params, budget)
+        fused = [m.targets for m in find_mappings(model, set(run.targets)) if len(m.targets) > 1]
+        plan = plan_bits(predicted, params, budget, groups=fused)
         chosen = {n: c for n, c in plan.per_layer.items() if c != BF16}
         if gptq and chosen:
             from .gptq import collect_hessians, gptq_linear
