@@ -247,3 +247,24 @@ def test_modelopt_refuses_a_mix_with_a_scheme_it_has_no_name_for(exported, tmp_p
     with pytest.raises(ExportError, match="no name for mxfp4-weight-only.*--format compressed-tensors"):
         save_pretrained(q, tmp_path / "mo", format="modelopt")
     assert not (tmp_path / "mo").exists()
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "modelopt"])
+def test_a_mix_with_moe_experts_is_refused_with_the_fix(fmt, tmp_path):
+    """MoE experts are written in one-scheme exports only: a mixed model with quantized experts is refused, naming
+    what to do, before anything is written."""
+    from fp8kit.ptq import quantize
+    from fp8kit.ptq.linear import QuantLinear
+    from tests.helpers.moe import tiny_moe_model
+
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    q = quantize(tiny_moe_model("qwen3_moe").eval(), "fp8", lambda m: m(ids))
+    name = "model.layers.0.self_attn.o_proj"
+    one = q.get_submodule(name)
+    plain = torch.nn.Linear(one.in_features, one.out_features, bias=False)
+    with torch.no_grad():
+        plain.weight.copy_(one.dequantized_weight())
+    q.model.layers[0].self_attn.o_proj = QuantLinear.from_linear(plain, "nvfp4-weight-only")
+    with pytest.raises(ExportError, match="mixes schemes.*MoE experts.*one scheme"):
+        save_pretrained(q, tmp_path / "moe", format=fmt)
+    assert not (tmp_path / "moe").exists()
