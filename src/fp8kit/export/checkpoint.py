@@ -93,6 +93,12 @@ def save_pretrained(
             check_scheme_format(scheme + ("+kv" if kv else ""), format)
     except ValueError as err:
         raise ExportError(str(err)) from None
+    if experts and len(used) > 1:
+        raise ExportError(
+            f"this model mixes schemes ({', '.join(used)}) and has quantized MoE experts: fp8kit writes experts in "
+            "one-scheme exports only; quantize the model with one scheme, or keep the experts in high precision "
+            "with module_filter"
+        )
     if experts and format == "modelopt" and scheme == BLOCK_SCHEME:
         raise ExportError(
             "the modelopt export does not carry block-FP8 MoE experts yet: write --format fp8-block, "

@@ -310,12 +310,6 @@ def export_tensors(
 
     experts = experts or {}
     schemes = {name: m.scheme for name, m in {**qlayers, **experts}.items()}
-    if experts and len({json.dumps(_group(s, [])) for s in schemes.values()}) > 1:
-        raise ExportError(
-            f"this model mixes schemes ({', '.join(sorted({s.name for s in schemes.values()}))}) and has quantized MoE "
-            "experts: fp8kit writes experts in one-scheme exports only; quantize the model with one scheme, or keep "
-            "the experts in high precision with module_filter"
-        )
     tensors: dict[str, torch.Tensor] = {}
     for name, q in qlayers.items():
         if q.scheme.is_fp4:

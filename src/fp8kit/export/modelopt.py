@@ -205,12 +205,6 @@ def export_tensors(
     experts = experts or {}
     layers = {n: getattr(m, "scheme", None) for n, m in {**qlayers, **experts}.items()}
     layers = {n: BLOCK_SCHEME if s is None else s.name for n, s in layers.items()}
-    if experts and len(set(layers.values())) > 1:
-        raise ExportError(
-            f"this model mixes schemes ({', '.join(sorted(set(layers.values())))}) and has quantized MoE experts: "
-            "fp8kit writes experts in one-scheme exports only; quantize the model with one scheme, or keep the "
-            "experts in high precision with module_filter"
-        )
     tensors: dict[str, torch.Tensor] = {}
     for name, q in qlayers.items():
         if isinstance(q, QuantLinear) and q.scheme.is_fp4:
