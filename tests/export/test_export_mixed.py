@@ -249,22 +249,52 @@ def test_modelopt_refuses_a_mix_with_a_scheme_it_has_no_name_for(exported, tmp_p
     assert not (tmp_path / "mo").exists()
 
 
-@pytest.mark.parametrize("fmt", ["compressed-tensors", "modelopt"])
-def test_a_mix_with_moe_experts_is_refused_with_the_fix(fmt, tmp_path):
-    """MoE experts are written in one-scheme exports only: a mixed model with quantized experts is refused, naming
-    what to do, before anything is written."""
+@pytest.fixture(scope="module")
+def moe_mix():
+    """A tiny Qwen3-MoE: its first experts module in nvfp4-weight-only, its second in fp8 (as the attention
+    layers), its first o_proj in int8-weight-only; each as uniform PTQ with that scheme makes it."""
+    from fp8kit.export.common import replace_module
     from fp8kit.ptq import quantize
-    from fp8kit.ptq.linear import QuantLinear
     from tests.helpers.moe import tiny_moe_model
 
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    q = quantize(tiny_moe_model("qwen3_moe").eval(), "fp8", lambda m: m(ids))
-    name = "model.layers.0.self_attn.o_proj"
-    one = q.get_submodule(name)
-    plain = torch.nn.Linear(one.in_features, one.out_features, bias=False)
-    with torch.no_grad():
-        plain.weight.copy_(one.dequantized_weight())
-    q.model.layers[0].self_attn.o_proj = QuantLinear.from_linear(plain, "nvfp4-weight-only")
-    with pytest.raises(ExportError, match="mixes schemes.*MoE experts.*one scheme"):
-        save_pretrained(q, tmp_path / "moe", format=fmt)
-    assert not (tmp_path / "moe").exists()
+    base = tiny_moe_model("qwen3_moe").eval()
+    q = quantize(copy.deepcopy(base), "fp8", lambda m: m(ids))
+    for name, scheme in (
+        ("model.layers.0.mlp.experts", "nvfp4-weight-only"),
+        ("model.layers.0.self_attn.o_proj", "int8-weight-only"),
+    ):
+        other = quantize(copy.deepcopy(base), scheme, lambda m: m(ids))
+        replace_module(q, name, other.get_submodule(name))
+        q.ptq_report.schemes[name] = scheme
+    q.ptq_report.scheme = "auto"
+    return q, ids
+
+
+def test_moe_experts_in_a_mix_each_in_their_scheme(moe_mix, tmp_path):
+    """compressed-tensors: each experts module's per-expert linears in its scheme's group (a ``re:`` target over
+    their checkpoint names, which compressed-tensors matches); ``load_pretrained`` reads each in its scheme, with
+    the same logits; ModelOpt refuses the mix, naming compressed-tensors."""
+    from compressed_tensors.utils.match import match_name
+
+    q, ids = moe_mix
+    out = save_pretrained(q, tmp_path / "moe")
+    groups = config(out)["config_groups"]
+    assert len(groups) == 3 and config(out)["format"] == "mixed-precision"
+    t = read_safetensors(out)
+    for scheme, name in (("nvfp4-weight-only", "model.layers.0.mlp.experts"), ("fp8", "model.layers.1.mlp.experts")):
+        key = f"{name}.3.down_proj"
+        assert (f"{key}.weight_packed" in t) == scheme.startswith("nvfp4") and (f"{key}.weight" in t) != (
+            f"{key}.weight_packed" in t
+        )
+        group = [g for g in groups.values() if g["format"] == get_scheme(scheme).export_format]
+        assert len(group) == 1 and any(match_name(key, target) for target in group[0]["targets"]), (scheme, key)
+    loaded = load_pretrained(out)
+    assert loaded.get_submodule("model.layers.0.mlp.experts").scheme.name == "nvfp4-weight-only"
+    assert loaded.get_submodule("model.layers.1.mlp.experts").scheme.name == "fp8"
+    assert loaded.get_submodule("model.layers.0.self_attn.o_proj").scheme.name == "int8-weight-only"
+    assert loaded.ptq_report.scheme == "auto"
+    assert sqnr_db(logits(q, ids), logits(loaded, ids)) > 60  # NVFP4 per-tensor scales: reciprocal of reciprocal
+    with pytest.raises(ExportError, match="mixes schemes.*MoE experts.*--format compressed-tensors"):
+        save_pretrained(q, tmp_path / "mo", format="modelopt")
+    assert not (tmp_path / "mo").exists()

@@ -93,11 +93,10 @@ def save_pretrained(
             check_scheme_format(scheme + ("+kv" if kv else ""), format)
     except ValueError as err:
         raise ExportError(str(err)) from None
-    if experts and len(used) > 1:
+    if experts and len(used) > 1 and format != "compressed-tensors":
         raise ExportError(
-            f"this model mixes schemes ({', '.join(used)}) and has quantized MoE experts: fp8kit writes experts in "
-            "one-scheme exports only; quantize the model with one scheme, or keep the experts in high precision "
-            "with module_filter"
+            f"this model mixes schemes ({', '.join(used)}) and has quantized MoE experts: the {format} export "
+            "writes experts in one-scheme models only; write the mix as --format compressed-tensors"
         )
     if experts and format == "modelopt" and scheme == BLOCK_SCHEME:
         raise ExportError(

@@ -18,7 +18,8 @@ the safetensors files hold, for each quantized ``Linear`` named ``NAME``:
 An FP4 MoE expert's projection gets the same tensors under its per-expert name (``export.experts``).
 
 A model whose layers mix schemes (``ptq.quantize(..., "auto")``) gets one config group per scheme, each targeting
-its layers by their exact module names, with its own ``format``; the top-level ``format`` is ``"mixed-precision"``
+its layers by their exact module names (an experts module: a ``re:`` over its per-expert linears' checkpoint
+names), with its own ``format``; the top-level ``format`` is ``"mixed-precision"``
 when the groups' formats differ. Loading gives each layer the scheme of the group that targets it.
 
 compressed-tensors' global scales are the reciprocals of fp8kit's (and ModelOpt's) per-tensor dequant
@@ -47,7 +48,14 @@ import torch.nn as nn
 from ..ptq.linear import QuantLinear
 from ..ptq.schemes import FP4_SCHEMES, SCHEMES, Scheme
 from .common import ExportError, load_layer, load_rest, model_from_config, read_tensors, stored_codes
-from .experts import experts_naming, has_expert_tensors, load_experts, load_fp4_experts, model_key
+from .experts import (
+    checkpoint_key,
+    experts_naming,
+    has_expert_tensors,
+    load_experts,
+    load_fp4_experts,
+    model_key,
+)
 
 __all__ = [
     "MIXED_PRECISION",
@@ -306,10 +314,11 @@ def export_tensors(
     """The quantized layers' tensors, each in its own scheme's layout, the MoE experts' per-expert tensors in the
     architecture's checkpoint naming (``export.experts``), the attention blocks' k/v scales (``kv``: FP8 KV
     cache) and the ``quantization_config`` (one group per scheme, ``quantization_config``)."""
-    from .experts import expert_tensors, fp4_expert_tensors
+    from .experts import expert_targets, expert_tensors, fp4_expert_tensors
 
     experts = experts or {}
-    schemes = {name: m.scheme for name, m in {**qlayers, **experts}.items()}
+    schemes = {name: m.scheme for name, m in qlayers.items()}
+    schemes.update({expert_targets(model, name, QUANT_METHOD): m.scheme for name, m in experts.items()})
     tensors: dict[str, torch.Tensor] = {}
     for name, q in qlayers.items():
         if q.scheme.is_fp4:
@@ -401,12 +410,48 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
 
     for name in names:
         load_layer(model, path, name, lambda lin, name=name: build(name, lin))
-    if has_expert_tensors(tensors) and len(groups) > 1:
-        raise ExportError(
-            f"{path}: fp8kit loads MoE experts from compressed-tensors exports with one config group; this one has "
-            f"{len(groups)}"
-        )
-    scheme = groups[0][1]
+    experts: list[str] = []
+    for scheme, modules in _experts_groups(model, groups, tensors).items():
+        experts += _load_experts(model, path, tensors, scheme, modules)
+    names += experts
+    if experts:
+        _, block = experts_naming(model)
+        tensors = {model_key(k, block): v for k, v in tensors.items()}
+    kv_scales = {k: tensors.pop(k) for k in list(tensors) if k.endswith((".k_scale", ".v_scale"))}
+    load_rest(model, path, tensors, names, dtype)
+    return model, used.pop() if len(used) == 1 else "auto", names, kv_scales, bool(qc.get("kv_cache_scheme"))
+
+
+def _experts_groups(
+    model: nn.Module, groups: list[tuple[list[str], Scheme]], tensors: dict[str, torch.Tensor]
+) -> dict[Scheme, list[str]]:
+    """The MoE experts modules with per-expert tensors, by the scheme of the config group that targets their
+    per-expert linears (one group: every experts module; a mix: as ``_layer_groups`` ranks the targets of expert
+    0's first linear, in its checkpoint name)."""
+    from ..ptq.experts import find_experts
+
+    found = find_experts(model) if has_expert_tensors(tensors) else {}
+    if not found:
+        return {}
+    if len(groups) == 1:
+        return {groups[0][1]: list(found)}
+    linears, block = experts_naming(model, QUANT_METHOD)
+    probe = nn.Linear(1, 1, bias=False)  # a per-expert linear: class targets ("Linear") match it
+    out: dict[Scheme, list[str]] = {}
+    for name in found:
+        key = f"{checkpoint_key(f'{name}.', block)}0.{linears[-1]}"
+        best: tuple[int, Scheme] | None = None
+        for targets, scheme in groups:
+            ranks = [r for r in (_rank(key, probe, t) for t in targets) if r is not None]
+            if ranks and (best is None or min(ranks) <= best[0]):
+                best = (min(ranks), scheme)
+        if best is not None:
+            out.setdefault(best[1], []).append(name)
+    return out
+
+
+def _load_experts(model: nn.Module, path: Path, tensors: dict[str, torch.Tensor], scheme: Scheme, only: list[str]):
+    """The experts modules ``only`` as ``QuantExperts`` in ``scheme``, from their per-expert tensors."""
     fmt = scheme.export_format
 
     def read_expert(key: str, out_features: int, in_features: int):
@@ -427,16 +472,6 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
         scale_dtype = torch.float8_e4m3fn if scheme.weight_strategy == "nvfp4" else torch.uint8
         return _read_fp4(tensors, key, (out_features, in_features), scale_dtype, path)
 
-    if not has_expert_tensors(tensors):
-        experts = []
-    elif scheme.is_fp4:
-        experts = load_fp4_experts(model, path, tensors, scheme, read_fp4_expert, QUANT_METHOD)
-    else:
-        experts = load_experts(model, path, tensors, scheme, read_expert, QUANT_METHOD)
-    names += experts
-    if experts:
-        _, block = experts_naming(model)
-        tensors = {model_key(k, block): v for k, v in tensors.items()}
-    kv_scales = {k: tensors.pop(k) for k in list(tensors) if k.endswith((".k_scale", ".v_scale"))}
-    load_rest(model, path, tensors, names, dtype)
-    return model, used.pop() if len(used) == 1 else "auto", names, kv_scales, bool(qc.get("kv_cache_scheme"))
+    if scheme.is_fp4:
+        return load_fp4_experts(model, path, tensors, scheme, read_fp4_expert, QUANT_METHOD, only)
+    return load_experts(model, path, tensors, scheme, read_expert, QUANT_METHOD, only)
