@@ -1,6 +1,6 @@
 """``quantize(model, "auto", budget=BITS)``: the plan fits the bits budget (ModelOpt's counting), predicts no
 more loss than any uniform scheme it could have chosen, gives a layer made sensitive more bits, installs
-each layer's scheme, and ``fp8kit quantize --scheme auto`` writes a one-scheme plan and refuses a mix."""
+each layer's scheme, and ``fp8kit quantize --scheme auto`` writes a one-scheme plan and a mix."""
 
 from __future__ import annotations
 
@@ -60,6 +60,26 @@ def test_each_layer_gets_its_planned_scheme(plans):
             assert type(layer) is torch.nn.Linear and name in report.skipped
         else:
             assert isinstance(layer, ptq.QuantLinear) and layer.scheme.name == choice == report.schemes[name]
+
+
+def test_layers_that_read_one_input_take_one_scheme(plans):
+    """q/k/v and gate/up: vLLM fuses each into one GEMM (one scheme), ModelOpt's export requires it."""
+    for report in plans.values():
+        for block in range(2):
+            for group in (("self_attn", "q_proj", "k_proj", "v_proj"), ("mlp", "gate_proj", "up_proj")):
+                names = [f"model.layers.{block}.{group[0]}.{p}" for p in group[1:]]
+                assert len({report.plan.per_layer[n] for n in names}) == 1, names
+
+
+def test_plan_bits_plans_a_group_as_one():
+    predicted = {"a": {"nvfp4": 1.0, "fp8": 0.1}, "b": {"nvfp4": 0.0, "fp8": 0.0}, "c": {"nvfp4": 0.5, "fp8": 0.2}}
+    params = {"a": 10, "b": 10, "c": 10}
+    alone = plan_bits(predicted, params, 6.5)  # bits for one 8-bit layer: a, the most sensitive
+    assert alone.per_layer == {"a": "fp8", "b": "nvfp4", "c": "nvfp4"}
+    tied = plan_bits(predicted, params, 6.5, groups=[["a", "b"]])  # a and b only together: 8-bit c instead
+    assert tied.per_layer == {"a": "nvfp4", "b": "nvfp4", "c": "fp8"}
+    assert tied.loss_increase == {"a": 1.0, "b": 0.0, "c": 0.2}
+    assert plan_bits(predicted, params, 8, groups=[["a", "b"]]).per_layer == dict.fromkeys("abc", "fp8")
 
 
 def test_the_plan_prints_and_saves(plans, tmp_path):
@@ -123,7 +143,7 @@ def local_model(tmp_path_factory):
     return save_sample_llama(tmp_path_factory.mktemp("hf"))
 
 
-def test_cli_writes_a_one_scheme_plan_and_refuses_a_mix(local_model, tmp_path, capsys):
+def test_cli_writes_a_one_scheme_plan_and_a_mix(local_model, tmp_path, capsys):
     model, text = str(local_model / "model"), str(local_model / "text.txt")
     base = ["quantize", "--model", model, "--scheme", "auto", "--text", text, "--calib-batches", "2", "--no-gptq"]
     out = tmp_path / "one"
@@ -134,7 +154,17 @@ def test_cli_writes_a_one_scheme_plan_and_refuses_a_mix(local_model, tmp_path, c
     loaded = load_pretrained(out)
     kinds = {type(m).__name__ for n, m in loaded.named_modules() if n.endswith("_proj")}
     assert "QuantLinear" in kinds and "Linear" in kinds  # nvfp4 layers and BF16 layers
-    assert main([*base, "--budget", "6", "--out", str(tmp_path / "mix")]) == 2
-    assert "the plan mixes" in capsys.readouterr().err
-    assert not (tmp_path / "mix").exists() or not any((tmp_path / "mix").iterdir())
+    mix = tmp_path / "mix"
+    assert main([*base, "--budget", "6", "--out", str(mix)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    loaded = load_pretrained(mix)
+    schemes = loaded.ptq_report.schemes
+    assert loaded.ptq_report.scheme == "auto" and len(set(schemes.values())) > 1
+    counts = {s: list(schemes.values()).count(s) for s in set(schemes.values())}
+    assert all(f"{s} {k}" in last for s, k in counts.items()) and str(mix) in last, last
+    qc = json.loads((mix / "config.json").read_text())["quantization_config"]
+    assert len(qc["config_groups"]) == len(counts)
+    block = [*base, "--budget", "6", "--format", "fp8-block", "--out", str(tmp_path / "block")]
+    assert main(block) == 2
+    assert "fp8-block format carries the fp8-block scheme only" in capsys.readouterr().err
     assert main(["quantize", "--model", model, "--scheme", "fp8", "--budget", "6", "--out", str(tmp_path / "x")]) == 2

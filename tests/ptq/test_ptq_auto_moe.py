@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import itertools
 import os
+import re
 
 import pytest
 import torch
@@ -111,12 +112,21 @@ def test_the_experts_score_is_the_fisher_quadratic_at_the_experts_output(arch, s
         assert plan.predicted[name][scheme] == pytest.approx(direct, rel=1e-3)
 
 
+def _fused(name: str) -> str:
+    """The GEMM a layer shares with the layers that read its input (q/k/v; gate/up)."""
+    return re.sub(r"\.(q|k|v)_proj$", ".qkv", re.sub(r"\.(gate|up)_proj$", ".gate_up", name))
+
+
 def _best_plan(plan, budget: float) -> float:
-    """The least summed prediction over every assignment within ``budget`` (exhaustive search)."""
+    """The least summed prediction over every assignment within ``budget`` in which q/k/v (and gate/up) take
+    one scheme (exhaustive search)."""
     names = list(plan.per_layer)
     total = sum(plan.params.values())
     best = float("inf")
     for choice in itertools.product(*(list(plan.predicted[n]) for n in names)):
+        shared: dict[str, str] = {}
+        if any(shared.setdefault(_fused(n), c) != c for n, c in zip(names, choice, strict=True)):
+            continue
         bits = sum(EFFECTIVE_BITS[c] * plan.params[n] for n, c in zip(names, choice, strict=True)) / total
         if bits <= budget + 1e-9:
             best = min(best, sum(plan.predicted[n][c] for n, c in zip(names, choice, strict=True)))
@@ -128,7 +138,7 @@ CANDIDATES = ["bf16", "int8-weight-only", "nvfp4-weight-only"]
 
 def test_a_6bit_budget_puts_the_experts_in_4_bits_as_the_exhaustive_optimum():
     """The experts hold 80% of the weights: 6 bits cannot keep both experts modules at 8, and the plan is the
-    exhaustive optimum of the predictions over all 3^10 assignments."""
+    exhaustive optimum of the predictions over the assignments that keep q/k/v together."""
     plan = auto(tiny_moe_model("qwen3_moe").eval(), 6, candidates=CANDIDATES).ptq_report.plan
     assert sum(plan.params[n] for n in EXPERTS) > 0.75 * sum(plan.params.values())
     assert "nvfp4-weight-only" in {plan.per_layer[n] for n in EXPERTS}
@@ -154,12 +164,12 @@ def test_the_4bit_experts_are_the_ones_the_prediction_says(sensitive):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logits_stay_close_to_the_fp32_model(arch):
     """Held-out logits against the FP32 model: close at 8 and 6 bits, and at 4.5 bits no worse than uniform
-    NVFP4 weights (4.5 bits); a wrong expert scale would fall far below."""
+    NVFP4 weights (4.5 bits; q/k/v tied to one scheme); a wrong expert scale would fall far below."""
     base = tiny_moe_model(arch).eval()
     ref = base(HELD_OUT).logits
     got = {b: sqnr_db(ref, auto(copy.deepcopy(base), b)(HELD_OUT).logits) for b in (8, 6, 4.5)}
     uniform = sqnr_db(ref, ptq.quantize(copy.deepcopy(base), "nvfp4-weight-only", calib(BATCHES))(HELD_OUT).logits)
-    assert got[8] > 40 and got[6] > 25 and got[4.5] > uniform + 2
+    assert got[8] > 40 and got[6] > 18 and got[4.5] > uniform + 1, (got, uniform)
 
 
 def test_installed_experts_are_uniform_ptqs():

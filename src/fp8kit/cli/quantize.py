@@ -20,8 +20,8 @@ from ._ptq_options import (
 NAME = "quantize"
 SUMMARY = "post-training quantization, written as a compressed-tensors export"
 DESCRIPTION = (
-    "Calibrate a pretrained causal LM on the shipped corpus (or --text), quantize it with one scheme and "
-    "write a compressed-tensors folder that vLLM and transformers load."
+    "Calibrate a pretrained causal LM on the shipped corpus (or --text), quantize it with one scheme (or, with "
+    "--scheme auto, a scheme per layer) and write a compressed-tensors folder that vLLM and transformers load."
 )
 
 
@@ -192,8 +192,8 @@ def _run_sequential(args: argparse.Namespace, source: Path, settings: dict, devi
 
 
 def _run_auto(args: argparse.Namespace) -> int:
-    """A scheme per layer (``ptq.quantize(..., "auto")``) on the whole model, its plan printed, the export written
-    when one scheme (and BF16) was chosen or refused (one line) for a mix."""
+    """A scheme per layer (``ptq.quantize(..., "auto")``) on the whole model, its plan printed and the export
+    written, each layer in its scheme (a mix: one compressed-tensors config group per scheme)."""
     from ..device import work_dtype
     from ..export import check_export_dir, save_pretrained
     from ..pretrained_ptq import calibration_loop, load_splits
@@ -207,6 +207,11 @@ def _run_auto(args: argparse.Namespace) -> int:
     ]
     if given:
         raise UsageError(f"--scheme auto chooses each layer's scheme and bits itself: drop {' '.join(given)}")
+    if args.format == "fp8-block":
+        raise UsageError(
+            "--format: the fp8-block format carries the fp8-block scheme only, which --scheme auto does not plan: "
+            "write the plan as --format compressed-tensors"
+        )
     try:
         check_export_dir(args.out, args.overwrite)
     except ValueError as err:
@@ -229,18 +234,14 @@ def _run_auto(args: argparse.Namespace) -> int:
     print(report)
     if not report.schemes:
         raise UsageError(f"the plan keeps every layer in BF16 ({args.budget:g} bits allow it): give a lower --budget")
-    if report.scheme == "auto":
-        mix = ", ".join(sorted(set(report.schemes.values())))
-        raise UsageError(
-            f"the plan mixes {mix}, and no --format fp8kit writes carries a mix: give --candidates bf16 and one "
-            "scheme (written as that scheme), or a higher --budget"
-        )
     try:
         out = save_pretrained(
             model, args.out, tokenizer, format=args.format, overwrite=args.overwrite, max_shard_size=args.max_shard_size
         )
     except ValueError as err:
         raise UsageError(f"--format: {err}") from None
-    print(f"calibrated on {splits.name}; wrote the {args.format} export ({report.scheme} and BF16 layers) to {out}")
+    counts = report.plan.counts()
+    layers = ", ".join(f"{c} {k}" for c, k in counts.items())
+    print(f"calibrated on {splits.name}; wrote the {args.format} export (layers: {layers}) to {out}")
     print_device_peak(device)
     return 0

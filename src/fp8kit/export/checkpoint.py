@@ -35,7 +35,7 @@ from .modelopt import export_tensors as modelopt_tensors
 from .modelopt import load as modelopt_load
 from .serve import serving_layers
 from .shards import DEFAULT_MAX_SHARD_SIZE
-from .support import BLOCK_SCHEME, FORMATS, check_scheme_format
+from .support import BLOCK_SCHEME, FORMATS, check_mix_format, check_scheme_format
 
 __all__ = ["dequantized_model", "format_tensors", "load_pretrained", "save_pretrained"]
 
@@ -85,10 +85,19 @@ def save_pretrained(
             "save_pretrained takes a model quantized by fp8kit.ptq.quantize or converted for training by "
             "fp8kit.convert (none of its layers are)"
         )
+    used = layer_schemes({**qlayers, **experts})
     try:
-        check_scheme_format(scheme + ("+kv" if kv else ""), format)
+        if len(used) > 1:
+            check_mix_format([s + ("+kv" if kv else "") for s in used], format)
+        else:
+            check_scheme_format(scheme + ("+kv" if kv else ""), format)
     except ValueError as err:
         raise ExportError(str(err)) from None
+    if experts and len(used) > 1 and format != "compressed-tensors":
+        raise ExportError(
+            f"this model mixes schemes ({', '.join(used)}) and has quantized MoE experts: the {format} export "
+            "writes experts in one-scheme models only; write the mix as --format compressed-tensors"
+        )
     if experts and format == "modelopt" and scheme == BLOCK_SCHEME:
         raise ExportError(
             "the modelopt export does not carry block-FP8 MoE experts yet: write --format fp8-block, "
@@ -109,6 +118,12 @@ def save_pretrained(
     return write_export(out, model, tensors, cfg, tokenizer, extra, max_shard_size)
 
 
+def layer_schemes(layers: dict[str, nn.Module]) -> list[str]:
+    """The distinct scheme names of quantized ``layers`` (``QuantLinear``, ``QuantExperts``: their ``scheme``;
+    ``BlockQuantLinear``: ``fp8-block``), sorted."""
+    return sorted({m.scheme.name if hasattr(m, "scheme") else BLOCK_SCHEME for m in layers.values()})
+
+
 def format_tensors(
     format: str,  # noqa: A002 - the name users know from the CLI (--format)
     model: nn.Module,
@@ -121,8 +136,7 @@ def format_tensors(
     """The quantized layers', experts' and k/v scales' tensors in ``format``, its ``quantization_config`` and
     its extra JSON files; ``model`` gives the architecture (its config and module types, weights unused)."""
     if format == "compressed-tensors":
-        first = next(iter(qlayers.values()), None) or next(iter(experts.values()))
-        tensors, qc = ct_tensors(model, qlayers, first.scheme, ignore, kv, experts)
+        tensors, qc = ct_tensors(model, qlayers, ignore, kv, experts)
         return tensors, qc, None
     if format == "modelopt":
         return modelopt_tensors(model, qlayers, scheme, ignore, kv, experts)
@@ -159,6 +173,7 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.
 
     experts = [n for n in names if isinstance(model.get_submodule(n), QuantExperts)]
     report = PTQReport(scheme, quantized=[n for n in names if n not in experts], kv_cache=kv, experts=experts)
+    report.schemes = {n: model.get_submodule(n).scheme.name for n in names if hasattr(model.get_submodule(n), "scheme")}
     report.skipped = {
         n: "not quantized in the checkpoint"
         for n, m in model.named_modules()

@@ -17,6 +17,11 @@ the safetensors files hold, for each quantized ``Linear`` named ``NAME``:
 
 An FP4 MoE expert's projection gets the same tensors under its per-expert name (``export.experts``).
 
+A model whose layers mix schemes (``ptq.quantize(..., "auto")``) gets one config group per scheme, each targeting
+its layers by their exact module names (an experts module: a ``re:`` over its per-expert linears' checkpoint
+names), with its own ``format``; the top-level ``format`` is ``"mixed-precision"``
+when the groups' formats differ. Loading gives each layer the scheme of the group that targets it.
+
 compressed-tensors' global scales are the reciprocals of fp8kit's (and ModelOpt's) per-tensor dequant
 multipliers: ``weight_global_scale = 2688 / amax = 1 / weight_scale_2`` and ``input_global_scale = 1 /
 input_scale``, each a float32 reciprocal; dequantization is ``code * (weight_scale / weight_global_scale)``.
@@ -30,7 +35,9 @@ safetensors only (nothing is unpickled).
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -41,9 +48,24 @@ import torch.nn as nn
 from ..ptq.linear import QuantLinear
 from ..ptq.schemes import FP4_SCHEMES, SCHEMES, Scheme
 from .common import ExportError, load_layer, load_rest, model_from_config, read_tensors, stored_codes
-from .experts import experts_naming, has_expert_tensors, load_experts, load_fp4_experts, model_key
+from .experts import (
+    checkpoint_key,
+    experts_naming,
+    has_expert_tensors,
+    load_experts,
+    load_fp4_experts,
+    model_key,
+)
 
-__all__ = ["QUANT_METHOD", "export_tensors", "load", "pack_int8", "quantization_config", "unpack_int8"]
+__all__ = [
+    "MIXED_PRECISION",
+    "QUANT_METHOD",
+    "export_tensors",
+    "load",
+    "pack_int8",
+    "quantization_config",
+    "unpack_int8",
+]
 
 QUANT_METHOD = "compressed-tensors"
 
@@ -88,24 +110,44 @@ def _args(scheme: Scheme, which: str) -> dict[str, Any] | None:
     }
 
 
-def quantization_config(scheme: Scheme, ignore: list[str], kv_cache: bool) -> dict[str, Any]:
-    """The ``quantization_config`` entry of ``config.json`` for ``scheme``."""
+MIXED_PRECISION = "mixed-precision"  # compressed-tensors' top-level format when the groups' formats differ
+
+
+def _group(scheme: Scheme, targets: list[str]) -> dict[str, Any]:
+    return {
+        "targets": targets,
+        "weights": _args(scheme, "weights"),
+        "input_activations": _args(scheme, "input"),
+        "output_activations": None,
+        "format": scheme.export_format,
+    }
+
+
+def quantization_config(scheme: Scheme | Mapping[str, Scheme], ignore: list[str], kv_cache: bool) -> dict[str, Any]:
+    """The ``quantization_config`` entry of ``config.json``: for one ``scheme`` (or a ``{layer: scheme}`` map whose
+    layers share one group entry) one group targeting every ``Linear``; for a map of several, one group per
+    distinct entry (``group_0``, ``group_1``, ... in the order the layers come), each targeting its layers by
+    their exact module names, with its own ``format``; the top-level ``format`` is the groups' one format, or
+    ``"mixed-precision"`` when they differ (compressed-tensors' ``CompressionFormat.mixed_precision``)."""
     kv = None
     if kv_cache:
         kv = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}
+    layers = {"": scheme} if isinstance(scheme, Scheme) else dict(scheme)
+    by_entry: dict[str, tuple[Scheme, list[str]]] = {}
+    for name, s in layers.items():
+        by_entry.setdefault(json.dumps(_group(s, [])), (s, []))[1].append(name)
+    if not by_entry:
+        raise ExportError("quantization_config needs at least one quantized layer")
+    if len(by_entry) == 1:
+        groups = [_group(next(iter(by_entry.values()))[0], ["Linear"])]
+    else:
+        groups = [_group(s, names) for s, names in by_entry.values()]
+    formats = {g["format"] for g in groups}
     return {
         "quant_method": QUANT_METHOD,
-        "format": scheme.export_format,
+        "format": formats.pop() if len(formats) == 1 else MIXED_PRECISION,
         "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": _args(scheme, "weights"),
-                "input_activations": _args(scheme, "input"),
-                "output_activations": None,
-                "format": scheme.export_format,
-            }
-        },
+        "config_groups": {f"group_{i}": g for i, g in enumerate(groups)},
         "ignore": sorted(ignore),
         "kv_cache_scheme": kv,
         "sparsity_config": {},
@@ -265,59 +307,96 @@ def _read_fp4_linear(tensors: dict[str, torch.Tensor], name: str, q: QuantLinear
 def export_tensors(
     model: nn.Module,
     qlayers: dict[str, QuantLinear],
-    scheme: Scheme,
     ignore: list[str],
     kv: dict[str, nn.Module],
     experts: dict[str, nn.Module] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The quantized layers' tensors, the MoE experts' per-expert tensors in the architecture's checkpoint
-    naming (``export.experts``), the attention blocks' k/v scales (``kv``: FP8 KV cache) and the
-    ``quantization_config``."""
-    from .experts import expert_tensors, fp4_expert_tensors
+    """The quantized layers' tensors, each in its own scheme's layout, the MoE experts' per-expert tensors in the
+    architecture's checkpoint naming (``export.experts``), the attention blocks' k/v scales (``kv``: FP8 KV
+    cache) and the ``quantization_config`` (one group per scheme, ``quantization_config``)."""
+    from .experts import expert_targets, expert_tensors, fp4_expert_tensors
 
+    experts = experts or {}
+    schemes = {name: m.scheme for name, m in qlayers.items()}
+    schemes.update({expert_targets(model, name, QUANT_METHOD): m.scheme for name, m in experts.items()})
     tensors: dict[str, torch.Tensor] = {}
     for name, q in qlayers.items():
-        if scheme.is_fp4:
+        if q.scheme.is_fp4:
             _write_fp4(tensors, name, q.weight, q.weight_scale, q.weight_scale_2, q.input_scale)
         else:
-            _write_linear(tensors, scheme, name, q.weight, q.weight_scale, q.input_scale)
+            _write_linear(tensors, q.scheme, name, q.weight, q.weight_scale, q.input_scale)
         if q.bias is not None:
             tensors[f"{name}.bias"] = q.bias.contiguous()
-    for name, m in (experts or {}).items():
-        if scheme.is_fp4:
+    for name, m in experts.items():
+        if m.scheme.is_fp4:
             tensors.update(fp4_expert_tensors(model, name, m, partial(_write_fp4, tensors), QUANT_METHOD))
         else:
-            tensors.update(expert_tensors(model, name, m, partial(_write_linear, tensors, scheme), QUANT_METHOD))
+            tensors.update(expert_tensors(model, name, m, partial(_write_linear, tensors, m.scheme), QUANT_METHOD))
     for name, m in kv.items():
         tensors[f"{name}.k_scale"] = m.k_scale.float().reshape(1).contiguous()
         tensors[f"{name}.v_scale"] = m.v_scale.float().reshape(1).contiguous()
-    return tensors, quantization_config(scheme, ignore, bool(kv))
+    return tensors, quantization_config(schemes, ignore, bool(kv))
+
+
+def _rank(name: str, module: nn.Module, target: str) -> int | None:
+    """How closely ``target`` matches the layer ``name``, as compressed-tensors ranks a layer's matching targets:
+    0 its exact name, 1 a ``re:`` regex, 2 its class name (or, leniently, a ``.``-suffix of its name); ``None``
+    when it does not match."""
+    if target == name:
+        return 0
+    if target.startswith("re:"):
+        return 1 if re.match(target[3:], name) else None
+    return 2 if _matches(name, module, [target]) else None
+
+
+def _layer_groups(model: nn.Module, groups: list[tuple[list[str], Scheme]], ignore: list[str]) -> dict[str, Scheme]:
+    """Each ``nn.Linear`` a config group targets (and ``ignore`` does not) -> that group's scheme; a layer several
+    groups target takes the most specific match (``_rank``), the later group among equals (compressed-tensors'
+    target -> scheme map keeps the last)."""
+    out: dict[str, Scheme] = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear) or _matches(name, m, ignore):
+            continue
+        best: tuple[int, Scheme] | None = None
+        for targets, scheme in groups:
+            ranks = [r for r in (_rank(name, m, t) for t in targets) if r is not None]
+            if ranks and (best is None or min(ranks) <= best[0]):
+                best = (min(ranks), scheme)
+        if best is not None:
+            out[name] = best[1]
+    return out
 
 
 def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module, str, list[str], dict, bool]:
-    """A compressed-tensors directory (fp8kit's or another tool's) in ``QuantLinear``s: returns the model,
-    the scheme name, the quantized layer names, the k/v scales by attention block and whether the
-    export has an FP8 KV cache."""
+    """A compressed-tensors directory (fp8kit's or another tool's) in ``QuantLinear``s, each layer in the scheme of
+    the config group that targets it: returns the model, the scheme name (``"auto"`` when the layers' schemes
+    differ), the quantized layer names, the k/v scales by attention block and whether the export has an FP8 KV
+    cache."""
     qc = raw["quantization_config"]
-    fmt = qc.get("format")
-    groups = list((qc.get("config_groups") or {}).values())
-    if len(groups) != 1:
-        raise ExportError(f"fp8kit loads exports with one config group, {path} has {len(groups)}")
-    scheme = _scheme_of(groups[0], fmt)
-    targets, ignore = groups[0].get("targets") or ["Linear"], qc.get("ignore") or []
+    top = qc.get("format")
+    groups = []
+    for key, g in (qc.get("config_groups") or {}).items():
+        fmt = g.get("format") or top
+        if fmt == MIXED_PRECISION:
+            raise ExportError(f"{path}: config group {key} has no format of its own under the {MIXED_PRECISION} format")
+        groups.append((g.get("targets") or ["Linear"], _scheme_of(g, fmt)))
+    if not groups:
+        raise ExportError(f"{path}: the compressed-tensors config has no config_groups (nothing is quantized)")
     model = model_from_config(path, raw, dtype)
     tensors = read_tensors(path)
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and _matches(n, m, targets)]
-    names = [n for n in names if not _matches(n, model.get_submodule(n), ignore)]
+    layer_schemes = _layer_groups(model, groups, qc.get("ignore") or [])
+    names = list(layer_schemes)
+    used = {s.name for _, s in groups}
 
     def build(name: str, lin: nn.Linear) -> QuantLinear:
+        scheme = layer_schemes[name]
         q = QuantLinear(lin.in_features, lin.out_features, lin.bias is not None, scheme)
         if scheme.is_fp4:
             _read_fp4_linear(tensors, name, q, path)
             if lin.bias is not None:
                 q.bias = tensors.pop(f"{name}.bias").float()
             return q
-        if fmt == "pack-quantized":
+        if scheme.export_format == "pack-quantized":
             q.weight = unpack_int8(tensors.pop(f"{name}.weight_packed"), lin.in_features)
             tensors.pop(f"{name}.weight_shape", None)
         else:
@@ -331,6 +410,49 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
 
     for name in names:
         load_layer(model, path, name, lambda lin, name=name: build(name, lin))
+    experts: list[str] = []
+    for scheme, modules in _experts_groups(model, groups, tensors).items():
+        experts += _load_experts(model, path, tensors, scheme, modules)
+    names += experts
+    if experts:
+        _, block = experts_naming(model)
+        tensors = {model_key(k, block): v for k, v in tensors.items()}
+    kv_scales = {k: tensors.pop(k) for k in list(tensors) if k.endswith((".k_scale", ".v_scale"))}
+    load_rest(model, path, tensors, names, dtype)
+    return model, used.pop() if len(used) == 1 else "auto", names, kv_scales, bool(qc.get("kv_cache_scheme"))
+
+
+def _experts_groups(
+    model: nn.Module, groups: list[tuple[list[str], Scheme]], tensors: dict[str, torch.Tensor]
+) -> dict[Scheme, list[str]]:
+    """The MoE experts modules with per-expert tensors, by the scheme of the config group that targets their
+    per-expert linears (one group: every experts module; a mix: as ``_layer_groups`` ranks the targets of expert
+    0's first linear, in its checkpoint name)."""
+    from ..ptq.experts import find_experts
+
+    found = find_experts(model) if has_expert_tensors(tensors) else {}
+    if not found:
+        return {}
+    if len(groups) == 1:
+        return {groups[0][1]: list(found)}
+    linears, block = experts_naming(model, QUANT_METHOD)
+    probe = nn.Linear(1, 1, bias=False)  # a per-expert linear: class targets ("Linear") match it
+    out: dict[Scheme, list[str]] = {}
+    for name in found:
+        key = f"{checkpoint_key(f'{name}.', block)}0.{linears[-1]}"
+        best: tuple[int, Scheme] | None = None
+        for targets, scheme in groups:
+            ranks = [r for r in (_rank(key, probe, t) for t in targets) if r is not None]
+            if ranks and (best is None or min(ranks) <= best[0]):
+                best = (min(ranks), scheme)
+        if best is not None:
+            out.setdefault(best[1], []).append(name)
+    return out
+
+
+def _load_experts(model: nn.Module, path: Path, tensors: dict[str, torch.Tensor], scheme: Scheme, only: list[str]):
+    """The experts modules ``only`` as ``QuantExperts`` in ``scheme``, from their per-expert tensors."""
+    fmt = scheme.export_format
 
     def read_expert(key: str, out_features: int, in_features: int):
         if fmt == "pack-quantized":
@@ -350,16 +472,6 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
         scale_dtype = torch.float8_e4m3fn if scheme.weight_strategy == "nvfp4" else torch.uint8
         return _read_fp4(tensors, key, (out_features, in_features), scale_dtype, path)
 
-    if not has_expert_tensors(tensors):
-        experts = []
-    elif scheme.is_fp4:
-        experts = load_fp4_experts(model, path, tensors, scheme, read_fp4_expert, QUANT_METHOD)
-    else:
-        experts = load_experts(model, path, tensors, scheme, read_expert, QUANT_METHOD)
-    names += experts
-    if experts:
-        _, block = experts_naming(model)
-        tensors = {model_key(k, block): v for k, v in tensors.items()}
-    kv_scales = {k: tensors.pop(k) for k in list(tensors) if k.endswith((".k_scale", ".v_scale"))}
-    load_rest(model, path, tensors, names, dtype)
-    return model, scheme.name, names, kv_scales, bool(qc.get("kv_cache_scheme"))
+    if scheme.is_fp4:
+        return load_fp4_experts(model, path, tensors, scheme, read_fp4_expert, QUANT_METHOD, only)
+    return load_experts(model, path, tensors, scheme, read_expert, QUANT_METHOD, only)

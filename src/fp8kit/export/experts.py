@@ -34,7 +34,7 @@ back. A format whose readers take no quantized GPT-OSS experts is refused with t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -238,6 +238,15 @@ def fp4_expert_tensors(
     }
 
 
+def expert_targets(model: nn.Module, name: str, fmt: str) -> str:
+    """A ``re:`` target matching the per-expert linears of the experts module ``name`` in their checkpoint names
+    (``model.layers.0.mlp.experts.E.gate_proj`` ...): how a config group of a mixed export targets it."""
+    import re
+
+    linears, block = experts_naming(model, fmt)
+    return f"re:^{re.escape(checkpoint_key(f'{name}.', block))}\\d+\\.({'|'.join(map(re.escape, linears))})$"
+
+
 def has_expert_tensors(tensors: dict[str, torch.Tensor]) -> bool:
     """Whether a checkpoint holds per-expert tensors (``...experts.0....``)."""
     return any(".experts.0." in k for k in tensors)
@@ -281,15 +290,16 @@ def load_experts(
     scheme: Scheme,
     read: Callable[[str, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
     fmt: str,
+    only: Collection[str] | None = None,
 ) -> list[str]:
     """Make every experts module of ``model`` a ``QuantExperts`` from the per-expert tensors of a checkpoint in
     the format ``fmt``; ``read(prefix, out, in)`` pops one linear's ``(codes (out, in), weight_scale,
     input_scale or None)`` from ``tensors``, and the experts' ``PREFIX.bias`` are popped here. Per-expert input
     scales become their max (vLLM's semantics); block weight scales stay per tile (``(ceil(out / b),
-    ceil(in / b))`` each). Returns the module names."""
+    ceil(in / b))`` each). ``only``: just these experts modules (default all). Returns the module names."""
     from ..ptq.experts import find_experts
 
-    found = find_experts(model)
+    found = {n: m for n, m in find_experts(model).items() if only is None or n in only}
     if not found:
         return []
     linears, block = experts_naming(model, fmt)
@@ -357,15 +367,16 @@ def load_fp4_experts(
     scheme: Scheme,
     read: Callable[[str, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
     fmt: str,
+    only: Collection[str] | None = None,
 ) -> list[str]:
     """``load_experts`` for FP4 experts: ``read(prefix, out, in)`` pops one linear's ``(packed codes (out, in / 2),
     block scales, NVFP4 per-tensor weight scale (fp8kit's ``amax / 2688``) or None, input scale or None)``, and the
     experts' ``PREFIX.bias`` are popped here. Gate and up with one per-tensor scale per expert keep ``(E, 1)``, with
-    two ``(E, 2)`` (``ptq.experts``); per-expert input scales become their max (vLLM's semantics). Returns the
-    module names."""
+    two ``(E, 2)`` (``ptq.experts``); per-expert input scales become their max (vLLM's semantics). ``only``: just
+    these experts modules (default all). Returns the module names."""
     from ..ptq.experts import find_experts
 
-    found = find_experts(model)
+    found = {n: m for n, m in find_experts(model).items() if only is None or n in only}
     linears, block = experts_naming(model, fmt) if found else ((), "mlp")
     names = []
     for name, module in found.items():

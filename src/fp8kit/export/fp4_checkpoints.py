@@ -207,7 +207,7 @@ def _ct_layout(where: Path, qc: dict[str, Any]) -> FP4Layout | None:
             raise _refuse(where, f"compressed-tensors 4-bit float weights in format {sorted(map(str, formats))}")
         return None
     if len(formats) != 1:
-        raise _refuse(where, f"compressed-tensors with mixed formats {sorted(map(str, formats))}")
+        return _ct_mix(where, qc, formats)
     fmt = fp4.pop()
     block = _CT_FP4[fmt]
     for g in groups:
@@ -215,6 +215,23 @@ def _ct_layout(where: Path, qc: dict[str, Any]) -> FP4Layout | None:
         if w.get("group_size") != block or not w.get("symmetric", True) or w.get("num_bits") != 4:
             raise _refuse(where, f"compressed-tensors {fmt} weights {w}")
     return FP4Layout(COMPRESSED_TENSORS, where, block, fmt)
+
+
+def _ct_mix(where: Path, qc: dict[str, Any], formats: set[str]) -> None:
+    """A compressed-tensors config whose groups differ in format (fp8kit's and llm-compressor's per-layer mixes,
+    ``"mixed-precision"``): not one FP4 layout, but ``load_pretrained`` reads each group in its own scheme, so
+    ``None`` when it reads every group; refused (one line) otherwise."""
+    from .compressed_tensors import MIXED_PRECISION, _scheme_of
+
+    for key, g in (qc.get("config_groups") or {}).items():
+        fmt = g.get("format") or qc.get("format")
+        try:
+            if fmt == MIXED_PRECISION:
+                raise ExportError(f"group {key} has no format of its own")
+            _scheme_of(g, fmt)
+        except ExportError as err:
+            raise _refuse(where, f"compressed-tensors with mixed formats {sorted(map(str, formats))} ({err})") from None
+    return None
 
 
 def _modelopt_layout(where: Path, raw: dict[str, Any]) -> FP4Layout | None:
@@ -228,14 +245,25 @@ def _modelopt_layout(where: Path, raw: dict[str, Any]) -> FP4Layout | None:
         if q.get("group_size", NVFP4_BLOCK) != NVFP4_BLOCK:
             raise _refuse(where, f"ModelOpt {algo} with group_size {q.get('group_size')}")
         return FP4Layout(MODELOPT, where, NVFP4_BLOCK, algo)
-    if "FP4" in algo.upper() or algo == "MIXED_PRECISION" and "FP4" in json.dumps(q).upper():
+    if algo == "MIXED_PRECISION":  # a quant_algo per layer: load_pretrained reads each layer in its own
+        from .modelopt import _layer_schemes
+
+        try:
+            _layer_schemes(where, q)
+        except ExportError as err:
+            if "FP4" in json.dumps(q).upper():
+                raise _refuse(where, f"ModelOpt MIXED_PRECISION ({err})") from None
+        return None
+    if "FP4" in algo.upper():
         raise _refuse(where, f"ModelOpt quant_algo {algo!r}")
     return None
 
 
 def fp4_layout(path: str | Path, raw: dict[str, Any] | None = None) -> FP4Layout | None:
     """The FP4 layout of the Hugging Face folder ``path`` (``raw``: its ``config.json``, read when not given), or
-    ``None`` when it holds no FP4 weights (or no ``config.json``). A quantization config that names FP4 in a
+    ``None`` when it holds no FP4 weights (or no ``config.json``), or mixes schemes per layer in a way
+    ``load_pretrained`` reads (a compressed-tensors config whose groups differ in format, ModelOpt's
+    ``MIXED_PRECISION``). A quantization config that names FP4 in a
     layout fp8kit does not read raises ``ExportError`` with one line naming it."""
     where = Path(path)
     if raw is None:

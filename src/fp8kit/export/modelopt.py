@@ -32,13 +32,18 @@ the same tensors per expert (``export.experts``), NVFP4 included.
 
 ``hf_quant_config.json`` holds ``{"producer", "quantization": {"quant_algo", "kv_cache_quant_algo",
 "exclude_modules"}}`` and ``config.json``'s ``quantization_config`` the same in ModelOpt's
-compressed-tensors-like form (``config_groups`` for ``FP8`` only, ``ignore``, ``kv_cache_scheme``).
+compressed-tensors-like form (``config_groups`` for ``FP8`` only, ``ignore``, ``kv_cache_scheme``). A model
+whose layers mix schemes (``ptq.quantize(..., "auto")``) is written as ModelOpt writes ``auto_quantize``'s:
+``"quant_algo": "MIXED_PRECISION"`` and ``"quantized_layers": {NAME: {"quant_algo", "group_size" (NVFP4)}}``,
+each layer's tensors as above, ``config.json`` a config group per distinct layer config.
 """
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import json
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -60,6 +65,7 @@ HF_QUANT_CONFIG = "hf_quant_config.json"
 _SCHEME_OF = {algo: scheme for scheme, algo in MODELOPT_ALGOS.items()}
 _NVFP4 = ("nvfp4", "nvfp4-weight-only")
 NVFP4_GROUP = 16
+MIXED_PRECISION = "MIXED_PRECISION"  # ModelOpt's quant_algo for a scheme per layer (auto_quantize)
 
 
 def _producer() -> dict[str, str]:
@@ -68,21 +74,57 @@ def _producer() -> dict[str, str]:
     return {"name": "fp8kit", "version": __version__}
 
 
-def hf_quant_config(scheme: str, exclude: list[str], kv: bool) -> dict[str, Any]:
-    """``hf_quant_config.json`` (the file TensorRT-LLM reads)."""
+def hf_quant_config(scheme: str | Mapping[str, str], exclude: list[str], kv: bool) -> dict[str, Any]:
+    """``hf_quant_config.json`` (the file TensorRT-LLM reads) for one ``scheme``, or for a ``{layer: scheme}`` map:
+    one scheme as that scheme; several as ModelOpt writes an ``auto_quantize`` mix (``MIXED_PRECISION``, each
+    layer's ``quant_algo`` and NVFP4's ``group_size`` under ``quantized_layers``, no ``exclude_modules``)."""
+    layers = {} if isinstance(scheme, str) else dict(scheme)
+    used = set(layers.values()) or {scheme}
+    if len(used) == 1:
+        one = used.pop()
+        return {
+            "producer": _producer(),
+            "quantization": {
+                "quant_algo": MODELOPT_ALGOS[one],
+                "kv_cache_quant_algo": "FP8" if kv else None,
+                **({"group_size": NVFP4_GROUP} if one in _NVFP4 else {}),
+                "exclude_modules": sorted(exclude),
+            },
+        }
     return {
         "producer": _producer(),
         "quantization": {
-            "quant_algo": MODELOPT_ALGOS[scheme],
+            "quant_algo": MIXED_PRECISION,
             "kv_cache_quant_algo": "FP8" if kv else None,
-            **({"group_size": NVFP4_GROUP} if scheme in _NVFP4 else {}),
-            "exclude_modules": sorted(exclude),
+            "quantized_layers": {
+                name: {"quant_algo": MODELOPT_ALGOS[s], **({"group_size": NVFP4_GROUP} if s in _NVFP4 else {})}
+                for name, s in layers.items()
+            },
         },
     }
 
 
+# quant_algo -> its compressed-tensors-like config group, as ModelOpt 0.47's ``_quant_algo_to_group_config``
+_FP8_ARGS = {"dynamic": False, "num_bits": 8, "type": "float"}
+_FP4_ARGS = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": NVFP4_GROUP}
+_INT8_CHANNEL = {"dynamic": False, "num_bits": 8, "type": "int", "strategy": "channel"}
+_GROUP_OF_ALGO: dict[str, dict[str, Any]] = {
+    "FP8": {"input_activations": _FP8_ARGS, "weights": _FP8_ARGS},
+    "FP8_PER_CHANNEL_PER_TOKEN": {"input_activations": _FP8_ARGS, "weights": {**_FP8_ARGS, "strategy": "channel"}},
+    "W8A16": {"weights": {"dynamic": False, "num_bits": 8, "type": "int"}},
+    "W8A8_SQ_PER_CHANNEL": {
+        "input_activations": {"dynamic": False, "num_bits": 8, "type": "int"},
+        "weights": _INT8_CHANNEL,
+    },
+    "NVFP4": {"input_activations": _FP4_ARGS, "weights": _FP4_ARGS},
+    "W4A16_NVFP4": {"weights": _FP4_ARGS},
+}
+
+
 def quantization_config(hf_quant: dict[str, Any]) -> dict[str, Any]:
-    """``config.json``'s ``quantization_config``, as ModelOpt derives it from ``hf_quant_config.json``."""
+    """``config.json``'s ``quantization_config``, as ModelOpt derives it from ``hf_quant_config.json``
+    (``MIXED_PRECISION``: a config group per distinct layer config, targeting its layers, and the
+    ``quantized_layers`` themselves)."""
     q = hf_quant["quantization"]
     out: dict[str, Any] = {}
     if q["quant_algo"] == "FP8":
@@ -92,7 +134,19 @@ def quantization_config(hf_quant: dict[str, Any]) -> dict[str, Any]:
         fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": NVFP4_GROUP}
         group: dict[str, Any] = {"input_activations": dict(fp4)} if q["quant_algo"] == "NVFP4" else {}
         out["config_groups"] = {"group_0": {**group, "weights": fp4, "targets": ["Linear"]}}
-    out["ignore"] = list(q["exclude_modules"])
+    elif q["quant_algo"] == MIXED_PRECISION:
+        by_cfg: dict[str, list[str]] = {}
+        for name, cfg in q["quantized_layers"].items():
+            by_cfg.setdefault(json.dumps(sorted(cfg.items())), []).append(name)
+        out["config_groups"] = {
+            f"group_{i}": {
+                **copy.deepcopy(_GROUP_OF_ALGO[q["quantized_layers"][names[0]]["quant_algo"]]),
+                "targets": sorted(names),
+            }
+            for i, names in enumerate(by_cfg.values())
+        }
+        out["quantized_layers"] = q["quantized_layers"]
+    out["ignore"] = list(q.get("exclude_modules") or [])
     out["quant_algo"] = q["quant_algo"]
     if q.get("kv_cache_quant_algo") == "FP8":
         out["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
@@ -143,10 +197,14 @@ def export_tensors(
     kv: dict[str, nn.Module],
     experts: dict[str, nn.Module] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, dict[str, Any]]]:
-    """The quantized layers' tensors, the MoE experts' per-expert tensors (``export.experts``; ModelOpt
-    writes the same names), ``config.json``'s ``quantization_config`` and the extra JSON files."""
+    """The quantized layers' tensors, each in its own scheme's layout, the MoE experts' per-expert tensors
+    (``export.experts``; ModelOpt writes the same names), ``config.json``'s ``quantization_config`` and the extra
+    JSON files (``MIXED_PRECISION`` when the layers' schemes differ)."""
     from .experts import expert_tensors, fp4_expert_tensors
 
+    experts = experts or {}
+    layers = {n: getattr(m, "scheme", None) for n, m in {**qlayers, **experts}.items()}
+    layers = {n: BLOCK_SCHEME if s is None else s.name for n, s in layers.items()}
     tensors: dict[str, torch.Tensor] = {}
     for name, q in qlayers.items():
         if isinstance(q, QuantLinear) and q.scheme.is_fp4:
@@ -156,12 +214,12 @@ def export_tensors(
             r, c = q.weight_scale_inv.shape
             tensors[f"{name}.weight_scale"] = q.weight_scale_inv.float().reshape(r, 1, c, 1).contiguous()
         else:
-            _write_linear(tensors, scheme, name, q.weight, q.weight_scale, getattr(q, "input_scale", None))
-            if scheme == "int8-smoothquant":  # ModelOpt writes it for Linear layers (not for experts)
+            _write_linear(tensors, layers[name], name, q.weight, q.weight_scale, getattr(q, "input_scale", None))
+            if layers[name] == "int8-smoothquant":  # ModelOpt writes it for Linear layers (not for experts)
                 tensors[f"{name}.pre_quant_scale"] = torch.ones(q.in_features)
         if q.bias is not None:
             tensors[f"{name}.bias"] = q.bias.contiguous()
-    for name, m in (experts or {}).items():
+    for name, m in experts.items():
         if scheme in _NVFP4:
             tensors.update(fp4_expert_tensors(model, name, m, partial(_write_nvfp4, tensors), QUANT_METHOD))
         else:
@@ -170,7 +228,8 @@ def export_tensors(
         tensors[f"{name}.k_proj.k_scale"] = m.k_scale.float().reshape(()).contiguous()
         tensors[f"{name}.v_proj.v_scale"] = m.v_scale.float().reshape(()).contiguous()
     embeddings = [n for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
-    hf_quant = hf_quant_config(scheme, sorted(set(ignore) | set(embeddings)), bool(kv))
+    one = len(set(layers.values())) <= 1
+    hf_quant = hf_quant_config(scheme if one else layers, sorted(set(ignore) | set(embeddings)), bool(kv))
     return tensors, quantization_config(hf_quant), {HF_QUANT_CONFIG: hf_quant}
 
 
@@ -196,18 +255,48 @@ def _excluded(name: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) or name.startswith(f"{p}.") for p in patterns)
 
 
+def _layer_schemes(path: Path, q: dict[str, Any]) -> dict[str, str] | None:
+    """``MIXED_PRECISION``'s ``quantized_layers`` as ``{layer: fp8kit scheme}`` (``None`` for one ``quant_algo``);
+    ``ExportError`` naming a layer config fp8kit does not load."""
+    if q.get("quant_algo") != MIXED_PRECISION:
+        return None
+    layers = q.get("quantized_layers")
+    if not isinstance(layers, dict) or not layers:
+        raise ExportError(f"{path}: ModelOpt {MIXED_PRECISION} without quantized_layers (each layer's quant_algo)")
+    out = {}
+    for name, cfg in layers.items():
+        algo = cfg.get("quant_algo") if isinstance(cfg, dict) else None
+        scheme = _SCHEME_OF.get(algo)
+        if scheme is None or scheme == BLOCK_SCHEME:
+            loads = ", ".join(a for a, s in _SCHEME_OF.items() if s != BLOCK_SCHEME)
+            raise ExportError(
+                f"{path}: {name}'s ModelOpt quant_algo {algo!r} is not one fp8kit loads per layer ({loads})"
+            )
+        if scheme in _NVFP4 and cfg.get("group_size", NVFP4_GROUP) != NVFP4_GROUP:
+            raise ExportError(
+                f"{path}: {name} is NVFP4 with group_size {cfg.get('group_size')}; fp8kit loads {NVFP4_GROUP}"
+            )
+        out[name] = scheme
+    return out
+
+
 def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module, str, list[str], dict, bool]:
     """A ModelOpt checkpoint (ModelOpt's own or fp8kit's) in ``QuantLinear`` / ``BlockQuantLinear``
-    layers, with the producer's semantics (``fp8_pb_wo`` is weight-only). Returns the model, the scheme
-    name, the quantized layer names, the k/v scale tensors and whether it has an FP8 KV cache."""
+    layers, with the producer's semantics (``fp8_pb_wo`` is weight-only; ``MIXED_PRECISION``: each layer in its
+    ``quantized_layers`` entry's scheme). Returns the model, the scheme name (``"auto"`` for a mix), the quantized
+    layer names, the k/v scale tensors and whether it has an FP8 KV cache."""
     q = _quant_section(path, raw)
     algo = q.get("quant_algo")
-    if algo not in _SCHEME_OF:
-        raise ExportError(f"{path}: ModelOpt quant_algo {algo!r} is not one fp8kit loads ({', '.join(_SCHEME_OF)})")
+    per_layer = _layer_schemes(path, q)
+    if per_layer is None and algo not in _SCHEME_OF:
+        raise ExportError(
+            f"{path}: ModelOpt quant_algo {algo!r} is not one fp8kit loads ({', '.join([*_SCHEME_OF, MIXED_PRECISION])})"
+        )
     kv_algo = q.get("kv_cache_quant_algo")
     if kv_algo not in (None, "FP8"):
         raise ExportError(f"{path}: KV cache {kv_algo!r} is not one fp8kit loads (FP8 only)")
-    scheme = _SCHEME_OF[algo]
+    used = set(per_layer.values()) if per_layer else {_SCHEME_OF[algo]}
+    scheme = next(iter(used)) if len(used) == 1 else "auto"
     if scheme in _NVFP4 and q.get("group_size", NVFP4_GROUP) != NVFP4_GROUP:
         raise ExportError(f"{path}: NVFP4 with group_size {q.get('group_size')}; fp8kit loads blocks of {NVFP4_GROUP}")
     exclude = list(q.get("exclude_modules") or [])
@@ -216,10 +305,18 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
     names = [
         n
         for n, m in model.named_modules()
-        if isinstance(m, nn.Linear) and not _excluded(n, exclude) and f"{n}.weight" in tensors
+        if isinstance(m, nn.Linear)
+        and not _excluded(n, exclude)
+        and f"{n}.weight" in tensors
+        and (per_layer is None or n in per_layer)
     ]
     for name in names:
-        load_layer(model, path, name, lambda lin, name=name: _layer(tensors, name, lin, scheme))
+        s = scheme if per_layer is None else per_layer[name]
+        load_layer(model, path, name, lambda lin, name=name, s=s: _layer(tensors, name, lin, s))
+    if has_expert_tensors(tensors) and per_layer is not None:
+        raise ExportError(
+            f"{path}: fp8kit loads MoE experts from one-scheme ModelOpt checkpoints, not {MIXED_PRECISION}"
+        )
     if has_expert_tensors(tensors) and scheme in _NVFP4:
 
         def read_fp4_expert(key: str, out_features: int, in_features: int):

@@ -14,7 +14,7 @@ tiles, dynamic 1x128 activations).
 
 from __future__ import annotations
 
-__all__ = ["BLOCK_SCHEME", "FORMATS", "MODELOPT_ALGOS", "check_scheme_format", "formats_for"]
+__all__ = ["BLOCK_SCHEME", "FORMATS", "MODELOPT_ALGOS", "check_mix_format", "check_scheme_format", "formats_for"]
 
 FORMATS = ("compressed-tensors", "modelopt", "fp8-block")
 BLOCK_SCHEME = "fp8-block"
@@ -44,6 +44,8 @@ _CARRIES = {
     "fp8-block": {BLOCK_SCHEME},
 }
 _KV = {"compressed-tensors", "modelopt"}
+# the formats that carry a scheme per layer (ModelOpt's MIXED_PRECISION), and the schemes each takes in a mix
+_MIX = {"compressed-tensors": _CARRIES["compressed-tensors"], "modelopt": set(MODELOPT_ALGOS) - {BLOCK_SCHEME}}
 
 
 def formats_for(scheme: str) -> list[str]:
@@ -64,3 +66,25 @@ def check_scheme_format(scheme: str, fmt: str) -> None:
         f"the {fmt} format cannot carry {what}; "
         + (f"write {scheme} as --format {' or '.join(fits)}" if fits else f"no format carries {scheme}")
     )
+
+
+def check_mix_format(schemes: list[str], fmt: str) -> None:
+    """Raise ``ValueError`` (one line naming the formats that fit) when ``fmt`` cannot carry a model whose layers
+    use several ``schemes`` (``ptq.quantize(..., "auto")``'s plans; ``+kv`` suffix: with an FP8 KV cache)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown checkpoint format {fmt!r}; accepted: {', '.join(FORMATS)}")
+
+    def takes(f: str, s: str) -> bool:
+        return s.removesuffix("+kv") in _MIX[f] and (not s.endswith("+kv") or f in _KV)
+
+    fits = [f for f in FORMATS if f in _MIX and all(takes(f, s) for s in schemes)]
+    if fmt in fits:
+        return
+    mix = ", ".join(s.removesuffix("+kv") for s in schemes)
+    if fmt not in _MIX:
+        why = f"the {fmt} format carries one scheme for the whole model"
+    else:
+        missing = [s.removesuffix("+kv") for s in schemes if not takes(fmt, s)]
+        why = f"the {fmt} format has no name for {', '.join(missing)}"
+    where = f"write the mix as --format {' or '.join(fits)}" if fits else "no format carries this mix"
+    raise ValueError(f"{why}, and this model mixes {mix}: {where}")

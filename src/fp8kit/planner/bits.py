@@ -13,7 +13,7 @@ loss increase with the summed bits within the budget.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,10 +93,17 @@ class BitsPlan:
         return dataclass_json(self, path)
 
 
-def plan_bits(predicted: Mapping[str, Mapping[str, float]], params: Mapping[str, int], budget: float) -> BitsPlan:
+def plan_bits(
+    predicted: Mapping[str, Mapping[str, float]],
+    params: Mapping[str, int],
+    budget: float,
+    groups: Sequence[Sequence[str]] = (),
+) -> BitsPlan:
     """The scheme per layer of ``predicted`` (layer -> scheme -> predicted loss increase; ``"bf16"`` is added
     with 0) minimising the summed prediction with the mean effective bits (``EFFECTIVE_BITS``, weighted by
-    ``params``: layer -> weight count) at most ``budget``."""
+    ``params``: layer -> weight count) at most ``budget``. Each of ``groups`` (layers that read one input: q/k/v,
+    gate/up, which serving engines fuse into one GEMM with one scheme) takes one scheme for all its layers, the
+    schemes every one of them can take, as ModelOpt's ``auto_quantize`` groups them."""
     if not 0 < budget <= 16:
         raise ValueError(f"budget is the mean effective bits per weight, in (0, 16] (e.g. 8 or 6), got {budget}")
     order = list(predicted)
@@ -109,20 +116,28 @@ def plan_bits(predicted: Mapping[str, Mapping[str, float]], params: Mapping[str,
         )
     rows = {n: {**predicted[n], BF16: 0.0} for n in order}
     candidates = [c for c in EFFECTIVE_BITS if any(c in rows[n] for n in order)]
-    options = {n: [c for c in candidates if c in rows[n]] for n in order}
+    unit_of = {n: n for n in order}
+    for g in groups:
+        members = [n for n in g if n in rows]
+        unit_of.update(dict.fromkeys(members, members[0] if members else None))
+    units: dict[str, list[str]] = {}
+    for n in order:
+        units.setdefault(unit_of[n], []).append(n)
+    options = {u: [c for c in candidates if all(c in rows[n] for n in ms)] for u, ms in units.items()}
     total = sum(params[n] for n in order)
     try:
         choice = solve(
-            [[EFFECTIVE_BITS[c] * params[n] for c in options[n]] for n in order],
-            [[rows[n][c] for c in options[n]] for n in order],
+            [[EFFECTIVE_BITS[c] * sum(params[n] for n in ms) for c in options[u]] for u, ms in units.items()],
+            [[sum(rows[n][c] for n in ms) for c in options[u]] for u, ms in units.items()],
             budget * total,
         )
     except Infeasible:
-        low = sum(min(EFFECTIVE_BITS[c] for c in options[n]) * params[n] for n in order) / total
+        low = sum(min(EFFECTIVE_BITS[c] for c in options[unit_of[n]]) * params[n] for n in order) / total
         raise ValueError(
             f"no plan fits {budget:g} effective bits: the fewest these candidates allow is {low:.2f}"
         ) from None
-    per_layer = {n: options[n][i] for n, i in zip(order, choice, strict=True)}
+    chosen = {u: options[u][i] for u, i in zip(units, choice, strict=True)}
+    per_layer = {n: chosen[unit_of[n]] for n in order}
     uniform: dict[str, dict[str, Any]] = {}
     for c in candidates:
         if all(c in rows[n] for n in order):

@@ -6,8 +6,9 @@ it: ``ptq.experts``), calibrated on ``forward_loop`` and rounded to nearest, is 
 gradients by the Fisher estimate of the loss increase at that unit's output (``layer_error.fisher_per_token``,
 the rule ``keep_bf16`` ranks by); ``planner.bits.plan_bits`` picks the scheme per unit (or BF16) with the
 least summed prediction whose mean effective bits, weighted by weight count (all experts of a module
-counted), fit ``budget``; the chosen units are swapped in (GPTQ-rounded with ``gptq``). MoE routers stay
-in high precision, as in uniform PTQ.
+counted), fit ``budget``. The layers that read one input (q/k/v, gate/up) take one scheme together: vLLM fuses
+them into one GEMM, and ModelOpt groups them the same way. The chosen units are swapped in (GPTQ-rounded with
+``gptq``); MoE routers stay in high precision, as in uniform PTQ.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .linear import QuantLinear
 from .progress import Progress
 from .report import PTQReport
 from .schemes import PTQ_SCHEMES, get_scheme
+from .smoothquant import find_mappings
 
 if TYPE_CHECKING:
     from .quantize import _Run
@@ -158,7 +160,8 @@ def quantize_auto(
                 "called as model(input_ids=...) by forward_loop"
             )
         params = {n: _weight_count(model.get_submodule(n), n in experts) for n in units}
-        plan = plan_bits(predicted, params, budget)
+        fused = [m.targets for m in find_mappings(model, set(run.targets)) if len(m.targets) > 1]
+        plan = plan_bits(predicted, params, budget, groups=fused)
         chosen = {n: c for n, c in plan.per_layer.items() if c != BF16}
         if gptq and chosen:
             _gptq_chosen(model, chosen, experts, variants, amax, run)
