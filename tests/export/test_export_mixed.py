@@ -298,3 +298,20 @@ def test_moe_experts_in_a_mix_each_in_their_scheme(moe_mix, tmp_path):
     with pytest.raises(ExportError, match="mixes schemes.*MoE experts.*--format compressed-tensors"):
         save_pretrained(q, tmp_path / "mo", format="modelopt")
     assert not (tmp_path / "mo").exists()
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "modelopt"])
+def test_an_experts_module_kept_in_bf16_beside_a_quantized_one_reads_back(fmt, tmp_path):
+    """One experts module quantized, the other kept in high precision (stored fused, in ``ignore``):
+    ``load_pretrained`` reads the first per expert and the second as the model's own parameters."""
+    from fp8kit.ptq import quantize
+    from fp8kit.ptq.experts import QuantExperts
+    from tests.helpers.moe import tiny_moe_model
+
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    keep = "model.layers.0.mlp.experts"
+    q = quantize(tiny_moe_model("qwen3_moe").eval(), "fp8", lambda m: m(ids), module_filter=lambda n, _m: n != keep)
+    loaded = load_pretrained(save_pretrained(q, tmp_path / "x", format=fmt))
+    assert not isinstance(loaded.get_submodule(keep), QuantExperts)
+    assert isinstance(loaded.get_submodule("model.layers.1.mlp.experts"), QuantExperts)
+    assert torch.equal(logits(q, ids), logits(loaded, ids))

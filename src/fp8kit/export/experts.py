@@ -274,6 +274,20 @@ def fuse_expert_tensors(module: nn.Module, state: dict[str, torch.Tensor], model
         state[f"{name}.down_proj"] = torch.stack([take(e, down) for e in range(n)])
 
 
+def _stored_experts(model: nn.Module, tensors: dict[str, torch.Tensor], fmt: str, only: Collection[str] | None):
+    """The experts modules of ``model`` (``only`` these, if given) that ``tensors`` holds per expert: one kept in
+    high precision is stored fused, as its parameters, and is left to the model's own loading."""
+    from ..ptq.experts import find_experts
+
+    found = {n: m for n, m in find_experts(model).items() if only is None or n in only}
+    if not found:
+        return {}, ((), "mlp")
+    linears, block = experts_naming(model, fmt)
+    stored = {k.rsplit(".experts.", 1)[0] for k in tensors if ".experts.0." in k}
+    kept = {n: m for n, m in found.items() if checkpoint_key(f"{n}.", block).rsplit(".experts.", 1)[0] in stored}
+    return kept, (linears, block)
+
+
 def _linear_shapes(module: nn.Module) -> dict[int, tuple[int, int]]:
     """Each expert linear's ``(out, in)`` by linear index (0 gate, 1 up, 2 down)."""
     w1 = getattr(module, experts_projections(module)[0])
@@ -296,13 +310,9 @@ def load_experts(
     the format ``fmt``; ``read(prefix, out, in)`` pops one linear's ``(codes (out, in), weight_scale,
     input_scale or None)`` from ``tensors``, and the experts' ``PREFIX.bias`` are popped here. Per-expert input
     scales become their max (vLLM's semantics); block weight scales stay per tile (``(ceil(out / b),
-    ceil(in / b))`` each). ``only``: just these experts modules (default all). Returns the module names."""
-    from ..ptq.experts import find_experts
-
-    found = {n: m for n, m in find_experts(model).items() if only is None or n in only}
-    if not found:
-        return []
-    linears, block = experts_naming(model, fmt)
+    ceil(in / b))`` each). ``only``: just these experts modules (default all; those stored fused in high
+    precision are skipped). Returns the module names."""
+    found, (linears, block) = _stored_experts(model, tensors, fmt, only)
     names = []
     for name, module in found.items():
         base = checkpoint_key(f"{name}.", block)
@@ -373,11 +383,9 @@ def load_fp4_experts(
     block scales, NVFP4 per-tensor weight scale (fp8kit's ``amax / 2688``) or None, input scale or None)``, and the
     experts' ``PREFIX.bias`` are popped here. Gate and up with one per-tensor scale per expert keep ``(E, 1)``, with
     two ``(E, 2)`` (``ptq.experts``); per-expert input scales become their max (vLLM's semantics). ``only``: just
-    these experts modules (default all). Returns the module names."""
-    from ..ptq.experts import find_experts
-
-    found = {n: m for n, m in find_experts(model).items() if only is None or n in only}
-    linears, block = experts_naming(model, fmt) if found else ((), "mlp")
+    these experts modules (default all; those stored fused in high precision are skipped). Returns the module
+    names."""
+    found, (linears, block) = _stored_experts(model, tensors, fmt, only)
     names = []
     for name, module in found.items():
         base = checkpoint_key(f"{name}.", block)
