@@ -53,6 +53,6 @@ def test_the_check_catches_a_wrong_fp8_peak_or_dropped_casts(monkeypatch):
     h100 = GPUS["h100"]
     same_peak = disagreements(dataclasses.replace(h100, fp8_flops=h100.bf16_flops))
     assert any(s.startswith("16384,8192,7168") for s in same_peak)
-    monkeypatch.setattr(roofline, "_cast_bytes", lambda recipe, g: 0.0)
+    monkeypatch.setattr(roofline, "_cast_passes", lambda recipe, g: [0.0] * 6)
     dropped = disagreements(h100)
     assert any(s.startswith("1024,2048,1024") for s in dropped)
