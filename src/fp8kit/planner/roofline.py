@@ -112,6 +112,13 @@ def _matmuls(g: Gemm, operand: int) -> list[tuple[float, float]]:
     ]
 
 
+def _dequant_bytes(g: Gemm) -> float:
+    """Bytes an emulated step's dequantization moves: both FP8 operands of each of the three matmuls (``X``
+    and ``W``, ``dY`` and ``W``, ``dY`` and ``X``), each element read as 1 byte and written as 2."""
+    m, k, n, w = g.tokens, g.in_features, g.out_features, g.weights
+    return 3 * 2 * (m * k + w * k * n + m * n)
+
+
 def layer_seconds(gemms: list[Gemm], candidate: str, gpu: GPU) -> float:
     """Roofline seconds of one training step of a layer (``gemms``) with ``candidate`` ("bf16" or a recipe)."""
     from ..device import native_on
@@ -131,9 +138,8 @@ def layer_seconds(gemms: list[Gemm], candidate: str, gpu: GPU) -> float:
             dequant_rate = gpu.dequant_bytes_per_s or cast_rate
             if recipe.tile_width:
                 dequant_rate = gpu.tile_dequant_bytes_per_s or dequant_rate
-            dequant = sum(3 * (b - 2 * g.tokens * g.out_features) for _, b in _matmuls(g, 1))
             matmul = sum(max(f / rate, b / gpu.hbm_bytes_per_s) for f, b in _matmuls(g, 2))
-            matmul += dequant / dequant_rate
+            matmul += _dequant_bytes(g) / dequant_rate
         passes = _cast_passes(recipe, g)
         total += matmul + 3 * gpu.matmul_call_s + sum(passes) / cast_rate + len(passes) * gpu.cast_call_s
     return total
@@ -232,5 +238,5 @@ def cpu_roofline() -> GPU:
     emulated = flops / max(step - rest, step / 4)
     cpu = replace(cpu, fp8_flops=emulated, emulated_flops=emulated, tile_dequant_bytes_per_s=float("inf"))
     step = _step_seconds(tokens, side, "block")
-    tile_bytes = sum(3 * (b - 2 * tokens * side) for _, b in _matmuls(g, 1))
-    return replace(cpu, tile_dequant_bytes_per_s=tile_bytes / max(step - layer_seconds([g], "block", cpu), step / 4))
+    tiles = _dequant_bytes(g) / max(step - layer_seconds([g], "block", cpu), step / 4)
+    return replace(cpu, tile_dequant_bytes_per_s=tiles)
