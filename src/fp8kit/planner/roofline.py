@@ -96,11 +96,6 @@ def _cast_passes(recipe: Recipe, g: Gemm) -> list[float]:
     return passes
 
 
-def _cast_bytes(recipe: Recipe, g: Gemm) -> float:
-    """Bytes the casts of one layer step move."""
-    return sum(_cast_passes(recipe, g))
-
-
 def _matmuls(g: Gemm, operand: int) -> list[tuple[float, float]]:
     """(flops, bytes) of the forward, input-gradient and weight-gradient matmuls, ``operand`` bytes per input."""
     m, k, n, w = g.tokens, g.in_features, g.out_features, g.weights
