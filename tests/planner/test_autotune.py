@@ -2,6 +2,7 @@
 through ``fp8kit.convert``, saves and loads as JSON; the roofline against a hand count."""
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -187,6 +188,25 @@ def test_roofline_against_a_hand_count():
     # a small, memory-bound layer: the casts make FP8 dearer than BF16 (as torchao measures at such shapes)
     small = Gemm(1024, 2048, 1024)
     assert layer_seconds([small], "current", h100) > layer_seconds([small], "bf16", h100)
+
+
+def test_roofline_per_call_costs_and_dequantization_rates():
+    """A CPU-like roofline (no native FP8 GEMM): fixed seconds per matmul and per quantization pass, and
+    tile-scaled operands dequantized at their own rate; whole-row scales at the other."""
+    g = [Gemm(1024, 512, 256)]
+    base = GPU("emulating", 1e11, 1e11, 1e10, (0, 0), cast_bytes_per_s=1e9, dequant_bytes_per_s=2e9)
+    calls = dataclasses.replace(base, matmul_call_s=1e-3, cast_call_s=2e-3)
+    assert layer_seconds(g, "bf16", calls) == pytest.approx(layer_seconds(g, "bf16", base) + 3e-3)
+    for recipe in ("current", "rowwise", "block"):  # 3 matmuls, each operand quantized in 2 layouts
+        assert layer_seconds(g, recipe, calls) == pytest.approx(layer_seconds(g, recipe, base) + 3e-3 + 6 * 2e-3)
+    slow_tiles = dataclasses.replace(base, tile_dequant_bytes_per_s=1e8)
+    assert layer_seconds(g, "current", slow_tiles) == layer_seconds(g, "current", base)
+    assert layer_seconds(g, "rowwise", slow_tiles) == layer_seconds(g, "rowwise", base)
+    m, k, n = 1024, 512, 256
+    tile_bytes = 3 * (2 * m * k + 2 * n * k + 2 * m * n)  # both FP8 operands of the 3 matmuls: read 1, write 2
+    for recipe in ("block", "mxfp8"):
+        extra = tile_bytes / 1e8 - tile_bytes / 2e9
+        assert layer_seconds(g, recipe, slow_tiles) == pytest.approx(layer_seconds(g, recipe, base) + extra)
 
 
 def test_bad_arguments_name_the_fix():
