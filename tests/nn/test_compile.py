@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import io
+import os
 
 import pytest
 import torch
@@ -44,6 +45,10 @@ def _fp8_state(model) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items() if k.rsplit(".", 1)[-1].startswith("fp8_")}
 
 
+# delayed in every run; the other traceable recipes with FP8KIT_SLOW_TESTS (whole-model compiles take minutes)
+TRACEABLE_NOW = TRACEABLE if os.environ.get("FP8KIT_SLOW_TESTS") else ["delayed"]
+
+
 @pytest.mark.parametrize("recipe", TRACEABLE)
 def test_converted_llama_forward_has_no_graph_break(recipe):
     model = _llama(recipe)
@@ -54,7 +59,7 @@ def test_converted_llama_forward_has_no_graph_break(recipe):
     assert explain.graph_count == 1
 
 
-@pytest.mark.parametrize("recipe", TRACEABLE)
+@pytest.mark.parametrize("recipe", TRACEABLE_NOW)
 def test_compiled_training_step_equals_eager_bit_for_bit(recipe):
     """fullgraph forward + AOTAutograd backward (``aot_eager``: the same kernels as eager) over two
     optimizer steps: losses, parameters and the scaling buffers (delayed: step 2 takes the static-scale
