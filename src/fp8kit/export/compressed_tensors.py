@@ -357,14 +357,21 @@ def _layer_groups(model: nn.Module, groups: list[tuple[list[str], Scheme]], igno
     for name, m in model.named_modules():
         if not isinstance(m, nn.Linear) or _matches(name, m, ignore):
             continue
-        best: tuple[int, Scheme] | None = None
-        for targets, scheme in groups:
-            ranks = [r for r in (_rank(name, m, t) for t in targets) if r is not None]
-            if ranks and (best is None or min(ranks) <= best[0]):
-                best = (min(ranks), scheme)
-        if best is not None:
-            out[name] = best[1]
+        scheme = _group_of(name, m, groups)
+        if scheme is not None:
+            out[name] = scheme
     return out
+
+
+def _group_of(name: str, module: nn.Module, groups: list[tuple[list[str], Scheme]]) -> Scheme | None:
+    """The scheme of the config group whose targets match ``name`` most specifically (``_rank``), the later group
+    among equals (compressed-tensors' target -> scheme map keeps the last); ``None`` if none matches."""
+    best: tuple[int, Scheme] | None = None
+    for targets, scheme in groups:
+        ranks = [r for r in (_rank(name, module, t) for t in targets) if r is not None]
+        if ranks and (best is None or min(ranks) <= best[0]):
+            best = (min(ranks), scheme)
+    return None if best is None else best[1]
 
 
 def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module, str, list[str], dict, bool]:
@@ -439,14 +446,9 @@ def _experts_groups(
     probe = nn.Linear(1, 1, bias=False)  # a per-expert linear: class targets ("Linear") match it
     out: dict[Scheme, list[str]] = {}
     for name in found:
-        key = f"{checkpoint_key(f'{name}.', block)}0.{linears[-1]}"
-        best: tuple[int, Scheme] | None = None
-        for targets, scheme in groups:
-            ranks = [r for r in (_rank(key, probe, t) for t in targets) if r is not None]
-            if ranks and (best is None or min(ranks) <= best[0]):
-                best = (min(ranks), scheme)
-        if best is not None:
-            out.setdefault(best[1], []).append(name)
+        scheme = _group_of(f"{checkpoint_key(f'{name}.', block)}0.{linears[-1]}", probe, groups)
+        if scheme is not None:
+            out.setdefault(scheme, []).append(name)
     return out
 
 
