@@ -259,3 +259,23 @@ def test_export_refuses_the_current_folder(base, batches, tmp_path, monkeypatch)
     with pytest.raises(ExportError, match="current folder"):
         save_pretrained(quantized(base, batches, "fp8-dynamic"), ".")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("scheme", "fmt"), [("fp8-dynamic", "compressed-tensors"), ("fp8", "modelopt")])
+def test_producer_is_the_dict_vllm_and_every_reader_takes(base, batches, scheme, fmt, tmp_path):
+    """vLLM reads ``quantization_config["producer"]["name"]`` (a string there stops its load); the newest
+    compressed-tensors and transformers still parse the config with the key in it."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    import fp8kit
+
+    out = save_pretrained(quantized(base, batches, scheme), tmp_path / "export", format=fmt)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["producer"] == {"name": "fp8kit", "version": fp8kit.__version__}
+    if fmt == "modelopt":
+        assert json.loads((out / "hf_quant_config.json").read_text())["producer"] == qc["producer"]
+    else:
+        parsed = QuantizationConfig.model_validate(qc)
+        assert parsed.config_groups["group_0"].weights.num_bits == 8
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert hf.config.quantization_config is not None

@@ -64,6 +64,7 @@ def test_trained_block_model_exports_its_tiles_and_transformers_loads_them(batch
         "fmt": "e4m3",
         "weight_block_size": [128, 128],
         "modules_to_not_convert": ["lm_head"],
+        "producer": {"name": "fp8kit", "version": fp8kit.__version__},
     }
     t = read_safetensors(out)
     name = "model.layers.0.mlp.down_proj"

@@ -34,6 +34,7 @@ __all__ = [
     "kept_tensors",
     "load_rest",
     "model_from_config",
+    "producer",
     "read_config",
     "read_tensors",
     "replace_module",
@@ -46,6 +47,15 @@ MANIFEST = ".fp8kit-export"  # the files an export wrote: a later export may rep
 
 class ExportError(ValueError):
     """A directory that is not a (supported) checkpoint, or a model that cannot be saved in a format."""
+
+
+def producer() -> dict[str, str]:
+    """The ``producer`` entry of every ``quantization_config`` fp8kit writes: ``{"name": "fp8kit", "version": ...}``,
+    the shape ModelOpt writes and vLLM reads (``quant_cfg.get("producer", {}).get("name")``); compressed-tensors'
+    ``QuantizationConfig`` and transformers' quantization configs ignore the key."""
+    from ..version import __version__
+
+    return {"name": "fp8kit", "version": __version__}
 
 
 def stored_codes(t: torch.Tensor, dtype: torch.dtype, where: str) -> torch.Tensor:

@@ -47,7 +47,7 @@ import torch.nn as nn
 
 from ..ptq.linear import QuantLinear
 from ..ptq.schemes import FP4_SCHEMES, SCHEMES, Scheme
-from .common import ExportError, load_layer, load_rest, model_from_config, read_tensors, stored_codes
+from .common import ExportError, load_layer, load_rest, model_from_config, producer, read_tensors, stored_codes
 from .experts import (
     checkpoint_key,
     experts_naming,
@@ -152,7 +152,7 @@ def quantization_config(scheme: Scheme | Mapping[str, Scheme], ignore: list[str]
         "kv_cache_scheme": kv,
         "sparsity_config": {},
         "global_compression_ratio": None,
-        "producer": "fp8kit",
+        "producer": producer(),
     }
 
 

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from ..ptq.schemes import FP8_BLOCK
 from .block_linear import BLOCK, BlockQuantLinear
-from .common import ExportError, load_rest, model_from_config, read_tensors, replace_module, stored_codes
+from .common import ExportError, load_rest, model_from_config, producer, read_tensors, replace_module, stored_codes
 from .experts import expert_tensors, experts_naming, has_expert_tensors, load_experts, model_key
 from .support import BLOCK_SCHEME
 
@@ -43,6 +43,7 @@ def quantization_config(ignore: list[str], block: int = BLOCK) -> dict[str, Any]
         "fmt": "e4m3",
         "weight_block_size": [block, block],
         "modules_to_not_convert": sorted(ignore),
+        "producer": producer(),
     }
 
 

@@ -54,7 +54,7 @@ import torch.nn as nn
 from ..ptq.linear import QuantLinear
 from ..ptq.schemes import SCHEMES, get_scheme
 from .block_linear import BlockQuantLinear
-from .common import ExportError, load_layer, load_rest, model_from_config, read_tensors, stored_codes
+from .common import ExportError, load_layer, load_rest, model_from_config, producer, read_tensors, stored_codes
 from .experts import experts_naming, has_expert_tensors, load_experts, load_fp4_experts, model_key
 from .support import BLOCK_SCHEME, MODELOPT_ALGOS
 
@@ -68,12 +68,6 @@ NVFP4_GROUP = 16
 MIXED_PRECISION = "MIXED_PRECISION"  # ModelOpt's quant_algo for a scheme per layer (auto_quantize)
 
 
-def _producer() -> dict[str, str]:
-    from ..version import __version__
-
-    return {"name": "fp8kit", "version": __version__}
-
-
 def hf_quant_config(scheme: str | Mapping[str, str], exclude: list[str], kv: bool) -> dict[str, Any]:
     """``hf_quant_config.json`` (the file TensorRT-LLM reads) for one ``scheme``, or for a ``{layer: scheme}`` map:
     one scheme as that scheme; several as ModelOpt writes an ``auto_quantize`` mix (``MIXED_PRECISION``, each
@@ -83,7 +77,7 @@ def hf_quant_config(scheme: str | Mapping[str, str], exclude: list[str], kv: boo
     if len(used) == 1:
         one = used.pop()
         return {
-            "producer": _producer(),
+            "producer": producer(),
             "quantization": {
                 "quant_algo": MODELOPT_ALGOS[one],
                 "kv_cache_quant_algo": "FP8" if kv else None,
@@ -92,7 +86,7 @@ def hf_quant_config(scheme: str | Mapping[str, str], exclude: list[str], kv: boo
             },
         }
     return {
-        "producer": _producer(),
+        "producer": producer(),
         "quantization": {
             "quant_algo": MIXED_PRECISION,
             "kv_cache_quant_algo": "FP8" if kv else None,
