@@ -1,0 +1,214 @@
+"""Runs inside vLLM's own virtual environment (it imports vLLM, not fp8kit): loads each export folder named in
+a job file with ``vllm.LLM`` in this one process, and writes what it saw as JSON.
+
+Usage: ``python _vllm_worker.py JOB.json OUT.json``. The job holds ``folders``, ``windows`` (token-id lists to
+score with prompt log-probabilities), ``new_tokens`` (greedy tokens to generate from the first window's start)
+and ``dtype``. For each folder the result holds ``loaded`` (the engine started and ran), ``error`` (the
+exception text and the stage it came from: ``load`` or ``run``), ``quant_config`` (the config class vLLM
+parsed), ``layers`` (each layer's quant method and, where it has one, its scheme), ``weights`` (for one
+quantized layer, each checkpoint tensor compared bit for bit with the parameter vLLM loaded it into, before
+vLLM repacks it for its kernel), ``generated`` and ``window_losses`` (mean negative log-likelihood of each
+window's tokens after the first). The per-layer record is taken when the weights are loaded, so it is there
+even when the first forward then fails for want of a kernel.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+_RECORD: dict[str, Any] = {}
+_PROBE = "model.layers.0.mlp.down_proj"  # a layer vLLM keeps unfused: its tensors keep the checkpoint's names
+
+
+def _layer_methods(model: Any) -> dict[str, str]:
+    out = {}
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is None or not hasattr(method, "apply") and not hasattr(method, "process_weights_after_loading"):
+            continue
+        kind = type(method).__name__
+        scheme = getattr(module, "scheme", None)
+        if scheme is not None:
+            kind += f"/{type(scheme).__name__}"
+        out[name] = kind
+    return out
+
+
+def _checkpoint_tensors(folder: str, prefix: str) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    found = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                if key.startswith(prefix + "."):
+                    found[key[len(prefix) + 1 :]] = st.get_tensor(key)
+    return found
+
+
+def _weights_match(model: Any, folder: str) -> dict[str, bool]:
+    import torch
+
+    try:
+        module = model.get_submodule(_PROBE)
+    except AttributeError:
+        return {}
+    params = dict(module.named_parameters(recurse=False))
+    out = {}
+    for name, t in _checkpoint_tensors(folder, _PROBE).items():
+        p = params.get(name)
+        if p is None:
+            out[name] = False
+            continue
+        p = p.detach().cpu()
+        if p.numel() != t.numel() or p.element_size() != t.element_size():
+            # a per-tensor scale may be kept per partition: compare each stored copy with the checkpoint's
+            same = p.numel() % max(t.numel(), 1) == 0 and p.dtype == t.dtype
+            out[name] = bool(same and torch.equal(p.reshape(-1, t.numel()), t.reshape(1, -1).expand(-1, t.numel())))
+            continue
+        a = p.contiguous().view(torch.uint8).reshape(-1) if p.dtype != t.dtype else p.reshape(-1)
+        b = t.contiguous().view(torch.uint8).reshape(-1) if p.dtype != t.dtype else t.reshape(-1)
+        if p.dtype != t.dtype:  # the same bytes under another dtype name (packed codes)
+            out[name] = bool(torch.equal(a, b))
+        else:
+            out[name] = bool(torch.equal(p.reshape(t.shape) if p.numel() == t.numel() else p, t))
+    return out
+
+
+def _install_hook() -> None:
+    """Record the layers' quant methods and the probe layer's loaded tensors just before vLLM processes them."""
+    from vllm.model_executor.model_loader import base_loader
+
+    original = base_loader.process_weights_after_loading
+
+    def recording(model: Any, model_config: Any, target_device: Any) -> Any:
+        try:
+            _RECORD["layers"] = _layer_methods(model)
+            _RECORD["weights"] = _weights_match(model, _RECORD["folder"])
+        except Exception as err:  # the record is diagnostic: never stop the load over it
+            _RECORD["record_error"] = repr(err)
+        return original(model, model_config, target_device)
+
+    base_loader.process_weights_after_loading = recording
+
+
+def _quant_config_name(folder: str) -> str | None:
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    qc = cfg.get("quantization_config")
+    if qc is None:
+        return None
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    method = qc.get("quant_method")
+    if method == "modelopt" and str(qc.get("quant_algo", "")).upper() in ("NVFP4", "W4A16_NVFP4"):
+        method = "modelopt_fp4"
+    if method == "modelopt" and str(qc.get("quant_algo", "")).upper() == "MIXED_PRECISION":
+        method = "modelopt_mixed"
+    cls = get_quantization_config(method)
+    return type(cls.from_config(qc)).__name__
+
+
+def _free(llm: Any) -> None:
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+def _score(llm: Any, windows: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    gen = llm.generate(
+        [TokensPrompt(prompt_token_ids=windows[0][:16])],
+        SamplingParams(max_tokens=new_tokens, temperature=0.0),
+        use_tqdm=False,
+    )
+    scored = llm.generate(
+        [TokensPrompt(prompt_token_ids=w) for w in windows],
+        SamplingParams(max_tokens=1, prompt_logprobs=0),
+        use_tqdm=False,
+    )
+    losses = []
+    for w, out in zip(windows, scored):
+        nll = [-lp[tok].logprob for tok, lp in zip(w[1:], out.prompt_logprobs[1:])]
+        losses.append(sum(nll) / len(nll))
+    return {"generated": list(gen[0].outputs[0].token_ids), "window_losses": losses}
+
+
+def run_one(folder: str, job: dict[str, Any]) -> dict[str, Any]:
+    _RECORD.clear()
+    _RECORD["folder"] = folder
+    result: dict[str, Any] = {"folder": folder, "loaded": False, "error": None}
+    try:
+        result["quant_config"] = _quant_config_name(folder)
+    except Exception as err:
+        result["quant_config"] = None
+        result["error"] = {"stage": "config", "text": f"{type(err).__name__}: {err}"}
+        return result
+    from vllm import LLM
+
+    windows = job["windows"]
+    llm = None
+    try:
+        llm = LLM(
+            model=folder,
+            dtype=job.get("dtype", "bfloat16"),
+            max_model_len=max(len(w) for w in windows) + 8,
+            max_num_seqs=max(len(windows), 1),
+            enforce_eager=True,
+            seed=0,
+        )
+    except Exception as err:
+        result["error"] = {"stage": "load", "text": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-3000:]}
+    else:
+        try:
+            result.update(_score(llm, windows, job.get("new_tokens", 4)))
+            result["loaded"] = True
+        except Exception as err:
+            result["error"] = {"stage": "run", "text": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-3000:]}
+    for key in ("layers", "weights", "record_error"):
+        if key in _RECORD:
+            result[key] = _RECORD[key]
+    if llm is not None:
+        _free(llm)
+    else:
+        gc.collect()
+        try:
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
+        except Exception:
+            pass
+    if result.get("window_losses"):
+        ls = result["window_losses"]
+        result["ppl"] = math.exp(sum(ls) / len(ls))
+    return result
+
+
+def main() -> None:
+    job = json.loads(Path(sys.argv[1]).read_text())
+    import vllm
+
+    _install_hook()
+    results = []
+    out = Path(sys.argv[2])
+    for folder in job["folders"]:
+        results.append(run_one(folder, job))
+        out.write_text(json.dumps({"vllm": vllm.__version__, "results": results}, indent=1))
+        print(f"fp8kit-vllm: {folder}: loaded={results[-1]['loaded']}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()

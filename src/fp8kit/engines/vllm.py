@@ -1,0 +1,159 @@
+"""vLLM as the reader of fp8kit's exports: one subprocess in vLLM's own virtual environment loads each export
+folder in turn with ``vllm.LLM`` (the engine in-process, so its start-up is paid once), generates a few greedy
+tokens, scores held-out token windows with prompt log-probabilities, and reports, per folder, whether it
+loaded and ran, the exception text where it did not, the quant method vLLM chose for each layer and whether
+the checkpoint's tensors landed bit for bit in the layer's parameters (``_vllm_worker.py`` holds that side).
+
+The vLLM interpreter is ``$FP8KIT_VLLM_PYTHON`` (``scripts/vllm_env.sh`` builds ``.venv-vllm/bin/python``).
+``held_out_windows`` gives the token windows fp8kit's own evaluation and vLLM's share, and ``fp8kit_losses``
+scores a folder with fp8kit's reader (``fp8kit.export.load_pretrained``) on them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ENV_VAR",
+    "VllmError",
+    "engine_environment",
+    "fp8kit_losses",
+    "held_out_windows",
+    "run_vllm",
+    "vllm_python",
+    "vllm_unavailable",
+]
+
+ENV_VAR = "FP8KIT_VLLM_PYTHON"
+WORKER = Path(__file__).with_name("_vllm_worker.py")
+_BUILD_HINT = f"build it with `bash scripts/vllm_env.sh` and set {ENV_VAR}=.venv-vllm/bin/python"
+
+
+class VllmError(RuntimeError):
+    """vLLM's interpreter is missing or its subprocess failed before reporting."""
+
+
+def vllm_python() -> str | None:
+    """The interpreter of vLLM's virtual environment: ``$FP8KIT_VLLM_PYTHON``, or ``None`` when unset."""
+    return os.environ.get(ENV_VAR) or None
+
+
+def vllm_unavailable(python: str | None = None) -> str | None:
+    """Why vLLM cannot be run (one line), or ``None`` when ``python`` (default ``vllm_python()``) imports it."""
+    python = python or vllm_python()
+    if python is None:
+        return f"{ENV_VAR} is not set: {_BUILD_HINT}"
+    if not Path(python).is_file():
+        return f"{ENV_VAR}={python} does not exist: {_BUILD_HINT}"
+    probe = subprocess.run(
+        [python, "-c", "import importlib.util as u; assert u.find_spec('vllm'), 'no vllm'"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return f"{python} cannot import vllm ({last}): {_BUILD_HINT}"
+    return None
+
+
+def engine_environment(threads: int | None = None) -> dict[str, str]:
+    """The environment of vLLM's subprocess: the engine in-process, OpenMP bound to this machine's first
+    ``threads`` cores (default all) with none reserved, a 2 GiB KV cache, and a model-step timeout raised so
+    that a loaded CPU machine does not kill a slow first step."""
+    n = threads or os.cpu_count() or 1
+    env = dict(os.environ)
+    env.update(
+        {
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}",
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "VLLM_CPU_KVCACHE_SPACE": "2",
+            "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1800",
+            "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING"),
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
+    env.pop("PYTHONPATH", None)  # vLLM's environment, not this one's source tree
+    return env
+
+
+def run_vllm(
+    folders: list[str | Path],
+    windows: torch.Tensor,
+    python: str | None = None,
+    new_tokens: int = 4,
+    dtype: str = "bfloat16",
+    timeout: float | None = 3600,
+) -> dict[str, Any]:
+    """Load each of ``folders`` in vLLM (one subprocess, one after the other) and score ``windows`` (``(n,
+    seq_len + 1)`` token ids) there. Returns ``{"vllm": version, "results": [per folder]}``; each result holds
+    ``loaded``, ``error`` (``{"stage", "text"}`` or ``None``), ``quant_config``, ``layers``, ``weights``,
+    ``generated``, ``window_losses`` and ``ppl`` (see ``_vllm_worker``). Raises ``VllmError`` when vLLM is not
+    available or the subprocess died before writing a result for every folder."""
+    python = python or vllm_python()
+    reason = vllm_unavailable(python)
+    if reason:
+        raise VllmError(reason)
+    job = {
+        "folders": [str(Path(f).absolute()) for f in folders],
+        "windows": windows.tolist(),
+        "new_tokens": new_tokens,
+        "dtype": dtype,
+    }
+    with tempfile.TemporaryDirectory(prefix="fp8kit-vllm-") as tmp:
+        job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        job_file.write_text(json.dumps(job))
+        worker = Path(tmp) / "fp8kit_vllm_worker.py"  # run from a copy: this folder's vllm.py would shadow vLLM
+        worker.write_text(WORKER.read_text())
+        proc = subprocess.run(
+            [str(python), str(worker), str(job_file), str(out_file)],
+            env=engine_environment(),
+            cwd=tmp,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        got = json.loads(out_file.read_text()) if out_file.is_file() else {"results": []}
+    if len(got["results"]) < len(folders):
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
+        raise VllmError(
+            f"vLLM's subprocess exited with {proc.returncode} after {len(got['results'])} of {len(folders)} "
+            f"folders:\n{tail}"
+        )
+    got["log_tail"] = "\n".join(proc.stderr.strip().splitlines()[-40:])
+    return got
+
+
+def held_out_windows(tokenizer: Any, n: int = 2, seq_len: int = 256, text: str | Path | None = None) -> torch.Tensor:
+    """``n`` windows of ``seq_len + 1`` token ids from the test split of the shipped corpus (or ``text``), as
+    ``fp8kit compare`` cuts them: never used for calibration."""
+    from ..data.corpus import load_ids
+    from ..data.splits import ptq_splits, windows
+
+    ids, name = load_ids(text, tokenizer)
+    sp = ptq_splits(ids, name)
+    return windows(sp.test, n, seq_len, sp.block)
+
+
+def fp8kit_losses(folder: str | Path, windows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Each window's mean next-token loss with the export read by fp8kit (``export.load_pretrained``)."""
+    from ..evaluation import window_losses
+    from ..export import load_pretrained
+
+    return window_losses(load_pretrained(folder, dtype=dtype), windows)
+
+
+def perplexity_of(losses: list[float] | torch.Tensor) -> float:
+    """``exp`` of the mean of per-window losses (windows of equal length)."""
+    vals = [float(x) for x in losses]
+    return math.exp(sum(vals) / len(vals))
