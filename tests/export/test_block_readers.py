@@ -77,7 +77,7 @@ def test_smollm2_shaped_block_export_loads_in_transformers(tmp_path):
 
 def test_a_tile_a_reader_rejects_is_refused_before_quantizing_and_before_writing(tmp_path):
     model = smollm2_shaped()
-    with pytest.raises(ExportError, match=f"transformers cannot load .*self_attn.q_proj \\(576x576\\) in 128x128"):
+    with pytest.raises(ExportError, match="transformers cannot load .*self_attn.q_proj \\(576x576\\) in 128x128"):
         quantize_block(model, block=128)
     assert not any(isinstance(m, BlockQuantLinear) for m in model.modules())  # nothing quantized
     unchecked = quantize_block(model, block=128, format=None)  # e.g. built by hand: save_pretrained checks too
