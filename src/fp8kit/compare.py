@@ -29,6 +29,7 @@ import torch.nn as nn
 from .data import windows
 from .data.splits import EVAL_SPLITS, available_windows
 from .evaluation import Divergence, window_losses, window_summary
+from .export.block_linear import BlockQuantLinear
 from .nn import to_bf16_gemms
 from .pretrained_ptq import (  # re-exported: the names `fp8kit compare` users and the CLI import from here
     DEFAULT_KEEP_BF16,
@@ -45,7 +46,7 @@ from .pretrained_ptq import (  # re-exported: the names `fp8kit compare` users a
 from .ptq.kv_cache import kv_cache_bytes
 from .ptq.linear import QuantLinear
 from .ptq.quantize import quantize
-from .ptq.schemes import PTQ_SCHEMES
+from .ptq.schemes import CLI_SCHEMES, FP8_BLOCK, KV_SCHEMES, PTQ_SCHEMES
 
 __all__ = [
     "DEFAULT_KEEP_BF16",
@@ -65,16 +66,16 @@ __all__ = [
 
 
 def parse_schemes(spec: str) -> list[str]:
-    """``"all"`` or a comma list of scheme names, each optionally suffixed ``+kv`` (FP8 KV cache)."""
+    """``"all"`` or a comma list of ``ptq.schemes.CLI_SCHEMES`` names, the FP8 PTQ ones optionally suffixed ``+kv``
+    (FP8 KV cache)."""
     names = (
-        [*PTQ_SCHEMES, "fp8+kv"] if spec.strip().lower() == "all" else [s.strip() for s in spec.split(",") if s.strip()]
+        [*CLI_SCHEMES, "fp8+kv"] if spec.strip().lower() == "all" else [s.strip() for s in spec.split(",") if s.strip()]
     )
     for n in names:
-        base = n.removesuffix("+kv")
-        if base not in PTQ_SCHEMES:
-            raise ValueError(f"unknown scheme {n!r}; accepted: {', '.join(PTQ_SCHEMES)} (FP8 ones with +kv), or all")
-        if n.endswith("+kv") and not PTQ_SCHEMES[base].is_fp8:
-            raise ValueError(f"{n!r}: the FP8 KV cache goes with the FP8 schemes")
+        if n.removesuffix("+kv") not in CLI_SCHEMES:
+            raise ValueError(f"unknown scheme {n!r}; accepted: {', '.join(CLI_SCHEMES)} (FP8 ones with +kv), or all")
+        if n.endswith("+kv") and n.removesuffix("+kv") not in KV_SCHEMES:
+            raise ValueError(f"{n!r}: the FP8 KV cache goes with the FP8 PTQ schemes ({', '.join(KV_SCHEMES)})")
     if not names:
         raise ValueError("no scheme given")
     return names
@@ -88,6 +89,9 @@ def weight_memory(model: nn.Module) -> dict[str, int]:
     for m in model.modules():
         if isinstance(m, QuantLinear):
             linear += m.weight_bytes()
+            continue
+        if isinstance(m, BlockQuantLinear):  # 1-byte codes and a float32 scale per tile
+            linear += m.weight.numel() + 4 * m.weight_scale_inv.numel()
             continue
         for pname, p in m.named_parameters(recurse=False):
             ptr = p.untyped_storage().data_ptr()
@@ -208,7 +212,8 @@ def compare_schemes(
         "seq_len": seq_len,
         "eval_tokens": int(evals[texts[0].name].shape[0] * seq_len),
         "calibration": {
-            "method": calibration or ", ".join(f"{calibration_for(n, None)} ({n})" for n in schemes),
+            "method": calibration
+            or ", ".join(f"{calibration_for(n, None)} ({n})" for n in schemes if n != FP8_BLOCK.name),
             "batches": calib_batches,
             "tokens": calib_batches * 4 * 128,
         },
@@ -252,6 +257,12 @@ def _quantized_row(
     extra: dict[str, Any] = {}
     if name == "bf16":
         to_bf16_gemms(model)
+        return model, extra
+    if name == FP8_BLOCK.name:  # no calibration: the largest tile every reader of the fp8-block format loads
+        from .export.serve import block_size_for, quantize_block
+
+        extra["block"] = block_size_for(model, "fp8-block")
+        quantize_block(model, block=extra["block"], format="fp8-block")
         return model, extra
     calibration, alpha, smooth, gptq, awq, keep_bf16, norm_tweak = settings
     kw = ptq_settings(name, calibration, alpha, smooth, gptq, awq, keep_bf16, quantizable_layers(base), norm_tweak)
@@ -358,7 +369,12 @@ def compare_markdown(result: dict[str, Any]) -> str:
     for name, r in result["rows"].items():
         if r.get("settings"):
             lines.append(f"- {name}: {settings_text(r['settings'])}")
-    if any(r.get("settings") for r in result["rows"].values()):
+        if r.get("block"):
+            lines.append(
+                f"- {name}: {r['block']}x{r['block']} weight tiles (the largest every reader of the fp8-block format "
+                f"loads), activations per 1x{r['block']} group at run time; no calibration"
+            )
+    if any(r.get("settings") or r.get("block") for r in result["rows"].values()):
         lines.append("")
     head = "| scheme | " + " | ".join(
         f"{t} ({split}) ppl +- std | vs bf16 (+- s.e.) | KL to bf16 (nats/token) | top-1 agreement" for t in texts

@@ -106,3 +106,32 @@ def test_cli_picks_a_tile_transformers_loads_or_refuses_the_one_given(smollm2_sh
     qc = json.loads((tmp_path / "auto" / "config.json").read_text())["quantization_config"]
     assert qc["weight_block_size"] == [64, 64]
     transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "auto", dtype=torch.float32)
+
+
+def test_compare_scores_fp8_block_and_every_scheme_list_is_the_one_table(tmp_path, capsys):
+    from fp8kit.compare import compare_schemes
+    from fp8kit.ptq.schemes import CLI_SCHEMES
+    from tests.helpers.models import save_sample_llama
+
+    root = save_sample_llama(tmp_path)  # one 16-wide KV head: vLLM's fused q/k/v needs 16x16 tiles
+    res = compare_schemes(
+        str(root / "model"),
+        ["fp8-block"],
+        tmp_path / "cmp",
+        text=str(root / "text.txt"),
+        split="dev",
+        n_windows=2,
+        seq_len=8,
+        second_text=False,
+        timing=False,
+        progress=False,
+    )
+    row = res["rows"]["fp8-block"]
+    assert row["block"] == 16 and row["kl"] > 0 and 0 < row["top1"] <= 1 and row["linear_memory_ratio"] < 0.6
+    assert "- fp8-block: 16x16 weight tiles" in (tmp_path / "cmp" / "compare.md").read_text()
+    assert main(["quantize", "--scheme", "fp8-blok", "--out", str(tmp_path / "q")]) == 2
+    accepted = capsys.readouterr().err.split("accepted: ")[1]
+    assert all(s in accepted for s in [*CLI_SCHEMES, "fp8+kv", "auto"])
+    assert main(["compare", "--schemes", "fp8,fp8-blok", "--out", str(tmp_path / "c")]) == 2
+    accepted = capsys.readouterr().err.split("accepted: ")[1]
+    assert "fp8-block" in accepted and "auto" not in accepted

@@ -30,11 +30,9 @@ def one_scheme(text: str) -> str:
     """One PTQ scheme (quantize writes one model)."""
     if "," in text or text.strip().lower() == "all":
         raise argparse.ArgumentTypeError(
-            f"quantize writes one model, so it takes one scheme: {scheme_names()} (compare takes several, or all)"
+            f"quantize writes one model, so it takes one scheme: {scheme_names(auto=True)} (compare takes several)"
         )
-    if text.strip().lower() in ("fp8-block", "auto"):
-        return text.strip().lower()
-    return check_scheme(text)
+    return check_scheme(text, auto=True)
 
 
 def bits_budget(text: str) -> float:
@@ -54,8 +52,7 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
         "--scheme",
         type=one_scheme,
         required=True,
-        help="fp8|fp8-dynamic|int8-smoothquant|int8-weight-only|nvfp4|nvfp4-weight-only|mxfp4-weight-only|fp8-block; "
-        "fp8+kv: FP8 KV; auto: a scheme per layer for --budget",
+        help=f"{scheme_names(auto=True)} (+kv: FP8 KV cache; auto: a scheme per layer for --budget)",
     )
     q.add_argument(
         "--budget",
