@@ -75,7 +75,7 @@ def parse_schemes(spec: str) -> list[str]:
         if n.removesuffix("+kv") not in CLI_SCHEMES:
             raise ValueError(f"unknown scheme {n!r}; accepted: {', '.join(CLI_SCHEMES)} (FP8 ones with +kv), or all")
         if n.endswith("+kv") and n.removesuffix("+kv") not in KV_SCHEMES:
-            raise ValueError(f"{n!r}: the FP8 KV cache goes with the FP8 PTQ schemes ({', '.join(KV_SCHEMES)})")
+            raise ValueError(f"{n!r}: the FP8 KV cache goes with the FP8 schemes ({', '.join(KV_SCHEMES)})")
     if not names:
         raise ValueError("no scheme given")
     return names

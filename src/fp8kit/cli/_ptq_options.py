@@ -45,7 +45,7 @@ def check_scheme(name: str, auto: bool = False) -> str:
         raise argparse.ArgumentTypeError(f"unknown scheme {name.strip()!r}; accepted: {scheme_names(auto)}")
     if key.endswith("+kv") and base not in KV_SCHEMES:
         raise argparse.ArgumentTypeError(
-            f"{name.strip()!r}: the FP8 KV cache (+kv) goes with the FP8 PTQ schemes only ({', '.join(KV_SCHEMES)})"
+            f"{name.strip()!r}: the FP8 KV cache (+kv) goes with the FP8 schemes only ({', '.join(KV_SCHEMES)})"
         )
     return key
 
