@@ -72,3 +72,22 @@ def test_eval_reference_reports_kl_and_top1(tmp_path, capsys):
     assert f"KL to {model} 0.00000 nats/token, top-1 agreement 100.00%" in out
     assert main(["eval", "--reference", model]) == 2
     assert "--reference goes with --model" in capsys.readouterr().err
+
+
+def test_eval_of_an_export_computes_as_served(tmp_path):
+    """``eval --model EXPORT`` scores fp8kit's inference layers (static FP8 activations included), not only the
+    dequantized weights."""
+    from fp8kit import ptq
+    from fp8kit.data import load_corpus
+    from fp8kit.export import dequantized_model, save_pretrained
+    from fp8kit.models.pretrained import load_pretrained_lm
+    from fp8kit.train.evaluate import evaluate_pretrained
+
+    root = save_sample_llama(tmp_path, hidden_size=64, intermediate_size=128)
+    base, tokenizer = load_pretrained_lm(str(root / "model"))
+    held_out = load_corpus(str(root / "text.txt"), tokenizer).val_batches(1, 4, 128, 0)
+    q = ptq.quantize(copy.deepcopy(base), "fp8", lambda m: [m(input_ids=x) for x, _ in held_out])
+    export = save_pretrained(q, tmp_path / "fp8", tokenizer.tok)
+    got = evaluate_pretrained(str(export), str(root / "text.txt"), batches=1, reference=str(root / "model"))
+    assert got["kl"] == pytest.approx(divergence(q, base, held_out)["kl"], rel=1e-5)
+    assert got["kl"] != pytest.approx(divergence(dequantized_model(export), base, held_out)["kl"], rel=1e-3)
