@@ -3,7 +3,9 @@
 An application workflow (beside ``fp8kit.train``): it quantizes with ``fp8kit.pretrained_ptq`` (the
 ``fp8kit quantize`` recipe) and scores with the shared evaluation (``fp8kit.evaluation``).
 
-The comparison evaluates, for the BF16 model and each scheme: held-out perplexity, weight memory
+The comparison evaluates, for the BF16 model and each scheme: held-out perplexity, the KL divergence of each
+scheme's next-token distribution from the BF16 row's and their top-1 agreement (``evaluation.Divergence``, on
+the same held-out tokens; the BF16 row's model stays loaded as the reference), weight memory
 (bytes as stored: 2 per BF16 weight, 1 per 8-bit code plus its scales), and prefill / decode time per
 token on this machine. The BF16 row runs ``fp8kit.nn.BF16Linear`` (bf16 operands, FP32 accumulation,
 emulated at FP32 speed); 8-bit rows run ``QuantLinear`` (exact codes, FP32 accumulation). On CPUs
@@ -26,7 +28,8 @@ import torch.nn as nn
 
 from .data import windows
 from .data.splits import EVAL_SPLITS, available_windows
-from .evaluation import window_losses, window_summary
+from .evaluation import Divergence, window_losses, window_summary
+from .export.block_linear import BlockQuantLinear
 from .nn import to_bf16_gemms
 from .pretrained_ptq import (  # re-exported: the names `fp8kit compare` users and the CLI import from here
     DEFAULT_KEEP_BF16,
@@ -43,7 +46,7 @@ from .pretrained_ptq import (  # re-exported: the names `fp8kit compare` users a
 from .ptq.kv_cache import kv_cache_bytes
 from .ptq.linear import QuantLinear
 from .ptq.quantize import quantize
-from .ptq.schemes import PTQ_SCHEMES
+from .ptq.schemes import CLI_SCHEMES, FP8_BLOCK, KV_SCHEMES, PTQ_SCHEMES
 
 __all__ = [
     "DEFAULT_KEEP_BF16",
@@ -63,16 +66,16 @@ __all__ = [
 
 
 def parse_schemes(spec: str) -> list[str]:
-    """``"all"`` or a comma list of scheme names, each optionally suffixed ``+kv`` (FP8 KV cache)."""
+    """``"all"`` or a comma list of ``ptq.schemes.CLI_SCHEMES`` names, the FP8 PTQ ones optionally suffixed ``+kv``
+    (FP8 KV cache)."""
     names = (
-        [*PTQ_SCHEMES, "fp8+kv"] if spec.strip().lower() == "all" else [s.strip() for s in spec.split(",") if s.strip()]
+        [*CLI_SCHEMES, "fp8+kv"] if spec.strip().lower() == "all" else [s.strip() for s in spec.split(",") if s.strip()]
     )
     for n in names:
-        base = n.removesuffix("+kv")
-        if base not in PTQ_SCHEMES:
-            raise ValueError(f"unknown scheme {n!r}; accepted: {', '.join(PTQ_SCHEMES)} (FP8 ones with +kv), or all")
-        if n.endswith("+kv") and not PTQ_SCHEMES[base].is_fp8:
-            raise ValueError(f"{n!r}: the FP8 KV cache goes with the FP8 schemes")
+        if n.removesuffix("+kv") not in CLI_SCHEMES:
+            raise ValueError(f"unknown scheme {n!r}; accepted: {', '.join(CLI_SCHEMES)} (FP8 ones with +kv), or all")
+        if n.endswith("+kv") and n.removesuffix("+kv") not in KV_SCHEMES:
+            raise ValueError(f"{n!r}: the FP8 KV cache goes with the FP8 schemes ({', '.join(KV_SCHEMES)})")
     if not names:
         raise ValueError("no scheme given")
     return names
@@ -86,6 +89,9 @@ def weight_memory(model: nn.Module) -> dict[str, int]:
     for m in model.modules():
         if isinstance(m, QuantLinear):
             linear += m.weight_bytes()
+            continue
+        if isinstance(m, BlockQuantLinear):  # 1-byte codes and a float32 scale per tile
+            linear += m.weight.numel() + 4 * m.weight_scale_inv.numel()
             continue
         for pname, p in m.named_parameters(recurse=False):
             ptr = p.untyped_storage().data_ptr()
@@ -174,16 +180,29 @@ def compare_schemes(
     rows: dict[str, dict[str, Any]] = {}
     losses: dict[str, dict[str, torch.Tensor]] = {}
     sens_report: dict[str, list[dict[str, Any]]] = {}
+    reference: nn.Module | None = None  # the bf16 row's model: KL and top-1 agreement are measured against it
     for name in ["bf16", *schemes]:
         t0 = time.perf_counter()
         model, extra = _quantized_row(base, name, loop, settings, sens_windows, sens_report, progress)
         qtime = time.perf_counter() - t0
-        losses[name] = {t: window_losses(model, w) for t, w in evals.items()}
+        divs = {t: Divergence() for t in evals} if reference is not None else {}
+        losses[name] = {
+            t: window_losses(model, w, reference=reference, divergence=divs.get(t)) for t, w in evals.items()
+        }
         ref = losses["bf16"] if name != "bf16" else None
         rows[name] = _score(model, name, losses[name], ref, prompt, timing) | {"quantize_s": qtime, **extra}
+        for t, d in divs.items():
+            rows[name]["texts"][t].update(d.summary())
+        if divs:
+            rows[name].update(
+                kl=rows[name]["texts"][texts[0].name]["kl"], top1=rows[name]["texts"][texts[0].name]["top1"]
+            )
         if progress:
             _print_row(name, split, rows[name], qtime)
+        if name == "bf16":
+            reference = model
         del model
+    del reference
     _relative_to_bf16(rows)
     result = {
         "model": model_name,
@@ -193,7 +212,8 @@ def compare_schemes(
         "seq_len": seq_len,
         "eval_tokens": int(evals[texts[0].name].shape[0] * seq_len),
         "calibration": {
-            "method": calibration or ", ".join(f"{calibration_for(n, None)} ({n})" for n in schemes),
+            "method": calibration
+            or ", ".join(f"{calibration_for(n, None)} ({n})" for n in schemes if n != FP8_BLOCK.name),
             "batches": calib_batches,
             "tokens": calib_batches * 4 * 128,
         },
@@ -237,6 +257,12 @@ def _quantized_row(
     extra: dict[str, Any] = {}
     if name == "bf16":
         to_bf16_gemms(model)
+        return model, extra
+    if name == FP8_BLOCK.name:  # no calibration: the largest tile every reader of the fp8-block format loads
+        from .export.serve import block_size_for, quantize_block
+
+        extra["block"] = block_size_for(model, "fp8-block")
+        quantize_block(model, block=extra["block"], format="fp8-block")
         return model, extra
     calibration, alpha, smooth, gptq, awq, keep_bf16, norm_tweak = settings
     kw = ptq_settings(name, calibration, alpha, smooth, gptq, awq, keep_bf16, quantizable_layers(base), norm_tweak)
@@ -293,7 +319,8 @@ def _print_row(name: str, split: str, row: dict[str, Any], qtime: float) -> None
     cells = []
     for t, v in row["texts"].items():
         rel = "" if name == "bf16" else f" ({100 * v['ppl_rel']:+.2f}% +- {100 * v['ppl_rel_sem']:.2f})"
-        cells.append(f"{t[:24]}: {v['ppl']:.3f} +- {v['ppl_std']:.2f}{rel}")
+        kl = f", KL {v['kl']:.4f}, top-1 {100 * v['top1']:.1f}%" if "kl" in v else ""
+        cells.append(f"{t[:24]}: {v['ppl']:.3f} +- {v['ppl_std']:.2f}{rel}{kl}")
     print(
         f"  {name:<18} {split} ppl " + "; ".join(cells) + f"; weights {row['total_bytes'] / 2**20:.1f} MiB; "
         f"decode {1e3 * row['decode_s_per_token']:.1f} ms/tok; quantize {qtime:.1f} s",
@@ -324,7 +351,9 @@ def compare_markdown(result: dict[str, Any]) -> str:
             f"{t}: {v['windows']} windows of {result['seq_len']} tokens ({v['tokens']:,} tokens)"
             for t, v in result["texts"].items()
         )
-        + ". Spread: std over windows; the change vs bf16 is paired per window (mean +- standard error).",
+        + ". Spread: std over windows; the change vs bf16 is paired per window (mean +- standard error). KL to bf16:"
+        " the mean KL(P_bf16 || P_scheme) of the next-token distributions; top-1 agreement: the share of positions"
+        " whose most likely next token is the bf16 row's, on the same tokens.",
         "",
         f"Calibration: {cal['method']} over {cal['tokens']:,} tokens of the calibration split "
         + (
@@ -340,20 +369,28 @@ def compare_markdown(result: dict[str, Any]) -> str:
     for name, r in result["rows"].items():
         if r.get("settings"):
             lines.append(f"- {name}: {settings_text(r['settings'])}")
-    if any(r.get("settings") for r in result["rows"].values()):
+        if r.get("block"):
+            lines.append(
+                f"- {name}: {r['block']}x{r['block']} weight tiles (the largest every reader of the fp8-block format "
+                f"loads), activations per 1x{r['block']} group at run time; no calibration"
+            )
+    if any(r.get("settings") or r.get("block") for r in result["rows"].values()):
         lines.append("")
-    head = "| scheme | " + " | ".join(f"{t} ({split}) ppl +- std | vs bf16 (+- s.e.)" for t in texts)
+    head = "| scheme | " + " | ".join(
+        f"{t} ({split}) ppl +- std | vs bf16 (+- s.e.) | KL to bf16 (nats/token) | top-1 agreement" for t in texts
+    )
     lines += [
         head + " | weights (MiB) | vs bf16 | Linear weights vs bf16 | KV cache @4k tokens (MiB) "
         "| prefill ms/token | decode ms/token | decode vs bf16 |",
-        "|---|" + "---|---|" * len(texts) + "---|---|---|---|---|---|---|",
+        "|---|" + "---|---|---|---|" * len(texts) + "---|---|---|---|---|---|---|",
     ]
     for name, r in result["rows"].items():
         cells = []
         for t in texts:
             v = r["texts"][t]
             rel = "" if name == "bf16" else f"{100 * v['ppl_rel']:+.2f}% (+- {100 * v['ppl_rel_sem']:.2f})"
-            cells += [f"{v['ppl']:.3f} +- {v['ppl_std']:.2f}", rel]
+            div = [f"{v['kl']:.4f}", f"{100 * v['top1']:.2f}%"] if "kl" in v else ["", ""]
+            cells += [f"{v['ppl']:.3f} +- {v['ppl_std']:.2f}", rel, *div]
         timed = r["decode_s_per_token"] is not None and math.isfinite(r["decode_s_per_token"])
         times = (
             f"{1e3 * r['prefill_s_per_token']:.2f} | {1e3 * r['decode_s_per_token']:.1f} | {r['decode_ratio']:.2f}x"

@@ -226,11 +226,13 @@ def quantize_pretrained_sequential(
     device: str | torch.device = "cpu",
     progress: bool | None = None,
     propagate: str = "float",
+    block: int | None = None,
     **settings: Any,
 ) -> tuple[Path, Any, PTQSplits]:
     """``quantize_pretrained`` layer by layer (``ptq.sequential``): the folder ``path`` is read one decoder
     layer at a time and the export written to ``out`` as it goes. ``settings`` are ``ptq_settings``'
-    arguments; ``keep_bf16`` and ``norm_tweak`` must be 0; ``propagate`` as ``ptq.sequential.quantize_checkpoint``.
+    arguments; ``keep_bf16`` and ``norm_tweak`` must be 0; ``propagate`` as ``ptq.sequential.quantize_checkpoint``;
+    ``block``: ``fp8-block``'s tile edge (default: the largest every reader of ``format`` loads).
     Returns the export, its report and the corpus."""
     from transformers import AutoTokenizer
 
@@ -241,7 +243,7 @@ def quantize_pretrained_sequential(
     splits = load_splits(text, tokenizer, second_text=False)[0]
     model = skeleton(path)
     if scheme == "fp8-block":
-        kw: dict[str, Any] = {}
+        kw: dict[str, Any] = {"block": block}
         loop = None
     else:
         kw = ptq_settings(scheme, n_layers=quantizable_layers(model), **settings)

@@ -32,7 +32,9 @@ E, LAYERS, H, I = 4, 2, 128, 128  # noqa: E741 - hidden and expert intermediate 
 def moe(seed: int = 0, **kw):
     """A tiny random Qwen3-MoE (2 layers, 4 experts, top-2, hidden 128, expert intermediate 128)."""
     torch.manual_seed(seed)
-    cfg = dict(hidden_size=H, moe_intermediate_size=I, num_experts=E, head_dim=32, num_attention_heads=4)
+    cfg = dict(
+        hidden_size=H, moe_intermediate_size=I, num_experts=E, head_dim=32, num_attention_heads=4, num_key_value_heads=4
+    )  # k_proj whole tiles too: vLLM fuses q/k/v, and q and k must be whole tiles
     model = transformers.Qwen3MoeForCausalLM(qwen3_moe_config(**{**cfg, **kw}))
     model.config.architectures = ["Qwen3MoeForCausalLM"]
     with torch.no_grad():  # one expert 50x larger: a scale shared across experts would flush the others
@@ -139,11 +141,12 @@ def test_fp8_block_export_per_expert_names_reload_and_transformers(tmp_path):
 
 
 def test_tiles_that_would_mix_gate_and_up_or_do_not_fit_are_refused(tmp_path):
-    narrow = quantize_block(moe(moe_intermediate_size=64))  # default: such experts stay in high precision
+    narrow = quantize_block(moe(moe_intermediate_size=64), block=128)  # such experts stay in high precision
     assert not experts_of(narrow) and len(narrow.ptq_report.quantized) == 4 * LAYERS
     assert "mix gate and up rows" in narrow.ptq_report.skipped["model.layers.1.mlp.experts"]
     with pytest.raises(ValueError, match="experts: intermediate size 64 is not a multiple of 128.*mix gate and up"):
-        quantize_block(moe(moe_intermediate_size=64), module_filter=lambda n, m: "experts" in n)
+        quantize_block(moe(moe_intermediate_size=64), lambda n, m: "experts" in n, block=128, format=None)
+    assert experts_of(quantize_block(moe(moe_intermediate_size=64)))  # by default, a tile that fits: 64
     out = save_pretrained(quantize_block(moe(2)), tmp_path / "block", format="fp8-block")
     from safetensors.torch import load_file, save_file
 

@@ -136,11 +136,13 @@ def test_compare_uses_each_schemes_settings_keeps_bf16_layers_and_reports_them(t
     assert sq["settings"]["alpha"] == "search" and sq["settings"]["smooth"] is True and sq["smooth_alpha"]
     assert len(sq["kept_bf16"]) == 1 and 0 < sq["kept_bf16_weight_fraction"] < 0.5
     assert res["rows"]["fp8-dynamic"]["settings"]["smooth"] is False
+    for name in ("int8-smoothquant", "fp8-dynamic"):  # against the bf16 row, on the same held-out tokens
+        assert res["rows"][name]["kl"] > 0 and 0 < res["rows"][name]["top1"] <= 1 and "kl" not in res["rows"]["bf16"]
     tweak = res["rows"]["fp8-dynamic"]["norm_tweak"]
     assert tweak["steps"] == 2 and tweak["loss_after"] <= tweak["loss_before"]
     md = (tmp_path / "cmp" / "compare.md").read_text()
     assert "- int8-smoothquant: calibration max; SmoothQuant alpha searched per layer group; GPTQ" in md
-    assert "norm tweaking 2 steps" in md
+    assert "norm tweaking 2 steps" in md and "KL to bf16 (nats/token) | top-1 agreement" in md
     assert "int8-smoothquant: 1 layer kept in BF16 (" in md and sq["kept_bf16"][0] in md
 
 

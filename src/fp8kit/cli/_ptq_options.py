@@ -26,23 +26,28 @@ def smoothquant_alpha(text: str) -> float | str:
     return "search" if text.strip().lower() == "search" else unit_fraction(text)
 
 
-def scheme_names() -> str:
-    """Every accepted scheme, ``+kv`` variants included, for error messages."""
-    from ..ptq.schemes import PTQ_SCHEMES
+def scheme_names(auto: bool = False) -> str:
+    """Every accepted scheme (``ptq.schemes.CLI_SCHEMES``), ``+kv`` variants included, and ``auto`` when the
+    command takes it (``quantize``), for help and error messages."""
+    from ..ptq.schemes import CLI_SCHEMES, KV_SCHEMES
 
-    return ", ".join([*PTQ_SCHEMES, *(f"{n}+kv" for n, s in PTQ_SCHEMES.items() if s.is_fp8)])
+    return ", ".join([*CLI_SCHEMES, *(f"{n}+kv" for n in KV_SCHEMES), *(["auto"] if auto else [])])
 
 
-def check_scheme(name: str) -> str:
-    """One scheme name, normalized (lower case); ``+kv`` only on the FP8 schemes."""
-    from ..ptq.schemes import PTQ_SCHEMES
+def check_scheme(name: str, auto: bool = False) -> str:
+    """One scheme name of ``ptq.schemes.CLI_SCHEMES`` (or ``auto``, when the command takes it), normalized
+    (lower case); ``+kv`` only on the FP8 PTQ schemes."""
+    from ..ptq.schemes import CLI_SCHEMES, KV_SCHEMES
 
-    base = name.strip().lower().removesuffix("+kv")
-    if base not in PTQ_SCHEMES:
-        raise argparse.ArgumentTypeError(f"unknown scheme {name.strip()!r}; accepted: {scheme_names()}")
-    if name.strip().lower().endswith("+kv") and not PTQ_SCHEMES[base].is_fp8:
-        raise argparse.ArgumentTypeError(f"{name.strip()!r}: the FP8 KV cache (+kv) goes with the FP8 schemes only")
-    return name.strip().lower()
+    key = name.strip().lower()
+    base = key.removesuffix("+kv")
+    if base not in CLI_SCHEMES and not (auto and key == "auto"):
+        raise argparse.ArgumentTypeError(f"unknown scheme {name.strip()!r}; accepted: {scheme_names(auto)}")
+    if key.endswith("+kv") and base not in KV_SCHEMES:
+        raise argparse.ArgumentTypeError(
+            f"{name.strip()!r}: the FP8 KV cache (+kv) goes with the FP8 schemes only ({', '.join(KV_SCHEMES)})"
+        )
+    return key
 
 
 def calibration_method(text: str) -> str:

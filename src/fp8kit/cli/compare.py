@@ -41,7 +41,7 @@ def add_arguments(c: argparse.ArgumentParser) -> None:
         "--schemes",
         type=scheme_list,
         default="all",
-        help="all, or a comma list of schemes (fp8+kv for the FP8 KV cache)",
+        help=f"all, or a comma list of: {scheme_names()} (+kv: FP8 KV cache)",
     )
     c.add_argument("--out", default="runs/fp8kit-compare", help="folder for compare.json/md/png")
     c.add_argument("--text", type=text_file, default=None, help="use this UTF-8 text instead of the shipped corpus")

@@ -44,6 +44,13 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
         help="held-out batches (default 32 for a checkpoint; 8 for a pretrained model, as fp8kit train uses)",
     )
     e.add_argument("--batches", dest="eval_batches", type=positive_int, help=argparse.SUPPRESS)  # older name
+    e.add_argument(
+        "--reference",
+        type=model(allow_demo=False),
+        default=None,
+        help="with --model: also the KL divergence to this model's next-token distribution (e.g. the BF16 model an "
+        "export was quantized from) and top-1 agreement, on the same held-out tokens",
+    )
     add_device_options(e)
 
 
@@ -60,6 +67,8 @@ def checkpoints_in(path: Path) -> list[Path]:
 def run(args: argparse.Namespace) -> int:
     if args.model is not None and args.checkpoint is not None:
         raise UsageError("give --checkpoint (a trained run) or --model (a pretrained model), not both")
+    if args.reference is not None and args.model is None:
+        raise UsageError("--reference goes with --model (the model to score against it)")
     if args.model is None:
         where = Path(args.checkpoint or TRAIN_OUT)
         runs = checkpoints_in(where)
@@ -73,13 +82,22 @@ def run(args: argparse.Namespace) -> int:
     device = job_device(args)
     if args.model is not None:
         announce_inference(args, "eval", device, {"evaluate": 1}, (args.eval_batches or 8) * 4 * 128, quantized=False)
-        results = [evaluate_pretrained(args.model, text=args.text, batches=args.eval_batches or 8, device=device)]
+        results = [
+            evaluate_pretrained(
+                args.model, text=args.text, batches=args.eval_batches or 8, device=device, reference=args.reference
+            )
+        ]
     else:
         results = [evaluate_checkpoint(r, text=args.text, batches=args.eval_batches or 32, device=device) for r in runs]
     for res in results:
         print(
             f"{res['run']} (step {res['step']}) on the held-out split of {res['corpus']}: "
             f"loss {res['val_loss']:.4f} nats/token, perplexity {res['val_ppl']:.3f}"
+            + (
+                f"; KL to {res['reference']} {res['kl']:.5f} nats/token, top-1 agreement {100 * res['top1']:.2f}%"
+                if "kl" in res
+                else ""
+            )
         )
     print_device_peak(device)
     return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..export.support import BLOCK_EDGES
 from ._common import UsageError, add_overwrite, model, text_file
 from ._job import add_device_options, announce_inference, job_device, print_device_peak, ptq_passes
 from ._ptq_options import (
@@ -29,11 +30,9 @@ def one_scheme(text: str) -> str:
     """One PTQ scheme (quantize writes one model)."""
     if "," in text or text.strip().lower() == "all":
         raise argparse.ArgumentTypeError(
-            f"quantize writes one model, so it takes one scheme: {scheme_names()} (compare takes several, or all)"
+            f"quantize writes one model, so it takes one scheme: {scheme_names(auto=True)} (compare takes several)"
         )
-    if text.strip().lower() in ("fp8-block", "auto"):
-        return text.strip().lower()
-    return check_scheme(text)
+    return check_scheme(text, auto=True)
 
 
 def bits_budget(text: str) -> float:
@@ -53,8 +52,7 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
         "--scheme",
         type=one_scheme,
         required=True,
-        help="fp8|fp8-dynamic|int8-smoothquant|int8-weight-only|nvfp4|nvfp4-weight-only|mxfp4-weight-only|fp8-block; "
-        "fp8+kv: FP8 KV; auto: a scheme per layer for --budget",
+        help=f"{scheme_names(auto=True)} (+kv: FP8 KV cache; auto: a scheme per layer for --budget)",
     )
     q.add_argument(
         "--budget",
@@ -74,6 +72,14 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
         default="compressed-tensors",
         help="compressed-tensors (vLLM, transformers), modelopt (TensorRT-LLM, vLLM, SGLang) or fp8-block "
         "(--scheme fp8-block; vLLM, SGLang, transformers) (default: compressed-tensors)",
+    )
+    q.add_argument(
+        "--block",
+        type=int,
+        choices=BLOCK_EDGES,
+        default=None,
+        help="--scheme fp8-block: the weight tile edge (default: the largest every reader of --format loads, "
+        "128 when every dimension is whole 128 tiles)",
     )
     q.add_argument(
         "--text", type=text_file, default=None, help="calibrate on this UTF-8 text instead of the shipped corpus"
@@ -103,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--scheme auto and --budget BITS go together (a scheme per layer for a bits budget)")
     if args.candidates is not None and args.scheme != "auto":
         raise UsageError("--candidates goes with --scheme auto")
+    if args.block is not None and args.scheme != "fp8-block":
+        raise UsageError("--block goes with --scheme fp8-block (the weight tile edge)")
     if args.scheme == "auto":
         return _run_auto(args)
     try:
@@ -125,8 +133,12 @@ def run(args: argparse.Namespace) -> int:
 
         announce_inference(args, "quantize", device, {}, 0)
         model, tokenizer = load_model(args.model, work_dtype(device), device)
+        try:
+            model = quantize_block(model, block=args.block, format=args.format)
+        except ValueError as err:  # a reader of --format cannot load a layer: nothing is quantized or written
+            raise UsageError(f"--format {args.format}: {err}") from None
         out = save_pretrained(
-            quantize_block(model),
+            model,
             args.out,
             tokenizer,
             format=args.format,
@@ -171,7 +183,7 @@ def _run_sequential(args: argparse.Namespace, source: Path, settings: dict, devi
     """Layer by layer: each decoder layer onloaded to ``device`` in turn, the export written as it goes."""
     from ..pretrained_ptq import quantize_pretrained_sequential
 
-    out, report, corpus = quantize_pretrained_sequential(
+    out, report, corpus = quantize_pretrained_sequential(  # fp8-block: the tile check runs before any layer is read
         source,
         args.scheme,
         args.out,
@@ -182,6 +194,7 @@ def _run_sequential(args: argparse.Namespace, source: Path, settings: dict, devi
         device=device,
         progress=True,
         propagate=args.propagate,
+        block=args.block,
         **settings,
     )
     print(report)

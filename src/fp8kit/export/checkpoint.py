@@ -35,7 +35,7 @@ from .modelopt import export_tensors as modelopt_tensors
 from .modelopt import load as modelopt_load
 from .serve import serving_layers
 from .shards import DEFAULT_MAX_SHARD_SIZE
-from .support import BLOCK_SCHEME, FORMATS, check_mix_format, check_scheme_format
+from .support import BLOCK_SCHEME, FORMATS, check_mix_format, check_scheme_format, choose_block
 
 __all__ = ["dequantized_model", "format_tensors", "load_pretrained", "save_pretrained"]
 
@@ -98,6 +98,7 @@ def save_pretrained(
             f"this model mixes schemes ({', '.join(used)}) and has quantized MoE experts: the {format} export "
             "writes experts in one-scheme models only; write the mix as --format compressed-tensors"
         )
+    _check_block_readers(format, {**qlayers, **experts})
     if experts and format == "modelopt" and scheme == BLOCK_SCHEME:
         raise ExportError(
             "the modelopt export does not carry block-FP8 MoE experts yet: write --format fp8-block, "
@@ -116,6 +117,23 @@ def save_pretrained(
     tensors.update(qtensors)
     cfg["quantization_config"] = qc
     return write_export(out, model, tensors, cfg, tokenizer, extra, max_shard_size)
+
+
+def _check_block_readers(fmt: str, layers: dict[str, nn.Module]) -> None:
+    """Raise ``ExportError`` (the reader, the layer, the rule) when a reader ``fmt`` is written for cannot load
+    the block-FP8 layers among ``layers`` in their tiles (``support.block_problem``)."""
+    from .serve import block_shapes
+
+    tiles: dict[int, dict[str, nn.Module]] = {}
+    for name, m in layers.items():
+        block = m.block if isinstance(m, BlockQuantLinear) else getattr(getattr(m, "scheme", None), "block", None)
+        if block is not None and (isinstance(m, BlockQuantLinear) or m.scheme.weight_strategy == "block"):
+            tiles.setdefault(block, {})[name] = m
+    for block, group in tiles.items():
+        try:
+            choose_block(fmt, block_shapes(group), block)
+        except ValueError as err:
+            raise ExportError(str(err)) from None
 
 
 def layer_schemes(layers: dict[str, nn.Module]) -> list[str]:

@@ -8,14 +8,15 @@
   recipe's own 128x128 weight tiles and power-of-two scales, dynamic 1x128 activations; MoE experts
   trained by ``FP8Experts`` too, as ``QuantExperts`` with each expert's own tiles). MXFP8 has no serving
   format here.
-* ``quantize_block``: post-training block FP8 (no calibration: 128x128 weight tiles, dynamic activations),
-  of the ``nn.Linear`` layers and of the MoE experts (``ptq.experts.QuantExperts`` with ``FP8_BLOCK``).
+* ``quantize_block``: post-training block FP8 (no calibration: square weight tiles, 128x128 or the largest
+  every reader of the format loads (``support.BLOCK_READERS``), dynamic activations), of the ``nn.Linear``
+  layers and of the MoE experts (``ptq.experts.QuantExperts`` with ``FP8_BLOCK``).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ from .block_linear import BlockQuantLinear
 from .common import ExportError, replace_module
 from .support import BLOCK_SCHEME
 
-__all__ = ["check_train_export", "quantize_block", "serving_layers", "serving_model"]
+__all__ = ["block_shapes", "block_size_for", "check_train_export", "quantize_block", "serving_layers", "serving_model"]
 
 _SCHEME_OF_RECIPE = {"delayed": "fp8", "rowwise": "fp8-dynamic", "current": "fp8-dynamic", "block": BLOCK_SCHEME}
 
@@ -140,33 +141,103 @@ def serving_model(model: nn.Module, inplace: bool = False) -> nn.Module:
     return model.eval()
 
 
-def quantize_block(model: nn.Module, module_filter: Callable[[str, nn.Module], bool] | None = None) -> nn.Module:
-    """Post-training block FP8 in place: eligible ``nn.Linear`` layers (default: ``fp8kit.convert``'s
-    filter, which keeps the output head) become ``BlockQuantLinear`` (128x128 weight tiles with
-    ``amax / 448`` scales, dynamic 1x128 activations) and eligible MoE experts modules (``module_filter``
-    sees them too) ``ptq.experts.QuantExperts`` with the same layout per expert; no calibration data needed.
-    By default, experts whose fused gate_up cannot be cut into whole gate and up tiles stay in high
-    precision (``ptq_report.skipped`` says why); a ``module_filter`` that selects them gets the error."""
+def block_shapes(layers: Mapping[str, nn.Module]) -> dict[str, tuple[int, int]]:
+    """``{layer: (out, in)}`` of Linear layers (``nn.Linear``, ``BlockQuantLinear``) and, per projection as the
+    checkpoint writes them (``NAME.gate_proj``, ``NAME.up_proj``, ``NAME.down_proj``), of experts modules
+    (quantized or not), from ``{name: module}``: what ``support.block_problem`` checks."""
+    from ..ptq.experts import QuantExperts, experts_projections
+
+    shapes: dict[str, tuple[int, int]] = {}
+    for name, m in layers.items():
+        if hasattr(m, "out_features"):
+            shapes[name] = (m.out_features, m.in_features)
+            continue
+        if isinstance(m, QuantExperts):
+            (_, up_out, hidden), (_, down_out, inter) = (tuple(m.weight_codes(p).shape) for p in (0, 1))
+        else:
+            up, down = (tuple(getattr(m, p).shape[1:]) for p in experts_projections(m))
+            (up_out, hidden), (down_out, inter) = (up[::-1], down[::-1]) if m.is_transposed else (up, down)
+        parts = ("gate_proj", "up_proj") if m.has_gate else ("up_proj",)
+        shapes.update({f"{name}.{p}": (up_out // len(parts), hidden) for p in parts})
+        shapes[f"{name}.down_proj"] = (down_out, inter)
+    return shapes
+
+
+def _block_targets(
+    model: nn.Module, module_filter: Callable[[str, nn.Module], bool] | None, block: int
+) -> tuple[list[str], list[str], dict[str, str]]:
+    """The ``nn.Linear`` layers and experts modules ``quantize_block`` quantizes in ``block`` tiles, and the
+    experts it keeps in high precision with the reason (a fused gate_up not whole tiles)."""
     from ..nn.convert import default_module_filter
-    from ..ptq.experts import block_tiling_problem, find_experts, quantize_experts_module
-    from ..ptq.schemes import FP8_BLOCK
+    from ..ptq.experts import block_tiling_problem, find_experts
 
     default = default_module_filter(model)
     keep = module_filter or (lambda n, m: default(n, m) is None)
     names = [n for n, m in model.named_modules() if type(m) is nn.Linear and keep(n, m)]
     found = find_experts(model)
-    untileable = {n: why for n, m in found.items() if (why := block_tiling_problem(m, FP8_BLOCK.block))}
     if module_filter is not None:
-        experts, untileable = [n for n, m in found.items() if module_filter(n, m)], {}
-    else:
-        experts = [n for n in found if n not in untileable]
+        return names, [n for n, m in found.items() if module_filter(n, m)], {}
+    untileable = {n: why for n, m in found.items() if (why := block_tiling_problem(m, block))}
+    return names, [n for n in found if n not in untileable], untileable
+
+
+def block_size_for(
+    model: nn.Module,
+    format: str | None = "fp8-block",  # noqa: A002 - the name users know from save_pretrained
+    block: int | None = None,
+    module_filter: Callable[[str, nn.Module], bool] | None = None,
+) -> int:
+    """The tile edge ``quantize_block(model, module_filter, block, format)`` quantizes with: ``block`` when every
+    reader of ``format`` (``support.BLOCK_READERS``) loads every layer in it, else, with ``block=None``, the
+    largest edge they all load (``format=None``: ``block`` or 128, unchecked). Raises ``ExportError`` (the
+    reader, the layer, the rule) before any layer is quantized."""
+    from .support import BLOCK_EDGES, choose_block
+
+    if format is None:
+        return block or BLOCK_EDGES[0]
+    if block is None:  # every experts module counts: a smaller tile may make a fused gate_up whole
+        names, experts, _ = _block_targets(model, module_filter, 1)
+        try:
+            return choose_block(format, block_shapes({n: model.get_submodule(n) for n in [*names, *experts]}))
+        except ValueError:
+            block = BLOCK_EDGES[0]  # no edge fits them all: the error below names a layer at the default edge
+    names, experts, _ = _block_targets(model, module_filter, block)
+    try:
+        return choose_block(format, block_shapes({n: model.get_submodule(n) for n in [*names, *experts]}), block)
+    except ValueError as err:
+        raise ExportError(str(err)) from None
+
+
+def quantize_block(
+    model: nn.Module,
+    module_filter: Callable[[str, nn.Module], bool] | None = None,
+    block: int | None = None,
+    format: str | None = "fp8-block",  # noqa: A002 - the name users know from save_pretrained
+) -> nn.Module:
+    """Post-training block FP8 in place: eligible ``nn.Linear`` layers (default: ``fp8kit.convert``'s
+    filter, which keeps the output head) become ``BlockQuantLinear`` (``block`` x ``block`` weight tiles with
+    ``amax / 448`` scales, dynamic 1 x ``block`` activations) and eligible MoE experts modules
+    (``module_filter`` sees them too) ``ptq.experts.QuantExperts`` with the same layout per expert; no
+    calibration data needed. ``block=None`` picks the largest tile edge every reader of ``format`` loads
+    (``block_size_for``: 128 when every dimension is whole 128 tiles, 64 for SmolLM2); a ``block`` or a model
+    those readers cannot load raises ``ExportError`` before any layer changes (``format=None``: no check, 128
+    by default). By default, experts whose fused gate_up cannot be cut into whole gate and up tiles stay in
+    high precision (``ptq_report.skipped`` says why); a ``module_filter`` that selects them gets the error."""
+    from dataclasses import replace
+
+    from ..ptq.experts import quantize_experts_module
+    from ..ptq.schemes import FP8_BLOCK
+
+    block = block_size_for(model, format, block, module_filter)
+    names, experts, untileable = _block_targets(model, module_filter, block)
     if not names and not experts:
         raise ExportError("quantize_block found no eligible nn.Linear layer or MoE experts module")
+    scheme = replace(FP8_BLOCK, block=block)
     with torch.no_grad():
         for name in experts:
-            quantize_experts_module(model.get_submodule(name), FP8_BLOCK, name=name)
+            quantize_experts_module(model.get_submodule(name), scheme, name=name)
         for name in names:
-            replace_module(model, name, BlockQuantLinear.from_linear(model.get_submodule(name)))
+            replace_module(model, name, BlockQuantLinear.from_linear(model.get_submodule(name), block))
     _report(model, BLOCK_SCHEME, names, "kept in high precision", experts, **untileable)
     return model.eval()
 

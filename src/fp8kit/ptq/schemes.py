@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..formats import E2M1, E4M3, INT8, Format
 
-__all__ = ["FP4_SCHEMES", "FP8_BLOCK", "PTQ_SCHEMES", "SCHEMES", "Scheme", "get_scheme"]
+__all__ = ["CLI_SCHEMES", "FP4_SCHEMES", "FP8_BLOCK", "KV_SCHEMES", "PTQ_SCHEMES", "SCHEMES", "Scheme", "get_scheme"]
 
 
 @dataclass(frozen=True)
@@ -165,8 +165,14 @@ FP4_SCHEMES: dict[str, Scheme] = {
 }
 
 
-# every ``fp8kit quantize --scheme`` / ``fp8kit compare --schemes`` name
+# the calibrated schemes ``ptq.quantize`` takes
 PTQ_SCHEMES: dict[str, Scheme] = {**SCHEMES, **FP4_SCHEMES}
+
+# Every scheme name the command line takes (``fp8kit quantize --scheme``, ``fp8kit compare --schemes``), the one
+# table its help and errors list: the PTQ schemes, then ``fp8-block`` (no calibration). ``+kv`` goes with the
+# FP8 PTQ schemes (``KV_SCHEMES``); ``quantize`` also takes ``auto`` (a scheme per layer for a bits budget).
+CLI_SCHEMES: dict[str, Scheme] = {**PTQ_SCHEMES, FP8_BLOCK.name: FP8_BLOCK}
+KV_SCHEMES = tuple(n for n, s in PTQ_SCHEMES.items() if s.is_fp8)
 
 
 def get_scheme(scheme: Scheme | str) -> Scheme:

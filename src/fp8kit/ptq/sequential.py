@@ -281,7 +281,7 @@ def _quantize_layer(
     if scheme_name == FP8_BLOCK.name:
         from ..export.serve import quantize_block
 
-        quantize_block(layer, keep)
+        quantize_block(layer, keep, options["block"], format=None)  # the tile quantize_checkpoint checked
     else:
 
         def loop(m: nn.Module) -> None:
@@ -317,7 +317,8 @@ def quantize_checkpoint(
     (shards of at most ``max_shard_size``, default 5GB). ``forward_loop(model)`` runs the calibration
     batches through the model (its outputs are not meaningful during the capture). ``options`` are
     ``ptq.quantize``'s (``calibration``, ``gptq``, ``awq``, ``smooth``, ``alpha``, ``kv_cache``, ...);
-    ``keep_bf16`` and ``norm_tweak`` need a full load and are refused. ``propagate``: ``"float"`` or
+    ``keep_bf16`` and ``norm_tweak`` need a full load and are refused; ``"fp8-block"`` takes ``block``, the tile
+    edge (default: the largest every reader of ``format`` loads, ``export.serve.block_size_for``). ``propagate``: ``"float"`` or
     ``"quantized"`` layers give the next layer its inputs (module docstring). Returns the export's path and
     report."""
     from ..export.checkpoint import format_tensors
@@ -348,6 +349,10 @@ def quantize_checkpoint(
     fixed_mmap_threshold()
     ckpt = Checkpoint(path)
     model = model if model is not None else skeleton(path)
+    if name == FP8_BLOCK.name:  # the tile every reader of the format loads, checked before any layer is read
+        from ..export.serve import block_size_for
+
+        options = {**options, "block": block_size_for(model, format, options.get("block"), module_filter)}
     _read_generation_config(model, Path(path))
     layers_name, layers = decoder_layers(model)
     say = _printer(progress)

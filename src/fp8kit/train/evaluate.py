@@ -60,15 +60,55 @@ def evaluate_pretrained(
     seq_len: int = 128,
     seed: int = 0,
     device: str | torch.device = "cpu",
+    reference: str | None = None,
 ) -> dict[str, Any]:
-    """Held-out loss and perplexity of a pretrained model as shipped (no FP8): FP32 weights on the CPU, BF16
-    on a GPU (``device.work_dtype``)."""
+    """Held-out loss and perplexity of a pretrained model as shipped: FP32 weights on the CPU, BF16 on a GPU
+    (``device.work_dtype``); an FP8/INT8/FP4 export fp8kit reads computes with fp8kit's inference layers, as it is
+    served (``export.load_pretrained``: quantized activations and KV cache included). With ``reference`` (a model name or folder, e.g. the BF16 model an export
+    was quantized from), also ``kl`` (``KL(P_ref || P)``, nats/token) and ``top1`` (top-1 agreement) on the
+    same held-out tokens (``evaluation.divergence``)."""
     from ..device import work_dtype
+    from ..evaluation import divergence
     from ..models.pretrained import load_pretrained_lm
 
     device = torch.device(device)
-    model, tokenizer = load_pretrained_lm(model_name, work_dtype(device), device)
+    model, tokenizer = _served(model_name, work_dtype(device), device) or load_pretrained_lm(
+        model_name, work_dtype(device), device
+    )
     corpus = load_corpus(text, tokenizer)
     corpus.check_fits(seq_len)
-    loss = evaluate(model, corpus.val_batches(batches, batch_size, seq_len, seed))
-    return {"run": model_name, "step": 0, "val_loss": loss, "val_ppl": math.exp(loss), "corpus": corpus.name}
+    held_out = corpus.val_batches(batches, batch_size, seq_len, seed)
+    loss = evaluate(model, held_out)
+    out = {"run": model_name, "step": 0, "val_loss": loss, "val_ppl": math.exp(loss), "corpus": corpus.name}
+    if reference is not None:
+        ref, _ = load_pretrained_lm(reference, work_dtype(device), device)
+        sizes = [getattr(m.get_output_embeddings(), "out_features", None) for m in (model, ref)]
+        if sizes[0] != sizes[1]:
+            raise ValueError(
+                f"--reference {reference} predicts {sizes[1]} tokens and {model_name} {sizes[0]}: "
+                "give the model it was quantized from (the same tokenizer)"
+            )
+        out |= {"reference": reference, **divergence(model, ref, held_out)}
+    return out
+
+
+def _served(name: str, dtype: torch.dtype, device: torch.device) -> tuple[torch.nn.Module, Any] | None:
+    """``(model, tokenizer)`` of a local export in a format ``export.load_pretrained`` reads, in its inference
+    layers; ``None`` for anything else (a plain model, a Hub ID, a layout it does not read)."""
+    import json
+
+    from ..export import ExportError, load_pretrained
+    from ..models.pretrained import HFTokenizer
+
+    path = Path(name)
+    config = path / "config.json"
+    qc = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+    if not isinstance(qc, dict) or qc.get("quant_method") not in ("compressed-tensors", "modelopt", "fp8"):
+        return None
+    try:
+        model = load_pretrained(path, dtype)
+    except ExportError:
+        return None  # e.g. an FP4 layout fp8kit reads only dequantized: load_pretrained_lm does
+    from transformers import AutoTokenizer
+
+    return model.to(device), HFTokenizer(AutoTokenizer.from_pretrained(path))
