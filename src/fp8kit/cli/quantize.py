@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ._common import UsageError, add_overwrite, model, text_file
+from ._common import UsageError, check_out_outside_model, model, text_file
 from ._job import add_device_options, announce_inference, job_device, print_device_peak, ptq_passes
 from ._ptq_options import (
     MODEL_HELP,
@@ -93,7 +93,7 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
         "the whole-model result) or quantized (llm-compressor's sequential pipeline) (default: float)",
     )
     add_device_options(q)
-    add_overwrite(q, "a folder")
+    q.add_argument("--overwrite", action="store_true", help="replace a folder in --out that fp8kit did not write")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--scheme auto and --budget BITS go together (a scheme per layer for a bits budget)")
     if args.candidates is not None and args.scheme != "auto":
         raise UsageError("--candidates goes with --scheme auto")
+    check_out_outside_model(args.out, args.model)
     if args.scheme == "auto":
         return _run_auto(args)
     try:
