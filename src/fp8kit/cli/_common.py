@@ -115,17 +115,61 @@ def model(allow_demo: bool, demo_hint: str = "") -> Callable[[str], str]:
 
         if is_hub_id(text):
             return text
-
-        if not (path / "config.json").is_file() and train_checkpoint(path) is None:
+        if path.is_dir() and (run := train_run_checkpoint(path)) is not None:
+            return run
+        found = train_checkpoint(path)
+        if found is not None:
+            _check_train_checkpoint(found)
+            return text
+        if not (path / "config.json").is_file():
             known = ", ".join((["demo"] if allow_demo else []) + list(PRETRAINED_MODELS))
             what = "a folder without config.json" if path.is_dir() else "not an existing folder"
             raise argparse.ArgumentTypeError(
                 f"{text!r} is {what}: give {known}, a local Hugging Face model folder (with config.json) "
                 "or a Hub ID ORG/NAME[@REVISION]"
             )
+        from ..models.folder import ModelFolderError, check_model_folder
+
+        try:
+            check_model_folder(path)
+        except ModelFolderError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
         return text
 
     return parse
+
+
+def train_run_checkpoint(path: Path) -> str | None:
+    """An ``fp8kit train`` run folder given as ``--model``: its one run's ``ckpt/<run>`` folder; ``None`` when
+    ``path`` is not a run folder; refused in one line naming each ``ckpt/<run>`` when it holds several."""
+    from ..train.checkpoint import latest_checkpoint
+    from .train import SIGNATURE
+
+    config = read_json(path / SIGNATURE[0])
+    if config is None or not all(k in config for k in SIGNATURE[1]):
+        return None
+    ckpt = path / "ckpt"
+    runs = sorted(p for p in ckpt.iterdir() if latest_checkpoint(p) is not None) if ckpt.is_dir() else []
+    if len(runs) == 1:
+        return str(runs[0])
+    if not runs:
+        raise argparse.ArgumentTypeError(
+            f"{path} is an fp8kit train run folder without a checkpoint yet: continue it with "
+            f"`fp8kit train --out {path} --resume`, or give another model"
+        )
+    raise argparse.ArgumentTypeError(
+        f"{path} is an fp8kit train run folder with {len(runs)} runs: give one of them, "
+        + ", ".join(str(r) for r in runs)
+    )
+
+
+def _check_train_checkpoint(step: Path) -> None:
+    from ..models.folder import safetensors_problem
+
+    weights = step / "model.safetensors"  # (a checkpoint of several processes is a DCP folder instead)
+    problem = safetensors_problem(weights) if weights.is_file() else None
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{weights} is not a readable fp8kit checkpoint: {problem}; give another step")
 
 
 def text_file(text: str) -> str:

@@ -77,6 +77,10 @@ def shape_of(spec: str, arch: str = "dense", size: str = "small", seq_len: int =
     from ..models.pretrained import pretrained_dir
 
     folder = pretrained_dir(spec)
+    if spec not in PRETRAINED:  # a Hub ID's snapshot: checked as a local folder is when the options are parsed
+        from ..models.folder import check_model_folder
+
+        check_model_folder(folder)
     try:
         return model_shape(folder)
     except (
