@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import NoReturn
 
 TRAIN_OUT = "runs/fp8kit-train"
+# How an ``fp8kit train`` run folder is recognized: its config.json holds these keys.
+TRAIN_SIGNATURE = ("config.json", ("recipes", "model_size", "eval_interval"))
 PRETRAINED_MODELS = ("smollm2",)
 
 
@@ -143,10 +145,9 @@ def train_run_checkpoint(path: Path) -> str | None:
     """An ``fp8kit train`` run folder given as ``--model``: its one run's ``ckpt/<run>`` folder; ``None`` when
     ``path`` is not a run folder; refused in one line naming each ``ckpt/<run>`` when it holds several."""
     from ..train.checkpoint import latest_checkpoint
-    from .train import SIGNATURE
 
-    config = read_json(path / SIGNATURE[0])
-    if config is None or not all(k in config for k in SIGNATURE[1]):
+    config = read_json(path / TRAIN_SIGNATURE[0])
+    if config is None or not all(k in config for k in TRAIN_SIGNATURE[1]):
         return None
     ckpt = path / "ckpt"
     runs = sorted(p for p in ckpt.iterdir() if latest_checkpoint(p) is not None) if ckpt.is_dir() else []

@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         batches.append({"input_ids": x, "labels": x})
     report = doctor(
         model, batches, recipe=recipe, steps=args.steps, lr=args.lr, apply=args.apply, seed=args.seed, device=device,
-        noise_floor=args.noise_floor,
+        noise_floor=args.noise_floor, progress=True,
     )  # fmt: skip
     path = report.save(out)
     print(

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from ._common import (
     TRAIN_OUT,
+    TRAIN_SIGNATURE,
     USER_ERRORS,
     Parser,
     UsageError,
@@ -38,7 +39,7 @@ DESCRIPTION = (
     "a loss plot, a summary table and checkpoints to --out."
 )
 WRITES = ("config.json", "metrics.jsonl", "summary.json", "summary.md", "loss.png", "ckpt", "plan.json", "serving")
-SIGNATURE = ("config.json", ("recipes", "model_size", "eval_interval"))
+SIGNATURE = TRAIN_SIGNATURE
 # What ``--resume`` takes from OUT/config.json: the settings that make the run what it is. An option given
 # with a different value is refused; ``--steps`` and the eval/checkpoint intervals may change (train further).
 RUN_SETTINGS = {
