@@ -163,6 +163,7 @@ def compare_schemes(
     ranked instead by the dev-loss increase on W dev windows of the main text (one dev evaluation per
     layer). ``sensitivity`` alone writes that report for each scheme. Nothing ranks on the test split."""
     from .device import work_dtype
+    from .progress import counting
     from .train.reload import load_model
 
     if split not in EVAL_SPLITS:
@@ -186,9 +187,11 @@ def compare_schemes(
         model, extra = _quantized_row(base, name, loop, settings, sens_windows, sens_report, progress)
         qtime = time.perf_counter() - t0
         divs = {t: Divergence() for t in evals} if reference is not None else {}
-        losses[name] = {
-            t: window_losses(model, w, reference=reference, divergence=divs.get(t)) for t, w in evals.items()
-        }
+        total = sum(int(w.shape[0]) for w in evals.values())
+        with counting(model, total, f"  {name} held-out windows", "window", enabled=progress):
+            losses[name] = {
+                t: window_losses(model, w, reference=reference, divergence=divs.get(t)) for t, w in evals.items()
+            }
         ref = losses["bf16"] if name != "bf16" else None
         rows[name] = _score(model, name, losses[name], ref, prompt, timing) | {"quantize_s": qtime, **extra}
         for t, d in divs.items():
@@ -277,7 +280,7 @@ def _quantized_row(
         if n_keep:
             kw["module_filter"] = keep_filter(ranking, n_keep)
             extra["kept_bf16"] = [s.name for s in ranking[:n_keep]]
-    quantize(model, name.removesuffix("+kv"), loop, progress=None if progress else False, **kw)
+    quantize(model, name.removesuffix("+kv"), loop, progress=progress, **kw)
     report = model.ptq_report
     if n_keep and "kept_bf16" not in extra:
         extra["kept_bf16"] = [s.name for s in report.sensitivity[:n_keep]]

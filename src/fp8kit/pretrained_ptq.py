@@ -79,6 +79,7 @@ def calibration_loop(splits: PTQSplits, batches: int, batch_size: int = 4, seq_l
         for x in data:
             model(input_ids=x.to(device))
 
+    forward_loop.batches = len(data)  # type: ignore[attr-defined]  # the progress bars' total
     return forward_loop
 
 
@@ -164,11 +165,12 @@ def quantize_pretrained(
     smooth: bool | None = None,
     norm_tweak: int | None = None,
     device: str | torch.device = "cpu",
+    progress: bool | None = None,
 ) -> tuple[nn.Module, Any, PTQSplits]:
     """Load ``model_name`` (``smollm2`` or a local directory) and quantize it with ``scheme``
     (``+kv`` suffix: FP8 KV cache), calibrating on the calibration split of the corpus (or ``text``).
     ``None`` settings take the scheme's dev-chosen defaults (``ptq_settings``). The model loads on ``device``
-    (BF16 on a GPU, FP32 on the CPU: ``device.work_dtype``)."""
+    (BF16 on a GPU, FP32 on the CPU: ``device.work_dtype``); ``progress`` as ``ptq.quantize``'s."""
     from .device import work_dtype
     from .train.reload import load_model
 
@@ -179,7 +181,7 @@ def quantize_pretrained(
     splits = load_splits(text, tokenizer, second_text=False)[0]
     loop = calibration_loop(splits, calib_batches, batch_size, seq_len)
     kw = ptq_settings(scheme, calibration, alpha, smooth, gptq, awq, keep_bf16, quantizable_layers(model), norm_tweak)
-    quantize(model, scheme.removesuffix("+kv"), loop, **kw)
+    quantize(model, scheme.removesuffix("+kv"), loop, progress=progress, **kw)
     return model, tokenizer, splits
 
 

@@ -119,7 +119,7 @@ def test_cli_train_arch_moe_reports_load_balance_beside_the_losses(tmp_path, cap
     assert main(["eval", "--checkpoint", str(out / "ckpt" / "fp8-delayed"), "--batches", "16"]) == 0
     assert f"loss {summary['runs']['fp8-delayed']['val_loss']:.4f}" in capsys.readouterr().out
     # resuming the folder as the dense model is refused before anything is written
-    assert main(["train", *TINY, "--recipe", "delayed", "--out", str(out), "--resume"]) != 0
+    assert main(["train", *TINY, "--arch", "dense", "--out", str(out), "--resume"]) != 0
     assert "arch" in capsys.readouterr().err
 
 

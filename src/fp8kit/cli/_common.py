@@ -10,11 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
 TRAIN_OUT = "runs/fp8kit-train"
+# How an ``fp8kit train`` run folder is recognized: its config.json holds these keys.
+TRAIN_SIGNATURE = ("config.json", ("recipes", "model_size", "eval_interval"))
 PRETRAINED_MODELS = ("smollm2",)
 
 
@@ -46,7 +49,14 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def add_overwrite(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument("--overwrite", action="store_true", help=f"replace {what} in --out that fp8kit did not write")
+    """``--overwrite``: replace the earlier fp8kit ``what`` in ``--out`` (its files removed first), or files there
+    that fp8kit did not write."""
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help=f"replace the earlier fp8kit {what} in --out (its files are removed first) or files there that "
+        "fp8kit did not write",
+    )
 
 
 # ---- argument types: each raises ArgumentTypeError with the fix, so argparse reports it (exit 2) --------
@@ -107,17 +117,60 @@ def model(allow_demo: bool, demo_hint: str = "") -> Callable[[str], str]:
 
         if is_hub_id(text):
             return text
-
-        if not (path / "config.json").is_file() and train_checkpoint(path) is None:
+        if path.is_dir() and (run := train_run_checkpoint(path)) is not None:
+            return run
+        found = train_checkpoint(path)
+        if found is not None:
+            _check_train_checkpoint(found)
+            return text
+        if not (path / "config.json").is_file():
             known = ", ".join((["demo"] if allow_demo else []) + list(PRETRAINED_MODELS))
             what = "a folder without config.json" if path.is_dir() else "not an existing folder"
             raise argparse.ArgumentTypeError(
                 f"{text!r} is {what}: give {known}, a local Hugging Face model folder (with config.json) "
                 "or a Hub ID ORG/NAME[@REVISION]"
             )
+        from ..models.folder import ModelFolderError, check_model_folder
+
+        try:
+            check_model_folder(path)
+        except ModelFolderError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
         return text
 
     return parse
+
+
+def train_run_checkpoint(path: Path) -> str | None:
+    """An ``fp8kit train`` run folder given as ``--model``: its one run's ``ckpt/<run>`` folder; ``None`` when
+    ``path`` is not a run folder; refused in one line naming each ``ckpt/<run>`` when it holds several."""
+    from ..train.checkpoint import latest_checkpoint
+
+    config = read_json(path / TRAIN_SIGNATURE[0])
+    if config is None or not all(k in config for k in TRAIN_SIGNATURE[1]):
+        return None
+    ckpt = path / "ckpt"
+    runs = sorted(p for p in ckpt.iterdir() if latest_checkpoint(p) is not None) if ckpt.is_dir() else []
+    if len(runs) == 1:
+        return str(runs[0])
+    if not runs:
+        raise argparse.ArgumentTypeError(
+            f"{path} is an fp8kit train run folder without a checkpoint yet: continue it with "
+            f"`fp8kit train --out {path} --resume`, or give another model"
+        )
+    raise argparse.ArgumentTypeError(
+        f"{path} is an fp8kit train run folder with {len(runs)} runs: give one of them, "
+        + ", ".join(str(r) for r in runs)
+    )
+
+
+def _check_train_checkpoint(step: Path) -> None:
+    from ..models.folder import safetensors_problem
+
+    weights = step / "model.safetensors"  # (a checkpoint of several processes is a DCP folder instead)
+    problem = safetensors_problem(weights) if weights.is_file() else None
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{weights} is not a readable fp8kit checkpoint: {problem}; give another step")
 
 
 def text_file(text: str) -> str:
@@ -128,18 +181,36 @@ def text_file(text: str) -> str:
 
 
 # ---- output folders ------------------------------------------------------------------------------------
-def check_run_dir(out: str, writes: tuple[str, ...], signature: tuple[str, tuple[str, ...]], overwrite: bool) -> Path:
+def check_run_dir(
+    out: str,
+    writes: tuple[str, ...],
+    signature: tuple[str, tuple[str, ...]],
+    overwrite: bool,
+    resume: bool | None = None,
+    kind: str = "run",
+) -> Path:
     """Validate a run folder that a command writes ``writes`` into (other files in it are never touched).
 
-    Refused: a file; a folder where a file of ``writes`` exists that an earlier run of the same command did
-    not write (``signature``: a JSON file and keys it holds), unless ``overwrite``; an unwritable location.
+    Refused: a file; a folder that holds an earlier fp8kit ``kind`` (``signature``: a JSON file and keys it
+    holds), unless ``overwrite`` or (for a command with ``--resume``, ``resume`` not ``None``) ``resume``; a
+    folder where a file of ``writes`` exists that fp8kit did not write, unless ``overwrite``; ``resume`` and
+    ``overwrite`` together; an unwritable location. ``clear_run_dir`` removes the old run once every check passed.
     """
     path = Path(out)
+    if resume and overwrite:
+        raise UsageError("--resume continues the run in --out and --overwrite replaces it: give one of them")
     if path.exists() and not path.is_dir():
         raise UsageError(f"--out {out} is a file, not a folder: give a folder path (new, or an earlier run's)")
-    if path.is_dir() and not overwrite:
+    if path.is_dir() and not overwrite and not resume:
+        if _written_by_fp8kit(path / signature[0], signature[1]):
+            keep = (
+                "pass --resume to continue it, --overwrite to replace it"
+                if resume is not None
+                else ("pass --overwrite to replace it")
+            )
+            raise UsageError(f"--out {out} holds an earlier fp8kit {kind}: {keep}, or give a new --out")
         clash = [w for w in writes if (path / w).exists()]
-        if clash and not _written_by_fp8kit(path / signature[0], signature[1]):
+        if clash:
             raise UsageError(
                 f"--out {out} already holds {', '.join(clash)}, which fp8kit did not write: "
                 "give a new folder, or pass --overwrite to replace those files"
@@ -152,9 +223,45 @@ def check_run_dir(out: str, writes: tuple[str, ...], signature: tuple[str, tuple
     return path
 
 
-def _written_by_fp8kit(path: Path, keys: tuple[str, ...]) -> bool:
+def check_out_outside_model(out: str, model_spec: str) -> None:
+    """Refuse an ``--out`` equal to or inside the local ``--model`` folder (the export would replace its input)."""
+    source = Path(model_spec)
+    if model_spec in PRETRAINED_MODELS:
+        from ..models.pretrained import cache_dir
+
+        source = cache_dir() / "smollm2-135m-instruct"
+    if not source.is_dir():
+        return
+    target, source = Path(out).resolve(), source.resolve()
+    if target == source or source in target.parents:
+        where = "is" if target == source else "is inside"
+        raise UsageError(
+            f"--out {out} {where} the --model folder {source}: the export would replace its own input; "
+            "give an --out outside it"
+        )
+
+
+def clear_run_dir(out: str | Path, writes: tuple[str, ...]) -> None:
+    """Remove the files and folders ``writes`` names from ``out`` (``--overwrite``: no file of the old run is
+    left beside the new one); other files stay."""
+    path = Path(out)
+    for name in writes:
+        target = path / name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        elif target.exists() or target.is_symlink():
+            target.unlink()
+
+
+def read_json(path: Path) -> dict | None:
+    """The JSON object in ``path``, or ``None`` when it is missing, unreadable or not an object."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and all(k in data for k in keys)
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _written_by_fp8kit(path: Path, keys: tuple[str, ...]) -> bool:
+    data = read_json(path)
+    return data is not None and all(k in data for k in keys)

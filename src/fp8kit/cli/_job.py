@@ -18,9 +18,6 @@ if TYPE_CHECKING:
     from ..cost import JobCost, ModelShape
 
 
-LONG_JOB_S = 30.0
-
-
 class UnknownSize(Exception):
     """A model whose size cannot be read without loading it (no cost line; the load reports the problem)."""
 
@@ -77,6 +74,10 @@ def shape_of(spec: str, arch: str = "dense", size: str = "small", seq_len: int =
     from ..models.pretrained import pretrained_dir
 
     folder = pretrained_dir(spec)
+    if spec not in PRETRAINED:  # a Hub ID's snapshot: checked as a local folder is when the options are parsed
+        from ..models.folder import check_model_folder
+
+        check_model_folder(folder)
     try:
         return model_shape(folder)
     except (
@@ -146,11 +147,34 @@ def print_device_peak(device: torch.device) -> None:
 
 
 def announce(cost: JobCost, device: torch.device, force: bool) -> None:
-    """Print the cost line to stderr (on a terminal, or for a job estimated at ``LONG_JOB_S`` seconds or more,
-    so that short runs in logs and tests stay quiet), then refuse the job if it will not fit
-    (``cost.check_fits``)."""
+    """Print the cost line to stderr (always: in a terminal and in a log file alike), then refuse the job if
+    it will not fit (``cost.check_fits``)."""
     from ..cost import check_fits
 
-    if sys.stderr.isatty() or sum(cost.phases.values()) >= LONG_JOB_S:
-        print(cost.line(), file=sys.stderr, flush=True)
+    print(cost.line(), file=sys.stderr, flush=True)
     check_fits(cost, device, force)
+
+
+def announce_layer_by_layer(
+    args: argparse.Namespace, device: torch.device, passes: dict[str, int], tokens_per_pass: int
+) -> None:
+    """The cost line of ``quantize`` layer by layer, and its memory check: the time of the whole model's
+    passes (``cost.estimate_inference``), but in memory one decoder layer (weights in the load dtype and
+    their quantized codes), the embeddings, the calibration hidden states a layer reads and writes, and one
+    forward's working memory."""
+    from ..cost import JobCost, estimate_inference, forward_bytes
+
+    try:
+        shape = shape_of(args.model)
+    except UnknownSize as err:
+        print(f"fp8kit quantize: cost unknown ({err})", file=sys.stderr)
+        return
+    whole = estimate_inference("quantize", shape, device, passes, tokens_per_pass, 4 * 128)
+    width = 2 if device.type == "cuda" else 4
+    embed = shape.vocab * shape.hidden
+    layer = max(shape.params - 2 * embed, 0) // max(shape.layers, 1)
+    hidden_states = 2 * tokens_per_pass * shape.hidden * width
+    peak = width * (layer + embed) + layer + hidden_states + forward_bytes(shape, 4 * 128, width)
+    what = "quantize (layer by layer)"
+    cost = JobCost(what, shape.params, str(device), peak, phases=whole.phases)
+    announce(cost, device, args.force)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import add_overwrite, check_run_dir, model, positive_int, text_file
+from ._common import add_overwrite, check_run_dir, clear_run_dir, model, positive_int, text_file
 from ._job import add_device_options, announce_inference, job_device, print_device_peak, ptq_passes
 from ._ptq_options import (
     MODEL_HELP,
@@ -64,16 +64,18 @@ def add_arguments(c: argparse.ArgumentParser) -> None:
     )
     add_ptq_switches(c, "the N most sensitive layers (on calibration data; with --sensitivity W, by dev loss)")
     add_device_options(c)
-    add_overwrite(c, "files")
+    add_overwrite(c, "comparison")
 
 
 def run(args: argparse.Namespace) -> int:
-    check_run_dir(args.out, WRITES, SIGNATURE, args.overwrite)
+    check_run_dir(args.out, WRITES, SIGNATURE, args.overwrite, kind="comparison")
     from ..compare import compare_markdown, compare_schemes, parse_schemes
 
     schemes = parse_schemes(args.schemes)
     device = job_device(args, schemes)
     _announce_cost(args, device, schemes)
+    if args.overwrite:
+        clear_run_dir(args.out, WRITES)
     result = compare_schemes(
         args.model,
         schemes,

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import add_overwrite, at_least, check_run_dir, model, model_size, positive_float, positive_int, text_file
+from ._common import (
+    add_overwrite,
+    at_least,
+    check_run_dir,
+    clear_run_dir,
+    model,
+    model_size,
+    positive_float,
+    positive_int,
+    text_file,
+)
 from ._job import add_device_options, announce, job_device, print_device_peak, shape_of
 
 NAME = "doctor"
@@ -62,11 +72,11 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
     )
     d.add_argument("--out", default="runs/fp8kit-doctor", help="folder for report.md and its plots")
     add_device_options(d)
-    add_overwrite(d, "files")
+    add_overwrite(d, "report")
 
 
 def run(args: argparse.Namespace) -> int:
-    out = check_run_dir(args.out, WRITES, SIGNATURE, args.overwrite)
+    out = check_run_dir(args.out, WRITES, SIGNATURE, args.overwrite, kind="doctor report")
     from ..data import load_corpus
     from ..debug import doctor
     from ..recipes import recipe_from_name
@@ -77,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--arch {args.arch} builds the demo model: leave out --model {args.model}")
     device = job_device(args, recipe)
     _announce_cost(args, device)
+    if args.overwrite:
+        clear_run_dir(out, WRITES)
     cfg = TrainConfig(
         model=args.model, model_size=args.model_size, seq_len=args.seq_len, seed=args.seed, arch=args.arch
     )
@@ -89,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         batches.append({"input_ids": x, "labels": x})
     report = doctor(
         model, batches, recipe=recipe, steps=args.steps, lr=args.lr, apply=args.apply, seed=args.seed, device=device,
-        noise_floor=args.noise_floor,
+        noise_floor=args.noise_floor, progress=True,
     )  # fmt: skip
     path = report.save(out)
     print(

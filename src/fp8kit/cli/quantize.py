@@ -7,8 +7,15 @@ import argparse
 from pathlib import Path
 
 from ..export.support import BLOCK_EDGES
-from ._common import UsageError, add_overwrite, model, text_file
-from ._job import add_device_options, announce_inference, job_device, print_device_peak, ptq_passes
+from ._common import UsageError, check_out_outside_model, model, text_file
+from ._job import (
+    add_device_options,
+    announce_inference,
+    announce_layer_by_layer,
+    job_device,
+    print_device_peak,
+    ptq_passes,
+)
 from ._ptq_options import (
     MODEL_HELP,
     add_calibration_options,
@@ -99,7 +106,7 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
         "the whole-model result) or quantized (llm-compressor's sequential pipeline) (default: float)",
     )
     add_device_options(q)
-    add_overwrite(q, "a folder")
+    q.add_argument("--overwrite", action="store_true", help="replace a folder in --out that fp8kit did not write")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -111,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--candidates goes with --scheme auto")
     if args.block is not None and args.scheme != "fp8-block":
         raise UsageError("--block goes with --scheme fp8-block (the weight tile edge)")
+    check_out_outside_model(args.out, args.model)
     if args.scheme == "auto":
         return _run_auto(args)
     try:
@@ -152,7 +160,9 @@ def run(args: argparse.Namespace) -> int:
 
     passes = ptq_passes(args.calib_batches, args.gptq, args.awq, args.norm_tweak)
     announce_inference(args, "quantize", device, passes, args.calib_batches * 4 * 128)
-    model, tokenizer, corpus = quantize_pretrained(args.model, args.scheme, text=args.text, device=device, **settings)
+    model, tokenizer, corpus = quantize_pretrained(
+        args.model, args.scheme, text=args.text, device=device, progress=True, **settings
+    )
     out = save_pretrained(
         model, args.out, tokenizer, format=args.format, overwrite=args.overwrite, max_shard_size=args.max_shard_size
     )
@@ -182,6 +192,12 @@ def _sequential_source(args: argparse.Namespace, settings: dict) -> Path | None:
 def _run_sequential(args: argparse.Namespace, source: Path, settings: dict, device) -> int:
     """Layer by layer: each decoder layer onloaded to ``device`` in turn, the export written as it goes."""
     from ..pretrained_ptq import quantize_pretrained_sequential
+
+    if args.scheme == "fp8-block":
+        passes: dict[str, int] = {}
+    else:
+        passes = ptq_passes(args.calib_batches, args.gptq, args.awq, 0)
+    announce_layer_by_layer(args, device, passes, args.calib_batches * 4 * 128)
 
     out, report, corpus = quantize_pretrained_sequential(  # fp8-block: the tile check runs before any layer is read
         source,
@@ -240,7 +256,7 @@ def _run_auto(args: argparse.Namespace) -> int:
     loop = calibration_loop(splits, args.calib_batches)
     try:
         quantize(model, "auto", loop, budget=args.budget, candidates=candidates, calibration=args.calibration or "max",
-                 gptq=args.gptq)  # fmt: skip
+                 gptq=args.gptq, progress=True)  # fmt: skip
     except ValueError as err:
         raise UsageError(str(err)) from None
     report = model.ptq_report

@@ -13,15 +13,18 @@ from typing import TYPE_CHECKING
 
 from ._common import (
     TRAIN_OUT,
+    TRAIN_SIGNATURE,
     USER_ERRORS,
+    Parser,
     UsageError,
-    add_overwrite,
     at_least,
     check_run_dir,
+    clear_run_dir,
     model,
     model_size,
     positive_float,
     positive_int,
+    read_json,
     text_file,
 )
 from ._job import add_device_options, announce, shape_of
@@ -35,8 +38,27 @@ DESCRIPTION = (
     "Train the same model from the same weights and batches in BF16 and in each FP8 recipe, then write "
     "a loss plot, a summary table and checkpoints to --out."
 )
-WRITES = ("config.json", "metrics.jsonl", "summary.json", "summary.md", "loss.png", "ckpt", "plan.json")
-SIGNATURE = ("config.json", ("recipes", "model_size", "eval_interval"))
+WRITES = ("config.json", "metrics.jsonl", "summary.json", "summary.md", "loss.png", "ckpt", "plan.json", "serving")
+SIGNATURE = TRAIN_SIGNATURE
+# What ``--resume`` takes from OUT/config.json: the settings that make the run what it is. An option given
+# with a different value is refused; ``--steps`` and the eval/checkpoint intervals may change (train further).
+RUN_SETTINGS = {
+    "recipes": "recipe",
+    "model": "model",
+    "model_size": "model_size",
+    "arch": "arch",
+    "text": "text",
+    "batch_size": "batch_size",
+    "seq_len": "seq_len",
+    "lr": "lr",
+    "grad_accum": "grad_accum",
+    "seed": "seed",
+    "optimizer": "optimizer",
+    "master_weights": "master_weights",
+    "loss_budget": "loss_budget",
+    "target": "target",
+}
+EXTENDABLE = ("steps", "eval_interval", "ckpt_interval")
 
 
 def recipe_list(text: str) -> str:
@@ -198,7 +220,12 @@ def _add_parallel_options(t: argparse.ArgumentParser) -> None:
 
 def _add_output_options(t: argparse.ArgumentParser) -> None:
     t.add_argument("--out", default=TRAIN_OUT, help="run folder")
-    t.add_argument("--resume", action="store_true", help="continue the runs in --out from their checkpoints")
+    t.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the runs in --out from their checkpoints, with the settings in OUT/config.json (an option "
+        "that contradicts them is refused; --steps may be raised to train further)",
+    )
     t.add_argument(
         "--export-format",
         default=None,
@@ -206,7 +233,12 @@ def _add_output_options(t: argparse.ArgumentParser) -> None:
         "this format: compressed-tensors, modelopt or fp8-block (--model smollm2 or DIR)",
     )
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
-    add_overwrite(t, "files")
+    t.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the earlier fp8kit run in --out (its checkpoints, metrics, summaries and plot are removed "
+        "first) or files there that fp8kit did not write",
+    )
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
@@ -254,8 +286,10 @@ def run(args: argparse.Namespace) -> int:
     if should_launch(cfg.nproc):  # --nproc N: this same command on N processes; each runs as one rank
         return launch(cfg.nproc, "fp8kit.cli", args.argv)
     with torchrun_worker() as rank:  # ranks > 0 print nothing: rank 0 speaks for the job
+        if args.overwrite and not rank:
+            clear_run_dir(cfg.out, WRITES)
         try:
-            summary = _train(cfg)
+            summary = _train(cfg, args)
         except USER_ERRORS:
             if rank:
                 return 2
@@ -276,9 +310,9 @@ def checked_config(args: argparse.Namespace) -> TrainConfig:
     from ..distributed.runtime import in_torchrun
     from ..train import check_config
 
-    check_run_dir(args.out, WRITES, SIGNATURE, args.overwrite)
-    if args.resume and not (Path(args.out) / "config.json").is_file():
-        raise UsageError(f"--resume: {args.out} holds no fp8kit training run: give the --out of an earlier run")
+    check_run_dir(args.out, WRITES, SIGNATURE, args.overwrite, resume=args.resume, kind="training run")
+    if args.resume:
+        resume_settings(args)
     cfg = train_config(args)
     if args.export_format:
         _check_export(cfg, args.export_format)
@@ -286,6 +320,49 @@ def checked_config(args: argparse.Namespace) -> TrainConfig:
     if not in_torchrun():  # the launching process speaks for the job
         _announce_cost(cfg, args.force)
     return cfg
+
+
+def resume_settings(args: argparse.Namespace) -> None:
+    """``--resume``: the run's settings from OUT/config.json into ``args``; an option given on the command line
+    with another value is refused in one line naming both values."""
+    from ..train.checks import parse_recipes
+
+    saved = read_json(Path(args.out) / SIGNATURE[0])
+    if saved is None or not all(k in saved for k in SIGNATURE[1]):
+        raise UsageError(f"--resume: {args.out} holds no fp8kit training run: give the --out of an earlier run")
+    given = given_options(args)
+    for key, dest in RUN_SETTINGS.items():
+        if key not in saved:
+            continue
+        if dest in given:
+            value = parse_recipes(args.recipe) if key == "recipes" else getattr(args, dest)
+            if (sorted(value) if key == "recipes" else value) != (
+                sorted(saved[key]) if key == "recipes" else saved[key]
+            ):
+                option = "--" + dest.replace("_", "-")
+                shown = args.recipe if key == "recipes" else value
+                raise UsageError(
+                    f"--resume: {option} {shown} contradicts the run in {args.out} ({key}={saved[key]!r}): "
+                    f"drop {option} to continue that run, or give a new --out"
+                )
+        setattr(args, dest, ",".join(saved[key]) if key == "recipes" else saved[key])
+    for key in EXTENDABLE:
+        if key not in given and key in saved:
+            setattr(args, key, saved[key])
+
+
+def given_options(args: argparse.Namespace) -> set[str]:
+    """The ``dest`` of each option given on the command line (``args.argv``: ``["train", ...]``); without it,
+    the options whose value differs from the default."""
+    parser = Parser(prog="fp8kit train", add_help=False)
+    add_arguments(parser)
+    argv = getattr(args, "argv", None)
+    if argv is None:
+        return {a.dest for a in parser._actions if getattr(args, a.dest, a.default) != a.default}
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    known, _ = parser.parse_known_args(argv[1:] if argv[:1] == ["train"] else argv)
+    return set(vars(known))
 
 
 def _check_export(cfg: TrainConfig, export_format: str) -> None:
@@ -313,17 +390,33 @@ def _announce_cost(cfg: TrainConfig, force: bool) -> None:
     announce(cost, device, force)
 
 
-def _train(cfg: TrainConfig) -> dict | None:
-    """``run_comparison``; ``None`` when interrupted (after saying where the checkpoints are)."""
+def _train(cfg: TrainConfig, args: argparse.Namespace) -> dict | None:
+    """``run_comparison``; ``None`` when interrupted (after saying what was saved and the command that goes on)."""
     from ..train import run_comparison
 
     try:
         return run_comparison(cfg)
     except KeyboardInterrupt:
-        print(
-            f"\ninterrupted: checkpoints are in {cfg.out}/ckpt; continue with --out {cfg.out} --resume", file=sys.stderr
-        )
+        print("\n" + interrupt_hint(cfg, getattr(args, "argv", None)), file=sys.stderr)
         return None
+
+
+def interrupt_hint(cfg: TrainConfig, argv: list[str] | None) -> str:
+    """What an interrupted ``fp8kit train`` left in ``cfg.out`` and the exact command that continues it."""
+    import shlex
+
+    from ..train.checkpoint import latest_checkpoint
+
+    out = Path(cfg.out)
+    resume = f"fp8kit train --out {shlex.quote(str(out))} --resume"
+    ckpt = out / "ckpt"
+    saved = sorted(p.name for p in ckpt.iterdir() if latest_checkpoint(p) is not None) if ckpt.is_dir() else []
+    if saved:
+        return f"interrupted: checkpoints of {', '.join(saved)} are in {ckpt}; continue with: {resume}"
+    if read_json(out / SIGNATURE[0]) is not None:
+        return f"interrupted before the first checkpoint: nothing was saved yet; start again with: {resume}"
+    again = "fp8kit " + shlex.join(argv) if argv else "the same command"
+    return f"interrupted before the run started: nothing was saved; start again with: {again}"
 
 
 def _print_summary(cfg: TrainConfig, summary: dict) -> None:

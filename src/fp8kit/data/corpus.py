@@ -31,6 +31,19 @@ class ByteTokenizer:
     def decode(self, ids: torch.Tensor) -> str:
         return bytes(ids.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
 
+    def save_pretrained(self, folder: str | Path) -> None:
+        """Write this tokenizer as Hugging Face tokenizer files (``tokenizer.json``: byte-level, token id = byte
+        value, no merges) that ``AutoTokenizer.from_pretrained(folder)`` and vLLM load."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        vocab = {char: byte for byte, char in bytes_to_unicode().items()}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False).save_pretrained(str(folder))
+
 
 def kjv_text() -> str:
     """The whole Bible as plain text, one verse per line, in canonical order."""

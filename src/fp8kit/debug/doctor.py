@@ -163,10 +163,14 @@ def _train_pair(
     module_filter: Callable[[str, nn.Module], bool] | None,
     prepare_fp8: Callable[[nn.Module], None] | None,
     seed: int,
+    progress: bool = False,
+    desc: str = "bf16 + fp8",
 ) -> dict[str, Any]:
     """Train a BF16 and an FP8 copy of ``model`` in lockstep on ``batches``, recording per step both losses,
     each FP8 layer's output error and each weight's gradient error against the BF16 copy, and the
-    inspector's statistics; stops at the first non-finite FP8 loss."""
+    inspector's statistics; stops at the first non-finite FP8 loss. ``progress``: a bar over the steps."""
+    from ..progress import bar
+
     torch.manual_seed(seed)
     ref, fp8, names = _pair_models(model, recipe, module_filter, prepare_fp8)
     opts = (torch.optim.AdamW(ref.parameters(), lr=lr), torch.optim.AdamW(fp8.parameters(), lr=lr))
@@ -179,9 +183,12 @@ def _train_pair(
     out_fp8: dict[str, torch.Tensor] = {}
     hooks = _capture_outputs(ref, names, out_ref, []) + _capture_outputs(fp8, names, out_fp8, order)
     stopped = None
+    steps_bar = bar(len(batches), f"  doctor {desc}", "step", enabled=progress)
     try:
         with Inspector(fp8, every=1, tensorboard=False) as insp, NaNDetector(fp8) as nan:
             for step, batch in enumerate(batches):
+                if steps_bar is not None:
+                    steps_bar.update(1)
                 insp.current_step = nan.current_step = step
                 loss_r, loss_f = loss_fn(ref, batch), loss_fn(fp8, batch)
                 losses["bf16"].append(loss_r.item())
@@ -204,6 +211,8 @@ def _train_pair(
     finally:
         for h in hooks:
             h.remove()
+        if steps_bar is not None:
+            steps_bar.close()
     return {
         "losses": losses,
         "layer_error": layer_error,
@@ -301,6 +310,7 @@ def doctor(
     seed: int = 0,
     device: str | torch.device | None = None,
     noise_floor: bool = False,
+    progress: bool = False,
 ) -> DoctorReport:
     """Diagnose FP8 training of ``model`` (a high-precision module; copied, never modified).
 
@@ -319,6 +329,7 @@ def doctor(
         device: where both copies train (default: where ``model`` is); batches follow.
         noise_floor: also train a BF16 copy with one layer's weights one ulp off (``losses["bf16_nudged"]``): a gap
             within ``NOISE_FACTOR`` times its final gap is the run-to-run spread, not FP8's (a third run).
+        progress: a bar over the steps of each run, on stderr (``fp8kit.progress``).
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
@@ -339,7 +350,7 @@ def doctor(
         "floor_db": floor_db,
         "marginal_db": marginal_db,
     }
-    run = _train_pair(model, data, recipe, loss_fn, lr, module_filter, prepare_fp8, seed)
+    run = _train_pair(model, data, recipe, loss_fn, lr, module_filter, prepare_fp8, seed, progress)
     if noise_floor:
         run["losses"]["bf16_nudged"] = _nudged_losses(model, data, loss_fn, lr, run["names"][0], seed)
     found = diagnose(run, **limits)
@@ -366,7 +377,7 @@ def doctor(
         top = next((r for r in recs if r.fix["type"] != "manual"), None)
         if top is not None:
             new_recipe, new_filter = _fix_kwargs(top.fix, recipe, module_filter)
-            rerun = _train_pair(model, data, new_recipe, loss_fn, lr, new_filter, prepare_fp8, seed)
+            rerun = _train_pair(model, data, new_recipe, loss_fn, lr, new_filter, prepare_fp8, seed, progress, "fix")
             if noise_floor:  # the BF16 copies train as before: the same spread
                 rerun["losses"]["bf16_nudged"] = run["losses"]["bf16_nudged"]
             after = diagnose(rerun, **limits)

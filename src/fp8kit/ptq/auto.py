@@ -111,7 +111,8 @@ def quantize_auto(
     for s in schemes:
         opts.check(s)
     report = PTQReport("auto", calibration=calibration)
-    run = _Run(model, PTQ_SCHEMES["fp8"], forward_loop, opts, report, Progress(progress), calibrating=True)
+    bars = Progress(progress, getattr(forward_loop, "batches", None))  # the calibration loop's batches, if it says
+    run = _Run(model, PTQ_SCHEMES["fp8"], forward_loop, opts, report, bars, calibrating=True)
     _select_layers(run)
     experts = set(run.experts)
     planned = experts.union(run.targets)

@@ -1,8 +1,8 @@
 """What a long ``ptq.quantize`` run will cost, said up front: a one-line plan of its phases, an estimate
 per phase once the first pass over the calibration data is timed, and one bar per phase with its ETA.
 
-Quiet unless asked for or stderr is a terminal (so tests, pipes and logs stay clean), like the
-training loop's bars. Estimates are in passes over the calibration batches (``forward_loop``): a pass
+Quiet unless asked for or stderr is a terminal (so tests and pipes stay clean); asked for (as the ``fp8kit``
+commands do), a log file gets each bar as a line per update (``fp8kit.progress``). Estimates are in passes over the calibration batches (``forward_loop``): a pass
 with gradients costs about 3 forwards, one norm-tweaking step about 4 forwards of one batch (teacher,
 student, backward).
 """
@@ -27,9 +27,9 @@ def format_seconds(s: float) -> str:
 class Progress:
     """Plan line, estimates and per-phase bars of one PTQ run (all silent when ``enabled`` is False)."""
 
-    def __init__(self, enabled: bool | None = None) -> None:
+    def __init__(self, enabled: bool | None = None, batches: int | None = None) -> None:
         self.enabled = sys.stderr.isatty() if enabled is None else bool(enabled)
-        self.batches: int | None = None  # model calls in one pass of forward_loop, once counted
+        self.batches: int | None = batches  # model calls in one pass of forward_loop (given, or once counted)
         self.pass_s: float | None = None  # seconds of one forward pass over the calibration batches
 
     def say(self, line: str) -> None:
@@ -59,11 +59,9 @@ class Progress:
         """A bar for one phase; with ``model``, each call of the model advances it (one batch). Yields
         ``update(n)`` for phases that count other units (layers, steps). ``timed_pass``: this phase is
         one plain forward pass over the calibration data; its time and batches become the estimate's unit."""
-        bar = None
-        if self.enabled:
-            from tqdm.auto import tqdm
+        from ..progress import bar as progress_bar
 
-            bar = tqdm(total=total, desc=f"  {desc}", unit=unit, dynamic_ncols=True, file=sys.stderr)
+        bar = progress_bar(total, f"  {desc}", unit, enabled=self.enabled)
         calls = [0]
 
         def on_call(*_: object) -> None:

@@ -510,7 +510,8 @@ def quantize(
         calibration, percentile, alpha, smooth, kv_cache, module_filter, gptq, awq, keep_bf16, norm_tweak, norm_tweak_lr
     )
     opts.check(scheme)
-    run = _Run(model, scheme, forward_loop, opts, PTQReport(scheme.name, kv_cache=kv_cache), Progress(progress))
+    bars = Progress(progress, getattr(forward_loop, "batches", None))  # the calibration loop's batches, if it says
+    run = _Run(model, scheme, forward_loop, opts, PTQReport(scheme.name, kv_cache=kv_cache), bars)
     if _originals is not None:
         run.originals = _originals
     _select_layers(run)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -355,14 +354,15 @@ def quantize_checkpoint(
         options = {**options, "block": block_size_for(model, format, options.get("block"), module_filter)}
     _read_generation_config(model, Path(path))
     layers_name, layers = decoder_layers(model)
-    say = _printer(progress)
     report = PTQReport(name, kv_cache=kv_cache)
     report.skipped.update(_outside_layers(model, layers_name))
     block = disk_block(model, ckpt)
-    t0 = time.perf_counter()
     captured = capture_inputs(model, ckpt, forward_loop, device) if forward_loop is not None else None
     inputs = captured[0] if captured is not None else []
     config_args: tuple | None = None
+    from ..progress import bar
+
+    layer_bar = bar(len(layers), "  layers", "layer", enabled=sys.stderr.isatty() if progress is None else progress)
     with export_folder(out_path) as tmp:
         writer = ShardWriter(tmp, max_shard_size or DEFAULT_MAX_SHARD_SIZE)
         try:
@@ -385,7 +385,8 @@ def quantize_checkpoint(
                 del following
                 layer.to("meta")
                 release_memory()
-                say(f"fp8kit.ptq sequential: layer {i + 1}/{len(layers)} ({time.perf_counter() - t0:.0f} s)")
+                if layer_bar is not None:
+                    layer_bar.update(1)
             for key in _outside_keys(model, ckpt, checkpoint_key(f"{layers_name}.", block)):
                 writer.add(key, ckpt.read([key])[key])  # one at a time, in the checkpoint's dtype
             if config_args is None:
@@ -395,6 +396,8 @@ def quantize_checkpoint(
             writer.close()
         finally:
             writer.abort()
+            if layer_bar is not None:
+                layer_bar.close()
         cfg = hf_config_dict(model)
         cfg["quantization_config"] = qc
         write_metadata(tmp, model, cfg, tokenizer, extra)
@@ -483,11 +486,6 @@ def _read_generation_config(model: nn.Module, path: Path) -> None:
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(path)
-
-
-def _printer(progress: bool | None) -> Callable[[str], None]:
-    show = sys.stderr.isatty() if progress is None else progress
-    return (lambda line: print(line, file=sys.stderr, flush=True)) if show else (lambda line: None)
 
 
 def quantize(

@@ -11,6 +11,7 @@ import torch
 
 from ..data import load_corpus
 from ..evaluation import evaluate
+from ..progress import counting
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_info
 from .loop import TrainConfig, build_base, make_model
 
@@ -48,7 +49,8 @@ def evaluate_checkpoint(
     model = make_model(base, cfg, info["run"])
     step, _ = load_checkpoint(found, model)
     model.to(device)
-    loss = evaluate(model, corpus.val_batches(batches, cfg.batch_size, cfg.seq_len, cfg.seed))
+    with counting(model, batches * cfg.batch_size, f"  eval {info['run']}", "seq"):
+        loss = evaluate(model, corpus.val_batches(batches, cfg.batch_size, cfg.seq_len, cfg.seed))
     return {"run": info["run"], "step": step, "val_loss": loss, "val_ppl": math.exp(loss), "corpus": corpus.name}
 
 
@@ -78,7 +80,8 @@ def evaluate_pretrained(
     corpus = load_corpus(text, tokenizer)
     corpus.check_fits(seq_len)
     held_out = corpus.val_batches(batches, batch_size, seq_len, seed)
-    loss = evaluate(model, held_out)
+    with counting(model, batches * batch_size, f"  eval {model_name}", "seq"):
+        loss = evaluate(model, held_out)
     out = {"run": model_name, "step": 0, "val_loss": loss, "val_ppl": math.exp(loss), "corpus": corpus.name}
     if reference is not None:
         ref, _ = load_pretrained_lm(reference, work_dtype(device), device)

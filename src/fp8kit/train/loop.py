@@ -229,11 +229,9 @@ def _step_fn(cfg: TrainConfig, run: str, train_model: torch.nn.Module) -> Any:
 
 
 def _progress_bar(cfg: TrainConfig, run: str, start: int) -> Any:
-    if not cfg.progress:
-        return None
-    from tqdm.auto import tqdm
+    from ..progress import bar
 
-    return tqdm(total=cfg.steps, initial=start, desc=f"{run:>12}", unit="step", dynamic_ncols=True)
+    return bar(cfg.steps, f"{run:>12}", "step", initial=start, enabled=cfg.progress)
 
 
 def train_step(state: RunState, cfg: TrainConfig, corpus: Corpus, step: int) -> dict[str, Any]:
