@@ -53,10 +53,16 @@ from .common import ExportError, load_layer, load_rest, model_from_config, read_
 from .experts import (
     checkpoint_key,
     experts_naming,
+    experts_on_disk,
+    fused_expert_tensors,
+    fused_keys,
     has_expert_tensors,
+    has_fused_expert_tensors,
     load_experts,
     load_fp4_experts,
+    load_fused_experts,
     model_key,
+    transformers_refusal,
 )
 
 __all__ = [
@@ -112,6 +118,7 @@ def _args(scheme: Scheme, which: str) -> dict[str, Any] | None:
     }
 
 
+TRANSFORMERS_REFUSAL = "transformers_cannot_load"  # config-group field: why transformers would load it wrong
 MIXED_PRECISION = "mixed-precision"  # compressed-tensors' top-level format when the groups' formats differ
 
 
@@ -126,17 +133,31 @@ def _group(scheme: Scheme, targets: list[str]) -> dict[str, Any]:
 
 
 def quantization_config(
-    scheme: Scheme | Mapping[str, Scheme], ignore: list[str], kv_cache: bool, classes: tuple[str, ...] = ("Linear",)
+    scheme: Scheme | Mapping[str, Scheme],
+    ignore: list[str],
+    kv_cache: bool,
+    classes: tuple[str, ...] = ("Linear",),
+    dequantize: bool = False,
+    refusal: str | None = None,
 ) -> dict[str, Any]:
     """The ``quantization_config`` entry of ``config.json``: for one ``scheme`` (or a ``{layer: scheme}`` map whose
     layers share one group entry) one group targeting every layer of the ``classes`` (``Linear``, and ``Conv1D``
-    where the model's quantized layers include ``transformers``' ``Conv1D``: then ``dequantize: true`` too, since
-    compressed-tensors quantizes ``Linear`` and ``Embedding`` modules only and would leave a ``Conv1D`` holding
-    raw codes, while transformers' dequantizing load multiplies each weight by its per-tensor scale in the
-    checkpoint's layout); for a map of several, one group per
+    where the model's quantized layers include ``transformers``' ``Conv1D``); for a map of several, one group per
     distinct entry (``group_0``, ``group_1``, ... in the order the layers come), each targeting its layers by
     their exact module names, with its own ``format``; the top-level ``format`` is the groups' one format, or
-    ``"mixed-precision"`` when they differ (compressed-tensors' ``CompressionFormat.mixed_precision``)."""
+    ``"mixed-precision"`` when they differ (compressed-tensors' ``CompressionFormat.mixed_precision``).
+
+    ``dequantize``: write ``dequantize: true``, which makes transformers dequantize every ``K.weight`` with its
+    ``K.weight_scale`` as it loads (in the checkpoint's layout) instead of building compressed-tensors modules.
+    The export sets it where quantized weights sit outside ``Linear`` modules (``Conv1D``'s ``(in, out)``
+    weights, experts fused on disk): compressed-tensors quantizes ``Linear`` and ``Embedding`` modules only,
+    and transformers would load those codes as raw values.
+
+    ``refusal``: why transformers cannot load the checkpoint right, written at the top level as
+    ``TRANSFORMERS_REFUSAL``, with the readers that can in the same field of every config group. compressed-tensors' ``QuantizationScheme`` forbids fields it does not know, so
+    transformers (and any reader that validates the groups with compressed-tensors) stops with an error that
+    quotes the reason, where it would otherwise load the weights wrong without a word; fp8kit's reader and
+    readers that take a group's ``weights`` / ``input_activations`` field by field are unaffected."""
     kv = None
     if kv_cache:
         kv = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}
@@ -150,8 +171,10 @@ def quantization_config(
         groups = [_group(next(iter(by_entry.values()))[0], list(classes))]
     else:
         groups = [_group(s, names) for s, names in by_entry.values()]
+    if refusal:  # pydantic quotes at most ~50 characters of the value: the full reason goes at the top level
+        groups = [{**g, TRANSFORMERS_REFUSAL: "use fp8kit load_pretrained or vLLM"} for g in groups]
     formats = {g["format"] for g in groups}
-    conv1d = {"dequantize": True} if "Conv1D" in classes else {}
+    flags = {"dequantize": True} if dequantize else {}
     return {
         "quant_method": QUANT_METHOD,
         "format": formats.pop() if len(formats) == 1 else MIXED_PRECISION,
@@ -162,7 +185,8 @@ def quantization_config(
         "sparsity_config": {},
         "global_compression_ratio": None,
         "producer": "fp8kit",
-        **conv1d,
+        **flags,
+        **({TRANSFORMERS_REFUSAL: refusal} if refusal else {}),
     }
 
 
@@ -339,8 +363,11 @@ def export_tensors(
             _write_linear(tensors, q.scheme, name, codes, q.weight_scale, q.input_scale)
         if q.bias is not None:
             tensors[f"{name}.bias"] = q.bias.contiguous()
+    fused = bool(experts) and experts_on_disk(model).layout == "fused"
     for name, m in experts.items():
-        if m.scheme.is_fp4:
+        if fused:
+            tensors.update(fused_expert_tensors(name, m, experts_on_disk(model)))
+        elif m.scheme.is_fp4:
             tensors.update(fp4_expert_tensors(model, name, m, partial(_write_fp4, tensors), QUANT_METHOD))
         else:
             tensors.update(expert_tensors(model, name, m, partial(_write_linear, tensors, m.scheme), QUANT_METHOD))
@@ -348,7 +375,9 @@ def export_tensors(
         tensors[f"{name}.k_scale"] = m.k_scale.float().reshape(1).contiguous()
         tensors[f"{name}.v_scale"] = m.v_scale.float().reshape(1).contiguous()
     conv1d = any(getattr(q, "checkpoint_transposed", False) for q in qlayers.values())
-    return tensors, quantization_config(schemes, ignore, bool(kv), ("Linear", "Conv1D") if conv1d else ("Linear",))
+    classes = ("Linear", "Conv1D") if conv1d else ("Linear",)
+    refusal = transformers_refusal(model) if experts else None
+    return tensors, quantization_config(schemes, ignore, bool(kv), classes, dequantize=conv1d, refusal=refusal)
 
 
 def _rank(name: str, module: nn.Module, target: str) -> int | None:
@@ -460,24 +489,31 @@ def _experts_groups(
     0's first linear, in its checkpoint name)."""
     from ..ptq.experts import find_experts
 
-    found = find_experts(model) if has_expert_tensors(tensors) else {}
+    stored = has_expert_tensors(tensors) or has_fused_expert_tensors(model, tensors)
+    found = find_experts(model) if stored else {}
     if not found:
         return {}
     if len(groups) == 1:
         return {groups[0][1]: list(found)}
+    disk = experts_on_disk(model)
     linears, block = experts_naming(model, QUANT_METHOD)
     probe = nn.Linear(1, 1, bias=False)  # a per-expert linear: class targets ("Linear") match it
     out: dict[Scheme, list[str]] = {}
     for name in found:
-        scheme = _group_of(f"{checkpoint_key(f'{name}.', block)}0.{linears[-1]}", probe, groups)
+        key = f"{checkpoint_key(f'{name}.', block)}0.{linears[-1]}"
+        if disk.layout == "fused":
+            key = fused_keys(name, disk)[1].removesuffix(".weight")
+        scheme = _group_of(key, probe, groups)
         if scheme is not None:
             out.setdefault(scheme, []).append(name)
     return out
 
 
 def _load_experts(model: nn.Module, path: Path, tensors: dict[str, torch.Tensor], scheme: Scheme, only: list[str]):
-    """The experts modules ``only`` as ``QuantExperts`` in ``scheme``, from their per-expert tensors."""
+    """The experts modules ``only`` as ``QuantExperts`` in ``scheme``, from their per-expert (or fused) tensors."""
     fmt = scheme.export_format
+    if has_fused_expert_tensors(model, tensors):
+        return load_fused_experts(model, path, tensors, scheme, only)
 
     def read_expert(key: str, out_features: int, in_features: int):
         if fmt == "pack-quantized":
