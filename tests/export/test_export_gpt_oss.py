@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from fp8kit.export import ExportError, dequantized_model, load_pretrained, save_pretrained
+from fp8kit.export.compressed_tensors import TRANSFORMERS_REFUSAL
 from fp8kit.ptq import quantize
 from tests.helpers.checkpoints import read_safetensors
 from tests.helpers.moe import gpt_oss_128, linearized_gpt_oss, tiny_moe_model
@@ -51,6 +52,13 @@ def exported(tmp_path_factory):
         q = quantize(_model(), scheme, lambda m: [m(ids[i : i + 2]) for i in (0, 2)])
         out[scheme] = (q, save_pretrained(q, tmp_path_factory.mktemp(scheme) / "export"))
     return out
+
+
+def _without_refusal(qc: dict) -> dict:
+    """The config as a reader of llm-compressor's linearized tree sees it once it drops the field that makes
+    compressed-tensors' validation (and so transformers) refuse the checkpoint."""
+    groups = {k: {f: v for f, v in g.items() if f != TRANSFORMERS_REFUSAL} for k, g in qc["config_groups"].items()}
+    return {**qc, "config_groups": groups}
 
 
 def _llm_compressor_split(q, layer: int) -> dict[str, torch.Tensor]:
@@ -117,7 +125,7 @@ def test_compressed_tensors_targets_and_decompresses_fp8kits_weights(exported, s
     t = read_safetensors(out)
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     skeleton = linearized_gpt_oss(q.config)
-    apply_quantization_config(skeleton, QuantizationConfig.model_validate(qc))
+    apply_quantization_config(skeleton, QuantizationConfig.model_validate(_without_refusal(qc)))
     targeted = {n: m for n, m in skeleton.named_modules() if getattr(m, "quantization_scheme", None) is not None}
     assert set(targeted) == {k.removesuffix(".weight_scale") for k in t if k.endswith(".weight_scale")}
     compressor = BaseCompressor.get_value_from_registry(qc["format"])
@@ -144,7 +152,7 @@ def test_the_decompressed_linearized_model_computes_fp8kits_weight_only_logits(e
     q, out = exported[scheme]
     t = read_safetensors(out)
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    sch = QuantizationScheme.model_validate(qc["config_groups"]["group_0"])
+    sch = QuantizationScheme.model_validate(_without_refusal(qc)["config_groups"]["group_0"])
     compressor = BaseCompressor.get_value_from_registry(qc["format"])
     state = {}
     for name in {k.removesuffix(".weight_scale") for k in t if k.endswith(".weight_scale")}:
@@ -218,17 +226,19 @@ def test_llm_compressors_own_scales_load_with_vllms_semantics(exported, tmp_path
     assert torch.equal(back.down_proj_input_scale, ours.down_proj_input_scale * 3)
 
 
-def test_transformers_reads_no_per_expert_gpt_oss_checkpoint(exported):
-    """transformers 5 has no conversion from per-expert tensors to 'gpt_oss''s fused experts: loading the export
-    leaves them missing (the readers of this layout are llm-compressor's linearized model and vLLM). When this
-    fails, transformers reads the layout: test its logits like the other MoE exports'."""
+def test_transformers_refuses_the_per_expert_gpt_oss_checkpoint(exported):
+    """transformers 5 has no conversion from per-expert tensors to 'gpt_oss''s fused experts: it would drop them and
+    leave the experts at random values without an error (logits far from fp8kit's). The export's config groups
+    carry a field compressed-tensors' validation forbids, so transformers stops, quoting the readers that work;
+    the full reason is in the quantization_config. When transformers reads the layout, write it plainly."""
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
     _, out = exported["int8-weight-only"]
-    _, info = AutoModelForCausalLM.from_pretrained(
-        out, quantization_config=CompressedTensorsConfig(dequantize=True), output_loading_info=True
-    )
-    assert "model.layers.0.mlp.experts.gate_up_proj" in info["missing_keys"]
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert "random values" in qc[TRANSFORMERS_REFUSAL]
+    for kwargs in ({}, {"quantization_config": CompressedTensorsConfig(dequantize=True)}):
+        with pytest.raises(Exception, match=f"(?s){TRANSFORMERS_REFUSAL}.*fp8kit load_pretrained or vLLM"):
+            AutoModelForCausalLM.from_pretrained(out, **kwargs)
 
 
 @pytest.mark.parametrize("fmt", ["modelopt", "fp8-block"])

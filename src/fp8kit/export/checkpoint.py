@@ -105,7 +105,8 @@ def save_pretrained(
             "or keep the experts in high precision with module_filter"
         )
     block = experts_naming(model, format)[1] if experts else "mlp"  # the MoE block's name on disk (Mixtral's differs)
-    ignore = [checkpoint_key(n, block) for n in ignore]
+    # the checkpoint's names (vLLM's modules) and, where they differ, the model's (transformers matches those)
+    ignore = list(dict.fromkeys(k for n in ignore for k in (checkpoint_key(n, block), n)))
     cfg = hf_config_dict(model)
     out = check_export_dir(out_dir, overwrite)
     tensors = kept_tensors(model, [*qlayers, *experts])

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..nn.linear_like import linear_dims
 from ..state_dict import tied_aliases
 from .shards import DEFAULT_MAX_SHARD_SIZE, ShardWriter
 
@@ -284,7 +285,8 @@ def load_layer(model: nn.Module, path: Any, name: str, build: Callable[[nn.Linea
     except RuntimeError as err:
         raise ExportError(f"{path}: tensors of {name} have the wrong shape ({err})") from err
     packed = getattr(getattr(new, "scheme", None), "is_fp4", False)  # FP4: two codes per byte
-    want = (lin.out_features, lin.in_features // 2 if packed else lin.in_features)
+    in_features, out_features = linear_dims(lin)  # nn.Linear, or Conv1D (weight stored (in, out))
+    want = (out_features, in_features // 2 if packed else in_features)
     if tuple(new.weight.shape) != want:
         raise ExportError(f"{path}: {name}'s weight codes have shape {tuple(new.weight.shape)}, the model needs {want}")
     replace_module(model, name, new)

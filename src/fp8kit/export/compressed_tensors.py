@@ -35,6 +35,7 @@ safetensors only (nothing is unpickled).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Mapping
@@ -45,16 +46,23 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..nn.linear_like import is_conv1d, linear_dims
 from ..ptq.linear import QuantLinear
 from ..ptq.schemes import FP4_SCHEMES, SCHEMES, Scheme
 from .common import ExportError, load_layer, load_rest, model_from_config, producer, read_tensors, stored_codes
 from .experts import (
     checkpoint_key,
     experts_naming,
+    experts_on_disk,
+    fused_expert_tensors,
+    fused_keys,
     has_expert_tensors,
+    has_fused_expert_tensors,
     load_experts,
     load_fp4_experts,
+    load_fused_experts,
     model_key,
+    transformers_refusal,
 )
 
 __all__ = [
@@ -110,6 +118,7 @@ def _args(scheme: Scheme, which: str) -> dict[str, Any] | None:
     }
 
 
+TRANSFORMERS_REFUSAL = "transformers_cannot_load"  # config-group field: why transformers would load it wrong
 MIXED_PRECISION = "mixed-precision"  # compressed-tensors' top-level format when the groups' formats differ
 
 
@@ -123,12 +132,32 @@ def _group(scheme: Scheme, targets: list[str]) -> dict[str, Any]:
     }
 
 
-def quantization_config(scheme: Scheme | Mapping[str, Scheme], ignore: list[str], kv_cache: bool) -> dict[str, Any]:
+def quantization_config(
+    scheme: Scheme | Mapping[str, Scheme],
+    ignore: list[str],
+    kv_cache: bool,
+    classes: tuple[str, ...] = ("Linear",),
+    dequantize: bool = False,
+    refusal: str | None = None,
+) -> dict[str, Any]:
     """The ``quantization_config`` entry of ``config.json``: for one ``scheme`` (or a ``{layer: scheme}`` map whose
-    layers share one group entry) one group targeting every ``Linear``; for a map of several, one group per
+    layers share one group entry) one group targeting every layer of the ``classes`` (``Linear``, and ``Conv1D``
+    where the model's quantized layers include ``transformers``' ``Conv1D``); for a map of several, one group per
     distinct entry (``group_0``, ``group_1``, ... in the order the layers come), each targeting its layers by
     their exact module names, with its own ``format``; the top-level ``format`` is the groups' one format, or
-    ``"mixed-precision"`` when they differ (compressed-tensors' ``CompressionFormat.mixed_precision``)."""
+    ``"mixed-precision"`` when they differ (compressed-tensors' ``CompressionFormat.mixed_precision``).
+
+    ``dequantize``: write ``dequantize: true``, which makes transformers dequantize every ``K.weight`` with its
+    ``K.weight_scale`` as it loads (in the checkpoint's layout) instead of building compressed-tensors modules.
+    The export sets it where quantized weights sit outside ``Linear`` modules (``Conv1D``'s ``(in, out)``
+    weights, experts fused on disk): compressed-tensors quantizes ``Linear`` and ``Embedding`` modules only,
+    and transformers would load those codes as raw values.
+
+    ``refusal``: why transformers cannot load the checkpoint right, written at the top level as
+    ``TRANSFORMERS_REFUSAL``, with the readers that can in the same field of every config group. compressed-tensors' ``QuantizationScheme`` forbids fields it does not know, so
+    transformers (and any reader that validates the groups with compressed-tensors) stops with an error that
+    quotes the reason, where it would otherwise load the weights wrong without a word; fp8kit's reader and
+    readers that take a group's ``weights`` / ``input_activations`` field by field are unaffected."""
     kv = None
     if kv_cache:
         kv = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}
@@ -139,10 +168,13 @@ def quantization_config(scheme: Scheme | Mapping[str, Scheme], ignore: list[str]
     if not by_entry:
         raise ExportError("quantization_config needs at least one quantized layer")
     if len(by_entry) == 1:
-        groups = [_group(next(iter(by_entry.values()))[0], ["Linear"])]
+        groups = [_group(next(iter(by_entry.values()))[0], list(classes))]
     else:
         groups = [_group(s, names) for s, names in by_entry.values()]
+    if refusal:  # pydantic quotes at most ~50 characters of the value: the full reason goes at the top level
+        groups = [{**g, TRANSFORMERS_REFUSAL: "use fp8kit load_pretrained or vLLM"} for g in groups]
     formats = {g["format"] for g in groups}
+    flags = {"dequantize": True} if dequantize else {}
     return {
         "quant_method": QUANT_METHOD,
         "format": formats.pop() if len(formats) == 1 else MIXED_PRECISION,
@@ -153,6 +185,8 @@ def quantization_config(scheme: Scheme | Mapping[str, Scheme], ignore: list[str]
         "sparsity_config": {},
         "global_compression_ratio": None,
         "producer": producer(),
+        **flags,
+        **({TRANSFORMERS_REFUSAL: refusal} if refusal else {}),
     }
 
 
@@ -216,7 +250,7 @@ def _scheme_of(group: dict[str, Any], fmt: str) -> Scheme:
     for s in SCHEMES.values():
         if (s.weight_format.kind == wtype) and s.export_format == fmt:
             if a is None and s.act_format is None:
-                return s
+                return dataclasses.replace(s, weight_strategy=w["strategy"])
             if a is not None and s.act_format is not None and a.get("type") == s.act_format.kind:
                 strat = "token" if a.get("dynamic") else a.get("strategy")
                 if strat == s.act_strategy:
@@ -235,7 +269,8 @@ def _write_linear(
     input_scale: torch.Tensor | None,
 ) -> None:
     """One quantized linear's tensors under ``name`` (``weight`` or ``weight_packed`` + ``weight_shape``,
-    ``weight_scale`` ``(1,)`` or ``(out, 1)``, ``input_scale`` ``(1,)``)."""
+    ``weight_scale`` ``(1,)`` or ``(out, 1)``, ``input_scale`` ``(1,)``); ``codes`` as the checkpoint stores them
+    (``(in, out)`` for a ``Conv1D``, whose scheme there is per tensor)."""
     out_features, in_features = codes.shape
     if scheme.export_format == "pack-quantized":
         tensors[f"{name}.weight_packed"] = pack_int8(codes)
@@ -324,18 +359,25 @@ def export_tensors(
         if q.scheme.is_fp4:
             _write_fp4(tensors, name, q.weight, q.weight_scale, q.weight_scale_2, q.input_scale)
         else:
-            _write_linear(tensors, q.scheme, name, q.weight, q.weight_scale, q.input_scale)
+            codes = q.weight.t() if getattr(q, "checkpoint_transposed", False) else q.weight  # Conv1D: (in, out)
+            _write_linear(tensors, q.scheme, name, codes, q.weight_scale, q.input_scale)
         if q.bias is not None:
             tensors[f"{name}.bias"] = q.bias.contiguous()
+    fused = bool(experts) and experts_on_disk(model).layout == "fused"
     for name, m in experts.items():
-        if m.scheme.is_fp4:
+        if fused:
+            tensors.update(fused_expert_tensors(name, m, experts_on_disk(model)))
+        elif m.scheme.is_fp4:
             tensors.update(fp4_expert_tensors(model, name, m, partial(_write_fp4, tensors), QUANT_METHOD))
         else:
             tensors.update(expert_tensors(model, name, m, partial(_write_linear, tensors, m.scheme), QUANT_METHOD))
     for name, m in kv.items():
         tensors[f"{name}.k_scale"] = m.k_scale.float().reshape(1).contiguous()
         tensors[f"{name}.v_scale"] = m.v_scale.float().reshape(1).contiguous()
-    return tensors, quantization_config(schemes, ignore, bool(kv))
+    conv1d = any(getattr(q, "checkpoint_transposed", False) for q in qlayers.values())
+    classes = ("Linear", "Conv1D") if conv1d else ("Linear",)
+    refusal = transformers_refusal(model) if experts else None
+    return tensors, quantization_config(schemes, ignore, bool(kv), classes, dequantize=conv1d, refusal=refusal)
 
 
 def _rank(name: str, module: nn.Module, target: str) -> int | None:
@@ -350,12 +392,13 @@ def _rank(name: str, module: nn.Module, target: str) -> int | None:
 
 
 def _layer_groups(model: nn.Module, groups: list[tuple[list[str], Scheme]], ignore: list[str]) -> dict[str, Scheme]:
-    """Each ``nn.Linear`` a config group targets (and ``ignore`` does not) -> that group's scheme; a layer several
+    """Each ``nn.Linear`` or ``Conv1D`` a config group targets (and ``ignore`` does not) -> that group's scheme; a
+    layer several
     groups target takes the most specific match (``_rank``), the later group among equals (compressed-tensors'
     target -> scheme map keeps the last)."""
     out: dict[str, Scheme] = {}
     for name, m in model.named_modules():
-        if not isinstance(m, nn.Linear) or _matches(name, m, ignore):
+        if not (isinstance(m, nn.Linear) or is_conv1d(m)) or _matches(name, m, ignore):
             continue
         scheme = _group_of(name, m, groups)
         if scheme is not None:
@@ -395,19 +438,28 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
     names = list(layer_schemes)
     used = {s.name for _, s in groups}
 
-    def build(name: str, lin: nn.Linear) -> QuantLinear:
+    def build(name: str, lin: nn.Module) -> QuantLinear:
         scheme = layer_schemes[name]
-        q = QuantLinear(lin.in_features, lin.out_features, lin.bias is not None, scheme)
+        in_features, out_features = linear_dims(lin)
+        q = QuantLinear(in_features, out_features, lin.bias is not None, scheme)
+        transposed = q.checkpoint_transposed = is_conv1d(lin)  # Conv1D: stored (in, out)
+        if transposed and (scheme.is_fp4 or scheme.weight_strategy != "tensor"):
+            raise ExportError(
+                f"{path}: {name} is a Conv1D (weight stored (in, out)) in a {scheme.weight_strategy} weight group: "
+                "fp8kit reads Conv1D weights with one scale per tensor"
+            )
         if scheme.is_fp4:
             _read_fp4_linear(tensors, name, q, path)
             if lin.bias is not None:
                 q.bias = tensors.pop(f"{name}.bias").float()
             return q
         if scheme.export_format == "pack-quantized":
-            q.weight = unpack_int8(tensors.pop(f"{name}.weight_packed"), lin.in_features)
+            q.weight = unpack_int8(tensors.pop(f"{name}.weight_packed"), out_features if transposed else in_features)
             tensors.pop(f"{name}.weight_shape", None)
         else:
             q.weight = stored_codes(tensors.pop(f"{name}.weight"), scheme.weight_format.dtype, f"{path}: {name}.weight")
+        if transposed:
+            q.weight = q.weight.t().contiguous()
         q.weight_scale = tensors.pop(f"{name}.weight_scale").float().reshape(q.weight_scale.shape)
         if scheme.static_activations:
             q.input_scale = tensors.pop(f"{name}.input_scale").float().reshape(1)
@@ -437,24 +489,31 @@ def _experts_groups(
     0's first linear, in its checkpoint name)."""
     from ..ptq.experts import find_experts
 
-    found = find_experts(model) if has_expert_tensors(tensors) else {}
+    stored = has_expert_tensors(tensors) or has_fused_expert_tensors(model, tensors)
+    found = find_experts(model) if stored else {}
     if not found:
         return {}
     if len(groups) == 1:
         return {groups[0][1]: list(found)}
+    disk = experts_on_disk(model)
     linears, block = experts_naming(model, QUANT_METHOD)
     probe = nn.Linear(1, 1, bias=False)  # a per-expert linear: class targets ("Linear") match it
     out: dict[Scheme, list[str]] = {}
     for name in found:
-        scheme = _group_of(f"{checkpoint_key(f'{name}.', block)}0.{linears[-1]}", probe, groups)
+        key = f"{checkpoint_key(f'{name}.', block)}0.{linears[-1]}"
+        if disk.layout == "fused":
+            key = fused_keys(name, disk)[1].removesuffix(".weight")
+        scheme = _group_of(key, probe, groups)
         if scheme is not None:
             out.setdefault(scheme, []).append(name)
     return out
 
 
 def _load_experts(model: nn.Module, path: Path, tensors: dict[str, torch.Tensor], scheme: Scheme, only: list[str]):
-    """The experts modules ``only`` as ``QuantExperts`` in ``scheme``, from their per-expert tensors."""
+    """The experts modules ``only`` as ``QuantExperts`` in ``scheme``, from their per-expert (or fused) tensors."""
     fmt = scheme.export_format
+    if has_fused_expert_tensors(model, tensors):
+        return load_fused_experts(model, path, tensors, scheme, only)
 
     def read_expert(key: str, out_features: int, in_features: int):
         if fmt == "pack-quantized":

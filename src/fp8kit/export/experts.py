@@ -35,6 +35,7 @@ back. A format whose readers take no quantized GPT-OSS experts is refused with t
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,65 +57,245 @@ __all__ = [
     "model_key",
 ]
 
-_QWEN2_MOE = ("gate_proj", "up_proj", "down_proj")
-_MIXTRAL = ("w1", "w3", "w2")
-# model_type -> (linear names of (gate, up, down), the MoE block's attribute on disk)
-_NAMING: dict[str, tuple[tuple[str, str, str], str]] = {
-    **dict.fromkeys(
-        (
-            "qwen2_moe",
-            "qwen3_moe",
-            "olmoe",
-            "flex_olmo",
-            "deepseek_v2",
-            "deepseek_v3",
-            "glm4_moe",
-            "dots1",
-            "ernie4_5_moe",
-            "hunyuan_v1_moe",
-            "qwen3_next",
-            "gpt_oss",
-        ),
-        (_QWEN2_MOE, "mlp"),
-    ),
-    **dict.fromkeys(("mixtral", "minimax"), (_MIXTRAL, "block_sparse_moe")),
-}
+_LINEARIZED = ("gate_proj", "up_proj", "down_proj")  # llm-compressor's per-expert names for fused experts
+_PROBE_ROWS = 2  # rows of each of gate and up in the probe (enough to tell halves from interleaved rows)
 
 
-# model_type -> {format: why no reader takes that architecture's quantized experts as fp8kit writes them}
-_NO_READER: dict[str, dict[str, str]] = {
-    "gpt_oss": {
-        "fp8-block": (
-            "transformers 5 reads no quant_method 'fp8' layout of 'gpt_oss' experts (biased, gate and up "
-            "interleaved): its conversion mapping has no 'gpt_oss' entry, so on a CPU (dequantize) Fp8Dequantize "
-            "never runs on the fused gate_up_proj + gate_up_proj_scale_inv that its Fp8Quantize writes (they load as "
-            "raw codes) and per-expert tensors do not load at all; its GPU FP8Experts refuses biases and splits "
-            "gate/up by halves, not interleaved; and a 128-row tile of the interleaved gate_up_proj mixes gate and "
-            "up rows. Quantize with fp8 or fp8-dynamic and write --format compressed-tensors (llm-compressor's "
-            "per-expert layout)"
-        ),
-        "modelopt": (
-            "ModelOpt writes 'gpt_oss' experts fused (gate_up_proj, down_proj and their scales, as its "
+@dataclass(frozen=True)
+class ExpertsOnDisk:
+    """How a checkpoint of the model's architecture holds one experts module's weights.
+
+    ``layout``: ``"per_expert"`` (one linear per expert and projection, ``{block}.experts.E.{linear}.weight``:
+    transformers merges them on load), ``"fused"`` (the fused 3-D tensors under their own ``.weight`` names,
+    ``fused``: each projection's key relative to the MoE block, e.g. GraniteMoE's ``input_linear.weight``), or
+    ``"linearized"`` (transformers keeps the module's own 3-D parameters on disk and has no per-expert
+    reader: fp8kit writes llm-compressor's linearized per-expert layout, ``gate_proj``/``up_proj``/``down_proj``,
+    which vLLM's MoE loaders read). ``linears``: the ``(gate, up, down)`` linear names; ``block``: the MoE block's
+    attribute on disk where the model calls it ``mlp`` (Mixtral's ``block_sparse_moe``)."""
+
+    layout: str
+    linears: tuple[str, str, str] = _LINEARIZED
+    block: str = "mlp"
+    fused: tuple[str, str] = ("", "")
+
+
+def _probe(module: nn.Module, p: int) -> torch.Tensor:
+    """A small stand-in for projection ``p`` of ``module`` with its real expert count, whose values name their
+    place: ``1000 * expert + row`` (rows of the ``(out, in)`` view: two of each of gate and up) and
+    ``1000 * expert + 500 + row`` for down."""
+    e = module.num_experts
+    rows = 2 * _PROBE_ROWS if p == 0 and module.has_gate else _PROBE_ROWS
+    t = (torch.arange(e).view(e, 1, 1) * 1000 + 500 * p + torch.arange(rows).view(1, rows, 1)).double()
+    return t.transpose(1, 2) if module.is_transposed else t
+
+
+def _interleaved_rows(module: nn.Module) -> bool:
+    return module.has_gate and not getattr(module, "is_concatenated", True)
+
+
+def _probe_out(model: nn.Module, name: str, module: nn.Module) -> dict[str, torch.Tensor]:
+    """transformers' own ``revert_weight_conversion`` (what its ``save_pretrained`` writes) applied to probes of
+    the experts module ``name``: the checkpoint's keys for its weights, with the probe values they hold."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    first, second = experts_projections(module)
+    state = {f"{name}.{first}": _probe(module, 0), f"{name}.{second}": _probe(module, 1)}
+    return revert_weight_conversion(model, state)
+
+
+def _which(module: nn.Module, t: torch.Tensor, e: int) -> int | None:
+    """The linear (0 gate, 1 up, 2 down) of expert ``e`` that a per-expert probe tensor ``(out, 1)`` holds whole
+    and in order, or ``None``."""
+    if t.dim() != 2 or t.shape[1] != 1 or not torch.equal(t.reshape(-1) // 1000, torch.full((t.shape[0],), e).double()):
+        return None
+    rows = t.reshape(-1) % 1000
+    if bool((rows >= 500).all()):
+        which, want = 2, torch.arange(_PROBE_ROWS) + 500
+    elif not module.has_gate:
+        which, want = 1, torch.arange(_PROBE_ROWS)
+    elif _interleaved_rows(module):
+        which = 0 if int(rows[0]) % 2 == 0 else 1
+        want = torch.arange(_PROBE_ROWS) * 2 + which
+    else:
+        which = 0 if int(rows[0]) < _PROBE_ROWS else 1
+        want = torch.arange(_PROBE_ROWS) + _PROBE_ROWS * which
+    return which if torch.equal(rows, want.double()) else None
+
+
+def _derive(model: nn.Module, name: str, module: nn.Module) -> ExpertsOnDisk:
+    """``ExpertsOnDisk`` of the experts module ``name``, read off transformers' weight-conversion metadata."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+
+    def ambiguous(why: str) -> ExportError:
+        return ExportError(
+            f"fp8kit cannot tell how {model_type!r} checkpoints name the experts of {name} on disk: {why} "
+            "(keep the experts in high precision with module_filter)"
+        )
+
+    try:
+        out = _probe_out(model, name, module)
+    except Exception as err:  # transformers' conversion failed on the probe
+        raise ambiguous(f"transformers' weight conversion does not revert ({type(err).__name__}: {err})") from err
+    first, second = experts_projections(module)
+    if set(out) == {f"{name}.{first}", f"{name}.{second}"}:
+        return ExpertsOnDisk("linearized")
+    parent, _, _ = name.rpartition(".")
+    prefix = f"{parent}." if parent else ""
+    if len(out) == 2:  # fused on disk, renamed (GraniteMoE's input_linear / output_linear)
+        by_p = {}
+        for key, t in out.items():
+            p = next(
+                (p for p in (0, 1) if t.shape == _probe(module, p).shape and torch.equal(t, _probe(module, p))), None
+            )
+            if p is None or not key.startswith(prefix) or not key.endswith(".weight"):
+                raise ambiguous(
+                    f"its fused tensors are stored as {list(out)}, reordered or under names fp8kit cannot map"
+                )
+            by_p[p] = key[len(prefix) :]
+        return ExpertsOnDisk("fused", fused=(by_p[0], by_p[1]))
+    linears: dict[int, str] = {}
+    bases = set()
+    for key, t in out.items():
+        parts = key.split(".")
+        if len(parts) < 4 or parts[-1] != "weight" or not parts[-3].isdigit():
+            raise ambiguous(f"key {key!r} is neither per-expert ('...experts.E.linear.weight') nor fused")
+        e, linear = int(parts[-3]), parts[-2]
+        which = _which(module, t, e)
+        if which is None or linears.setdefault(which, linear) != linear:
+            raise ambiguous(f"{key!r} does not hold one whole linear of expert {e} as (out, in)")
+        bases.add(".".join(parts[:-3]))
+    if len(bases) != 1:
+        raise ambiguous(f"its experts are stored under several prefixes ({sorted(bases)})")
+    base = bases.pop()
+    if base == name:
+        block = "mlp"
+    else:
+        model_parts, disk_parts = name.split("."), base.split(".")
+        diff = [i for i, (a, b) in enumerate(zip(model_parts, disk_parts, strict=False)) if a != b]
+        if len(model_parts) != len(disk_parts) or len(diff) != 1 or model_parts[diff[0]] != "mlp":
+            raise ambiguous(f"the experts of {name} are stored under {base}, renamed beyond the MoE block's name")
+        block = disk_parts[diff[0]]
+    wanted = (0, 1, 2) if module.has_gate else (1, 2)
+    if sorted(linears) != list(wanted):
+        raise ambiguous(f"its per-expert linears {sorted(linears.values())} are not one each of gate, up and down")
+    names = (linears.get(0, _LINEARIZED[0]), linears[1], linears[2])
+    return ExpertsOnDisk("per_expert", names, block)
+
+
+def experts_on_disk(model: nn.Module) -> ExpertsOnDisk:
+    """How checkpoints of ``model``'s architecture hold its experts (``ExpertsOnDisk``), derived from the module
+    structure and transformers' weight-conversion metadata (``revert_weight_conversion``, what transformers'
+    own ``save_pretrained`` writes); every experts module of the model must agree. ``ExportError`` where they do
+    not or the metadata is ambiguous."""
+    from ..ptq.experts import find_experts
+
+    found = {n: m for n, m in model.named_modules() if isinstance(m, QuantExperts)} | find_experts(model)
+    if not found:
+        return ExpertsOnDisk("per_expert")
+    got = set()
+    for name, module in found.items():
+        if isinstance(module, QuantExperts):
+            continue  # quantized: its 3-D parameters are gone; the others (or a copy) tell
+        got.add(_derive(model, name, module))
+    if not got:
+        got = {_derive_quantized(model, found)}
+    if len(got) > 1:
+        raise ExportError(f"the experts modules of this model are stored in different layouts: {sorted(got, key=str)}")
+    return got.pop()
+
+
+def _derive_quantized(model: nn.Module, found: dict[str, nn.Module]) -> ExpertsOnDisk:
+    """``_derive`` for a model whose experts are all quantized: on a stand-in with the module's shape flags."""
+    name, module = next(iter(found.items()))
+    shapes = {p: getattr(module, p).shape for p in module.projections}
+    stand_in = _StandIn(module, shapes)
+    swapped = _swap_in(model, name, stand_in)
+    try:
+        return _derive(model, name, stand_in)
+    finally:
+        _swap_in(model, name, swapped)
+
+
+class _StandIn(nn.Module):
+    """The flags ``_derive`` reads off an experts module (a quantized one has lost its 3-D parameters)."""
+
+    def __init__(self, module: nn.Module, shapes: dict[str, torch.Size]) -> None:
+        super().__init__()
+        self.num_experts = module.num_experts
+        self.has_gate = module.has_gate
+        self.is_transposed = bool(getattr(module, "_fp8kit_was_transposed", False))
+        if hasattr(module, "is_concatenated"):
+            self.is_concatenated = module.is_concatenated
+        for p, shape in shapes.items():
+            rows_cols = (shape[2], shape[1]) if self.is_transposed else (shape[1], shape[2])
+            self.register_parameter(p, nn.Parameter(torch.empty(shape[0], *rows_cols, device="meta")))
+
+
+def _swap_in(model: nn.Module, name: str, module: nn.Module) -> nn.Module:
+    parent, _, attr = name.rpartition(".")
+    holder = model.get_submodule(parent) if parent else model
+    old = getattr(holder, attr)
+    setattr(holder, attr, module)
+    return old
+
+
+def _linearized_refusal(model_type: str | None, fmt: str | None) -> str | None:
+    """Why no reader takes linearized experts (transformers stores the module's own 3-D parameters) in ``fmt``."""
+    if fmt == "fp8-block":
+        return (
+            f"transformers 5 reads no quant_method 'fp8' layout of {model_type!r} experts (no weight conversion maps "
+            "per-expert tensors onto its fused 3-D parameters, and its fp8 reader dequantizes '.weight' tensors only), "
+            "and a 128-row tile of an interleaved gate_up_proj mixes gate and up rows. Quantize with fp8 or "
+            "fp8-dynamic and write --format compressed-tensors (llm-compressor's per-expert layout)"
+        )
+    if fmt == "modelopt":
+        return (
+            f"ModelOpt writes {model_type!r} experts fused (gate_up_proj, down_proj and their scales, as its "
             "_export_bmm_experts does), a layout fp8kit's modelopt export does not write. Write --format "
             "compressed-tensors (llm-compressor's per-expert layout)"
-        ),
-    },
-}
+        )
+    return None
+
+
+def transformers_refusal(model: nn.Module) -> str | None:
+    """Why transformers cannot load ``model``'s quantized experts as a compressed-tensors checkpoint holds them
+    (``experts_on_disk``), or ``None`` where it can (per-expert tensors its conversion merges)."""
+    disk = experts_on_disk(model)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if disk.layout == "linearized":
+        return (
+            f"transformers has no weight conversion for {model_type!r} experts: it keeps the fused 3-D parameters "
+            "on disk, so the per-expert tensors of this checkpoint (llm-compressor's linearized layout, which vLLM "
+            "reads) would be dropped and the experts left at random values. Load it with "
+            "fp8kit.export.load_pretrained or serve it with vLLM"
+        )
+    if disk.layout == "fused":
+        return (
+            f"transformers renames {model_type!r}'s fused expert tensors ({', '.join(disk.fused)}) onto its 3-D "
+            "parameters without dequantizing them, so it would take the FP8/INT8 codes as values. Load it with "
+            "fp8kit.export.load_pretrained or serve it with vLLM"
+        )
+    return None
 
 
 def experts_naming(model: nn.Module, fmt: str | None = None) -> tuple[tuple[str, str, str], str]:
-    """``((gate, up, down) linear names, MoE block name on disk)`` for ``model``'s architecture; ``ExportError``
-    when no reader takes its quantized experts in the checkpoint format ``fmt``."""
+    """``((gate, up, down) linear names, MoE block name on disk)`` for ``model``'s per-expert checkpoint tensors
+    (``experts_on_disk``); ``ExportError`` when no reader takes its quantized experts in the checkpoint format
+    ``fmt`` (experts fused on disk go in compressed-tensors only)."""
+    disk = experts_on_disk(model)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    reason = _NO_READER.get(model_type, {}).get(fmt)
+    reason = _linearized_refusal(model_type, fmt) if disk.layout == "linearized" else None
+    if disk.layout == "fused" and fmt not in (None, QUANT_METHOD_CT):
+        reason = (
+            f"{model_type!r} checkpoints hold the experts fused ({', '.join(disk.fused)}): fp8kit writes quantized "
+            "fused experts in --format compressed-tensors only"
+        )
     if reason:
         raise ExportError(f"{reason}, or keep the experts in high precision with module_filter")
-    if model_type not in _NAMING:
-        raise ExportError(
-            f"fp8kit does not know how {model_type!r} checkpoints name their experts on disk (it knows "
-            f"{', '.join(sorted(_NAMING))}): keep the experts in high precision with module_filter"
-        )
-    return _NAMING[model_type]
+    return disk.linears, disk.block
+
+
+QUANT_METHOD_CT = "compressed-tensors"
 
 
 def checkpoint_key(key: str, block: str) -> str:
@@ -243,13 +424,95 @@ def expert_targets(model: nn.Module, name: str, fmt: str) -> str:
     (``model.layers.0.mlp.experts.E.gate_proj`` ...): how a config group of a mixed export targets it."""
     import re
 
+    disk = experts_on_disk(model)
+    if disk.layout == "fused":
+        keys = [k.removesuffix(".weight") for k in fused_keys(name, disk)]
+        return f"re:^({'|'.join(map(re.escape, keys))})$"
     linears, block = experts_naming(model, fmt)
     return f"re:^{re.escape(checkpoint_key(f'{name}.', block))}\\d+\\.({'|'.join(map(re.escape, linears))})$"
+
+
+def fused_keys(name: str, disk: ExpertsOnDisk) -> tuple[str, str]:
+    """The checkpoint keys of the experts module ``name``'s two fused weights (``"fused"`` layout)."""
+    parent = name.rpartition(".")[0]
+    return tuple(f"{parent}.{k}" if parent else k for k in disk.fused)  # type: ignore[return-value]
+
+
+def fused_expert_tensors(name: str, module: QuantExperts, disk: ExpertsOnDisk) -> dict[str, torch.Tensor]:
+    """An 8-bit ``QuantExperts``'s tensors in the ``"fused"`` layout: under each projection's checkpoint key
+    ``K.weight`` the codes ``(E, out, in)``, ``K.weight_scale`` ``(E, out | 1, 1)`` and, for static schemes,
+    ``K.input_scale`` ``(1,)``."""
+    scheme = module.scheme
+    if (
+        scheme.is_fp4
+        or scheme.weight_strategy == "block"
+        or scheme.export_format == "pack-quantized"
+        or module.has_bias
+    ):
+        raise ExportError(
+            f"{name}: the checkpoint holds these experts fused ({', '.join(disk.fused)}); fp8kit writes fused experts "
+            f"without biases in the 8-bit fp8/int8 W8A8 schemes only, not {scheme.name}: keep them in high precision "
+            "with module_filter"
+        )
+    out = {}
+    for p, key in enumerate(fused_keys(name, disk)):
+        base = key.removesuffix("weight")
+        out[key] = module.weight_codes(p).contiguous()
+        out[f"{key}_scale"] = module.weight_scale(p).float().contiguous()
+        if module.input_scale(p) is not None:
+            out[f"{base}input_scale"] = module.input_scale(p).float().reshape(1).contiguous()
+    return out
+
+
+def load_fused_experts(
+    model: nn.Module, path: Any, tensors: dict[str, torch.Tensor], scheme: Scheme, only: Collection[str] | None = None
+) -> list[str]:
+    """Make every experts module of ``model`` whose fused quantized tensors ``tensors`` holds (``"fused"`` layout,
+    ``fused_expert_tensors``) a ``QuantExperts``, popping them; returns the module names."""
+    from ..ptq.experts import find_experts
+
+    disk = experts_on_disk(model)
+    names = []
+    for name, module in find_experts(model).items():
+        keys = fused_keys(name, disk)
+        if (only is not None and name not in only) or f"{keys[0]}_scale" not in tensors:
+            continue
+        new: dict[str, torch.Tensor] = {}
+        for p, key in enumerate(keys):
+            proj, want = experts_projections(module)[p], _linear_shapes(module)[2 if p else 0]
+            rows = want[0] * (2 if p == 0 and module.has_gate else 1)
+            try:
+                codes, scale = tensors.pop(key), tensors.pop(f"{key}_scale").float()
+            except KeyError as err:
+                raise ExportError(f"{path}: tensor {err.args[0]} is missing") from err
+            if tuple(codes.shape) != (module.num_experts, rows, want[1]):
+                raise ExportError(f"{path}: {key} has shape {tuple(codes.shape)}, the model needs (E, out, in)")
+            new[proj] = codes.to(scheme.weight_format.dtype).contiguous()
+            new[f"{proj}_weight_scale"] = scale.reshape(module.num_experts, -1, 1).contiguous()
+            input_scale = tensors.pop(f"{key.removesuffix('weight')}input_scale", None)
+            if scheme.static_activations:
+                if input_scale is None:
+                    raise ExportError(f"{path}: {key}: static scheme without input_scale")
+                new[f"{proj}_input_scale"] = input_scale.float().reshape(1)
+        install_quant_experts(module, scheme, new)
+        names.append(name)
+    return names
 
 
 def has_expert_tensors(tensors: dict[str, torch.Tensor]) -> bool:
     """Whether a checkpoint holds per-expert tensors (``...experts.0....``)."""
     return any(".experts.0." in k for k in tensors)
+
+
+def has_fused_expert_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether a checkpoint holds quantized experts in the ``"fused"`` layout of ``model``'s architecture."""
+    from ..ptq.experts import find_experts
+
+    found = find_experts(model)
+    if not found:
+        return False
+    disk = experts_on_disk(model)
+    return disk.layout == "fused" and any(f"{fused_keys(n, disk)[0]}_scale" in tensors for n in found)
 
 
 def fuse_expert_tensors(module: nn.Module, state: dict[str, torch.Tensor], model: nn.Module) -> None:

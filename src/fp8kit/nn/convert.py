@@ -1,7 +1,9 @@
-"""``fp8kit.convert``: turn the eligible ``nn.Linear`` layers of any model into FP8 ones, in place.
+"""``fp8kit.convert``: turn the eligible linear layers of any model into FP8 ones, in place.
 
-Each layer is converted where it stands, by swapping its class to ``fp8kit.nn.Linear`` and adding the
-FP8 scaling state: the module object, its parameters, its hooks (forward, backward, state-dict) and
+Linear layers are ``nn.Linear``, its subclasses that keep ``nn.Linear.forward``, and ``transformers``'
+``Conv1D`` (GPT-2's, weight stored ``(in, out)``; ``nn.linear_like``). Each is converted where it stands, by
+swapping its class to ``fp8kit.nn.Linear`` (``FP8<Class>(fp8kit.nn.Linear, Class)`` for a subclass,
+``FP8Conv1D`` for a ``Conv1D``, still instances of their class) and adding the FP8 scaling state: the module object, its parameters, its hooks (forward, backward, state-dict) and
 every attribute a user or library set on it stay as they were. Two kinds of instance-level
 ``forward`` are re-pointed at the FP8 forward: a bound ``nn.Linear.forward`` stored in the instance
 (``layer.forward = layer.forward``), and accelerate's ``_old_forward`` (``add_hook_to_module``). A
@@ -27,8 +29,10 @@ import torch
 import torch.nn as nn
 
 from ..recipes import DelayedScaling, Recipe, recipe_from_name
+from .class_swap import mixin_class
 from .experts import convert_experts, experts_why_not, fp8_experts_forward, is_experts_module
 from .linear import Linear
+from .linear_like import Conv1DLinear, is_conv1d, is_linear_like, linear_dims, linear_like_why_not
 
 __all__ = [
     "ConversionReport",
@@ -90,7 +94,7 @@ def decoder_blocks(model: nn.Module) -> tuple[str, int] | None:
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) < 2 or len({type(m) for m in module}) != 1:
             continue
-        if not any(isinstance(m, nn.Linear) for m in module[0].modules()):
+        if not any(is_linear_like(m) for m in module[0].modules()):
             continue
         if best is None or len(module) > best[1]:
             best = (name, len(module))
@@ -112,10 +116,10 @@ def default_module_filter(model: nn.Module, recipe: Recipe | None = None) -> Cal
             return kept_why
         if _LORA_ADAPTER.search(f".{name}."):
             return "LoRA adapter (rank-r GEMMs: little FP8 gain, and the low-rank update needs the precision)"
-        assert isinstance(module, nn.Linear)
-        if module.in_features % HARDWARE_MULTIPLE or module.out_features % HARDWARE_MULTIPLE:
+        in_features, out_features = linear_dims(module)
+        if in_features % HARDWARE_MULTIPLE or out_features % HARDWARE_MULTIPLE:
             return (
-                f"dims {module.in_features}x{module.out_features} are not multiples of {HARDWARE_MULTIPLE} "
+                f"dims {in_features}x{out_features} are not multiples of {HARDWARE_MULTIPLE} "
                 "(FP8 tensor cores need them)"
             )
         return None
@@ -134,17 +138,22 @@ def _kept_blocks(model: nn.Module, recipe: Recipe | None) -> Callable[[str], str
     return lambda name: why if prefixes and f"{name}.".startswith(prefixes) else None
 
 
-def _is_linear_forward(fn: object, module: nn.Module) -> bool:
-    """``fn`` is ``nn.Linear.forward`` bound to ``module`` (what ``module.forward`` was before the swap)."""
+def _is_linear_forward(fn: object, module: nn.Module, cls: type | None = None) -> bool:
+    """``fn`` is the class forward of ``module`` (``cls``'s, default its own class's) bound to it: what
+    ``module.forward`` was before the swap."""
     return (
         isinstance(fn, types.MethodType)
         and fn.__self__ is module
-        and getattr(fn, "__func__", None) is nn.Linear.forward
+        and getattr(fn, "__func__", None) is (cls or type(module)).forward
     )
 
 
 def _why_not_convertible(module: nn.Module) -> str | None:
-    """Reason a plain-or-parametrized ``nn.Linear`` cannot keep its behaviour in FP8, or ``None``."""
+    """Reason a linear layer (``nn.Linear``, parametrized or a subclass, or a ``Conv1D``) cannot keep its
+    behaviour in FP8, or ``None``."""
+    why = linear_like_why_not(module)
+    if why:
+        return why
     parametrizations = getattr(module, "parametrizations", None)
     if isinstance(parametrizations, nn.ModuleDict) and len(parametrizations):
         return (
@@ -162,35 +171,48 @@ def _why_not_convertible(module: nn.Module) -> str | None:
     return None
 
 
+def _fp8_class(cls: type) -> type:
+    """The FP8 class a linear layer of class ``cls`` takes in place (``nn.Linear`` -> ``fp8kit.nn.Linear``)."""
+    if cls is nn.Linear:
+        return Linear
+    if issubclass(cls, nn.Linear):
+        return mixin_class(Linear, cls, "FP8")
+    return mixin_class(Conv1DLinear, cls, "FP8")
+
+
 def convert_layer(
-    module: nn.Linear, recipe: Recipe | None = None, *, save_fp8_activations: bool = True, name: str = ""
+    module: nn.Module, recipe: Recipe | None = None, *, save_fp8_activations: bool = True, name: str = ""
 ) -> Linear:
-    """Turn ``module`` (an ``nn.Linear``) into an ``fp8kit.nn.Linear`` in place and return it.
+    """Turn ``module`` (an ``nn.Linear``, a subclass keeping its forward, or a ``transformers`` ``Conv1D``) into
+    an ``fp8kit.nn.Linear`` in place and return it.
 
     The object keeps its identity, parameters, hooks and attributes; only its class changes and the FP8
     scaling state is added. Raises ``ValueError`` (with the reason) where that would change what the
     layer computes, e.g. a parametrized weight.
     """
-    if type(module) is not nn.Linear:
-        raise TypeError(f"convert_layer takes a plain nn.Linear, got {type(module).__name__}")
+    if isinstance(module, Linear) or not is_linear_like(module):
+        raise TypeError(f"convert_layer takes an nn.Linear or a Conv1D not yet converted, got {type(module).__name__}")
     why = _why_not_convertible(module)
     if why:
         raise ValueError(f"cannot convert {name or 'this layer'} to FP8: {why}")
     weight = module._parameters["weight"]
-    module.__class__ = Linear
+    old = type(module)
+    if is_conv1d(module):
+        module.in_features, module.out_features = linear_dims(module)
+    module.__class__ = _fp8_class(old)
     try:
         if weight is not None and weight.device.type == "meta":
             # offloaded (accelerate): the FP8 state goes where the layer computes, not on the meta device
             module._parameters["weight"] = _placeholder(weight, _execution_device(module))
         module._init_fp8(recipe, save_fp8_activations, name)
     except BaseException:
-        module.__class__ = nn.Linear
+        module.__class__ = old
         raise
     finally:
         module._parameters["weight"] = weight
     inst = module.__dict__
     for key in ("forward", "_old_forward"):
-        if key in inst and _is_linear_forward(inst[key], module):
+        if key in inst and _is_linear_forward(inst[key], module, old):
             inst[key] = types.MethodType(Linear.forward, module)
     tiles = inst.pop(CHECKPOINT_TILES, None)  # left by fp8kit.export.dequantized_model: the checkpoint's codes
     if tiles is not None:
@@ -214,12 +236,12 @@ def _placeholder(weight: torch.Tensor, device: torch.device) -> nn.Parameter:
 @dataclass
 class ConversionTargets:
     """What ``convert`` would convert in a model: ``experts`` (transformers experts modules) and ``linears``
-    (``nn.Linear``), by qualified name in module order; ``found_experts`` every experts module (converted
+    (linear layers: ``nn.Linear``, its subclasses, ``Conv1D``), by qualified name in module order; ``found_experts`` every experts module (converted
     or not); ``skipped`` the rest, with the reason."""
 
     experts: list[tuple[str, nn.Module]] = field(default_factory=list)
     found_experts: list[tuple[str, nn.Module]] = field(default_factory=list)
-    linears: list[tuple[str, nn.Linear]] = field(default_factory=list)
+    linears: list[tuple[str, nn.Module]] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
 
 
@@ -246,9 +268,8 @@ def conversion_targets(
         if name in routers:
             out.skipped[name] = routers[name]
             continue
-        parametrized = isinstance(module, nn.Linear) and hasattr(module, "parametrizations")
-        if type(module) is not nn.Linear and not parametrized:
-            continue
+        if not is_linear_like(module) or type(module).__module__.startswith("fp8kit."):
+            continue  # not linear, or fp8kit's own layer (FP8, BF16, tensor-parallel)
         if module_filter is not None:
             reason = None if module_filter(name, module) else "excluded by module_filter"
         else:

@@ -219,9 +219,14 @@ class Linear(nn.Linear):
                 stacklevel=3,
             )
 
+    def linear_weight(self) -> torch.Tensor:
+        """The weight as the GEMM reads it, ``(out_features, in_features)``: the parameter itself here; a
+        view of it in layers that store it transposed (``nn.conv1d``: transformers' ``Conv1D``)."""
+        return self.weight
+
     def fp8_weights(self, recipe: Recipe) -> tuple[QuantizedTensor, QuantizedTensor]:
         """``(W quantized along K, W.T quantized along N)``; cached (eager mode) until the weight changes."""
-        w = self.weight
+        w = self.linear_weight()
         compiling = torch.compiler.is_compiling()
         if not compiling:
             key = (w._version, w.data_ptr(), recipe)
@@ -255,7 +260,7 @@ class Linear(nn.Linear):
         Seeds only where the recipe's weight tiles are the checkpoint's (block recipe, same tile, E4M3) and
         the weight is ``code * scale_inv`` in its own dtype; returns ``None`` if seeded, else the reason.
         """
-        recipe, w = self.recipe, self.weight
+        recipe, w = self.recipe, self.linear_weight()
         if recipe.granularity_for("weight") != tuple(block):
             return f"the recipe's weight tiles are not the checkpoint's {block[0]}x{block[1]} ones"
         if codes.dtype != torch.float8_e4m3fn or recipe.format_for("weight").dtype != codes.dtype:
@@ -275,11 +280,11 @@ class Linear(nn.Linear):
     # ---- forward -------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not fp8_enabled():
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.linear_weight(), self.bias)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{self.fp8_name}: input has {x.shape[-1]} features, layer expects {self.in_features}")
         x2 = x.reshape(-1, self.in_features)
-        out = _fp8_linear(x2, self.weight, self.bias, self, self.active_recipe())
+        out = _fp8_linear(x2, self.linear_weight(), self.bias, self, self.active_recipe())
         return out.reshape(*x.shape[:-1], self.out_features)
 
     # ---- checkpoints ---------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -10,6 +11,7 @@ import torch.nn as nn
 
 from ..nn.convert import is_output_head
 from ..nn.linear import Linear as FP8Linear
+from ..nn.linear_like import as_linear, is_conv1d, linear_dims, linear_like_why_not
 from ..recipes import DelayedScaling
 from ..scaling import nvfp4_tensor_scale, parse_granularity
 from .calibrate import CALIBRATION_METHODS, InputObserver, choose_amax, observe_inputs
@@ -146,10 +148,31 @@ def _fp4_misfit(scheme: Scheme, module: nn.Module) -> str | None:
     """Why an FP4 scheme leaves ``module`` in high precision (its input dim is not a whole number of blocks)."""
     if not scheme.is_fp4:
         return None
-    block = parse_granularity(scheme.weight_granularity).block_shape(1, module.in_features)[1]
-    if module.in_features % block:
-        return f"in_features {module.in_features} is not a multiple of {scheme.name}'s {block}-element blocks"
+    in_features = linear_dims(module)[0]
+    block = parse_granularity(scheme.weight_granularity).block_shape(1, in_features)[1]
+    if in_features % block:
+        return f"in_features {in_features} is not a multiple of {scheme.name}'s {block}-element blocks"
     return None
+
+
+def _conv1d_misfit(scheme: Scheme, module: nn.Module) -> str | None:
+    """Why ``scheme`` leaves a ``Conv1D`` (weight stored ``(in, out)``) in high precision: a checkpoint's
+    blocks run along the stored rows' last dim, the layer's outputs, not its inputs."""
+    if is_conv1d(module) and (scheme.is_fp4 or scheme.weight_strategy == "block"):
+        return (
+            f"Conv1D stores its weight (in, out): {scheme.name}'s weight blocks in the checkpoint would run along "
+            "its outputs (use an fp8 or int8 scheme for it)"
+        )
+    return None
+
+
+def layer_scheme(scheme: Scheme, module: nn.Module) -> Scheme:
+    """The scheme a layer is quantized in: ``scheme``, but per-tensor weights for a ``Conv1D`` under a per-channel
+    scheme (its checkpoint stores the weight ``(in, out)``, and compressed-tensors' per-channel scales run along
+    the stored rows, the layer's inputs: one scale per tensor is what every reader applies right)."""
+    if is_conv1d(module) and scheme.weight_strategy == "channel":
+        return dataclasses.replace(scheme, weight_strategy="tensor")
+    return scheme
 
 
 def _select_layers(run: _Run) -> None:
@@ -157,14 +180,17 @@ def _select_layers(run: _Run) -> None:
     model, opts, report = run.model, run.opts, run.report
     skip = _default_skip(model)
     for name, module in model.named_modules():
-        if type(module) is not nn.Linear and type(module) is not FP8Linear:
+        linear = type(module) is nn.Linear or isinstance(module, FP8Linear) or is_conv1d(module)
+        subclass = isinstance(module, nn.Linear) and not type(module).__module__.startswith("fp8kit.")
+        if not (linear or subclass):
             continue
         reason = (
             (None if opts.module_filter(name, module) else "excluded by module_filter")
             if opts.module_filter
             else skip(name, module)
         )
-        reason = reason or _fp4_misfit(run.scheme, module)
+        reason = reason or _conv1d_misfit(run.scheme, module) or _fp4_misfit(run.scheme, module)
+        reason = reason or (None if linear else linear_like_why_not(module))
         if reason:
             report.skipped[name] = reason
         else:
@@ -186,9 +212,11 @@ def _select_layers(run: _Run) -> None:
         ):
             report.skipped[router] = "MoE router (kept in high precision, as DeepSeek-V3 and llm-compressor do)"
     if not run.targets and not run.experts:
+        why = "; ".join(f"{n}: {r}" for n, r in list(report.skipped.items())[:3])
         raise ValueError(
-            "no nn.Linear layer to quantize"
+            "no linear layer to quantize"
             + (" (the module_filter matched none)" if opts.module_filter else " in this model")
+            + (f" (skipped {why})" if why else "")
         )
     if opts.keep_bf16 and opts.keep_bf16 >= len(run.targets):
         raise ValueError(f"keep_bf16={opts.keep_bf16} would keep all {len(run.targets)} quantizable layers: give fewer")
@@ -304,12 +332,15 @@ def _quantize_layers(run: _Run) -> None:
     shared = shared_weight_scales(run.model, run.scheme, run.targets)
     with run.progress.phase("GPTQ" if run.opts.gptq else "quantize", len(run.targets), unit="layer") as update:
         for name in run.targets:
-            linear, amax, scale = run.model.get_submodule(name), run.amax.get(name), shared.get(name)
+            module, amax, scale = run.model.get_submodule(name), run.amax.get(name), shared.get(name)
+            linear, scheme = as_linear(module), layer_scheme(run.scheme, module)
             if run.opts.gptq:
                 hessian = run.hessians.pop(name)
-                run.qmods[name] = gptq_linear(linear, hessian, run.scheme, amax, weight_global_scale=scale)
+                q = gptq_linear(linear, hessian, scheme, amax, weight_global_scale=scale)
             else:
-                run.qmods[name] = QuantLinear.from_linear(linear, run.scheme, amax, scale)
+                q = QuantLinear.from_linear(linear, scheme, amax, scale)
+            q.checkpoint_transposed = is_conv1d(module)  # the export writes its weight back as (in, out)
+            run.qmods[name] = q
             update(1)
 
 
