@@ -134,7 +134,7 @@ class Inspector:
         step = self.current_step
         recipes = [("actual", m.active_recipe())] + [(r.kind, r) for r in self.what_if]
         for label, recipe in recipes:
-            stats = operand_stats(x, role, recipe, scale if label == "actual" else None)
+            stats = operand_stats(x, role, recipe, scale if label == "actual" else None, channels=role == "input")
             rec = {"step": step, "layer": name, "operand": role, "recipe": label, "recipe_kind": recipe.kind, **stats}
             self.records.append(rec)
             if self._jsonl is not None:
