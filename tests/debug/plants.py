@@ -60,3 +60,27 @@ def batches(steps: int, batch: int = 4, seq: int = 32) -> list[dict[str, torch.T
         x = torch.stack([ids[o : o + seq] for o in starts])
         out.append({"input_ids": x, "labels": x})
     return out
+
+
+def plant_alignment(model: nn.Module, layer: int = 2, channel: int = 3, rate: float = 2.0**0.5, start: int = 2):
+    """``model`` whose layer ``layer`` MLP, before each forward from its ``start``-th call (0-based) on, sets
+    row ``channel`` of ``gate_proj`` along row ``channel`` of ``up_proj`` and scales both by ``rate`` per call:
+    the gate/up alignment and weight growth that make a SwiGLU outlier grow (by ``rate**2`` per step)."""
+    mlp = model.model.layers[layer].mlp
+    mlp.plant_calls = 0
+
+    def align(m: nn.Module, _args) -> None:
+        k = m.plant_calls - start
+        m.plant_calls += 1
+        if k < 0:
+            return
+        with torch.no_grad():
+            g, u = m.gate_proj.weight, m.up_proj.weight
+            if k == 0:
+                m.plant_norms = (float(g[channel].norm()), float(u[channel].norm()))
+            unit = u[channel] / u[channel].norm()
+            g[channel] = unit * m.plant_norms[0] * rate**k
+            u[channel] = unit * m.plant_norms[1] * rate**k
+
+    mlp.register_forward_pre_hook(align)
+    return model
