@@ -14,6 +14,11 @@ the rows routed to it as that projection's ``input`` and ``grad``, with ``tokens
 on the steps where ``step % every == 0``, it records the figures of ``fp8kit.debug.stats.operand_stats`` under the layer's own recipe (``recipe: "actual"``), and under each
 ``what_if`` recipe on the same tensors (training is unchanged). Hooks exist only inside the ``with``
 block: outside it the model runs exactly as without the inspector (no overhead).
+
+GEMM inputs carry the channel figures too (``channel_sqnr_db``, ``outlier_ratio``, ``kurtosis``). With
+``trends=True`` (the default) it also records, as ``recipe: "trend"`` records (``value``), the signals
+``fp8kit.debug.trends`` reads for early warning: ``gate_up_alignment`` of every SwiGLU MLP (before its
+forward) and ``residual_rms`` of every decoder block's output.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from ..nn.routing import gather, permute
 from ..recipes import DelayedScaling, Recipe, recipe_from_name
 from ..tensor import tensor_amax
 from .stats import ROLES, operand_stats
+from .trends import gate_up_alignment
 
 __all__ = ["Inspector", "expert_stats", "inspect", "routed_stats"]
 
@@ -47,8 +53,10 @@ class Inspector:
         what_if: Iterable[Recipe | str] = (),
         tensorboard: bool = True,
         layers: Iterable[str] | None = None,
+        trends: bool = True,
     ) -> None:
         self.model = model
+        self.trends = trends
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         self.every = every
@@ -95,7 +103,42 @@ class Inspector:
         for name, m in self.experts.items():
             self._hooks.append(m.register_forward_pre_hook(self._on_experts(name)))
             m.fp8_operand_tap = self._experts_tap(name, m)
+        if self.trends:
+            self._hook_trends()
         return self
+
+    def _hook_trends(self) -> None:
+        from ..nn.convert import decoder_blocks
+        from ..nn.swiglu import swiglu_mlps
+
+        for name, mlp in swiglu_mlps(self.model):
+
+            def align(m: nn.Module, _args: Any, name: str = name) -> None:
+                if self.active:
+                    a = gate_up_alignment(m.gate_proj.weight, m.up_proj.weight)
+                    self._record_trend(name, "gate_up_alignment", a.pop("value"), **a)
+
+            self._hooks.append(mlp.register_forward_pre_hook(align))
+        blocks = decoder_blocks(self.model)
+        if blocks is None:
+            return
+        for i, block in enumerate(self.model.get_submodule(blocks[0])):
+
+            def rms(_m: nn.Module, _args: Any, out: Any, name: str = f"{blocks[0]}.{i}") -> None:
+                h = out[0] if isinstance(out, (tuple, list)) else out
+                if self.active and isinstance(h, torch.Tensor) and h.is_floating_point():
+                    self._record_trend(name, "residual_rms", float(h.detach().float().pow(2).mean().sqrt()))
+
+            self._hooks.append(block.register_forward_hook(rms))
+
+    def _record_trend(self, layer: str, signal: str, value: float, **extra: Any) -> None:
+        rec = {"step": self.current_step, "layer": layer, "operand": signal, "recipe": "trend", "value": value}
+        rec.update(extra)
+        self.records.append(rec)
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(rec) + "\n")
+        if self._tb is not None and value == value and abs(value) != float("inf"):
+            self._tb.add_scalar(f"{layer}/{signal}", value, self.current_step)
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
@@ -134,7 +177,7 @@ class Inspector:
         step = self.current_step
         recipes = [("actual", m.active_recipe())] + [(r.kind, r) for r in self.what_if]
         for label, recipe in recipes:
-            stats = operand_stats(x, role, recipe, scale if label == "actual" else None)
+            stats = operand_stats(x, role, recipe, scale if label == "actual" else None, channels=role == "input")
             rec = {"step": step, "layer": name, "operand": role, "recipe": label, "recipe_kind": recipe.kind, **stats}
             self.records.append(rec)
             if self._jsonl is not None:

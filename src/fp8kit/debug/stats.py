@@ -9,6 +9,14 @@ Figures (all from the high-precision tensor ``x`` and its quantize-dequantize ``
 * ``dynamic_range_binades``: log2(amax / smallest non-zero |x|);
 * ``staleness`` (delayed scaling only): current amax over the amax the scale was set for
   (``fmt.max / scale / 2**margin``); above 1 the tensor outgrew its scale and saturates.
+
+With ``channels=True`` (the inspector asks for it on GEMM inputs), the figures of the channels (the last
+dim, the GEMM's reduction dim) too: what a per-tensor scale set by one large channel does to the others.
+
+* ``channel_sqnr_db``: the median over channels of each channel's own SQNR (the total ``sqnr_db`` weighs
+  channels by energy, so one outlier channel can hold it high while the rest are crushed);
+* ``outlier_ratio``: the largest channel's amax over the median channel amax;
+* ``kurtosis``: the fourth standardized moment of the values (3 for a Gaussian; heavy tails grow it).
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from ..kernels.reference import expand_tiles
 from ..recipes import DelayedScaling, Recipe
 from ..tensor import QuantizedTensor, quantize
 
-__all__ = ["ROLES", "operand_stats", "quantize_for_stats"]
+__all__ = ["ROLES", "channel_stats", "operand_stats", "quantize_for_stats"]
 
 ROLES = ("input", "weight", "grad")
 
@@ -49,9 +57,14 @@ def quantize_for_stats(
 
 @torch.no_grad()
 def operand_stats(
-    x: torch.Tensor, role: str, recipe: Recipe, delayed_scale: torch.Tensor | None = None
+    x: torch.Tensor,
+    role: str,
+    recipe: Recipe,
+    delayed_scale: torch.Tensor | None = None,
+    channels: bool = False,
 ) -> dict[str, float]:
-    """The figures above for ``x`` quantized as ``recipe`` does for ``role``."""
+    """The figures above for ``x`` quantized as ``recipe`` does for ``role`` (``channels``: with the channel
+    figures)."""
     q = quantize_for_stats(x, role, recipe, delayed_scale)
     fmt: Format = q.fmt
     x2 = x.detach().reshape(-1, x.shape[-1]).float()
@@ -85,4 +98,27 @@ def operand_stats(
     if isinstance(recipe, DelayedScaling) and delayed_scale is not None:
         set_for = fmt.max / float(delayed_scale) / 2**recipe.margin
         out["staleness"] = amax / set_for if set_for > 0 else math.inf
+    if channels:
+        out.update(channel_stats(xf, x_hat))
     return out
+
+
+def channel_stats(x: torch.Tensor, x_hat: torch.Tensor) -> dict[str, float]:
+    """``channel_sqnr_db``, ``outlier_ratio`` and ``kurtosis`` of a 2-D ``x`` (channels: its columns) and its
+    quantize-dequantize ``x_hat``. Channels that are all zero are left out; none left: NaN."""
+    sig = (x**2).sum(dim=0)
+    err = ((x - x_hat) ** 2).sum(dim=0)
+    live = sig > 0
+    nan = float("nan")
+    if not bool(live.any()):
+        return {"channel_sqnr_db": nan, "outlier_ratio": nan, "kurtosis": nan}
+    per = 10 * torch.log10(sig[live] / err[live].clamp_min(torch.finfo(torch.float32).tiny))
+    cmax = x.abs().amax(dim=0)[live]
+    med = float(cmax.median())
+    centred = x - x.mean()
+    var = float((centred**2).mean())
+    return {
+        "channel_sqnr_db": float(per.median()),
+        "outlier_ratio": float(cmax.max()) / med if med > 0 else math.inf,
+        "kurtosis": float((centred**4).mean()) / var**2 if var > 0 else nan,
+    }

@@ -326,6 +326,8 @@ def convert(
     *,
     save_fp8_activations: bool = True,
     verbose: bool = False,
+    smooth_swiglu: bool = False,
+    swiglu_limit: float | None = None,
 ) -> nn.Module:
     """Turn eligible ``nn.Linear`` layers of ``model`` into ``fp8kit.nn.Linear`` in place.
 
@@ -337,7 +339,8 @@ def convert(
     fire. ``module_filter(name, module) -> bool`` picks layers by qualified name (it replaces the default
     filter, which skips the output head, dims that are not multiples of 16 and the decoder blocks the recipe
     keeps in high precision). The report is stored as
-    ``model.fp8_conversion_report`` and logged (printed with ``verbose=True``).
+    ``model.fp8_conversion_report`` and logged (printed with ``verbose=True``). ``smooth_swiglu=True`` and
+    ``swiglu_limit=L`` give every SwiGLU MLP Smooth-SwiGLU and clamped SwiGLU (``fp8kit.nn.swiglu``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}")
@@ -346,6 +349,10 @@ def convert(
             "convert() replaces layers inside a model, not the model itself: wrap the Linear in "
             "nn.Sequential, or use fp8kit.nn.Linear.from_linear(layer, recipe)"
         )
+    if smooth_swiglu or swiglu_limit is not None:
+        from .swiglu import apply_swiglu_options
+
+        apply_swiglu_options(model, smooth=smooth_swiglu, limit=swiglu_limit)
     uniform = _one_recipe(recipe)
     targets = conversion_targets(model, module_filter, uniform)
     recipe_for = (lambda _name: uniform) if uniform is not None else _plan_recipes(recipe, targets)
