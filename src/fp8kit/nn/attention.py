@@ -49,6 +49,8 @@ ATTN_NAME = "fp8kit_fp8_attention"
 STATE_NAME = "fp8_attention"  # the child module of an attention block that holds its scaling state
 _SCALINGS = ("delayed", "current")
 _GRANULARITIES = ("tensor", "head")
+# the formats of the operands (Transformer Engine's hybrid choice): E4M3 forward, E5M2 gradients
+QKVP_FORMAT, DO_FORMAT, DS_FORMAT = E4M3, E5M2, E5M2
 # operand -> (row, column) of the state's slots; column 1 is the gradient role (E5M2 scales)
 _SLOTS = {"q": (0, 0), "do": (0, 1), "k": (1, 0), "ds": (1, 1), "v": (2, 0), "p": (3, 0)}
 
@@ -229,9 +231,9 @@ class _FP8Attention(torch.autograd.Function):
         hkv, skv = k.shape[1], k.shape[2]
         rep = hq // hkv
         sc = {n: _heads(state.scale(n, state.amax(x), record), 1) for n, x in (("q", q), ("k", k), ("v", v))}
-        qc = _cast(q, sc["q"], E4M3)
-        kc = _cast(k, sc["k"], E4M3).repeat_interleave(rep, 1)
-        vc = _cast(v, sc["v"], E4M3).repeat_interleave(rep, 1)
+        qc = _cast(q, sc["q"], QKVP_FORMAT)
+        kc = _cast(k, sc["k"], QKVP_FORMAT).repeat_interleave(rep, 1)
+        vc = _cast(v, sc["v"], QKVP_FORMAT).repeat_interleave(rep, 1)
         factor = (1.0 / sc["q"]) * (1.0 / _heads(sc["k"], rep)) * masking.scaling
         spans = _blocks(skv, block)
         m = torch.full((b, hq, sq, 1), float("-inf"), device=q.device)
@@ -252,7 +254,7 @@ class _FP8Attention(torch.autograd.Function):
         acc = torch.zeros(b, hq, sq, d, dtype=torch.float64, device=q.device)
         for j0, j1 in spans:  # pass 2: P in FP8, its row sums and P V
             _, s = masking.scores(qc, kc[:, :, j0:j1], factor, j0, sq, skv)
-            pc = _cast(torch.exp(s - m), sp, E4M3).double()
+            pc = _cast(torch.exp(s - m), sp, QKVP_FORMAT).double()
             total = total + pc.sum(-1, keepdim=True)
             acc = acc + pc @ vc[:, :, j0:j1].double()
         if sink is not None:
@@ -272,7 +274,7 @@ class _FP8Attention(torch.autograd.Function):
         skv, hkv = kc.shape[2], ctx.hkv
         rep = hq // hkv
         s_do = _heads(state.scale("do", state.amax(d_out), ctx.record))
-        doc = _cast(d_out, s_do, E5M2).double()
+        doc = _cast(d_out, s_do, DO_FORMAT).double()
         do_inv = 1.0 / s_do
         big_d64 = ((doc.float() * do_inv).double() * out.double()).sum(-1, keepdim=True)
         big_d = big_d64.float()
@@ -282,7 +284,7 @@ class _FP8Attention(torch.autograd.Function):
 
         def grad_scores(j0: int, j1: int):
             raw, s = masking.scores(qc, kc[:, :, j0:j1], factor, j0, sq, skv)
-            p = (_cast(torch.exp(s - m), sp, E4M3).double() / safe).float()
+            p = (_cast(torch.exp(s - m), sp, QKVP_FORMAT).double() / safe).float()
             dp = (doc @ vc[:, :, j0:j1].double().transpose(-1, -2)).float() * dp_factor
             ds = p * (dp - big_d)
             if masking.softcap is not None:
@@ -313,10 +315,10 @@ class _FP8Attention(torch.autograd.Function):
             if ds_amax is not None:
                 blk = ds.abs().amax(dim=(0, 2, 3)) if ds_amax.numel() > 1 else ds.abs().amax().reshape(1)
                 ds_amax = torch.maximum(ds_amax, blk)
-            p_codes = _cast(p, sp, E4M3).double()
+            p_codes = _cast(p, sp, QKVP_FORMAT).double()
             dv_h = (p_codes.transpose(-1, -2) @ doc) * dv_factor
             dv[:, :, j0:j1] = dv_h.reshape(b, hkv, rep, j1 - j0, d).sum(2).float()
-            dsc = _cast(ds, s_ds, E5M2).double()
+            dsc = _cast(ds, s_ds, DS_FORMAT).double()
             dq_acc = dq_acc + dsc @ kc[:, :, j0:j1].double()
             dk_h = (dsc.transpose(-1, -2) @ qc.double()) * dk_factor
             dk[:, :, j0:j1] = dk_h.reshape(b, hkv, rep, j1 - j0, d).sum(2).float()

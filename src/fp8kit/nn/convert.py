@@ -305,6 +305,7 @@ def convert(
     *,
     save_fp8_activations: bool = True,
     verbose: bool = False,
+    attention: object = None,
 ) -> nn.Module:
     """Turn eligible ``nn.Linear`` layers of ``model`` into ``fp8kit.nn.Linear`` in place.
 
@@ -316,7 +317,9 @@ def convert(
     fire. ``module_filter(name, module) -> bool`` picks layers by qualified name (it replaces the default
     filter, which skips the output head, dims that are not multiples of 16 and the decoder blocks the recipe
     keeps in high precision). The report is stored as
-    ``model.fp8_conversion_report`` and logged (printed with ``verbose=True``).
+    ``model.fp8_conversion_report`` and logged (printed with ``verbose=True``). ``attention`` (an
+    ``nn.attention.AttentionRecipe`` or its name, e.g. ``"fp8"``; default None: high precision) runs the
+    attention blocks in FP8 too (``nn.attention.enable_fp8_attention``), whatever the Linear recipe.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}")
@@ -348,6 +351,10 @@ def convert(
             continue
         convert_layer(module, r, save_fp8_activations=save_fp8_activations, name=name)
         report.converted.append(name)
+    if attention is not None:
+        from .attention import enable_fp8_attention
+
+        enable_fp8_attention(model, attention)
     object.__setattr__(model, "fp8_conversion_report", report)
     (print if verbose else log.info)(str(report))
     return model
