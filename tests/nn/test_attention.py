@@ -3,6 +3,8 @@ forward and backward, and plugs into transformers models through ``fp8kit.conver
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from fp8kit.nn.attention_reference import reference_attention, reference_attenti
 
 B, HQ, HKV, S, D = 2, 4, 2, 19, 16
 OPERANDS = ("q", "k", "v", "p", "do", "ds")
+SLOW = bool(os.environ.get("FP8KIT_SLOW_TESTS"))
 
 
 def _inputs(seed: int = 0, q_amax: float | None = None, sinks: bool = False):
@@ -209,3 +212,36 @@ def test_cuda_matches_the_reference_on_cuda() -> None:
     ref = reference_attention(q, k, v, scales, scaling=D**-0.5, causal=True)
     grads = reference_attention_backward(q, k, v, d_out, scales, scaling=D**-0.5, causal=True)
     assert _equal((out, *(t.grad for t in leaves)), (ref, *grads[:3]))
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = FP8AttentionState(AttentionRecipe("delayed", "head", block=8), HQ, HKV)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return fp8_attention(q, k, v, self.state, causal=True, sliding_window=9)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["aot_eager", pytest.param("fp8kit", marks=pytest.mark.skipif(not SLOW, reason="inductor: FP8KIT_SLOW_TESTS"))],
+)
+def test_compiled_equals_eager(backend: str) -> None:
+    """Whole graph (``fullgraph=True``: no graph break), two training steps (the second on delayed scales)."""
+    q, k, v, d_out, _ = _inputs()
+    eager, compiled = _Attention().train(), _Attention().train()
+    fn = (
+        fp8kit.compile(compiled, fullgraph=True)
+        if backend == "fp8kit"
+        else torch.compile(compiled, backend=backend, fullgraph=True)
+    )
+    for _ in range(2):
+        results = []
+        for m in (eager, fn):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = m(*leaves)
+            out.backward(d_out)
+            results.append([out, *(t.grad for t in leaves)])
+        assert _equal(*results)
+    assert torch.equal(eager.state.fp8_scale, compiled.state.fp8_scale)
