@@ -24,6 +24,7 @@ attention kernel with a backward), and the fallback is logged once.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -468,7 +469,7 @@ def enable_fp8_attention(model: nn.Module, recipe: AttentionRecipe | str | bool 
         cfg = m.config
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-        device = next(m.parameters()).device
+        device = next(itertools.chain(m.parameters(), m.buffers()), torch.empty(0)).device
         m.add_module(STATE_NAME, FP8AttentionState(recipe, heads, kv_heads).to(device))
         if cfg._attn_implementation != ATTN_NAME:
             cfg._fp8kit_previous_attn = cfg._attn_implementation
