@@ -23,6 +23,7 @@ without FP8 state, loads into a converted model and keeps its fresh state (``for
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,7 +61,8 @@ class DelayedScalingState:
         self._grad_slot = self.roles.index("grad")
         # slots whose history was read as recorded, on every rank alike (``has_history(synced=True)``)
         self._synced_seen: set[Any] = set()
-        dev = next(iter(owner.parameters())).device
+        # where the owner lives: its first parameter or buffer (a module holding neither: the CPU)
+        dev = next(itertools.chain(owner.parameters(), owner.buffers()), torch.empty(0)).device
         shape = (*lead, len(self.roles))
         for key in FP8_STATE_BUFFERS:
             owner._buffers.pop(key, None)

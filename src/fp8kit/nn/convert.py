@@ -328,6 +328,7 @@ def convert(
     verbose: bool = False,
     smooth_swiglu: bool = False,
     swiglu_limit: float | None = None,
+    attention: object = None,
 ) -> nn.Module:
     """Turn eligible ``nn.Linear`` layers of ``model`` into ``fp8kit.nn.Linear`` in place.
 
@@ -340,7 +341,9 @@ def convert(
     filter, which skips the output head, dims that are not multiples of 16 and the decoder blocks the recipe
     keeps in high precision). The report is stored as
     ``model.fp8_conversion_report`` and logged (printed with ``verbose=True``). ``smooth_swiglu=True`` and
-    ``swiglu_limit=L`` give every SwiGLU MLP Smooth-SwiGLU and clamped SwiGLU (``fp8kit.nn.swiglu``).
+    ``swiglu_limit=L`` give every SwiGLU MLP Smooth-SwiGLU and clamped SwiGLU (``fp8kit.nn.swiglu``). ``attention`` (an
+    ``nn.attention.AttentionRecipe`` or its name, e.g. ``"fp8"``; default None: high precision) runs the
+    attention blocks in FP8 too (``nn.attention.enable_fp8_attention``), whatever the Linear recipe.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}")
@@ -376,6 +379,10 @@ def convert(
             continue
         convert_layer(module, r, save_fp8_activations=save_fp8_activations, name=name)
         report.converted.append(name)
+    if attention is not None:
+        from .attention import enable_fp8_attention
+
+        enable_fp8_attention(model, attention)
     object.__setattr__(model, "fp8_conversion_report", report)
     (print if verbose else log.info)(str(report))
     return model

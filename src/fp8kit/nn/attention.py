@@ -1,0 +1,481 @@
+"""FP8 attention: ``QK^T`` and ``PV`` (and the four GEMMs of their backward) on FP8 operands.
+
+The numerics are ``nn.attention_reference``'s (its docstring is the definition): Q, K, V in E4M3, scores
+accumulated in FP32, softmax in FP32, the probabilities ``P`` in E4M3 with their own scale, ``dO`` and ``dS``
+(the gradient of the scores, the operand of the ``dQ``/``dK`` GEMMs) in E5M2. As Transformer Engine's fused
+FP8 attention, ``P`` is quantized unnormalised (``exp(S - rowmax)``, each row's largest entry 1) and the
+normaliser is applied to the output; ``P`` and ``dS`` use delayed scaling under both attention recipes
+(the fused kernel cannot read their amax before it casts them), Q, K, V and dO the recipe's scaling.
+
+``fp8_attention`` computes it over blocks of keys, so no ``(Sq, Skv)`` matrix is ever held: a first pass
+takes each query row's maximum score, a second quantizes ``P`` block by block and accumulates ``PV``; the
+backward recomputes the scores per block (with one more pass to take ``dS``'s amax when its delayed scale has
+no history yet). Every sum over keys is a sum of FP8 code products, exact in float64, so the result does not
+depend on the block size and equals the reference bit for bit.
+
+``enable_fp8_attention(model, recipe)`` (what ``fp8kit.convert(..., attention=...)`` calls) registers the
+function with ``transformers.AttentionInterface`` and points the model's config at it, so every architecture
+that dispatches through that interface runs it: causal and sliding-window masks, padding masks, GQA,
+attention sinks (GPT-OSS) and logit softcapping (Gemma 2) are handled; attention dropout is refused. Each
+attention block gets an ``FP8AttentionState`` child holding the amax histories and scales of its six
+operands (``scaling_state.DelayedScalingState``). On CUDA the same emulated kernels run (torch has no FP8
+attention kernel with a backward), and the fallback is logged once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..formats import E4M3, E5M2, Format
+from ..recipes import CurrentScaling, DelayedScaling
+from ..scaling_state import DelayedScalingState, forgive_missing_fp8_state
+
+__all__ = [
+    "ATTN_NAME",
+    "AttentionRecipe",
+    "FP8AttentionState",
+    "attention_recipe",
+    "enable_fp8_attention",
+    "fp8_attention",
+]
+
+log = logging.getLogger("fp8kit")
+ATTN_NAME = "fp8kit_fp8_attention"
+STATE_NAME = "fp8_attention"  # the child module of an attention block that holds its scaling state
+_SCALINGS = ("delayed", "current")
+_GRANULARITIES = ("tensor", "head")
+# the formats of the operands (Transformer Engine's hybrid choice): E4M3 forward, E5M2 gradients
+QKVP_FORMAT, DO_FORMAT, DS_FORMAT = E4M3, E5M2, E5M2
+# operand -> (row, column) of the state's slots; column 1 is the gradient role (E5M2 scales)
+_SLOTS = {"q": (0, 0), "do": (0, 1), "k": (1, 0), "ds": (1, 1), "v": (2, 0), "p": (3, 0)}
+
+
+@dataclass(frozen=True)
+class AttentionRecipe:
+    """How attention's operands are scaled, chosen apart from the Linear recipe.
+
+    ``scaling``: ``"delayed"`` (amax history, Transformer Engine's ``DelayedScaling``) or ``"current"`` (this
+    call's amax) for Q, K, V and dO; P and dS use delayed scaling in both (as Transformer Engine's fused FP8
+    attention). ``granularity``: ``"tensor"`` (one scale per operand) or ``"head"`` (one per head).
+    ``block``: keys per block of the computation (memory ``O(Sq * block)``; the result does not depend on it).
+    """
+
+    scaling: str = "delayed"
+    granularity: str = "tensor"
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    margin: int = 0
+    block: int = 128
+
+    def __post_init__(self) -> None:
+        if self.scaling not in _SCALINGS:
+            raise ValueError(f"attention scaling must be one of {_SCALINGS}, got {self.scaling!r}")
+        if self.granularity not in _GRANULARITIES:
+            raise ValueError(f"attention granularity must be one of {_GRANULARITIES}, got {self.granularity!r}")
+        if self.block < 1:
+            raise ValueError(f"attention block must be >= 1 key, got {self.block}")
+        self.delayed  # noqa: B018 - validates the history knobs
+
+    @property
+    def delayed(self) -> DelayedScaling:
+        """The delayed-scaling rules of the state (hybrid: E4M3 forward operands, E5M2 gradients)."""
+        if self.scaling == "delayed":
+            return DelayedScaling("hybrid", self.amax_history_len, self.amax_compute_algo, self.margin)
+        return DelayedScaling("hybrid", 1, "most_recent", self.margin)  # P and dS only (TE's defaults)
+
+    @property
+    def current(self) -> CurrentScaling:
+        return CurrentScaling("hybrid", margin=self.margin)
+
+
+def attention_recipe(spec: AttentionRecipe | str | bool) -> AttentionRecipe:
+    """An ``AttentionRecipe`` from itself, ``True``/``"fp8"`` (delayed, per tensor), ``"delayed"``, ``"current"``,
+    or those with ``"-head"`` (``"current-head"``: per-head scales)."""
+    if isinstance(spec, AttentionRecipe):
+        return spec
+    if spec is True:
+        return AttentionRecipe()
+    if isinstance(spec, str):
+        key = spec.lower().replace("_", "-")
+        scaling, _, gran = key.partition("-")
+        scaling = "delayed" if scaling == "fp8" else scaling
+        if scaling in _SCALINGS and gran in ("", "tensor", "head"):
+            return AttentionRecipe(scaling, gran or "tensor")
+    raise ValueError(
+        f"unknown attention recipe {spec!r}; accepted: an AttentionRecipe, 'fp8', 'delayed', 'current', "
+        "'delayed-head', 'current-head'"
+    )
+
+
+class FP8AttentionState(nn.Module):
+    """Scaling state of one attention block's FP8 operands: slots ``(4, heads, 2)`` of a
+    ``DelayedScalingState`` (rows Q/dO, K/dS, V, P; column 1 the gradients), ``heads`` 1 per tensor."""
+
+    def __init__(self, recipe: AttentionRecipe, num_heads: int, num_kv_heads: int) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} key/value heads")
+        self.attention_recipe = recipe
+        self.recipe = recipe.delayed
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.defer_scaling_update = False
+        heads = num_heads if recipe.granularity == "head" else 1
+        self.fp8_state = DelayedScalingState(self, self.recipe, ("input", "grad"), lead=(4, heads))
+
+    def index(self, operand: str) -> tuple[int, slice, int]:
+        """The state's slots of ``operand`` (``"q"``, ``"k"``, ``"v"``, ``"p"``, ``"do"``, ``"ds"``)."""
+        row, col = _SLOTS[operand]
+        if self.attention_recipe.granularity == "tensor":
+            return row, slice(0, 1), col
+        return row, slice(0, self.num_kv_heads if operand in ("k", "v") else self.num_heads), col
+
+    def amax(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``'s amax (``(B, H, S, D)``) per head or as one element, float32."""
+        if self.attention_recipe.granularity == "head":
+            return x.detach().abs().amax(dim=(0, 2, 3)).float()
+        return x.detach().abs().amax().float().reshape(1)
+
+    def scale(self, operand: str, amax: torch.Tensor, record: bool) -> torch.Tensor:
+        """The multiplier of ``operand`` whose current amax is ``amax`` (the recipe's scaling; P and dS
+        delayed), recording ``amax`` in the state when ``record``."""
+        index = self.index(operand)
+        role = "grad" if index[2] else "input"
+        if operand in ("p", "ds") or self.attention_recipe.scaling == "delayed":
+            scale = self.fp8_state.scale_for(index, role, amax)
+        else:
+            scale = self.attention_recipe.current.scale_from_amax(amax, role)
+        if record:
+            self.fp8_state.record(index, amax, fold=not self.defer_scaling_update)
+        return scale.clone()
+
+    def delayed_scale(self, operand: str) -> torch.Tensor | None:
+        """The delayed scale of ``operand`` where it has a history (read without a device sync), else None."""
+        index = self.index(operand)
+        return self.fp8_state.scale[index].clone() if self.fp8_state.has_history(index) else None
+
+    @torch.no_grad()
+    def fold_amax_pending(self) -> None:
+        """Fold pending amaxes into the histories (``fp8kit.distributed`` calls it after its MAX reduction)."""
+        self.fp8_state.fold()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, *args) -> None:  # type: ignore[override]
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, *args)
+        forgive_missing_fp8_state(prefix, missing_keys)
+        self.fp8_state.forget_reads()
+
+    def extra_repr(self) -> str:
+        r = self.attention_recipe
+        return f"scaling={r.scaling}, granularity={r.granularity}, heads={self.num_heads}/{self.num_kv_heads}"
+
+
+# ---- the kernels ------------------------------------------------------------------------------------
+
+
+def _cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """``fmt`` codes of ``x * scale`` (``scale`` ``(1, H, 1, 1)``), saturating, nearest even."""
+    return (x.float() * scale).clamp(-fmt.max, fmt.max).to(fmt.dtype)
+
+
+def _heads(t: torch.Tensor, rep: int = 1) -> torch.Tensor:
+    """A per-head (or one-element) float32 tensor as ``(1, H, 1, 1)``, repeated ``rep`` times per head."""
+    t = t.float().reshape(-1)
+    if t.numel() > 1 and rep > 1:
+        t = t.repeat_interleave(rep)
+    return t.reshape(1, -1, 1, 1)
+
+
+@dataclass(frozen=True)
+class _Masking:
+    """The mask of a call: a tensor (bool, True = attended; or additive float), and/or a causal / sliding
+    window pattern aligned at the bottom right, made per block of keys."""
+
+    mask: torch.Tensor | None
+    causal: bool
+    window: int | None
+    softcap: float | None
+    scaling: float
+
+    def scores(self, qc: torch.Tensor, kc: torch.Tensor, factor: torch.Tensor, j0: int, sq: int, skv: int):
+        """``(raw, masked)`` FP32 scores of the keys ``j0 : j0 + kc.shape[2]``."""
+        raw = (qc.double() @ kc.double().transpose(-1, -2)).float() * factor
+        s = torch.tanh(raw / self.softcap) * self.softcap if self.softcap is not None else raw
+        j1 = j0 + kc.shape[2]
+        if self.causal or self.window is not None:
+            i = torch.arange(sq, device=qc.device)[:, None] + (skv - sq)
+            j = torch.arange(j0, j1, device=qc.device)[None, :]
+            ok = torch.ones(sq, j1 - j0, dtype=torch.bool, device=qc.device)
+            if self.causal:
+                ok = ok & (j <= i)
+            if self.window is not None:
+                ok = ok & (i - j < self.window)
+            s = s.masked_fill(~ok, float("-inf"))
+        if self.mask is not None:
+            blk = self.mask[..., j0:j1]
+            s = s.masked_fill(~blk, float("-inf")) if blk.dtype == torch.bool else s + blk.float()
+        return raw, s
+
+
+def _blocks(n: int, size: int) -> list[tuple[int, int]]:
+    return [(j, min(j + size, n)) for j in range(0, n, size)]
+
+
+class _FP8Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, masking: _Masking, state: FP8AttentionState, block: int, record: bool):  # type: ignore[override]
+        b, hq, sq, d = q.shape
+        hkv, skv = k.shape[1], k.shape[2]
+        rep = hq // hkv
+        sc = {n: _heads(state.scale(n, state.amax(x), record), 1) for n, x in (("q", q), ("k", k), ("v", v))}
+        qc = _cast(q, sc["q"], QKVP_FORMAT)
+        kc = _cast(k, sc["k"], QKVP_FORMAT).repeat_interleave(rep, 1)
+        vc = _cast(v, sc["v"], QKVP_FORMAT).repeat_interleave(rep, 1)
+        factor = (1.0 / sc["q"]) * (1.0 / _heads(sc["k"], rep)) * masking.scaling
+        spans = _blocks(skv, block)
+        m = torch.full((b, hq, sq, 1), float("-inf"), device=q.device)
+        for j0, j1 in spans:  # pass 1: each row's largest score
+            m = torch.maximum(m, masking.scores(qc, kc[:, :, j0:j1], factor, j0, sq, skv)[1].amax(-1, keepdim=True))
+        row_max = m
+        sink = sinks.detach().float().reshape(1, -1, 1, 1) if sinks is not None else None
+        if sink is not None:
+            m = torch.maximum(m, sink)
+        m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+        # P's amax is exactly max_i exp(rowmax_i - m_i): 1 unless a sink dominates a row (exp is monotonic)
+        p_amax = torch.exp(row_max - m)
+        p_amax = (
+            p_amax.amax(dim=(0, 2, 3)) if state.attention_recipe.granularity == "head" else p_amax.amax().reshape(1)
+        )
+        sp = _heads(state.scale("p", p_amax, record))
+        total = torch.zeros(b, hq, sq, 1, dtype=torch.float64, device=q.device)
+        acc = torch.zeros(b, hq, sq, d, dtype=torch.float64, device=q.device)
+        for j0, j1 in spans:  # pass 2: P in FP8, its row sums and P V
+            _, s = masking.scores(qc, kc[:, :, j0:j1], factor, j0, sq, skv)
+            pc = _cast(torch.exp(s - m), sp, QKVP_FORMAT).double()
+            total = total + pc.sum(-1, keepdim=True)
+            acc = acc + pc @ vc[:, :, j0:j1].double()
+        if sink is not None:
+            total = total + (sp * torch.exp(sink - m)).double()
+        safe = torch.where(total > 0, total, 1.0)
+        out = torch.where(total > 0, acc * (1.0 / _heads(sc["v"], rep)).double() / safe, 0.0).float()
+        ctx.save_for_backward(qc, kc, vc, sc["q"], sc["k"], sc["v"], sp, m, safe, out, sinks)
+        ctx.masking, ctx.state, ctx.block, ctx.record, ctx.hkv = masking, state, block, record, hkv
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, d_out):  # type: ignore[override]
+        qc, kc, vc, s_q, s_k, s_v, sp, m, safe, out, sinks = ctx.saved_tensors
+        masking, state = ctx.masking, ctx.state
+        b, hq, sq, d = qc.shape
+        skv, hkv = kc.shape[2], ctx.hkv
+        rep = hq // hkv
+        s_do = _heads(state.scale("do", state.amax(d_out), ctx.record))
+        doc = _cast(d_out, s_do, DO_FORMAT).double()
+        do_inv = 1.0 / s_do
+        big_d64 = ((doc.float() * do_inv).double() * out.double()).sum(-1, keepdim=True)
+        big_d = big_d64.float()
+        factor = (1.0 / s_q) * (1.0 / _heads(s_k, rep)) * masking.scaling
+        dp_factor = do_inv * (1.0 / _heads(s_v, rep))
+        spans = _blocks(skv, ctx.block)
+
+        def grad_scores(j0: int, j1: int):
+            raw, s = masking.scores(qc, kc[:, :, j0:j1], factor, j0, sq, skv)
+            p = (_cast(torch.exp(s - m), sp, QKVP_FORMAT).double() / safe).float()
+            dp = (doc @ vc[:, :, j0:j1].double().transpose(-1, -2)).float() * dp_factor
+            ds = p * (dp - big_d)
+            if masking.softcap is not None:
+                t = torch.tanh(raw / masking.softcap)
+                ds = ds * (1 - t * t)
+            return p, ds
+
+        s_ds = state.delayed_scale("ds")
+        ds_amax = None
+        if s_ds is None:  # no delayed scale yet (first step, or compiled): dS's amax first
+            amax = torch.zeros(hq if state.attention_recipe.granularity == "head" else 1, device=qc.device)
+            for j0, j1 in spans:
+                ds = grad_scores(j0, j1)[1]
+                blk = ds.abs().amax(dim=(0, 2, 3)) if amax.numel() > 1 else ds.abs().amax().reshape(1)
+                amax = torch.maximum(amax, blk)
+            s_ds = state.scale("ds", amax, ctx.record)
+        else:
+            ds_amax = torch.zeros_like(s_ds)
+        s_ds = _heads(s_ds)
+        ds_inv = 1.0 / s_ds
+        dq_acc = torch.zeros(b, hq, sq, d, dtype=torch.float64, device=qc.device)
+        dk = torch.empty(b, hkv, skv, d, device=qc.device)
+        dv = torch.empty(b, hkv, skv, d, device=qc.device)
+        dk_factor = (ds_inv * (1.0 / s_q) * masking.scaling).double()
+        dv_factor = ((1.0 / sp) * do_inv).double()
+        for j0, j1 in spans:
+            p, ds = grad_scores(j0, j1)
+            if ds_amax is not None:
+                blk = ds.abs().amax(dim=(0, 2, 3)) if ds_amax.numel() > 1 else ds.abs().amax().reshape(1)
+                ds_amax = torch.maximum(ds_amax, blk)
+            p_codes = _cast(p, sp, QKVP_FORMAT).double()
+            dv_h = (p_codes.transpose(-1, -2) @ doc) * dv_factor
+            dv[:, :, j0:j1] = dv_h.reshape(b, hkv, rep, j1 - j0, d).sum(2).float()
+            dsc = _cast(ds, s_ds, DS_FORMAT).double()
+            dq_acc = dq_acc + dsc @ kc[:, :, j0:j1].double()
+            dk_h = (dsc.transpose(-1, -2) @ qc.double()) * dk_factor
+            dk[:, :, j0:j1] = dk_h.reshape(b, hkv, rep, j1 - j0, d).sum(2).float()
+        if ds_amax is not None and ctx.record:
+            state.fp8_state.record(state.index("ds"), ds_amax, fold=not state.defer_scaling_update)
+        dq = (dq_acc * (ds_inv * (1.0 / _heads(s_k, rep)) * masking.scaling).double()).float()
+        d_sinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            p_sink = (sp * torch.exp(sinks.detach().float().reshape(1, -1, 1, 1) - m)).double() / safe
+            d_sinks = (-(p_sink * big_d64).sum(dim=(0, 2, 3)).float()).to(sinks.dtype)
+        dt_q, dt_k, dt_v = ctx.dtypes
+        return dq.to(dt_q), dk.to(dt_k), dv.to(dt_v), d_sinks, None, None, None, None
+
+
+_FALLBACK_LOGGED: set[str] = set()
+
+
+def fp8_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    state: FP8AttentionState,
+    *,
+    scaling: float | None = None,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+    record: bool | None = None,
+) -> torch.Tensor:
+    """FP8 attention of ``q`` ``(B, Hq, Sq, D)`` over ``k``, ``v`` ``(B, Hkv, Skv, D)``, scaled by ``state``;
+    returns ``(B, Hq, Sq, D)`` in ``q``'s dtype. ``scaling`` defaults to ``D ** -0.5``; ``record`` (default:
+    ``state.training``) records the operands' amaxes in the state. Masks and the rest: ``attention_reference``."""
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0]:
+        raise ValueError(
+            f"fp8_attention takes q (B, Hq, Sq, D) and k, v (B, Hkv, Skv, D); got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.shape[1] != state.num_heads or k.shape[1] != state.num_kv_heads:
+        raise ValueError(
+            f"the state was made for {state.num_heads}/{state.num_kv_heads} query/key-value heads, got "
+            f"{q.shape[1]}/{k.shape[1]}"
+        )
+    if q.device.type == "cuda" and "cuda" not in _FALLBACK_LOGGED:
+        _FALLBACK_LOGGED.add("cuda")
+        log.warning(
+            "fp8kit: FP8 attention runs emulated on CUDA (torch %s has no FP8 attention kernel with a backward)",
+            torch.__version__,
+        )
+    masking = _Masking(
+        mask, causal, sliding_window, softcap, float(q.shape[-1] ** -0.5 if scaling is None else scaling)
+    )
+    record = state.training if record is None else record
+    block = state.attention_recipe.block
+    return _FP8Attention.apply(q, k, v, sinks, masking, state, block, record)
+
+
+# ---- transformers integration -----------------------------------------------------------------------
+
+
+def _fp8_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``transformers``' attention-function signature over ``fp8_attention`` (output ``(B, Sq, H, D)``)."""
+    state = getattr(module, STATE_NAME, None)
+    if state is None:
+        raise ValueError(
+            f"{type(module).__name__} has no FP8 attention state: enable it with fp8kit.convert(model, ..., "
+            "attention='fp8') rather than by setting the attention implementation by hand"
+        )
+    if dropout and module.training:
+        raise ValueError(
+            f"FP8 attention does not implement attention dropout (got p={dropout}): set the config's "
+            "attention_dropout to 0, or leave attention in high precision (attention=None)"
+        )
+    q_len, kv_len = query.shape[2], key.shape[2]
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    causal = causal and attention_mask is None and q_len > 1
+    if causal and kv_len > q_len:  # a static cache's empty slots (as transformers' sdpa path)
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+    if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[-1] != key.shape[2]:
+        attention_mask = attention_mask[..., : key.shape[2]]
+    window = sliding_window if attention_mask is None and causal else None
+    sinks = s_aux if s_aux is not None else None
+    out = fp8_attention(
+        query,
+        key,
+        value,
+        state,
+        scaling=scaling,
+        mask=attention_mask,
+        causal=causal,
+        sliding_window=window,
+        sinks=sinks,
+        softcap=softcap,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    except ImportError as err:  # pragma: no cover
+        raise ImportError("FP8 attention needs transformers >= 4.53 (AttentionInterface, masking_utils)") from err
+    AttentionInterface.register(ATTN_NAME, _fp8_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, sdpa_mask)  # boolean masks, None where causal suffices
+
+
+def attention_blocks(model: nn.Module) -> dict[str, nn.Module]:
+    """The attention blocks that dispatch through ``transformers``' attention interface: modules with a
+    ``config``, a ``layer_idx`` and key/value projections (``k_proj``/``v_proj``, or a fused ``qkv_proj``)."""
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if hasattr(m, "config")
+        and hasattr(m, "layer_idx")
+        and (hasattr(m, "k_proj") and hasattr(m, "v_proj") or hasattr(m, "qkv_proj"))
+    }
+
+
+def enable_fp8_attention(model: nn.Module, recipe: AttentionRecipe | str | bool = "fp8") -> list[str]:
+    """Run the attention of every block of ``model`` in FP8 (``recipe``: ``attention_recipe``'s spellings):
+    adds an ``FP8AttentionState`` child to each block and points the config at fp8kit's attention function.
+    Returns the blocks' names; raises ``ValueError`` where the model has none."""
+    recipe = attention_recipe(recipe)
+    blocks = attention_blocks(model)
+    if not blocks:
+        raise ValueError(
+            "FP8 attention: the model has no transformers attention blocks (modules with config, layer_idx and "
+            "k_proj/v_proj); fp8kit's FP8 attention plugs into transformers' AttentionInterface"
+        )
+    _register()
+    for m in blocks.values():
+        cfg = m.config
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        device = next(itertools.chain(m.parameters(), m.buffers()), torch.empty(0)).device
+        m.add_module(STATE_NAME, FP8AttentionState(recipe, heads, kv_heads).to(device))
+        if cfg._attn_implementation != ATTN_NAME:
+            cfg._fp8kit_previous_attn = cfg._attn_implementation
+        cfg._attn_implementation = ATTN_NAME
+    top = getattr(model, "config", None)
+    if top is not None and getattr(top, "_attn_implementation", None) not in (None, ATTN_NAME):
+        top._attn_implementation = ATTN_NAME
+    log.info("fp8kit: FP8 attention (%s, %s) in %d block(s)", recipe.scaling, recipe.granularity, len(blocks))
+    return list(blocks)
