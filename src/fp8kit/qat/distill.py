@@ -162,13 +162,13 @@ def distill(
             schedule.step()
             for m in layers.values():
                 m.project_scales_()
-            result.kl.append(float(kl))
-            result.loss.append(float(loss))
+            result.kl.append(float(kl.detach()))
+            result.loss.append(float(loss.detach()))
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(kl=f"{float(kl):.4f}")
+                bar.set_postfix(kl=f"{result.kl[-1]:.4f}")
             if on_step is not None:
-                on_step(i + 1, float(kl))
+                on_step(i + 1, result.kl[-1])
     finally:
         if bar is not None:
             bar.close()

@@ -24,9 +24,9 @@ import torch
 import torch.nn as nn
 
 from ..formats import E2M1
+from ..ptq.schemes import Scheme, get_scheme
 from ..scaling import compute_scale, dequant_scale, nvfp4_tensor_scale
 from ..tensor import quantize as fp8_quantize
-from ..ptq.schemes import Scheme, get_scheme
 
 __all__ = ["SCALE_RANGE", "QATLinear", "group_weight_scale"]
 
@@ -34,10 +34,11 @@ SCALE_RANGE = 2.0**10  # a learned clipping value stays within this factor of it
 
 
 class _Codes(torch.autograd.Function):
-    """``codes`` forward (exact: the quantizer's code values, or dequantized values); backward, the
-    straight-through gradient of ``x`` (zero where ``|x / s| > qmax`` when ``qmax`` is given) and, when
-    ``s`` needs one, the LSQ gradient of ``codes`` with respect to the scale ``s`` (``-x / s**2`` inside
-    the range, reduced to ``s``'s shape; the scale's other term comes from ``codes * s`` outside)."""
+    """``codes`` forward (exact: the quantizer's code values of ``x / s``, or with ``s = 1`` the dequantized
+    values); backward, the straight-through gradient ``grad / s`` to ``x`` (zero where ``|x / s| > qmax``
+    when ``qmax`` is given) and, when ``s`` needs one, the LSQ gradient of the codes with respect to the
+    scale (``-x / s**2`` inside the range, reduced to ``s``'s shape; the scale's other term comes from
+    ``codes * s`` outside)."""
 
     @staticmethod
     def forward(ctx, x, s, codes, qmax):  # noqa: ANN001, ANN205 - autograd.Function's signature
@@ -49,7 +50,7 @@ class _Codes(torch.autograd.Function):
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         x, s = ctx.saved_tensors
         if ctx.qmax is None:
-            return grad, None, None, None
+            return grad / s, None, None, None
         v = x / s
         inside = torch.isfinite(v) & (v.abs() <= ctx.qmax)
         gx = torch.where(inside, grad / s, torch.zeros_like(grad)) if ctx.needs_input_grad[0] else None
@@ -61,12 +62,13 @@ class _Codes(torch.autograd.Function):
 
 
 def _straight(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``value`` forward, the identity gradient to ``x``."""
+    """``value`` (dequantized ``x``) forward, the identity gradient to ``x``."""
     return _Codes.apply(x, x.new_ones(()), value.detach(), None)
 
 
-def _bounded_codes(x: torch.Tensor, s: torch.Tensor, codes: torch.Tensor, qmax: float) -> torch.Tensor:
-    """``codes`` forward; gradients as a clipping quantizer with scale ``s`` (shape broadcastable to ``x``)."""
+def _codes(x: torch.Tensor, s: torch.Tensor, codes: torch.Tensor, qmax: float | None = None) -> torch.Tensor:
+    """``codes`` of ``x`` at dequant scale ``s`` (broadcastable to ``x``) forward; the gradient of ``x / s``,
+    clipped outside ``qmax`` when given (then also the LSQ gradient of a learned ``s``)."""
     return _Codes.apply(x, s.reshape([1] * (x.dim() - s.dim()) + list(s.shape)), codes.detach(), qmax)
 
 
@@ -182,13 +184,13 @@ class QATLinear(nn.Module):
                 codes = fp8_quantize(w.detach(), fmt, gran, scale=mult.reshape(-1, 1) if gran == "row" else mult)
                 codes = codes.data.float()
             s = amax / fmt.max
-            return _bounded_codes(w, s, codes, fmt.max), s
+            return _codes(w, s, codes, fmt.max), s
         with torch.no_grad():
             qt = fp8_quantize(w.detach(), fmt, self.scheme.weight_granularity)
             s = dequant_scale(qt.amax, fmt)
             s = s.reshape(-1, 1) if self.scheme.weight_strategy == "channel" else s.reshape(1)
             codes = qt.data.float()
-        return _straight(w, codes), s
+        return _codes(w, s, codes), s
 
     def quantized_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A 2-D input as the forward uses it: FP4 and weight-only, the (dequantized) values and ``None``;
@@ -208,10 +210,10 @@ class QATLinear(nn.Module):
             with torch.no_grad():
                 mult = 1.0 / s.detach()
                 qt = fp8_quantize(x2.detach(), fmt, "row", scale=mult, nonfinite="propagate", check_scale=False)
-            return _bounded_codes(x2, s, qt.data.float(), fmt.max), s
+            return _codes(x2, s, qt.data.float(), fmt.max), s
         with torch.no_grad():
             qt = fp8_quantize(x2.detach(), fmt, "row", nonfinite="propagate")
-        return _straight(x2, qt.data.float()), qt.scale_inv
+        return _codes(x2, qt.scale_inv, qt.data.float()), qt.scale_inv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:

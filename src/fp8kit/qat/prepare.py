@@ -51,7 +51,11 @@ def _targets(model: nn.Module, scheme: Scheme, module_filter, report: PTQReport)
         if module_filter is not None:
             reason = None if module_filter(name, module) else "excluded by module_filter"
         else:
-            reason = "output head (kept in high precision, as ModelOpt and llm-compressor do)" if head(name, module) else None
+            reason = (
+                "output head (kept in high precision, as ModelOpt and llm-compressor do)"
+                if head(name, module)
+                else None
+            )
         reason = reason or _fp4_misfit(scheme, module)
         if reason:
             report.skipped[name] = reason
@@ -133,13 +137,15 @@ def prepare(
 @torch.no_grad()
 def _frozen(layer: QATLinear) -> QuantLinear:
     """The ``QuantLinear`` PTQ makes of ``layer``'s current weight and scales."""
-    input_amax = None if layer.input_amax is None else float(layer.input_amax)
+    input_amax = None if layer.input_amax is None else float(layer.input_amax.detach())
     q = QuantLinear.from_linear(layer, layer.scheme, input_amax, layer.weight_global_scale())  # type: ignore[arg-type]
     if layer.weight_amax is not None:  # learned clipping values: their codes and scales
         fmt, amax = layer.scheme.weight_format, layer.weight_amax.detach().float()
         gran = "row" if layer.scheme.weight_strategy == "channel" else "tensor"
         mult = compute_scale(amax, fmt)
-        qt = fp8_quantize(layer.weight.detach().float(), fmt, gran, scale=mult.reshape(-1, 1) if gran == "row" else mult)
+        qt = fp8_quantize(
+            layer.weight.detach().float(), fmt, gran, scale=mult.reshape(-1, 1) if gran == "row" else mult
+        )
         q.weight = qt.data.contiguous()
         q.weight_scale = dequant_scale(amax, fmt).reshape(q.weight_scale.shape).contiguous()
     return q.to(layer.weight.device)
@@ -159,7 +165,7 @@ def convert(model: nn.Module) -> nn.Module:
         swap_submodule(model, name, _frozen(layer))
         report.quantized.append(name)
         if layer.input_amax is not None:
-            report.input_amax[name] = float(layer.input_amax)
+            report.input_amax[name] = float(layer.input_amax.detach())
     model.__dict__.pop("qat_report", None)
     object.__setattr__(model, "ptq_report", report)
     return model
