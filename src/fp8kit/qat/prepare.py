@@ -1,0 +1,171 @@
+"""``prepare`` puts a PTQ scheme's quantizers into a model for training; ``convert`` freezes it into PTQ's modules.
+
+``prepare`` picks the layers ``ptq.quantize`` picks (every ``nn.Linear`` but the output head and, for FP4,
+layers whose input dim is not a whole number of blocks; or ``module_filter``'s), calibrates the static
+activation scales the way it does (``ptq.calibrate.observe_inputs`` and ``choose_amax`` over
+``forward_loop``, the same options checked by ``PTQOptions``) and swaps each layer for a ``QATLinear``
+holding the same weight and bias parameters. At that point the model computes what round-to-nearest PTQ
+of the scheme computes on ``QuantLinear``'s reference path. MoE experts modules stay in high precision
+(reported in ``qat_report.skipped``).
+
+``convert`` swaps each ``QATLinear`` for the ``QuantLinear`` that ``QuantLinear.from_linear`` makes of its
+current master weight, calibrated (or learned) input amax and shared NVFP4 weight scale (learned weight
+clipping values: the codes and scales they give), and stores the ``ptq_report`` the exports read, so
+``fp8kit.export.save_pretrained`` writes the result in any format the scheme goes with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from ..nn.convert import is_output_head
+from ..ptq.calibrate import choose_amax, observe_inputs
+from ..ptq.experts import find_experts
+from ..ptq.layer_error import swap_submodule
+from ..ptq.linear import QuantLinear
+from ..ptq.quantize import PTQOptions, _fp4_misfit
+from ..ptq.report import PTQReport
+from ..ptq.schemes import Scheme, get_scheme
+from ..ptq.smoothquant import find_mappings
+from ..scaling import compute_scale, dequant_scale
+from ..tensor import quantize as fp8_quantize
+from .linear import QATLinear
+
+__all__ = ["convert", "prepare", "qat_layers"]
+
+
+def qat_layers(model: nn.Module) -> dict[str, QATLinear]:
+    """The ``QATLinear`` layers of ``model`` by name."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, QATLinear)}
+
+
+def _targets(model: nn.Module, scheme: Scheme, module_filter, report: PTQReport) -> list[str]:
+    head = is_output_head(model)
+    targets = []
+    for name, module in model.named_modules():
+        if type(module) is not nn.Linear:
+            continue
+        if module_filter is not None:
+            reason = None if module_filter(name, module) else "excluded by module_filter"
+        else:
+            reason = (
+                "output head (kept in high precision, as ModelOpt and llm-compressor do)"
+                if head(name, module)
+                else None
+            )
+        reason = reason or _fp4_misfit(scheme, module)
+        if reason:
+            report.skipped[name] = reason
+        else:
+            targets.append(name)
+    for name in find_experts(model):
+        report.skipped[name] = "MoE experts (fp8kit.qat trains dense Linear layers; the experts stay in high precision)"
+    if not targets:
+        raise ValueError(
+            "no nn.Linear layer to train quantized"
+            + (" (the module_filter matched none)" if module_filter else " in this model")
+        )
+    return targets
+
+
+def prepare(
+    model: nn.Module,
+    scheme: Scheme | str,
+    forward_loop: Callable[[nn.Module], object] | None = None,
+    *,
+    calibration: str = "max",
+    percentile: float = 99.99,
+    learn_scales: bool = False,
+    module_filter: Callable[[str, nn.Module], bool] | None = None,
+) -> nn.Module:
+    """Swap ``model``'s quantizable ``nn.Linear`` layers for ``QATLinear`` layers of ``scheme`` in place;
+    returns the model.
+
+    Args:
+        scheme: any PTQ scheme (``fp8``, ``fp8-dynamic``, ``int8-smoothquant`` without its SmoothQuant folds,
+            ``int8-weight-only``, ``nvfp4``, ``nvfp4-weight-only``, ``mxfp4-weight-only``).
+        forward_loop: ``forward_loop(model)`` runs calibration batches (as ``ptq.quantize``); required by the
+            schemes with static activation scales (``fp8``, ``int8-smoothquant``, ``nvfp4``).
+        calibration, percentile: the static scales' method (``ptq.calibrate.choose_amax``).
+        learn_scales: train the 8-bit weight scales and static activation scales (``QATLinear``).
+        module_filter: ``(name, module) -> bool`` chooses the layers (replaces the default, which keeps the
+            output head in high precision).
+    """
+    scheme = get_scheme(scheme)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"prepare() takes an nn.Module, got {type(model).__name__}")
+    PTQOptions(calibration, percentile).check(scheme)
+    if learn_scales and scheme.is_fp4:
+        raise ValueError(
+            f"learn_scales trains 8-bit weight scales and static per-tensor activation scales; {scheme.name}'s "
+            "block scales follow the weights at every step: prepare without learn_scales"
+        )
+    report = PTQReport(scheme.name, calibration=calibration if scheme.static_activations else None)
+    targets = _targets(model, scheme, module_filter, report)
+    amax: dict[str, float] = {}
+    if scheme.static_activations:
+        if forward_loop is None:
+            raise ValueError(
+                f"scheme {scheme.name!r} has static activation scales: pass "
+                "forward_loop=lambda m: [m(x) for x in calibration_batches]"
+            )
+        was_training = model.training
+        model.eval()
+        try:
+            observers = observe_inputs(model, targets, forward_loop)
+        finally:
+            model.train(was_training)
+        amax = {n: choose_amax(observers[n], scheme.act_format, calibration, percentile) for n in targets}
+    layers = {}
+    for name in targets:
+        layers[name] = QATLinear(model.get_submodule(name), scheme, amax.get(name), learn_scales, name)
+        swap_submodule(model, name, layers[name])
+    if scheme.weight_strategy == "nvfp4":  # q/k/v and gate/up share one per-tensor weight scale, as in PTQ
+        for mapping in find_mappings(model, set(targets)):
+            if len(mapping.targets) > 1:
+                group = tuple(layers[t] for t in mapping.targets)
+                for m in group:
+                    m._group = group
+    report.input_amax = dict(amax)
+    object.__setattr__(model, "qat_report", report)
+    return model
+
+
+@torch.no_grad()
+def _frozen(layer: QATLinear) -> QuantLinear:
+    """The ``QuantLinear`` PTQ makes of ``layer``'s current weight and scales."""
+    input_amax = None if layer.input_amax is None else float(layer.input_amax.detach())
+    q = QuantLinear.from_linear(layer, layer.scheme, input_amax, layer.weight_global_scale())  # type: ignore[arg-type]
+    if layer.weight_amax is not None:  # learned clipping values: their codes and scales
+        fmt, amax = layer.scheme.weight_format, layer.weight_amax.detach().float()
+        gran = "row" if layer.scheme.weight_strategy == "channel" else "tensor"
+        mult = compute_scale(amax, fmt)
+        qt = fp8_quantize(
+            layer.weight.detach().float(), fmt, gran, scale=mult.reshape(-1, 1) if gran == "row" else mult
+        )
+        q.weight = qt.data.contiguous()
+        q.weight_scale = dequant_scale(amax, fmt).reshape(q.weight_scale.shape).contiguous()
+    return q.to(layer.weight.device)
+
+
+def convert(model: nn.Module) -> nn.Module:
+    """Freeze a ``prepare``d model into PTQ's inference modules in place (module doc); returns it."""
+    layers = qat_layers(model)
+    if not layers:
+        raise ValueError("convert() takes a model made by fp8kit.qat.prepare (it holds no QATLinear layer)")
+    base = getattr(model, "qat_report", None)
+    scheme = next(iter(layers.values())).scheme.name
+    report = PTQReport(scheme, calibration=base.calibration if base is not None else None)
+    if base is not None:
+        report.skipped = dict(base.skipped)
+    for name, layer in layers.items():
+        swap_submodule(model, name, _frozen(layer))
+        report.quantized.append(name)
+        if layer.input_amax is not None:
+            report.input_amax[name] = float(layer.input_amax.detach())
+    model.__dict__.pop("qat_report", None)
+    object.__setattr__(model, "ptq_report", report)
+    return model

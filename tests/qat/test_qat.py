@@ -1,0 +1,164 @@
+"""``fp8kit.qat``: the QAT forward is PTQ's at step 0 bit for bit, the gradients pass the quantizers straight
+through, distillation lowers the KL to the teacher, ``convert`` + export reload the trained model, and learned
+scales stay finite and positive."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fp8kit import ptq, qat
+from fp8kit.export import load_pretrained, save_pretrained
+from fp8kit.qat.linear import SCALE_RANGE, QATLinear
+from tests.helpers.models import calib, tiny_llama, token_batches
+
+pytest.importorskip("transformers")
+
+# (scheme, learn_scales): every PTQ scheme, and learned scales where they apply (8-bit schemes)
+STEP0 = [
+    ("fp8", False),
+    ("fp8", True),
+    ("fp8-dynamic", True),
+    ("int8-weight-only", False),
+    ("int8-weight-only", True),
+    ("int8-smoothquant", True),
+    ("nvfp4", False),
+    ("nvfp4-weight-only", False),
+    ("mxfp4-weight-only", False),
+]
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def data():
+    return token_batches(256, 6, (4, 32))  # 0-1 calibrate, 2-4 train, 5 held out
+
+
+def reference_kernels(model):
+    for m in model.modules():
+        if isinstance(m, ptq.QuantLinear):
+            m.kernel = "reference"
+    return model
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+@pytest.mark.parametrize(("scheme", "learn"), STEP0)
+def test_step0_forward_is_ptq_bit_for_bit(base, data, scheme, learn):
+    """Round-to-nearest PTQ (SmoothQuant folds off: QAT trains the model as it is) on QuantLinear's
+    reference path, and the prepared model, give identical logits, with or without gradients."""
+    smooth = {"smooth": False} if scheme == "int8-smoothquant" else {}
+    ptq_model = reference_kernels(ptq.quantize(copy.deepcopy(base), scheme, calib(data[:2]), **smooth))
+    student = qat.prepare(copy.deepcopy(base), scheme, calib(data[:2]), learn_scales=learn)
+    assert set(qat.qat_layers(student)) == set(ptq_model.ptq_report.quantized)
+    assert student.qat_report.skipped == ptq_model.ptq_report.skipped
+    expect = logits(ptq_model, data[5])
+    assert torch.equal(logits(student, data[5]), expect)
+    assert torch.equal(student(data[5]).logits.float(), expect)  # the training path computes the same
+    assert not torch.equal(expect, logits(base, data[5]))  # the quantizers do something
+
+
+@pytest.mark.parametrize("scheme", ["int8-weight-only", "nvfp4-weight-only", "fp8-dynamic"])
+def test_weight_gradient_is_straight_through(base, scheme):
+    """The master weight's gradient is the gradient of the dequantized weight (the rounding passed as the identity)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32)
+    layer = QATLinear(copy.deepcopy(lin), scheme)
+    x = torch.randn(8, 64, requires_grad=True)
+    g = torch.randn(8, 32)
+    (layer(x) * g).sum().backward()
+    ql = ptq.QuantLinear.from_linear(lin, scheme)
+    xd = x.detach().clone().requires_grad_(True)
+    wd = ql.dequantized_weight().requires_grad_(True)
+    xin = xd
+    if scheme == "fp8-dynamic":
+        codes, s = ql.quantize_input(xd.detach())
+        xin = xd + (codes.float() * s - xd).detach()
+    (nn.functional.linear(xin, wd, lin.bias) * g).sum().backward()
+    torch.testing.assert_close(layer.weight.grad, wd.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad, xd.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_distillation_lowers_the_kl_to_the_teacher():
+    """A teacher with a peaked next-token distribution (its head scaled up), an NVFP4 W4A4 student: the KL falls
+    on the batches it trains on and on a batch it never sees (a wrong or dropped gradient fails this)."""
+    teacher = tiny_llama(tie=False)
+    with torch.no_grad():
+        teacher.lm_head.weight.mul_(8)
+    data = token_batches(256, 12, (4, 32))
+    student = qat.prepare(copy.deepcopy(teacher), "nvfp4", calib(data[:2]))
+    before = qat.kl_to_teacher(logits(student, data[11]), logits(teacher, data[11])).item()
+    result = qat.distill(student, teacher, data[2:11], steps=30, lr=5e-5, progress=False)
+    after = qat.kl_to_teacher(logits(student, data[11]), logits(teacher, data[11])).item()
+    assert len(result.kl) == 30 and result.kl[-1] < 0.7 * result.kl[0]
+    assert after < 0.9 * before, (before, after)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "fmt", "learn"),
+    [("nvfp4", "compressed-tensors", False), ("nvfp4", "modelopt", False), ("fp8", "compressed-tensors", True)],
+)
+def test_convert_after_training_exports_and_reloads_the_trained_model(base, data, tmp_path, scheme, fmt, learn):
+    student = qat.prepare(copy.deepcopy(base), scheme, calib(data[:2]), learn_scales=learn)
+    qat.distill(student, base, data[2:5], steps=4, lr=3e-3, scale_lr=1e-2, progress=False)
+    trained = logits(student, data[5])
+    frozen = reference_kernels(qat.convert(student))
+    assert not qat.qat_layers(frozen) and frozen.ptq_report.quantized
+    torch.testing.assert_close(logits(frozen, data[5]), trained, rtol=0, atol=0)
+    untrained = reference_kernels(ptq.quantize(copy.deepcopy(base), scheme, calib(data[:2])))
+    assert (logits(untrained, data[5]) - trained).abs().max() > 1e-3  # training changed the model
+    loaded = reference_kernels(load_pretrained(save_pretrained(frozen, tmp_path / "export", format=fmt)))
+    assert loaded.ptq_report.scheme == scheme
+    for name in frozen.ptq_report.quantized:
+        assert torch.equal(loaded.get_submodule(name).weight, frozen.get_submodule(name).weight), name
+    torch.testing.assert_close(logits(loaded, data[5]), trained, rtol=1e-5, atol=1e-5)
+
+
+def test_learned_scales_stay_finite_and_positive_under_bad_input():
+    torch.manual_seed(0)
+    layer = QATLinear(nn.Linear(32, 16), "fp8", input_amax=3.0, learn_scales=True)
+    start_w, start_x = layer.weight_amax.detach().clone(), layer.input_amax.detach().clone()
+    opt = torch.optim.SGD(layer.scale_parameters(), lr=1e6)  # a step far larger than any scale
+    for x in (torch.zeros(4, 32), torch.full((4, 32), float("inf")), 1e30 * torch.randn(4, 32), torch.randn(4, 32)):
+        opt.zero_grad()
+        layer(x).float().nan_to_num().sum().backward()
+        for p in layer.scale_parameters():
+            assert p.grad is None or torch.isfinite(p.grad).all()
+        opt.step()
+        layer.project_scales_()
+        for p, start in ((layer.weight_amax, start_w), (layer.input_amax, start_x)):
+            assert torch.isfinite(p).all() and (p > 0).all()
+            assert (p >= start / SCALE_RANGE).all() and (p <= start * SCALE_RANGE).all()
+    with torch.no_grad():
+        layer.input_amax.fill_(float("nan"))
+    layer.project_scales_()
+    assert torch.equal(layer.input_amax.detach(), start_x)
+    with torch.no_grad():
+        layer.weight_amax.fill_(0.0)
+    with pytest.raises(ValueError, match="weight clipping value must be finite and > 0"):
+        layer(torch.randn(2, 32))
+
+
+def test_bad_settings_get_one_clear_error(base, data):
+    with pytest.raises(ValueError, match="learn_scales"):
+        qat.prepare(copy.deepcopy(base), "nvfp4-weight-only", learn_scales=True)
+    with pytest.raises(ValueError, match="forward_loop"):
+        qat.prepare(copy.deepcopy(base), "fp8")
+    with pytest.raises(ValueError, match="no QATLinear"):
+        qat.convert(copy.deepcopy(base))
+    student = qat.prepare(copy.deepcopy(base), "int8-weight-only")
+    with pytest.raises(ValueError, match="lr must be"):
+        qat.distill(student, base, data[2:3], steps=1, lr=0.0)
+    student.model.embed_tokens.weight.data[0] = float("nan")
+    with pytest.raises(ValueError, match="loss at step 0 is nan"):
+        qat.distill(student, base, [torch.zeros(1, 8, dtype=torch.long)], steps=1, progress=False)
