@@ -5,9 +5,9 @@
   input scale is the one the recipe's amax history gives, ``reduce(history) * 2**margin / 448``),
   row-wise -> ``fp8-dynamic`` (per-channel weights, per-token activations), current scaling ->
   ``fp8-dynamic`` (its dynamic activations at finer, per-token granularity), block -> ``fp8-block`` (the
-  recipe's own 128x128 weight tiles and power-of-two scales, dynamic 1x128 activations; MoE experts
-  trained by ``FP8Experts`` too, as ``QuantExperts`` with each expert's own tiles). MXFP8 has no serving
-  format here.
+  recipe's own 128x128 weight tiles and power-of-two scales, dynamic 1x128 activations, or the Linear
+  layers tiled again where the format's readers reject 128x128 tiles; MoE experts trained by
+  ``FP8Experts`` too, as ``QuantExperts`` with each expert's own tiles). MXFP8 has no serving format here.
 * ``quantize_block``: post-training block FP8 (no calibration: square weight tiles, 128x128 or the largest
   every reader of the format loads (``support.BLOCK_READERS``), dynamic activations), of the ``nn.Linear``
   layers and of the MoE experts (``ptq.experts.QuantExperts`` with ``FP8_BLOCK``).
@@ -90,7 +90,7 @@ def serving_layers(
     MoE experts modules it trained (``FP8Experts``) are among the layers, as ``QuantExperts``; when a reader
     of ``format`` cannot load the recipe's 128x128 tiles (``support.BLOCK_READERS``, e.g. SmolLM2's 576 and
     192 dims), the Linear layers are tiled again from their trained weights in the largest tile every reader
-    loads (``block_size_for``), with the recipe's scale rounding."""
+    loads (``support.fitting_block``), with the recipe's scale rounding."""
     from ..nn.experts import FP8Experts
 
     trained = {n: m for n, m in model.named_modules() if isinstance(m, FP8Linear)}
