@@ -135,3 +135,17 @@ def test_compare_scores_fp8_block_and_every_scheme_list_is_the_one_table(tmp_pat
     assert main(["compare", "--schemes", "fp8,fp8-blok", "--out", str(tmp_path / "c")]) == 2
     accepted = capsys.readouterr().err.split("accepted: ")[1]
     assert "fp8-block" in accepted and "auto" not in accepted
+
+
+def test_a_block_recipe_model_exports_tiles_its_readers_load(tmp_path):
+    """The block recipe trains in 128x128 tiles; SmolLM2's widths are exported in the largest tile transformers
+    and vLLM load, from the trained weights, with the recipe's power-of-two scales."""
+    import fp8kit
+
+    model = fp8kit.convert(smollm2_shaped(), "block").eval()
+    out = save_pretrained(model, tmp_path / "trained", format="fp8-block")
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["weight_block_size"] == [64, 64]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    w = model.get_submodule(K_PROJ).weight.detach()
+    qt = fp8kit.quantize(w, fp8kit.E4M3, (64, 64), power_of_two=True)
+    assert torch.equal(hf.get_submodule(K_PROJ).weight, qt.dequantize(torch.float32))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..export.support import BLOCK_EDGES
 from ._common import UsageError, check_out_outside_model, model, text_file
 from ._job import (
     add_device_options,
@@ -40,6 +39,15 @@ def one_scheme(text: str) -> str:
             f"quantize writes one model, so it takes one scheme: {scheme_names(auto=True)} (compare takes several)"
         )
     return check_scheme(text, auto=True)
+
+
+def tile_edge(text: str) -> int:
+    """``--block``: a tile edge fp8kit writes (``export.support.BLOCK_EDGES``)."""
+    from ..export.support import BLOCK_EDGES
+
+    if not text.strip().isdigit() or int(text) not in BLOCK_EDGES:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(map(str, BLOCK_EDGES))}, got {text!r}")
+    return int(text)
 
 
 def bits_budget(text: str) -> float:
@@ -82,11 +90,11 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
     )
     q.add_argument(
         "--block",
-        type=int,
-        choices=BLOCK_EDGES,
+        type=tile_edge,
         default=None,
-        help="--scheme fp8-block: the weight tile edge (default: the largest every reader of --format loads, "
-        "128 when every dimension is whole 128 tiles)",
+        metavar="N",
+        help="--scheme fp8-block: the weight tile edge, 128, 64, 32 or 16 (default: the largest every reader of "
+        "--format loads, 128 when every dimension is whole 128 tiles)",
     )
     q.add_argument(
         "--text", type=text_file, default=None, help="calibrate on this UTF-8 text instead of the shipped corpus"

@@ -76,7 +76,7 @@ def save_pretrained(
         scheme, ignore = report.scheme, list(report.skipped)
         kv = _kv_blocks(model) if report.kv_cache else {}
     elif any(isinstance(m, FP8Linear) for m in model.modules()):
-        scheme, qlayers, ignore = serving_layers(model)
+        scheme, qlayers, ignore = serving_layers(model, format)
         experts = {n: m for n, m in qlayers.items() if isinstance(m, QuantExperts)}  # block recipe's FP8Experts
         qlayers = {n: m for n, m in qlayers.items() if n not in experts}
         kv = {}

@@ -5,9 +5,9 @@
   input scale is the one the recipe's amax history gives, ``reduce(history) * 2**margin / 448``),
   row-wise -> ``fp8-dynamic`` (per-channel weights, per-token activations), current scaling ->
   ``fp8-dynamic`` (its dynamic activations at finer, per-token granularity), block -> ``fp8-block`` (the
-  recipe's own 128x128 weight tiles and power-of-two scales, dynamic 1x128 activations; MoE experts
-  trained by ``FP8Experts`` too, as ``QuantExperts`` with each expert's own tiles). MXFP8 has no serving
-  format here.
+  recipe's own 128x128 weight tiles and power-of-two scales, dynamic 1x128 activations, or the Linear
+  layers tiled again where the format's readers reject 128x128 tiles; MoE experts trained by
+  ``FP8Experts`` too, as ``QuantExperts`` with each expert's own tiles). MXFP8 has no serving format here.
 * ``quantize_block``: post-training block FP8 (no calibration: square weight tiles, 128x128 or the largest
   every reader of the format loads (``support.BLOCK_READERS``), dynamic activations), of the ``nn.Linear``
   layers and of the MoE experts (``ptq.experts.QuantExperts`` with ``FP8_BLOCK``).
@@ -81,10 +81,16 @@ def _block_experts(module: nn.Module, name: str) -> nn.Module:
     return q
 
 
-def serving_layers(model: nn.Module) -> tuple[str, dict[str, nn.Module], list[str]]:
+def serving_layers(
+    model: nn.Module,
+    format: str | None = None,  # noqa: A002 - the name users know from save_pretrained
+) -> tuple[str, dict[str, nn.Module], list[str]]:
     """``(scheme, {name: inference layer}, names of the Linear layers left in high precision)`` for a
     model converted by ``fp8kit.convert`` (the model itself is not changed). With the block recipe, the
-    MoE experts modules it trained (``FP8Experts``) are among the layers, as ``QuantExperts``."""
+    MoE experts modules it trained (``FP8Experts``) are among the layers, as ``QuantExperts``; when a reader
+    of ``format`` cannot load the recipe's 128x128 tiles (``support.BLOCK_READERS``, e.g. SmolLM2's 576 and
+    192 dims), the Linear layers are tiled again from their trained weights in the largest tile every reader
+    loads (``support.fitting_block``), with the recipe's scale rounding."""
     from ..nn.experts import FP8Experts
 
     trained = {n: m for n, m in model.named_modules() if isinstance(m, FP8Linear)}
@@ -111,8 +117,26 @@ def serving_layers(model: nn.Module) -> tuple[str, dict[str, nn.Module], list[st
                 layers[name] = QuantLinear.from_linear(m, scheme)
         if scheme == BLOCK_SCHEME:  # other recipes' experts have no serving layers here yet
             layers.update({name: _block_experts(m, name) for name, m in experts.items()})
+        if scheme == BLOCK_SCHEME and format is not None:
+            _fit_trained_tiles(layers, trained, format)
     kept = [n for n, m in model.named_modules() if _high_precision(m)]
     return scheme, layers, kept
+
+
+def _fit_trained_tiles(layers: dict[str, nn.Module], trained: dict[str, FP8Linear], fmt: str) -> None:
+    """Re-tile the block recipe's Linear serving layers in place when a reader of ``fmt`` rejects their tiles
+    and a smaller tile fits every one of them (experts keep their tiles: ``save_pretrained`` then says why)."""
+    from .support import block_problem, fitting_block
+
+    dense = {n: m for n, m in layers.items() if isinstance(m, BlockQuantLinear)}
+    shapes = block_shapes(dense)
+    block = next(iter(dense.values())).block if dense else None
+    fits = fitting_block(fmt, shapes)
+    if block is None or fits is None or block_problem(fmt, shapes, block) is None:
+        return
+    for name in dense:
+        m = trained[name]
+        layers[name] = BlockQuantLinear.from_linear(m, fits, power_of_two=m.recipe.power_of_two_scales)
 
 
 def _report(
@@ -125,13 +149,17 @@ def _report(
     object.__setattr__(model, "ptq_report", report)
 
 
-def serving_model(model: nn.Module, inplace: bool = False) -> nn.Module:
+def serving_model(
+    model: nn.Module,
+    inplace: bool = False,
+    format: str | None = None,  # noqa: A002 - the name users know from save_pretrained
+) -> nn.Module:
     """The inference model of a ``fp8kit.convert``-ed training model (a copy unless ``inplace``): what
-    ``save_pretrained`` writes, to evaluate before exporting."""
+    ``save_pretrained(model, format=format)`` writes, to evaluate before exporting."""
     from ..ptq.experts import QuantExperts, dispatch_quant_experts
 
     model = model if inplace else copy.deepcopy(model)
-    scheme, layers, _ = serving_layers(model)
+    scheme, layers, _ = serving_layers(model, format)
     experts = [n for n, m in layers.items() if isinstance(m, QuantExperts)]
     for name, layer in layers.items():
         replace_module(model, name, layer)
