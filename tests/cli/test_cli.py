@@ -247,7 +247,7 @@ def test_eval_without_options_evaluates_every_train_run(sandbox, monkeypatch, ca
         ),
     )
     assert main(["eval"]) == 0
-    assert seen == [("bf16", 32), ("fp8-delayed", 32)]
+    assert seen == [("bf16", 16), ("fp8-delayed", 16)]  # the batches of the training summary
     assert "fp8-delayed (step 10)" in capsys.readouterr().out
 
 

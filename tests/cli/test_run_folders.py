@@ -188,3 +188,14 @@ def test_python_dash_m_fp8kit_runs_the_cli():
 
     done = subprocess.run([sys.executable, "-m", "fp8kit", "--version"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.startswith("fp8kit "), done.stderr
+
+
+def test_quantize_help_names_every_format_it_writes(capsys):
+    from fp8kit.export.support import FORMATS
+
+    assert main(["quantize", "--help"]) == 0
+    description = capsys.readouterr().out.split("options:")[0]
+    assert all(f in description for f in FORMATS), description
+    from fp8kit.cli import quantize
+
+    assert all(f in quantize.SUMMARY for f in FORMATS), quantize.SUMMARY  # the line of `fp8kit --help`
