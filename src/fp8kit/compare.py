@@ -215,8 +215,7 @@ def compare_schemes(
         "seq_len": seq_len,
         "eval_tokens": int(evals[texts[0].name].shape[0] * seq_len),
         "calibration": {
-            "method": calibration
-            or ", ".join(f"{calibration_for(n, None)} ({n})" for n in schemes if n != FP8_BLOCK.name),
+            "method": calibration_methods(schemes, calibration),
             "batches": calib_batches,
             "tokens": calib_batches * 4 * 128,
         },
@@ -339,6 +338,22 @@ def _relative_to_bf16(rows: dict[str, dict[str, Any]]) -> None:
         r["linear_memory_ratio"] = r["linear_bytes"] / ref["linear_bytes"]
         r["prefill_ratio"] = r["prefill_s_per_token"] / ref["prefill_s_per_token"]
         r["decode_ratio"] = r["decode_s_per_token"] / ref["decode_s_per_token"]
+
+
+def calibration_methods(schemes: list[str], calibration: str | None) -> str:
+    """How each scheme's static scales are calibrated: ``calibration`` or the scheme's default, and ``none``
+    for a scheme with no static scale to calibrate (weight-only, dynamic activations, no ``+kv``); one
+    method when every scheme uses the same."""
+    methods = {}
+    for name in schemes:
+        scheme = PTQ_SCHEMES.get(name.removesuffix("+kv"))
+        static = name.endswith("+kv") or scheme is not None and scheme.act_strategy in ("tensor", "nvfp4")
+        methods[name] = calibration_for(name, calibration) if static else "none"
+    if set(methods.values()) == {"none"}:
+        return "none (no static scale to calibrate)"
+    if len(set(methods.values())) == 1:
+        return next(iter(methods.values()))
+    return ", ".join(f"{m} ({n})" for n, m in methods.items())
 
 
 def compare_markdown(result: dict[str, Any]) -> str:

@@ -236,12 +236,11 @@ def quantize_pretrained_sequential(
     arguments; ``keep_bf16`` and ``norm_tweak`` must be 0; ``propagate`` as ``ptq.sequential.quantize_checkpoint``;
     ``block``: ``fp8-block``'s tile edge (default: the largest every reader of ``format`` loads).
     Returns the export, its report and the corpus."""
-    from transformers import AutoTokenizer
-
+    from .models.folder import load_tokenizer
     from .models.pretrained import HFTokenizer
     from .ptq.sequential import decoder_layers, quantize_checkpoint, skeleton
 
-    tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(path))
+    tokenizer = HFTokenizer(load_tokenizer(path))
     splits = load_splits(text, tokenizer, second_text=False)[0]
     model = skeleton(path)
     if scheme == "fp8-block":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -42,7 +43,8 @@ def sandbox(tmp_path, monkeypatch):
     for name in ("summary.md", "compare.json", "report.json"):
         (tmp_path / "runs" / name).write_text("mine")
     (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text("{}")
+    tiny = {"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1, "vocab_size": 16}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(tiny))
 
     def fail(*args, **kwargs):
         raise WorkStarted
@@ -247,7 +249,7 @@ def test_eval_without_options_evaluates_every_train_run(sandbox, monkeypatch, ca
         ),
     )
     assert main(["eval"]) == 0
-    assert seen == [("bf16", 32), ("fp8-delayed", 32)]
+    assert seen == [("bf16", 16), ("fp8-delayed", 16)]  # the batches of the training summary
     assert "fp8-delayed (step 10)" in capsys.readouterr().out
 
 

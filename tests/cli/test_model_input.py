@@ -88,12 +88,17 @@ def break_index(folder):
     return "model-00002.safetensors"
 
 
+def break_model_type(folder):
+    (folder / "config.json").write_text('{"hidden_size": 8}')
+    return "model_type"
+
+
 def break_tokenizer(folder):
     (folder / "tokenizer.json").unlink()
     return "save_pretrained"
 
 
-BROKEN = [break_empty, break_garbage, break_truncated, break_config, break_index, break_tokenizer]
+BROKEN = [break_empty, break_garbage, break_truncated, break_config, break_model_type, break_index, break_tokenizer]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -107,6 +112,20 @@ def test_a_folder_the_loaders_cannot_read_ends_in_one_line(sandbox, capsys, comm
     assert len(err) == 1 and err[0].startswith(f"fp8kit {command}: error: "), err
     assert named in err[0] and "Traceback" not in err[0]
     assert time.perf_counter() - t0 < 1.0
+
+
+def test_the_loader_names_a_missing_tokenizer_in_one_line(tmp_path):
+    """A folder with a config and no tokenizer files (no weights either, so the options' check lets it by):
+    the loader refuses it in one line naming the files, before transformers' multi-line tokenizer error."""
+    from fp8kit.models.folder import ModelFolderError
+    from fp8kit.models.pretrained import load_pretrained_lm
+
+    folder = tmp_path / "bare"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ModelFolderError) as err:
+        load_pretrained_lm(str(folder))
+    assert "\n" not in str(err.value) and "tokenizer.json" in str(err.value) and "save_pretrained" in str(err.value)
 
 
 def test_a_sound_folder_reaches_the_work(sandbox):

@@ -99,7 +99,8 @@ def test_overwrite_removes_the_old_run_and_keeps_other_files(tmp_path, started):
 def test_doctor_and_compare_refuse_an_earlier_report(tmp_path, capsys, monkeypatch, started, command, signature, argv):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text("{}")
+    tiny = {"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1, "vocab_size": 16}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(tiny))
     out = tmp_path / "out"
     out.mkdir()
     (out / signature[0]).write_text(json.dumps(signature[1]))
@@ -118,7 +119,8 @@ def test_doctor_and_compare_refuse_an_earlier_report(tmp_path, capsys, monkeypat
 def test_quantize_refuses_an_out_in_its_own_model(tmp_path, capsys, monkeypatch, where):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text("{}")
+    tiny = {"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1, "vocab_size": 16}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(tiny))
     out = "hf" if where == "same" else "hf/fp8"
     before = snapshot(tmp_path)
     assert main(["quantize", "--model", "hf", "--scheme", "fp8", "--out", out]) == 2
@@ -188,3 +190,14 @@ def test_python_dash_m_fp8kit_runs_the_cli():
 
     done = subprocess.run([sys.executable, "-m", "fp8kit", "--version"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.startswith("fp8kit "), done.stderr
+
+
+def test_quantize_help_names_every_format_it_writes(capsys):
+    from fp8kit.export.support import FORMATS
+
+    assert main(["quantize", "--help"]) == 0
+    description = capsys.readouterr().out.split("options:")[0]
+    assert all(f in description for f in FORMATS), description
+    from fp8kit.cli import quantize
+
+    assert all(f in quantize.SUMMARY for f in FORMATS), quantize.SUMMARY  # the line of `fp8kit --help`

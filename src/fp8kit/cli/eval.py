@@ -8,6 +8,10 @@ from pathlib import Path
 from ._common import PRETRAINED_MODELS, TRAIN_OUT, UsageError, model, positive_int, text_file
 from ._job import add_device_options, announce_inference, job_device, print_device_peak
 
+# The held-out batches of a demo run's evaluations in training (``TrainConfig.eval_batches``): the same
+# batches, so ``fp8kit eval`` of a checkpoint prints the perplexity of the training summary.
+CHECKPOINT_BATCHES = 16
+
 NAME = "eval"
 SUMMARY = "held-out perplexity of fp8kit train checkpoints or of a pretrained model"
 DESCRIPTION = f"Held-out loss and perplexity. With no option: every run that `fp8kit train` wrote to {TRAIN_OUT}."
@@ -41,7 +45,8 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
         "--eval-batches",
         type=positive_int,
         default=None,
-        help="held-out batches (default 32 for a checkpoint; 8 for a pretrained model, as fp8kit train uses)",
+        help=f"held-out batches (default {CHECKPOINT_BATCHES} for a checkpoint, the batches of fp8kit train's "
+        "summary, so the perplexities match; 8 for a pretrained model, as fp8kit train's fine-tuning uses)",
     )
     e.add_argument("--batches", dest="eval_batches", type=positive_int, help=argparse.SUPPRESS)  # older name
     e.add_argument(
@@ -88,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
             )
         ]
     else:
-        results = [evaluate_checkpoint(r, text=args.text, batches=args.eval_batches or 32, device=device) for r in runs]
+        batches = args.eval_batches or CHECKPOINT_BATCHES
+        results = [evaluate_checkpoint(r, text=args.text, batches=batches, device=device) for r in runs]
     for res in results:
         print(
             f"{res['run']} (step {res['step']}) on the held-out split of {res['corpus']}: "

@@ -25,10 +25,12 @@ from ._ptq_options import (
 )
 
 NAME = "quantize"
-SUMMARY = "post-training quantization, written as a compressed-tensors export"
+SUMMARY = "post-training quantization, written as a compressed-tensors, modelopt or fp8-block checkpoint"
 DESCRIPTION = (
     "Calibrate a pretrained causal LM on the shipped corpus (or --text), quantize it with one scheme (or, with "
-    "--scheme auto, a scheme per layer) and write a compressed-tensors folder that vLLM and transformers load."
+    "--scheme auto, a scheme per layer) and write a Hugging Face folder in one of three formats (--format): "
+    "compressed-tensors (vLLM, transformers), modelopt (TensorRT-LLM, vLLM, SGLang) or fp8-block (vLLM, SGLang, "
+    "transformers)."
 )
 
 
@@ -79,7 +81,8 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
     q.add_argument(
         "--candidates",
         default=None,
-        help="--scheme auto: comma-separated schemes to choose from (default: bf16 and every per-layer scheme)",
+        help="--scheme auto: comma-separated schemes to choose each layer's from, e.g. fp8,int8-weight-only "
+        "(default: bf16 and every per-layer scheme)",
     )
     q.add_argument("--out", required=True, help="new (or empty) folder for the Hugging Face / vLLM checkpoint")
     q.add_argument(

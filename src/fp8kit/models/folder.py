@@ -10,11 +10,19 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from typing import Any
 
-__all__ = ["TOKENIZER_FILES", "ModelFolderError", "check_model_folder", "safetensors_problem"]
+__all__ = [
+    "TOKENIZER_FILES",
+    "ModelFolderError",
+    "check_model_folder",
+    "has_tokenizer",
+    "load_tokenizer",
+    "safetensors_problem",
+]
 
-# Any of these makes a folder's tokenizer loadable by transformers' AutoTokenizer.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken", "tiktoken.model")
+# The usual tokenizer files (any *.model or *.tiktoken file, vocab.txt, counts too).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
 
 
@@ -57,8 +65,8 @@ def safetensors_problem(path: Path) -> str | None:
 
 
 def check_model_folder(folder: str | Path) -> None:
-    """Refuse a Hugging Face model folder that the loaders cannot read: ``config.json`` missing or not a JSON
-    object, a bad safetensors file (``safetensors_problem``), a shard its index lists but the folder lacks, or
+    """Refuse a Hugging Face model folder that the loaders cannot read: ``config.json`` missing, not a JSON
+    object or without a ``model_type``, a bad safetensors file (``safetensors_problem``), a shard its index lists but the folder lacks, or
     weights without tokenizer files."""
     folder = Path(folder)
     config = folder / "config.json"
@@ -70,6 +78,10 @@ def check_model_folder(folder: str | Path) -> None:
         raise ModelFolderError(f"{config} is not readable JSON ({err}): restore it from the model's source") from None
     if not isinstance(data, dict):
         raise ModelFolderError(f"{config} is not a JSON object: restore it from the model's source")
+    if "model_type" not in data and "model_type" not in data.get("text_config", {}):
+        raise ModelFolderError(
+            f"{config} names no model_type, so transformers cannot build the model: restore it from the model's source"
+        )
     for path in sorted(folder.glob("*.safetensors")):
         problem = safetensors_problem(path)
         if problem is not None:
@@ -83,8 +95,33 @@ def check_model_folder(folder: str | Path) -> None:
         if missing:
             raise ModelFolderError(f"{folder} lacks {', '.join(missing)}, listed in {index.name}: re-download it")
     weights = any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))
-    if weights and not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise ModelFolderError(
-            f"{folder} has weights but no tokenizer ({', '.join(TOKENIZER_FILES[:3])}): copy the tokenizer files of "
-            f"the model it came from into it, e.g. AutoTokenizer.from_pretrained(ORIGINAL).save_pretrained({str(folder)!r})"
-        )
+    if weights and not has_tokenizer(folder):
+        raise _no_tokenizer(folder)
+
+
+def has_tokenizer(folder: Path) -> bool:
+    """Whether ``folder`` holds tokenizer files (``TOKENIZER_FILES``, vocab.txt, a *.model or *.tiktoken file)."""
+    names = {p.name for p in folder.iterdir() if p.is_file()}
+    return bool(names & {*TOKENIZER_FILES, "vocab.txt"}) or any(n.endswith((".model", ".tiktoken")) for n in names)
+
+
+def _no_tokenizer(folder: Path) -> ModelFolderError:
+    return ModelFolderError(
+        f"{folder} has no tokenizer ({', '.join(TOKENIZER_FILES)}): copy the tokenizer files of the model it came "
+        f"from into it, e.g. AutoTokenizer.from_pretrained(ORIGINAL).save_pretrained({str(folder)!r})"
+    )
+
+
+def load_tokenizer(folder: str | Path) -> Any:
+    """``AutoTokenizer.from_pretrained(folder)``; a folder without a tokenizer it can read is refused in one line
+    that names the files and how to add them."""
+    from transformers import AutoTokenizer
+
+    folder = Path(folder)
+    if not has_tokenizer(folder):
+        raise _no_tokenizer(folder)
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        reason = " ".join(str(err).split())[:200]
+        raise ModelFolderError(f"{folder}: its tokenizer does not load ({reason}): {_no_tokenizer(folder)}") from None

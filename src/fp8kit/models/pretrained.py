@@ -110,14 +110,15 @@ def load_pretrained_lm(
 ) -> tuple[torch.nn.Module, HFTokenizer]:
     """``(model, tokenizer)`` of a pretrained causal LM (``smollm2``, a folder or a Hub ID), the model in
     ``dtype`` on ``device``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from ..export.fp4_checkpoints import fp4_layout
+    from .folder import load_tokenizer
 
     path = pretrained_dir(name_or_path)
     raw = json.loads((path / "config.json").read_text())
     fp4 = fp4_layout(path, raw)  # an FP4 layout fp8kit does not read is refused here, in one line
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = load_tokenizer(path)
     qc = raw.get("quantization_config")
     if fp4 is not None or isinstance(qc, dict) and qc.get("quant_method") in ("compressed-tensors", "modelopt", "fp8"):
         from ..export import dequantized_model  # an FP8/INT8/FP4 checkpoint: its weights, dequantized exactly
