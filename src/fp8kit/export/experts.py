@@ -1,18 +1,28 @@
-"""MoE experts in checkpoints: fp8kit's fused ``QuantExperts`` <-> the per-expert tensors a Hugging Face
-checkpoint of the architecture holds on disk.
+"""MoE experts in checkpoints: fp8kit's fused ``QuantExperts`` <-> the tensors a Hugging Face checkpoint of the
+architecture holds on disk.
 
-``transformers`` >= 5 fuses the experts of a layer into 3-D parameters when it loads a checkpoint, but
-the checkpoints (and vLLM's fused-MoE loaders, which read them through ``expert_params_mapping``) keep
-one ``nn.Linear``'s worth of tensors per expert:
+``transformers`` >= 5 fuses the experts of a layer into 3-D parameters when it loads a checkpoint; how the
+checkpoint holds them is a rule, not a list (``experts_on_disk``): fp8kit runs transformers' own
+``revert_weight_conversion`` (what its ``save_pretrained`` writes) on small probes of an experts module whose
+values name their expert and row, and reads the layout off the keys and values that come back:
 
-* Qwen2-MoE / Qwen3-MoE / OLMoE / DeepSeek-V2/V3 family: ``model.layers.L.mlp.experts.E.gate_proj.*``,
-  ``.up_proj.*``, ``.down_proj.*`` (router ``model.layers.L.mlp.gate.weight``);
-* Mixtral family: ``model.layers.L.block_sparse_moe.experts.E.w1.*`` (gate), ``.w3.*`` (up), ``.w2.*``
-  (down), router ``model.layers.L.block_sparse_moe.gate.weight`` (``transformers`` renames
-  ``block_sparse_moe`` to ``mlp`` on load).
+* ``"per_expert"``: one ``nn.Linear``'s worth of tensors per expert, under the names of the architecture's
+  ``WeightConverter`` (Qwen2-MoE family ``model.layers.L.mlp.experts.E.gate_proj`` / ``up_proj`` / ``down_proj``;
+  Mixtral and PhiMoE ``model.layers.L.block_sparse_moe.experts.E.w1`` (gate) / ``w3`` (up) / ``w2`` (down),
+  ``block_sparse_moe`` being renamed ``mlp`` on load). vLLM's fused-MoE loaders read them through
+  ``expert_params_mapping``, transformers merges them.
+* ``"fused"``: the fused 3-D tensors under their own ``.weight`` names (GraniteMoE's
+  ``block_sparse_moe.input_linear.weight`` ``(E, 2I, H)``; llm-compressor writes its quantized ones back so):
+  ``fused_expert_tensors`` writes the codes with ``weight_scale`` ``(E, out | 1, 1)``.
+* ``"linearized"``: transformers keeps the module's own 3-D parameters on disk (no conversion: GPT-OSS): fp8kit
+  writes llm-compressor's linearized per-expert layout, which vLLM reads.
 
-These are the ``WeightConverter`` source patterns of ``transformers.conversion_mapping`` for those model
-types. Each expert's projection gets its own tensors: ``weight`` (codes), ``weight_scale`` (that expert's
+Gate and up in halves or interleaved, the expert count and whether gate exists come from the module; where the
+probes come back reordered, split across prefixes or renamed beyond the MoE block's name, the export refuses
+(keep the experts in high precision). transformers 5 reads neither the fused nor the linearized quantized
+layout right (``transformers_refusal``): those exports make it refuse instead (``export.compressed_tensors``).
+
+Per expert, each projection gets its own tensors: ``weight`` (codes), ``weight_scale`` (that expert's
 scale; the fused ``gate_up`` scale is written to both ``gate`` and ``up``, per tensor, or split by rows, per
 channel) and, for static schemes, ``input_scale`` (the layer's shared scale, the same value for every
 expert: vLLM takes the max over experts, so it computes what fp8kit does). Reading takes the max over
@@ -29,7 +39,7 @@ GPT-OSS (``gpt_oss``) keeps gate and up interleaved in its fused ``gate_up_proj`
 llm-compressor's linearized one (``GptOssLinearExperts``): ``model.layers.L.mlp.experts.E.gate_proj.*`` from
 the even rows, ``.up_proj.*`` from the odd rows, ``.down_proj.*``, each with its ``bias`` (``gate_up_proj_bias``
 split the same way), router ``model.layers.L.mlp.router.*`` in high precision. Reading interleaves the rows
-back. A format whose readers take no quantized GPT-OSS experts is refused with the reason (``_NO_READER``).
+back. A format whose readers take no linearized experts (fp8-block, modelopt) is refused with the reason.
 """
 
 from __future__ import annotations
