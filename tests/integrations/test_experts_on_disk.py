@@ -98,3 +98,29 @@ def test_granitemoe_writes_fused_experts_and_transformers_refuses_them(scheme, t
     )
     with pytest.raises(Exception, match=TRANSFORMERS_REFUSAL):
         transformers.AutoModelForCausalLM.from_pretrained(out)
+
+
+def test_llama4_export_loads_in_transformers(tmp_path):
+    """transformers replaces Llama 4's fused experts by per-expert linears before it loads a compressed-tensors
+    checkpoint (its quantization patch table): the export writes the experts fp8kit keeps in high precision that
+    way and ignores them, instead of leaving transformers to initialize FP8 parameters (which crashed)."""
+    config = transformers.Llama4TextConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        intermediate_size_mlp=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128,
+        num_local_experts=4,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    x, ours, ref, out = _export(model, "fp8-dynamic", tmp_path)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert any(i.startswith("re:") and "experts" in i for i in qc["ignore"])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(load_pretrained(out)(x).logits, ours, rtol=0, atol=0)
+        assert rel(hf(x).logits, ours) < rel(ours, ref)
