@@ -25,7 +25,7 @@ from .common import (
 from .compressed_tensors import QUANT_METHOD as CT_METHOD
 from .compressed_tensors import export_tensors as ct_tensors
 from .compressed_tensors import load as ct_load
-from .experts import checkpoint_key, experts_naming
+from .experts import checkpoint_key, experts_naming, unfuse_patched_experts
 from .fp4_checkpoints import fp4_dequantized_model, fp4_layout
 from .fp8_block import QUANT_METHOD as BLOCK_METHOD
 from .fp8_block import export_tensors as block_tensors
@@ -114,6 +114,8 @@ def save_pretrained(
         tensors.pop(f"{name}.k_scale", None)
         tensors.pop(f"{name}.v_scale", None)
     tensors = {checkpoint_key(k, block): v for k, v in tensors.items()}
+    if format == "compressed-tensors":  # experts transformers replaces by per-expert linears to load this format
+        ignore += unfuse_patched_experts(model, tensors, format)
     qtensors, qc, extra = format_tensors(format, model, qlayers, scheme, ignore, kv, experts)
     tensors.update(qtensors)
     cfg["quantization_config"] = qc

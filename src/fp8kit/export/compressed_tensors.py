@@ -54,6 +54,7 @@ from .experts import (
     checkpoint_key,
     experts_naming,
     experts_on_disk,
+    fuse_patched_experts,
     fused_expert_tensors,
     fused_keys,
     has_expert_tensors,
@@ -477,6 +478,7 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
         _, block = experts_naming(model)
         tensors = {model_key(k, block): v for k, v in tensors.items()}
     kv_scales = {k: tensors.pop(k) for k in list(tensors) if k.endswith((".k_scale", ".v_scale"))}
+    fuse_patched_experts(model, tensors, QUANT_METHOD)
     load_rest(model, path, tensors, names, dtype)
     return model, used.pop() if len(used) == 1 else "auto", names, kv_scales, bool(qc.get("kv_cache_scheme"))
 

@@ -1,18 +1,28 @@
-"""MoE experts in checkpoints: fp8kit's fused ``QuantExperts`` <-> the per-expert tensors a Hugging Face
-checkpoint of the architecture holds on disk.
+"""MoE experts in checkpoints: fp8kit's fused ``QuantExperts`` <-> the tensors a Hugging Face checkpoint of the
+architecture holds on disk.
 
-``transformers`` >= 5 fuses the experts of a layer into 3-D parameters when it loads a checkpoint, but
-the checkpoints (and vLLM's fused-MoE loaders, which read them through ``expert_params_mapping``) keep
-one ``nn.Linear``'s worth of tensors per expert:
+``transformers`` >= 5 fuses the experts of a layer into 3-D parameters when it loads a checkpoint; how the
+checkpoint holds them is a rule, not a list (``experts_on_disk``): fp8kit runs transformers' own
+``revert_weight_conversion`` (what its ``save_pretrained`` writes) on small probes of an experts module whose
+values name their expert and row, and reads the layout off the keys and values that come back:
 
-* Qwen2-MoE / Qwen3-MoE / OLMoE / DeepSeek-V2/V3 family: ``model.layers.L.mlp.experts.E.gate_proj.*``,
-  ``.up_proj.*``, ``.down_proj.*`` (router ``model.layers.L.mlp.gate.weight``);
-* Mixtral family: ``model.layers.L.block_sparse_moe.experts.E.w1.*`` (gate), ``.w3.*`` (up), ``.w2.*``
-  (down), router ``model.layers.L.block_sparse_moe.gate.weight`` (``transformers`` renames
-  ``block_sparse_moe`` to ``mlp`` on load).
+* ``"per_expert"``: one ``nn.Linear``'s worth of tensors per expert, under the names of the architecture's
+  ``WeightConverter`` (Qwen2-MoE family ``model.layers.L.mlp.experts.E.gate_proj`` / ``up_proj`` / ``down_proj``;
+  Mixtral and PhiMoE ``model.layers.L.block_sparse_moe.experts.E.w1`` (gate) / ``w3`` (up) / ``w2`` (down),
+  ``block_sparse_moe`` being renamed ``mlp`` on load). vLLM's fused-MoE loaders read them through
+  ``expert_params_mapping``, transformers merges them.
+* ``"fused"``: the fused 3-D tensors under their own ``.weight`` names (GraniteMoE's
+  ``block_sparse_moe.input_linear.weight`` ``(E, 2I, H)``; llm-compressor writes its quantized ones back so):
+  ``fused_expert_tensors`` writes the codes with ``weight_scale`` ``(E, out | 1, 1)``.
+* ``"linearized"``: transformers keeps the module's own 3-D parameters on disk (no conversion: GPT-OSS): fp8kit
+  writes llm-compressor's linearized per-expert layout, which vLLM reads.
 
-These are the ``WeightConverter`` source patterns of ``transformers.conversion_mapping`` for those model
-types. Each expert's projection gets its own tensors: ``weight`` (codes), ``weight_scale`` (that expert's
+Gate and up in halves or interleaved, the expert count and whether gate exists come from the module; where the
+probes come back reordered, split across prefixes or renamed beyond the MoE block's name, the export refuses
+(keep the experts in high precision). transformers 5 reads neither the fused nor the linearized quantized
+layout right (``transformers_refusal``): those exports make it refuse instead (``export.compressed_tensors``).
+
+Per expert, each projection gets its own tensors: ``weight`` (codes), ``weight_scale`` (that expert's
 scale; the fused ``gate_up`` scale is written to both ``gate`` and ``up``, per tensor, or split by rows, per
 channel) and, for static schemes, ``input_scale`` (the layer's shared scale, the same value for every
 expert: vLLM takes the max over experts, so it computes what fp8kit does). Reading takes the max over
@@ -29,7 +39,7 @@ GPT-OSS (``gpt_oss``) keeps gate and up interleaved in its fused ``gate_up_proj`
 llm-compressor's linearized one (``GptOssLinearExperts``): ``model.layers.L.mlp.experts.E.gate_proj.*`` from
 the even rows, ``.up_proj.*`` from the odd rows, ``.down_proj.*``, each with its ``bias`` (``gate_up_proj_bias``
 split the same way), router ``model.layers.L.mlp.router.*`` in high precision. Reading interleaves the rows
-back. A format whose readers take no quantized GPT-OSS experts is refused with the reason (``_NO_READER``).
+back. A format whose readers take no linearized experts (fp8-block, modelopt) is refused with the reason.
 """
 
 from __future__ import annotations
@@ -687,3 +697,83 @@ def load_fp4_experts(
         install_quant_experts(module, scheme, new)
         names.append(name)
     return names
+
+
+def _patch_table(quant_method: str, model: nn.Module) -> dict[str, nn.Module]:
+    """transformers' quantization patch table (``MODULES_TO_PATCH_FOR_QUANTIZATION``): the modules of ``model``
+    it replaces before it loads a ``quant_method`` checkpoint, each with the module it builds instead (on meta)."""
+    try:
+        from transformers.quantizers.base import MODULES_TO_PATCH_FOR_QUANTIZATION as table
+    except ImportError:
+        return {}
+    out = {}
+    for name, module in model.named_modules():
+        spec = table.get(type(module).__name__)
+        if spec and quant_method in spec["quantization_methods"]:
+            with torch.device("meta"):
+                out[name] = spec["module_name"](model.config.get_text_config())
+    return out
+
+
+def _patched_linears(name: str, module: nn.Module, patched: nn.Module) -> tuple[list[str], bool]:
+    """The per-expert linear names ``(gate, up, down)`` of the module transformers builds in place of the experts
+    module ``name``, and whether its fused ``gate_up_proj`` is stored ``(E, H, 2I)`` (transposed)."""
+    linears = [(n, m) for n, m in patched[0].named_modules() if isinstance(m, nn.Linear)]
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if len(linears) != 3 or not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
+        raise ExportError(
+            f"{name}: transformers replaces it by {type(patched).__name__}, whose layout fp8kit cannot map"
+        )
+    (g, gate), (u, up), (d, dn) = linears
+    inter, hidden = gate.out_features, gate.in_features
+    if (hidden, 2 * inter) == (2 * inter, hidden) or (up.out_features, dn.out_features) != (inter, hidden):
+        raise ExportError(f"{name}: square or mismatched expert weights: fp8kit cannot tell their orientation")
+    if tuple(gate_up.shape[1:]) not in ((hidden, 2 * inter), (2 * inter, hidden)):
+        raise ExportError(f"{name}: gate_up_proj {tuple(gate_up.shape)} does not fit {type(patched).__name__}")
+    return [g, u, d], tuple(gate_up.shape[1:]) == (hidden, 2 * inter)
+
+
+def unfuse_patched_experts(model: nn.Module, tensors: dict[str, torch.Tensor], quant_method: str) -> list[str]:
+    """High-precision experts modules that transformers replaces by per-expert linears before loading a
+    ``quant_method`` checkpoint (its patch table; Llama 4's ``Llama4TextExperts`` under compressed-tensors): their
+    fused ``gate_up_proj`` / ``down_proj`` in ``tensors`` become ``NAME.E.<gate|up|down linear>.weight`` as that
+    module names them, in place. Returns the ``ignore`` targets for them (one ``re:`` per module name pattern)."""
+    import re
+
+    patterns = []
+    for name, patched in _patch_table(quant_method, model).items():
+        key = f"{name}.gate_up_proj"
+        if key not in tensors:
+            continue  # quantized by fp8kit, or not stored here
+        module = model.get_submodule(name)
+        (g, u, d), transposed = _patched_linears(name, module, patched)
+        gate_up, down = tensors.pop(key), tensors.pop(f"{name}.down_proj")
+        for e in range(gate_up.shape[0]):
+            w = gate_up[e].t() if transposed else gate_up[e]  # (2I, H): gate rows, then up rows
+            half = w.shape[0] // 2
+            tensors[f"{name}.{e}.{g}.weight"] = w[:half].contiguous()
+            tensors[f"{name}.{e}.{u}.weight"] = w[half:].contiguous()
+            tensors[f"{name}.{e}.{d}.weight"] = (down[e].t() if transposed else down[e]).contiguous()
+        pattern = "\\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in name.split("."))
+        patterns.append(f"re:^{pattern}\\.\\d+\\.({g}|{u}|{d})$")
+    return list(dict.fromkeys(patterns))
+
+
+def fuse_patched_experts(model: nn.Module, tensors: dict[str, torch.Tensor], quant_method: str) -> None:
+    """Inverse of ``unfuse_patched_experts``, in place, for the experts modules whose per-expert tensors are there."""
+    for name, patched in _patch_table(quant_method, model).items():
+        module = model.get_submodule(name)
+        (g, u, d), transposed = _patched_linears(name, module, patched)
+        if f"{name}.0.{g}.weight" not in tensors:
+            continue
+        n = module.gate_up_proj.shape[0]
+        try:
+            w = [
+                torch.cat([tensors.pop(f"{name}.{e}.{g}.weight"), tensors.pop(f"{name}.{e}.{u}.weight")])
+                for e in range(n)
+            ]
+            down = [tensors.pop(f"{name}.{e}.{d}.weight") for e in range(n)]
+        except KeyError as err:
+            raise ExportError(f"tensor {err.args[0]} is missing") from err
+        tensors[f"{name}.gate_up_proj"] = torch.stack([x.t() if transposed else x for x in w])
+        tensors[f"{name}.down_proj"] = torch.stack([x.t() if transposed else x for x in down])
