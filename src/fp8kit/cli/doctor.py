@@ -64,7 +64,11 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
     d.add_argument("--lr", type=positive_float, default=DEFAULT_LR, help="learning rate (AdamW), as fp8kit train's")
     d.add_argument("--seed", type=int, default=0, help="seed of the weights and batches")
     d.add_argument("--text", type=text_file, default=None, help="use this UTF-8 text instead of the shipped corpus")
-    d.add_argument("--apply", action="store_true", help="re-run with the top fix and show whether the gap closed")
+    d.add_argument(
+        "--apply",
+        action="store_true",
+        help="re-run with the top fix (a recipe, BF16 layers, Smooth-SwiGLU) and show whether the finding is gone",
+    )
     d.add_argument(
         "--noise-floor",
         action="store_true",
@@ -108,15 +112,19 @@ def run(args: argparse.Namespace) -> int:
         f"fp8kit doctor ({recipe.kind} vs bf16, {report.steps} steps): "
         f"{'healthy' if report.healthy else report.kind} - {report.summary}"
     )
+    label = "latent" if report.kind == "latent" else "culprit"
     for c in report.culprits[:5]:
-        print(f"  culprit: {c.layer} {c.operand} from step {c.step}: {c.reason}")
+        print(f"  {label}: {c.layer} {c.operand} from step {c.step}: {c.reason}")
     for c in report.notes[: 3 if report.culprits else 5]:
         print(f"  note (no loss effect or marginal): {c.layer} {c.operand} from step {c.step}: {c.reason}")
     for i, r in enumerate(report.recommendations[:3], 1):
         print(f"  fix {i}: {r.action}")
     if report.applied:
         a = report.applied
-        print(f"  applied fix 1: gap {100 * a['gap_before']:+.2f}% -> {100 * a['gap_after']:+.2f}%")
+        print(
+            f"  applied fix 1: gap {100 * a['gap_before']:+.2f}% -> {100 * a['gap_after']:+.2f}%; "
+            f"after: {'healthy' if a['healthy_after'] else a['kind_after']}"
+        )
     print(f"wrote {path} (with loss.png, heatmaps.png, report.json, fp8_stats.jsonl)")
     print_device_peak(device)
     return 0

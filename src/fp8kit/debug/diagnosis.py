@@ -14,18 +14,33 @@ outranks a reading at the edge of a threshold whatever their steps. Departures o
 start at the same step are one fault seen in several places (an outlier channel shows in the input of
 the layer after it and in the gradient of the layer before it): they are listed in execution order,
 origin first. A departure whose score stays under ``marginal_db`` is a note, not a culprit.
+
+A GEMM input is read per channel too: its median-channel SQNR more than ``drop_db`` below its own clean
+baseline is a departure, and so, under a per-tensor recipe, is an outlier ratio (largest channel amax over
+the median channel's) that leaves the median channel less than ``HEADROOM_BINADES`` of the format's normal
+range: one channel's amax setting a scale that crushes the others, which the total SQNR, weighted by
+energy, does not show.
+
+Latent findings. When the loss shows no problem, a departure that persists, past a threshold in at least
+``LATENT_FRACTION`` of the steps from its first to the end of the run and in ``LATENT_MIN_STEPS`` or more,
+is **latent**: not yet a loss effect, not healthy either (it is how long FP8 runs begin to fail). So is a
+growing early-warning signal with a projected saturation step (``fp8kit.debug.trends``). A departure that
+recovers, and a growing signal without a saturation level, stay notes.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import statistics
+from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..recipes import DelayedScaling, Recipe
 from .detectors import SpikeDetector
+from .trends import Trend, find_trends
 
 __all__ = [
     "Culprit",
@@ -37,8 +52,10 @@ __all__ = [
     "final_gap",
     "find_departures",
     "module_of",
+    "persists",
     "rank",
     "recommend",
+    "trend_culprit",
 ]
 
 BASELINE_STEPS = 10  # clean readings an operand's SQNR baseline is the median of
@@ -47,6 +64,9 @@ SATURATION_PCT = 5.0  # % of values saturating that counts as a saturation surge
 UNDERFLOW_PCT = 20.0  # % of non-zero values underflowing that counts as an underflow surge (and 5x)
 EVENT_RATIO = 4.0  # departures starting at one step within this factor of the lead's score: one event
 NONFINITE_DB = 100.0  # what one step of non-finite values weighs, in dB past a threshold
+HEADROOM_BINADES = 3.0  # an outlier ratio within this many binades of its saturation level is a departure
+LATENT_FRACTION = 0.5  # a departure past a threshold in at least this share of its steps to the end persists
+LATENT_MIN_STEPS = 3  # ... and in at least this many steps
 
 
 @dataclass
@@ -60,6 +80,8 @@ class Culprit:
     severity: float  # dB past the threshold at the worst step, larger is worse
     steps: int = 1  # persistence: steps past a threshold, from ``step`` to the end of the run
     score: float = 0.0  # ranking weight: the dB past the threshold summed over those steps
+    span: int = 1  # steps from ``step`` to the end of the run
+    projected_step: int | None = None  # a growing signal (``operand`` names it): its projected saturation step
 
 
 @dataclass
@@ -67,6 +89,8 @@ class Recommendation:
     action: str
     fix: dict[str, Any]  # {"type": "bf16_layers", "layers": [...]} | {"type": "recipe", "recipe": "..."} | ...
     why: str
+    # a latent finding's fix: the figures it gives on the recorded operand ({"sqnr_db", "channel_sqnr_db"})
+    sqnr: dict[str, float] | None = None
 
 
 def _db_past(value: float, threshold: float) -> float:
@@ -75,7 +99,7 @@ def _db_past(value: float, threshold: float) -> float:
 
 
 def _reading(
-    r: dict[str, Any], clean: list[dict[str, Any]], drop_db: float, floor_db: float
+    r: dict[str, Any], clean: list[dict[str, Any]], drop_db: float, floor_db: float, outlier_level: float | None = None
 ) -> tuple[float, str] | None:
     """``(dB past the threshold, what happened)`` if this record departs from its clean history, else None."""
     if r.get("nonfinite", 0):
@@ -89,6 +113,31 @@ def _reading(
             found.append((base - sq - drop_db, f"SQNR fell {base - sq:.1f} dB to {sq:.1f} dB"))
     if sq < floor_db:  # NaN (an all-zero tensor) compares False
         found.append((floor_db - sq, f"SQNR {sq:.2f} dB is {floor_db - sq:.2f} dB below {floor_db:g} dB"))
+    ch = r.get("channel_sqnr_db", math.nan)
+    base_ch = [
+        p["channel_sqnr_db"] for p in clean[-BASELINE_STEPS:] if math.isfinite(p.get("channel_sqnr_db", math.nan))
+    ]
+    if len(base_ch) >= MIN_BASELINE and math.isfinite(ch):
+        base = statistics.median(base_ch)
+        if base - ch > drop_db:
+            ratio = r.get("outlier_ratio", math.nan)
+            found.append(
+                (
+                    base - ch - drop_db,
+                    f"median-channel SQNR fell {base - ch:.1f} dB to {ch:.1f} dB (one channel {ratio:.3g}x the median "
+                    "channel's amax sets the scale of all)",
+                )
+            )
+    ratio = r.get("outlier_ratio", math.nan)
+    if outlier_level is not None and ratio >= outlier_level / 2**HEADROOM_BINADES:
+        left = math.log2(outlier_level / ratio)
+        found.append(
+            (
+                _db_past(ratio, outlier_level / 2**HEADROOM_BINADES),
+                f"one channel {ratio:.3g}x the median channel's amax: under a per-tensor scale the median channel "
+                f"keeps {max(left, 0.0):.1f} binades of the format's normal range",
+            )
+        )
     recent = clean[-BASELINE_STEPS:]
     sat, uf = r["saturation_pct"], r["underflow_pct"]
     prev_sat = statistics.median([p["saturation_pct"] for p in recent]) if recent else 0.0
@@ -100,10 +149,14 @@ def _reading(
     return max(found, key=lambda f: f[0]) if found else None
 
 
-def find_departures(stats: list[dict[str, Any]], drop_db: float, floor_db: float) -> list[Culprit]:
+def find_departures(
+    stats: list[dict[str, Any]], drop_db: float, floor_db: float, outlier_level: float | None = None
+) -> list[Culprit]:
     """Every operand that departs, scored (unranked): one ``Culprit`` per (layer, operand).
 
-    ``stats`` are the inspector's records; those of recipe ``"actual"`` are read.
+    ``stats`` are the inspector's records; those of recipe ``"actual"`` are read. ``outlier_level``: the
+    outlier ratio that puts the median channel below the format's normal range under a per-tensor scale
+    (``trends``' saturation level; None for tile recipes): a ratio within ``HEADROOM_BINADES`` of it departs.
     """
     series: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in stats:
@@ -115,7 +168,7 @@ def find_departures(stats: list[dict[str, Any]], drop_db: float, floor_db: float
         clean: list[dict[str, Any]] = []
         past: list[tuple[dict[str, Any], float, str]] = []
         for r in recs:
-            reading = _reading(r, clean, drop_db, floor_db)
+            reading = _reading(r, clean, drop_db, floor_db, outlier_level)
             if reading is None:
                 clean.append(r)  # a departure never enters the baseline it is measured against
             else:
@@ -130,8 +183,31 @@ def find_departures(stats: list[dict[str, Any]], drop_db: float, floor_db: float
             details.append(f"amax/scale-amax {worst['staleness']:.3g}")
         when = f"at step {worst['step']}" if len(past) == 1 else f"worst at step {worst['step']}"
         reason = f"{what} ({', '.join(details)}); {when}, past a threshold in {len(past)} of {span} steps"
-        found.append(Culprit(layer, operand, first, reason, float(severity), len(past), float(sum(p[1] for p in past))))
+        kinds = Counter(_kind(p[2]) for p in past)
+        common, n_common = kinds.most_common(1)[0]
+        if common != _kind(what):  # what most of the steps show, when the worst step shows something else
+            reason += f"; in {n_common} of them: {next(p[2] for p in reversed(past) if _kind(p[2]) == common)}"
+        score = float(sum(p[1] for p in past))
+        found.append(Culprit(layer, operand, first, reason, float(severity), len(past), score, span))
     return found
+
+
+def _kind(what: str) -> str:
+    """The kind of a reading's description: its words before the first figure."""
+    return re.match(r"[^\d]*", what).group()
+
+
+def persists(c: Culprit) -> bool:
+    """Whether a departure persists (module docstring: a latent finding when the loss shows nothing)."""
+    return c.steps >= LATENT_MIN_STEPS and c.steps >= LATENT_FRACTION * c.span
+
+
+def trend_culprit(t: Trend) -> Culprit:
+    """A growing early-warning signal as a finding: ``operand`` is the signal, ``step`` the first warning,
+    ``severity`` the fitted growth per step in dB, ``score`` that over the steps it has warned for."""
+    rate_db = 10 * math.log10(t.growth_per_step)
+    steps = t.steps_warned
+    return Culprit(t.layer, t.signal, t.step, t.reason, rate_db, steps, rate_db * steps, steps, t.projected_step)
 
 
 def rank(departures: list[Culprit], order: list[str], marginal_db: float) -> tuple[list[Culprit], list[Culprit]]:
@@ -230,11 +306,12 @@ def classify(
 
 @dataclass
 class Diagnosis:
-    kind: str  # "spike" | "divergence" | "gap" | "none"
+    kind: str  # "spike" | "divergence" | "gap" | "latent" | "none"
     summary: str
     spikes: dict[str, list[int]]  # loss spikes of "fp8" and "bf16" (steps)
-    culprits: list[Culprit]  # most suspect first; empty when the loss shows no problem
-    notes: list[Culprit]  # departures without a loss effect, or marginal ones
+    culprits: list[Culprit]  # most suspect first (latent: the latent findings); empty when healthy
+    notes: list[Culprit]  # departures without a loss effect that recover, or marginal ones
+    trends: list[Trend] = field(default_factory=list)  # every growing early-warning signal
 
 
 def diagnose(
@@ -246,28 +323,48 @@ def diagnose(
     drop_db: float,
     floor_db: float,
     marginal_db: float,
+    saturation: Mapping[str, float] | None = None,
 ) -> Diagnosis:
     """The diagnosis of one doctor run: ``run`` holds ``losses`` (``"bf16"``, ``"fp8"`` and, with a noise
     floor, ``"bf16_nudged"``), ``stopped``, ``stats`` (the inspector's records), ``order`` (layers in execution
-    order) and ``first_nonfinite`` (the NaN detector's finding).
+    order) and ``first_nonfinite`` (the NaN detector's finding). ``saturation``: the signals' saturation
+    levels (``trends.find_trends``).
     """
     losses = run["losses"]
     noise = final_gap({"fp8": losses["bf16_nudged"], "bf16": losses["bf16"]}) if "bf16_nudged" in losses else None
     kind, summary, spikes = classify(run["losses"], run["stopped"], gap_tol, divergence_tol, spike_z, noise)
-    culprits, notes = rank(find_departures(run["stats"], drop_db, floor_db), run["order"], marginal_db)
+    level = (saturation or {}).get("outlier_ratio")
+    culprits, notes = rank(find_departures(run["stats"], drop_db, floor_db, level), run["order"], marginal_db)
     f = run["first_nonfinite"]
     if f is not None and not (culprits and culprits[0].layer == f["layer"]):
         # the NaN detector names where the first non-finite value appears, inside or outside FP8 layers
         culprits.insert(0, Culprit(f["layer"], f["operand"], f["step"], "first non-finite value", NONFINITE_DB))
-    if kind == "none":  # the loss shows no problem: what departed is noted, nothing is a culprit
-        notes = sorted(culprits + notes, key=lambda c: -c.score)
-        culprits = []
-        summary += (
-            f"; {len(notes)} numerics departures noted, none with a loss effect"
-            if notes
-            else "; no layer shows a numerics anomaly"
-        )
-    return Diagnosis(kind, summary, spikes, culprits, notes)
+    trends = find_trends(run["stats"], saturation)
+    if kind == "none":  # the loss shows no problem: what persists or grows is latent, the rest is noted
+        latent = [c for c in culprits if persists(c)]
+        latent += [trend_culprit(t) for t in trends if t.projected_step is not None]
+        notes = sorted([c for c in culprits + notes if c not in latent], key=lambda c: -c.score)
+        notes += [trend_culprit(t) for t in trends if t.projected_step is None]
+        culprits = latent
+        if latent:
+            kind, top = "latent", latent[0]
+            summary += (
+                f"; latent: {top.layer} {top.operand} {_latent_what(top)}, no loss effect yet"
+                f" ({len(latent)} latent finding{'s' * (len(latent) > 1)}, {len(notes)} notes)"
+            )
+        else:
+            summary += (
+                f"; {len(notes)} numerics departures noted, none with a loss effect"
+                if notes
+                else "; no layer shows a numerics anomaly"
+            )
+    return Diagnosis(kind, summary, spikes, culprits, notes, trends)
+
+
+def _latent_what(c: Culprit) -> str:
+    if c.projected_step is not None:
+        return f"grows from step {c.step}, projected to saturate at step {c.projected_step}"
+    return f"past a threshold in {c.steps} of the {c.span} steps since step {c.step}"
 
 
 def recommend(culprits: list[Culprit], recipe: Recipe, fp8_layers: list[str]) -> list[Recommendation]:

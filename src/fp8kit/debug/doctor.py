@@ -14,10 +14,12 @@ ranks fixes:
 
 Culprits are operands whose readings depart from their own clean history (SQNR ``drop_db`` below it),
 fall under ``floor_db``, or saturate or underflow, ranked by severity times persistence (dB past the
-threshold summed over the steps past it). The run is ``healthy`` when the loss shows none of the three
-problems: then it has no culprits, and its departures are listed as ``notes``, as are, in any run, the
-departures that score under ``marginal_db`` (a reading at the edge of a threshold). Fixes are
-recommended only for a problem.
+threshold summed over the steps past it). When the loss shows none of the three problems, the run is
+``latent`` if an operand's departure persists for most of the run or an early-warning signal grows toward
+saturation (``fp8kit.debug.trends``): its culprits are those findings, and its fixes (``debug.fixes``)
+carry the SQNR each gives on the recorded operand. Otherwise it is ``healthy``: no culprits, and its
+departures listed as ``notes``, as are, in any run, the departures that score under ``marginal_db`` (a
+reading at the edge of a threshold). Fixes are recommended only for a problem or a latent finding.
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ from ..nn.linear import Linear as FP8Linear
 from ..recipes import CurrentScaling, DelayedScaling, Recipe, recipe_from_name
 from .detectors import NaNDetector
 from .diagnosis import Culprit, Recommendation, diagnose, final_gap, recommend
+from .fixes import latent_fixes, operand_layer
 from .inspector import Inspector, expert_param_names
+from .trends import Trend
 
 __all__ = ["DEFAULT_LR", "DEFAULT_STEPS", "Culprit", "DoctorReport", "Recommendation", "default_loss", "doctor"]
 
@@ -50,8 +54,8 @@ DEFAULT_LR = 2e-3  # AdamW learning rate: the demo model's peak rate in ``fp8kit
 @dataclass
 class DoctorReport:
     healthy: bool
-    kind: str
-    culprits: list[Culprit]  # most suspect first; empty in a healthy run
+    kind: str  # "spike" | "divergence" | "gap" | "latent" | "none" (healthy)
+    culprits: list[Culprit]  # most suspect first (latent: the latent findings); empty in a healthy run
     recommendations: list[Recommendation]
     summary: str
     recipe: str
@@ -64,6 +68,7 @@ class DoctorReport:
     spikes: dict[str, list[int]] = field(default_factory=dict)
     applied: dict[str, Any] | None = None
     notes: list[Culprit] = field(default_factory=list)  # departures without a loss effect, or marginal ones
+    trends: list[Trend] = field(default_factory=list)  # growing early-warning signals (``debug.trends``)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -130,10 +135,11 @@ def _pair_models(
     recipe: Recipe,
     module_filter: Callable[[str, nn.Module], bool] | None,
     prepare_fp8: Callable[[nn.Module], None] | None,
+    convert_kwargs: dict[str, Any] | None = None,
 ) -> tuple[nn.Module, nn.Module, list[str]]:
     """``(BF16 copy, FP8 copy, names of the FP8 layers)`` of ``model``, both in training mode."""
     ref = to_bf16_gemms(copy.deepcopy(model))
-    fp8 = convert(copy.deepcopy(model), recipe, module_filter)
+    fp8 = convert(copy.deepcopy(model), recipe, module_filter, **(convert_kwargs or {}))
     to_bf16_gemms(fp8)
     names = [n for n, m in fp8.named_modules() if isinstance(m, (FP8Linear, FP8Experts))]
     if not names:
@@ -165,6 +171,7 @@ def _train_pair(
     seed: int,
     progress: bool = False,
     desc: str = "bf16 + fp8",
+    convert_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train a BF16 and an FP8 copy of ``model`` in lockstep on ``batches``, recording per step both losses,
     each FP8 layer's output error and each weight's gradient error against the BF16 copy, and the
@@ -172,7 +179,7 @@ def _train_pair(
     from ..progress import bar
 
     torch.manual_seed(seed)
-    ref, fp8, names = _pair_models(model, recipe, module_filter, prepare_fp8)
+    ref, fp8, names = _pair_models(model, recipe, module_filter, prepare_fp8, convert_kwargs)
     opts = (torch.optim.AdamW(ref.parameters(), lr=lr), torch.optim.AdamW(fp8.parameters(), lr=lr))
     losses: dict[str, list[float]] = {"bf16": [], "fp8": []}
     layer_error: dict[str, list[float]] = {n: [] for n in names}
@@ -222,6 +229,8 @@ def _train_pair(
         "first_nonfinite": first_nonfinite,
         "stopped": stopped,
         "names": names,
+        "model": fp8,
+        "last_batch": batches[min(len(losses["fp8"]), len(batches)) - 1],
     }
 
 
@@ -272,7 +281,8 @@ def _grad(module: nn.Module, attr: str, expert: int | None) -> torch.Tensor | No
     return g if g is None or expert is None else g[expert]
 
 
-def _fix_kwargs(fix: dict[str, Any], recipe: Recipe, module_filter):
+def _fix_kwargs(fix: dict[str, Any], recipe: Recipe, module_filter, names: list[str]):
+    """``(recipe or per-layer plan, module_filter, convert keywords)`` that apply ``fix``."""
     if fix["type"] == "bf16_layers":
         skip = set(fix["layers"])
         base = module_filter
@@ -280,14 +290,68 @@ def _fix_kwargs(fix: dict[str, Any], recipe: Recipe, module_filter):
         def filt(name: str, m: nn.Module) -> bool:
             return name not in skip and (base(name, m) if base else True)
 
-        return recipe, filt
+        return recipe, filt, {}
     if fix["type"] == "recipe":
         if fix["recipe"] == "delayed":
-            return DelayedScaling(amax_history_len=fix["amax_history_len"], margin=fix["margin"]), module_filter
+            return DelayedScaling(amax_history_len=fix["amax_history_len"], margin=fix["margin"]), module_filter, {}
         if fix["recipe"] == "current":
-            return CurrentScaling(), module_filter
-        return recipe_from_name(fix["recipe"]), module_filter
+            return CurrentScaling(), module_filter, {}
+        return recipe_from_name(fix["recipe"]), module_filter, {}
+    if fix["type"] == "layer_recipe":
+        plan: dict[str, Recipe] = {n: recipe for n in names}
+        plan.update(dict.fromkeys(fix["layers"], recipe_from_name(fix["recipe"])))
+        return plan, module_filter, {}
+    if fix["type"] == "smooth_swiglu":
+        return recipe, module_filter, {"smooth_swiglu": True}
     raise ValueError(f"doctor cannot apply a {fix['type']!r} fix automatically")
+
+
+@torch.no_grad()
+def _capture_input(model: nn.Module, layer: str, batch: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor]):
+    """``layer``'s input in one more forward of ``model`` on ``batch`` (the recorded operand)."""
+    seen: dict[str, torch.Tensor] = {}
+    handle = model.get_submodule(layer).register_forward_pre_hook(lambda _m, a: seen.setdefault("x", a[0].detach()))
+    try:
+        loss_fn(model, batch)
+    finally:
+        handle.remove()
+    return seen.get("x")
+
+
+def _clean_channel_sqnr(stats: list[dict[str, Any]], layer: str, before: int) -> float | None:
+    """The median of ``layer``'s input median-channel SQNR readings before step ``before`` (None: none)."""
+    vals = [
+        r["channel_sqnr_db"]
+        for r in stats
+        if r["layer"] == layer and r["operand"] == "input" and r["recipe"] == "actual" and r["step"] < before
+        and math.isfinite(r.get("channel_sqnr_db", math.nan))
+    ]  # fmt: skip
+    return sorted(vals)[len(vals) // 2] if vals else None
+
+
+def _latent_recommendations(
+    culprits: list[Culprit], run: dict[str, Any], recipe: Recipe, loss_fn: Callable[[nn.Module, Any], torch.Tensor]
+) -> list[Recommendation]:
+    """The ranked fixes of the first latent finding about an FP8 layer's input (``debug.fixes``)."""
+    for c in culprits:
+        layer = operand_layer(c, run["names"])
+        if layer is None:
+            continue
+        x = _capture_input(run["model"], layer, run["last_batch"], loss_fn)
+        if x is not None:
+            clean = _clean_channel_sqnr(run["stats"], layer, c.step)
+            return latent_fixes(c, layer, x, run["model"], recipe, clean)
+    return []
+
+
+def saturation_levels(recipe: Recipe) -> dict[str, float]:
+    """The early-warning signals' saturation levels under ``recipe`` (``trends.find_trends``): under a
+    per-tensor input scale, an outlier ratio of ``fmt.max / fmt.min_normal`` puts the median channel below
+    the format's normal range; tile recipes give each tile its own scale, so the ratio has no such level."""
+    if not recipe.per_tensor:
+        return {}
+    fmt = recipe.format_for("input")
+    return {"outlier_ratio": fmt.max / fmt.min_normal}
 
 
 def doctor(
@@ -320,7 +384,8 @@ def doctor(
         loss_fn: ``loss_fn(model, batch) -> scalar`` (default: ``.loss`` of the output, or its mean).
         module_filter: as in ``fp8kit.convert``.
         prepare_fp8: called once on the converted FP8 copy before training (to attach hooks).
-        apply: re-run with the top recommended fix and store the outcome in ``report.applied``.
+        apply: re-run with the top recommended fix (a recipe, layers in BF16, a tile recipe for one layer,
+            Smooth-SwiGLU) and store the outcome in ``report.applied``.
         gap_tol, divergence_tol: relative loss excess of FP8 over BF16 that makes a gap, a divergence.
         drop_db, floor_db: an operand departs when its SQNR falls ``drop_db`` below its own clean
             history or under ``floor_db``.
@@ -349,14 +414,19 @@ def doctor(
         "drop_db": drop_db,
         "floor_db": floor_db,
         "marginal_db": marginal_db,
+        "saturation": saturation_levels(recipe),
     }
     run = _train_pair(model, data, recipe, loss_fn, lr, module_filter, prepare_fp8, seed, progress)
     if noise_floor:
         run["losses"]["bf16_nudged"] = _nudged_losses(model, data, loss_fn, lr, run["names"][0], seed)
     found = diagnose(run, **limits)
-    # fixes are recommended for problems the loss shows; departures without a loss effect (e.g. a delayed
-    # scale one step stale while gradients grow after the first update) are notes and do not alarm
-    recs = recommend(found.culprits, recipe, run["names"]) if found.kind != "none" else []
+    # fixes are recommended for problems the loss shows and for latent findings; departures without a loss
+    # effect that recover (e.g. a delayed scale one step stale while gradients grow after the first update)
+    # are notes and do not alarm
+    if found.kind == "latent":
+        recs = _latent_recommendations(found.culprits, run, recipe, loss_fn)
+    else:
+        recs = recommend(found.culprits, recipe, run["names"]) if found.kind != "none" else []
     report = DoctorReport(
         healthy=found.kind == "none",
         kind=found.kind,
@@ -372,12 +442,15 @@ def doctor(
         first_nonfinite=run["first_nonfinite"],
         spikes=found.spikes,
         notes=found.notes,
+        trends=found.trends,
     )
     if apply and recs:
         top = next((r for r in recs if r.fix["type"] != "manual"), None)
         if top is not None:
-            new_recipe, new_filter = _fix_kwargs(top.fix, recipe, module_filter)
-            rerun = _train_pair(model, data, new_recipe, loss_fn, lr, new_filter, prepare_fp8, seed, progress, "fix")
+            new_recipe, new_filter, kwargs = _fix_kwargs(top.fix, recipe, module_filter, run["names"])
+            rerun = _train_pair(
+                model, data, new_recipe, loss_fn, lr, new_filter, prepare_fp8, seed, progress, "fix", kwargs
+            )
             if noise_floor:  # the BF16 copies train as before: the same spread
                 rerun["losses"]["bf16_nudged"] = run["losses"]["bf16_nudged"]
             after = diagnose(rerun, **limits)
@@ -388,6 +461,7 @@ def doctor(
                 "kind_after": after.kind,
                 "summary_after": after.summary,
                 "culprits_after": [asdict(c) for c in after.culprits[:5]],
+                "healthy_after": after.kind == "none",
                 "losses_after": rerun["losses"],
             }
     return report

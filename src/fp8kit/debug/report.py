@@ -23,6 +23,7 @@ def _view(result: Mapping[str, Any]) -> SimpleNamespace:
     rep.culprits = [SimpleNamespace(**c) for c in result.get("culprits", [])]
     rep.recommendations = [SimpleNamespace(**r) for r in result.get("recommendations", [])]
     rep.notes = [SimpleNamespace(**c) for c in result.get("notes", [])]
+    rep.trends = [SimpleNamespace(**t) for t in result.get("trends", [])]
     return rep
 
 
@@ -30,7 +31,15 @@ def report_markdown(result: Mapping[str, Any], stats: Sequence[Mapping[str, Any]
     """Markdown of a doctor result (``DoctorReport.to_dict()``); with the per-layer ``stats``, the MoE
     experts' per-expert figures of the last step too."""
     rep = _view(result)
-    status = "healthy" if rep.healthy else f"problem: **{rep.kind}**" if rep.kind != "none" else "anomalies found"
+    status = (
+        "healthy"
+        if rep.healthy
+        else "latent"
+        if rep.kind == "latent"
+        else f"problem: **{rep.kind}**"
+        if rep.kind != "none"
+        else "anomalies found"
+    )
     lines = [
         f"# fp8kit doctor: {status}",
         "",
@@ -42,8 +51,14 @@ def report_markdown(result: Mapping[str, Any], stats: Sequence[Mapping[str, Any]
     if rep.first_nonfinite:
         f = rep.first_nonfinite
         lines += [f"**First non-finite value:** {f['operand']} of `{f['layer']}` at step {f['step']}.", ""]
+    culprits = (
+        "Latent findings (no loss effect yet: an operand past a threshold for most of the run, or a signal "
+        "growing toward saturation)"
+        if rep.kind == "latent"
+        else "Culprits (most suspect first: dB past a threshold, summed over the steps past it)"
+    )
     for title, rows in (
-        ("Culprits (most suspect first: dB past a threshold, summed over the steps past it)", rep.culprits),
+        (culprits, rep.culprits),
         ("Notes (departures without a loss effect, or at the edge of a threshold)", rep.notes),
     ):
         if rows:
@@ -54,6 +69,7 @@ def report_markdown(result: Mapping[str, Any], stats: Sequence[Mapping[str, Any]
         lines += ["## Recommendations (ranked)", ""]
         lines += [f"{i}. {r.action}. *Why:* {r.why}." for i, r in enumerate(rep.recommendations, 1)]
         lines.append("")
+    lines += _trends_table(rep.trends)
     lines += _experts_table(stats)
     if rep.applied:
         a = rep.applied
@@ -61,7 +77,8 @@ def report_markdown(result: Mapping[str, Any], stats: Sequence[Mapping[str, Any]
             "## Top fix applied",
             "",
             f"{a['fix']}: final gap to BF16 {100 * a['gap_before']:+.2f}% -> {100 * a['gap_after']:+.2f}%; "
-            f"after: {a['summary_after']} ({len(a['culprits_after'])} culprits).",
+            f"after: {a['summary_after']} ({len(a['culprits_after'])} "
+            f"{'latent findings' if a.get('kind_after') == 'latent' else 'culprits'}).",
             "",
         ]
     lines += [
@@ -78,6 +95,24 @@ def report_markdown(result: Mapping[str, Any], stats: Sequence[Mapping[str, Any]
 
 
 _TABLE_HEAD = "| layer | operand | first step | steps past | score (dB x steps) | what happened |"
+
+
+def _trends_table(trends: list[SimpleNamespace]) -> list[str]:
+    """The growing early-warning signals (``debug.trends``), most urgent first."""
+    if not trends:
+        return []
+    out = [
+        "## Early warning (growing signals)",
+        "",
+        "| layer | signal | warns from step | x per step | projected saturation step | trend |",
+        "|---|---|---|---|---|---|",
+    ]
+    for t in trends:
+        at = "-" if t.projected_step is None else str(t.projected_step)
+        out.append(f"| `{t.layer}` | {t.signal} | {t.step} | {t.growth_per_step:.2f} | {at} | {t.reason} |")
+    return [*out, ""]
+
+
 EXPERT_ROWS = 20  # experts' readings listed (lowest SQNR first)
 
 

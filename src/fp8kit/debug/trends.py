@@ -65,6 +65,7 @@ class Trend:
     projected_step: int | None  # when the fit reaches the saturation level (None: the signal has none)
     saturation: float | None  # that level
     reason: str
+    steps_warned: int = 1  # readings from ``step`` to the last, all growing
 
 
 @torch.no_grad()
@@ -201,6 +202,7 @@ def find_trends(stats: Iterable[Mapping[str, Any]], saturation: Mapping[str, flo
                 projected_step=projected,
                 saturation=level,
                 reason=_reason(signal, points, rate, projected, level),
+                steps_warned=len(points) - first,
             )
         )
     found.sort(key=lambda t: (t.projected_step if t.projected_step is not None else math.inf, -t.growth_per_step))
