@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ __all__ = [
     "AttentionRecipe",
     "FP8AttentionState",
     "attention_recipe",
+    "calibrate_fp8_attention",
     "enable_fp8_attention",
     "fp8_attention",
 ]
@@ -479,3 +481,34 @@ def enable_fp8_attention(model: nn.Module, recipe: AttentionRecipe | str | bool 
         top._attn_implementation = ATTN_NAME
     log.info("fp8kit: FP8 attention (%s, %s) in %d block(s)", recipe.scaling, recipe.granularity, len(blocks))
     return list(blocks)
+
+
+def attention_states(model: nn.Module) -> dict[str, FP8AttentionState]:
+    """The FP8 attention states of ``model`` by qualified name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, FP8AttentionState)}
+
+
+@torch.no_grad()
+def calibrate_fp8_attention(model: nn.Module, forward_loop: Callable[[nn.Module], object]) -> None:
+    """Static attention scales: run ``forward_loop(model)`` with the FP8 attention states recording (the rest of
+    the model keeps its mode), so that afterwards, in evaluation mode, Q, K, V and P are quantized with the
+    delayed scales of the amaxes seen (per tensor or per head, as the states' recipe says; the max over the
+    calibration, ``amax_compute_algo="max"``). Needs delayed attention scaling (current scaling has no static
+    scales); raises ``ValueError`` otherwise or where ``model`` has no FP8 attention."""
+    states = attention_states(model)
+    if not states:
+        raise ValueError("calibrate_fp8_attention: the model has no FP8 attention (fp8kit.convert(..., attention=))")
+    current = [n for n, s in states.items() if s.attention_recipe.scaling != "delayed"]
+    if current:
+        raise ValueError(
+            f"calibrate_fp8_attention: {current[0]} uses current scaling, which has no static scales; enable FP8 "
+            "attention with attention='delayed' (or 'delayed-head') first"
+        )
+    modes = {n: s.training for n, s in states.items()}
+    try:
+        for s in states.values():
+            s.train()
+        forward_loop(model)
+    finally:
+        for n, s in states.items():
+            s.train(modes[n])
