@@ -245,3 +245,27 @@ def test_compiled_equals_eager(backend: str) -> None:
             results.append([out, *(t.grad for t in leaves)])
         assert _equal(*results)
     assert torch.equal(eager.state.fp8_scale, compiled.state.fp8_scale)
+
+
+def test_calibrated_static_scales() -> None:
+    """After calibration, evaluation quantizes with the calibrated per-head scales and changes no state."""
+    from fp8kit.models.llama import build_llama
+    from fp8kit.nn.attention import attention_states, calibrate_fp8_attention
+
+    model = _tiny(build_llama).eval()
+    g = torch.Generator().manual_seed(2)
+    calib = [torch.randint(0, 256, (2, 32), generator=g) for _ in range(2)]
+    fp8kit.convert(model, "delayed", module_filter=lambda name, module: False, attention="current")
+    with pytest.raises(ValueError, match="delayed"):
+        calibrate_fp8_attention(model, lambda m: [m(input_ids=x) for x in calib])
+    fp8kit.convert(model, "delayed", module_filter=lambda name, module: False, attention="delayed-head")
+    calibrate_fp8_attention(model, lambda m: [m(input_ids=x) for x in calib])
+    states = attention_states(model)
+    assert all(not s.training for s in states.values())
+    for s in states.values():
+        for n in ("q", "k", "v", "p"):
+            assert bool((s.fp8_seen[s.index(n)] == len(calib)).all())
+    frozen = {n: s.fp8_scale.clone() for n, s in states.items()}
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 256, (1, 40), generator=g))
+    assert all(torch.equal(frozen[n], s.fp8_scale) for n, s in states.items())

@@ -472,7 +472,7 @@ def enable_fp8_attention(model: nn.Module, recipe: AttentionRecipe | str | bool 
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         device = next(itertools.chain(m.parameters(), m.buffers()), torch.empty(0)).device
-        m.add_module(STATE_NAME, FP8AttentionState(recipe, heads, kv_heads).to(device))
+        m.add_module(STATE_NAME, FP8AttentionState(recipe, heads, kv_heads).to(device).train(m.training))
         if cfg._attn_implementation != ATTN_NAME:
             cfg._fp8kit_previous_attn = cfg._attn_implementation
         cfg._attn_implementation = ATTN_NAME
