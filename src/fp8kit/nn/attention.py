@@ -184,6 +184,12 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
     return (x.float() * scale).clamp(-fmt.max, fmt.max).to(fmt.dtype)
 
 
+def _repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
+    """``(B, Hkv, S, D)`` -> ``(B, Hkv * rep, S, D)``: each key/value head serves ``rep`` query heads (GQA)."""
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, rep, s, d).reshape(b, h * rep, s, d)
+
+
 def _heads(t: torch.Tensor, rep: int = 1) -> torch.Tensor:
     """A per-head (or one-element) float32 tensor as ``(1, H, 1, 1)``, repeated ``rep`` times per head."""
     t = t.float().reshape(-1)
@@ -235,8 +241,8 @@ class _FP8Attention(torch.autograd.Function):
         rep = hq // hkv
         sc = {n: _heads(state.scale(n, state.amax(x), record), 1) for n, x in (("q", q), ("k", k), ("v", v))}
         qc = _cast(q, sc["q"], QKVP_FORMAT)
-        kc = _cast(k, sc["k"], QKVP_FORMAT).repeat_interleave(rep, 1)
-        vc = _cast(v, sc["v"], QKVP_FORMAT).repeat_interleave(rep, 1)
+        kc = _repeat_kv(_cast(k, sc["k"], QKVP_FORMAT), rep)
+        vc = _repeat_kv(_cast(v, sc["v"], QKVP_FORMAT), rep)
         factor = (1.0 / sc["q"]) * (1.0 / _heads(sc["k"], rep)) * masking.scaling
         spans = _blocks(skv, block)
         m = torch.full((b, hq, sq, 1), float("-inf"), device=q.device)
