@@ -21,6 +21,9 @@ $py -c "import fp8kit" 2>/dev/null || export PYTHONPATH="$PWD/src:${PYTHONPATH:-
 timeout 150 $py -m pytest -q -p no:cacheprovider tests/kernels/test_cuda.py tests/ptq/test_ptq_kernels.py tests/kernels/test_kernels.py \
     tests/nn/test_linear.py tests/nn/test_nvfp4.py tests/cli/test_device_cuda.py tests/ptq/test_ptq_sequential.py \
     -k cuda 2>&1 | tee "$out/tests.log"
+# FP8 attention on CUDA: emulated (torch has no FP8 attention kernel with a backward; the log says so), bit-exact
+# with the reference run on the GPU
+timeout 60 $py -m pytest -q -p no:cacheprovider tests/nn/test_attention.py -k cuda 2>&1 | tee "$out/attention.log"
 timeout 30 $py benchmarks/quantize.py --device cuda --sizes 4,64 2>&1 | tee "$out/quantize.log"
 timeout 150 $py benchmarks/linear.py --shapes 4096x8192,8192x8192 --no-eager --recipes current,rowwise,block,delayed \
     --reps 10 2>&1 | tee "$out/linear.log"

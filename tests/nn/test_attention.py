@@ -245,3 +245,49 @@ def test_compiled_equals_eager(backend: str) -> None:
             results.append([out, *(t.grad for t in leaves)])
         assert _equal(*results)
     assert torch.equal(eager.state.fp8_scale, compiled.state.fp8_scale)
+
+
+def test_calibrated_static_scales() -> None:
+    """After calibration, evaluation quantizes with the calibrated per-head scales and changes no state."""
+    from fp8kit.models.llama import build_llama
+    from fp8kit.nn.attention import attention_states, calibrate_fp8_attention
+
+    model = _tiny(build_llama).eval()
+    g = torch.Generator().manual_seed(2)
+    calib = [torch.randint(0, 256, (2, 32), generator=g) for _ in range(2)]
+    fp8kit.convert(model, "delayed", module_filter=lambda name, module: False, attention="current")
+    with pytest.raises(ValueError, match="delayed"):
+        calibrate_fp8_attention(model, lambda m: [m(input_ids=x) for x in calib])
+    fp8kit.convert(model, "delayed", module_filter=lambda name, module: False, attention="delayed-head")
+    calibrate_fp8_attention(model, lambda m: [m(input_ids=x) for x in calib])
+    states = attention_states(model)
+    assert all(not s.training for s in states.values())
+    for s in states.values():
+        for n in ("q", "k", "v", "p"):
+            assert bool((s.fp8_seen[s.index(n)] == len(calib)).all())
+    frozen = {n: s.fp8_scale.clone() for n, s in states.items()}
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 256, (1, 40), generator=g))
+    assert all(torch.equal(frozen[n], s.fp8_scale) for n, s in states.items())
+
+
+def test_observed_operand_statistics() -> None:
+    """SQNR, underflow and per-head amax of Q, K, V and P; sharp scores flush small probabilities to zero."""
+    from fp8kit.nn.attention import attention_stats, observe_fp8_attention
+
+    class Holder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fp8_attention = FP8AttentionState(AttentionRecipe("current", "head"), HQ, HKV)
+
+    holder = Holder()
+    q, k, v, _, _ = _inputs()
+    with observe_fp8_attention(holder) as states:
+        fp8_attention(q, k, v, holder.fp8_attention, causal=True)
+        fp8_attention(q * 8, k, v, holder.fp8_attention, causal=True)
+    fp8_attention(q, k, v, holder.fp8_attention)  # not observed
+    rows = {r["operand"]: r for r in attention_stats(states)}
+    assert set(rows) == {"Q", "K", "V", "P"} and len(holder.fp8_attention.observed) == 2
+    assert 25 < rows["Q"]["sqnr_db"] < 40 and rows["Q"]["saturated"] == 0
+    assert rows["Q"]["amax"] == pytest.approx((q.float() * 8).abs().amax(dim=(0, 2, 3)).tolist())
+    assert rows["P"]["underflow"] > 0 and rows["P"]["amax"] == [1.0] * HQ

@@ -26,6 +26,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,8 +44,12 @@ __all__ = [
     "AttentionRecipe",
     "FP8AttentionState",
     "attention_recipe",
+    "attention_states",
+    "attention_stats",
+    "calibrate_fp8_attention",
     "enable_fp8_attention",
     "fp8_attention",
+    "observe_fp8_attention",
 ]
 
 log = logging.getLogger("fp8kit")
@@ -125,6 +132,8 @@ class FP8AttentionState(nn.Module):
         self.recipe = recipe.delayed
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.defer_scaling_update = False
+        self.observing = False  # append each call's operand statistics to ``observed`` (observe_fp8_attention)
+        self.observed: list[dict[str, dict[str, Any]]] = []
         heads = num_heads if recipe.granularity == "head" else 1
         self.fp8_state = DelayedScalingState(self, self.recipe, ("input", "grad"), lead=(4, heads))
 
@@ -182,6 +191,12 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
     return (x.float() * scale).clamp(-fmt.max, fmt.max).to(fmt.dtype)
 
 
+def _repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
+    """``(B, Hkv, S, D)`` -> ``(B, Hkv * rep, S, D)``: each key/value head serves ``rep`` query heads (GQA)."""
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, rep, s, d).reshape(b, h * rep, s, d)
+
+
 def _heads(t: torch.Tensor, rep: int = 1) -> torch.Tensor:
     """A per-head (or one-element) float32 tensor as ``(1, H, 1, 1)``, repeated ``rep`` times per head."""
     t = t.float().reshape(-1)
@@ -225,6 +240,38 @@ def _blocks(n: int, size: int) -> list[tuple[int, int]]:
     return [(j, min(j + size, n)) for j in range(0, n, size)]
 
 
+def _observe_block(sums: list, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
+    """Add a block's P statistics (``x`` quantized to ``codes`` with ``scale``) to ``sums`` (see ``_summary``)."""
+    deq = codes / scale.double()
+    x64 = x.double()
+    sums[0] += float(x64.pow(2).sum())
+    sums[1] += float((x64 - deq).pow(2).sum())
+    sums[2] += int((x != 0).sum())
+    sums[3] += int(((x != 0) & (codes == 0)).sum())
+    sums[4] += int((x * scale > QKVP_FORMAT.max).sum())
+
+
+def _summary(sums: list) -> dict[str, float]:
+    """SQNR (dB) and the fractions of nonzero values flushed to zero and of values saturated."""
+    signal, noise, nonzero, flushed, saturated = sums
+    sqnr = float("inf") if noise == 0 else 10 * math.log10(signal / noise) if signal > 0 else float("-inf")
+    return {"sqnr_db": sqnr, "underflow": flushed / max(nonzero, 1), "saturated": saturated / max(nonzero, 1)}
+
+
+def _operand_stats(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> dict[str, Any]:
+    """Per-head amax, SQNR, underflow and saturation of one operand quantized to ``codes`` with ``scale``."""
+    xf = x.detach().float()
+    deq = codes.float() / scale
+    sums = [
+        float(xf.double().pow(2).sum()),
+        float((xf - deq).double().pow(2).sum()),
+        int((xf != 0).sum()),
+        int(((xf != 0) & (codes.float() == 0)).sum()),
+        int(((xf * scale).abs() > QKVP_FORMAT.max).sum()),
+    ]
+    return {"amax": xf.abs().amax(dim=(0, 2, 3)).tolist(), **_summary(sums)}
+
+
 class _FP8Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, masking: _Masking, state: FP8AttentionState, block: int, record: bool):  # type: ignore[override]
@@ -233,8 +280,8 @@ class _FP8Attention(torch.autograd.Function):
         rep = hq // hkv
         sc = {n: _heads(state.scale(n, state.amax(x), record), 1) for n, x in (("q", q), ("k", k), ("v", v))}
         qc = _cast(q, sc["q"], QKVP_FORMAT)
-        kc = _cast(k, sc["k"], QKVP_FORMAT).repeat_interleave(rep, 1)
-        vc = _cast(v, sc["v"], QKVP_FORMAT).repeat_interleave(rep, 1)
+        kc = _repeat_kv(_cast(k, sc["k"], QKVP_FORMAT), rep)
+        vc = _repeat_kv(_cast(v, sc["v"], QKVP_FORMAT), rep)
         factor = (1.0 / sc["q"]) * (1.0 / _heads(sc["k"], rep)) * masking.scaling
         spans = _blocks(skv, block)
         m = torch.full((b, hq, sq, 1), float("-inf"), device=q.device)
@@ -251,17 +298,31 @@ class _FP8Attention(torch.autograd.Function):
             p_amax.amax(dim=(0, 2, 3)) if state.attention_recipe.granularity == "head" else p_amax.amax().reshape(1)
         )
         sp = _heads(state.scale("p", p_amax, record))
+        p_sums = [0.0, 0.0, 0, 0, 0]  # P: sum x^2, sum error^2, nonzero, flushed to zero, saturated
         total = torch.zeros(b, hq, sq, 1, dtype=torch.float64, device=q.device)
         acc = torch.zeros(b, hq, sq, d, dtype=torch.float64, device=q.device)
         for j0, j1 in spans:  # pass 2: P in FP8, its row sums and P V
             _, s = masking.scores(qc, kc[:, :, j0:j1], factor, j0, sq, skv)
-            pc = _cast(torch.exp(s - m), sp, QKVP_FORMAT).double()
+            pt = torch.exp(s - m)
+            pc = _cast(pt, sp, QKVP_FORMAT).double()
+            if state.observing:
+                _observe_block(p_sums, pt, pc, sp)
             total = total + pc.sum(-1, keepdim=True)
             acc = acc + pc @ vc[:, :, j0:j1].double()
         if sink is not None:
             total = total + (sp * torch.exp(sink - m)).double()
         safe = torch.where(total > 0, total, 1.0)
         out = torch.where(total > 0, acc * (1.0 / _heads(sc["v"], rep)).double() / safe, 0.0).float()
+        if state.observing:
+            record_p = {"amax": p_amax.tolist(), **_summary(p_sums)}
+            state.observed.append(
+                {
+                    "q": _operand_stats(q, qc, sc["q"]),
+                    "k": _operand_stats(k, _cast(k, sc["k"], QKVP_FORMAT), sc["k"]),
+                    "v": _operand_stats(v, _cast(v, sc["v"], QKVP_FORMAT), sc["v"]),
+                    "p": record_p,
+                }
+            )
         ctx.save_for_backward(qc, kc, vc, sc["q"], sc["k"], sc["v"], sp, m, safe, out, sinks)
         ctx.masking, ctx.state, ctx.block, ctx.record, ctx.hkv = masking, state, block, record, hkv
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
@@ -470,7 +531,7 @@ def enable_fp8_attention(model: nn.Module, recipe: AttentionRecipe | str | bool 
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         device = next(itertools.chain(m.parameters(), m.buffers()), torch.empty(0)).device
-        m.add_module(STATE_NAME, FP8AttentionState(recipe, heads, kv_heads).to(device))
+        m.add_module(STATE_NAME, FP8AttentionState(recipe, heads, kv_heads).to(device).train(m.training))
         if cfg._attn_implementation != ATTN_NAME:
             cfg._fp8kit_previous_attn = cfg._attn_implementation
         cfg._attn_implementation = ATTN_NAME
@@ -479,3 +540,76 @@ def enable_fp8_attention(model: nn.Module, recipe: AttentionRecipe | str | bool 
         top._attn_implementation = ATTN_NAME
     log.info("fp8kit: FP8 attention (%s, %s) in %d block(s)", recipe.scaling, recipe.granularity, len(blocks))
     return list(blocks)
+
+
+def attention_states(model: nn.Module) -> dict[str, FP8AttentionState]:
+    """The FP8 attention states of ``model`` by qualified name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, FP8AttentionState)}
+
+
+@torch.no_grad()
+def calibrate_fp8_attention(model: nn.Module, forward_loop: Callable[[nn.Module], object]) -> None:
+    """Static attention scales: run ``forward_loop(model)`` with the FP8 attention states recording (the rest of
+    the model keeps its mode), so that afterwards, in evaluation mode, Q, K, V and P are quantized with the
+    delayed scales of the amaxes seen (per tensor or per head, as the states' recipe says; the max over the
+    calibration, ``amax_compute_algo="max"``). Needs delayed attention scaling (current scaling has no static
+    scales); raises ``ValueError`` otherwise or where ``model`` has no FP8 attention."""
+    states = attention_states(model)
+    if not states:
+        raise ValueError("calibrate_fp8_attention: the model has no FP8 attention (fp8kit.convert(..., attention=))")
+    current = [n for n, s in states.items() if s.attention_recipe.scaling != "delayed"]
+    if current:
+        raise ValueError(
+            f"calibrate_fp8_attention: {current[0]} uses current scaling, which has no static scales; enable FP8 "
+            "attention with attention='delayed' (or 'delayed-head') first"
+        )
+    modes = {n: s.training for n, s in states.items()}
+    try:
+        for s in states.values():
+            s.train()
+        forward_loop(model)
+    finally:
+        for n, s in states.items():
+            s.train(modes[n])
+
+
+@contextmanager
+def observe_fp8_attention(model: nn.Module) -> Iterator[dict[str, FP8AttentionState]]:
+    """Within the block, every FP8 attention call of ``model`` appends its operands' statistics to its state's
+    ``observed`` list (eager only: it reads values on the host); ``attention_stats`` summarises them. Yields the
+    states by name; raises ``ValueError`` where ``model`` has no FP8 attention."""
+    states = attention_states(model)
+    if not states:
+        raise ValueError("observe_fp8_attention: the model has no FP8 attention (fp8kit.convert(..., attention=))")
+    for st in states.values():
+        st.observed, st.observing = [], True
+    try:
+        yield states
+    finally:
+        for st in states.values():
+            st.observing = False
+
+
+def attention_stats(states: dict[str, FP8AttentionState]) -> list[dict[str, Any]]:
+    """One row per attention block and operand (Q, K, V, P) of the calls observed: the worst SQNR (dB), the
+    largest fractions of nonzero values flushed to zero (``underflow``) and saturated, and the per-head amax
+    (max over calls)."""
+    rows = []
+    for name, st in states.items():
+        calls = st.observed
+        for op in ("q", "k", "v", "p"):
+            seen = [c[op] for c in calls]
+            if not seen:
+                continue
+            amax = [max(v) for v in zip(*(c["amax"] for c in seen), strict=True)]
+            rows.append(
+                {
+                    "block": name.removesuffix(f".{STATE_NAME}"),
+                    "operand": op.upper(),
+                    "sqnr_db": min(c["sqnr_db"] for c in seen),
+                    "underflow": max(c["underflow"] for c in seen),
+                    "saturated": max(c["saturated"] for c in seen),
+                    "amax": amax,
+                }
+            )
+    return rows

@@ -45,6 +45,12 @@ def _codes(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
     return (x.float() * s).clamp(-fmt.max, fmt.max).to(fmt.dtype).double()
 
 
+def _repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
+    """``(B, Hkv, S, D)`` -> ``(B, Hkv * rep, S, D)``: each key/value head serves ``rep`` query heads (GQA)."""
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, rep, s, d).reshape(b, h * rep, s, d)
+
+
 def _per_head(t: torch.Tensor, rep: int = 1) -> torch.Tensor:
     """A per-head (or one-element) float32 tensor as ``(1, H, 1, 1)``, repeated ``rep`` times per head."""
     t = t.float().reshape(-1)
@@ -69,7 +75,7 @@ def _allowed(sq: int, skv: int, causal: bool, window: int | None, device: torch.
 def _scores(q, k, scales, scaling, mask, causal, window, softcap):
     rep = q.shape[1] // k.shape[1]
     qc = _codes(q, scales["q"], E4M3)
-    kc = _codes(k, scales["k"], E4M3).repeat_interleave(rep, 1)
+    kc = _repeat_kv(_codes(k, scales["k"], E4M3), rep)
     factor = (1.0 / _per_head(scales["q"])) * (1.0 / _per_head(scales["k"], rep)) * scaling
     raw = (qc @ kc.transpose(-1, -2)).float() * factor
     s = torch.tanh(raw / softcap) * softcap if softcap is not None else raw
@@ -113,7 +119,7 @@ def reference_attention(
     rep = q.shape[1] // k.shape[1]
     _, _, _, s = _scores(q, k, scales, scaling, mask, causal, sliding_window, softcap)
     pc, total, _ = _probabilities(s, scales, sinks)
-    vc = _codes(v, scales["v"], E4M3).repeat_interleave(rep, 1)
+    vc = _repeat_kv(_codes(v, scales["v"], E4M3), rep)
     out = (pc @ vc) * (1.0 / _per_head(scales["v"], rep)).double() / torch.where(total > 0, total, 1.0)
     return torch.where(total > 0, out, 0.0).float()
 
@@ -150,7 +156,7 @@ def reference_attention_backward(
     )
     qc, kc, raw, s = _scores(q, k, scales, scaling, mask, causal, sliding_window, softcap)
     pc, total, sink_c = _probabilities(s, scales, sinks)
-    vc = _codes(v, scales["v"], E4M3).repeat_interleave(rep, 1)
+    vc = _repeat_kv(_codes(v, scales["v"], E4M3), rep)
     safe = torch.where(total > 0, total, 1.0)
     doc = _codes(d_out, scales["do"], E5M2)
     do_inv = 1.0 / _per_head(scales["do"])
