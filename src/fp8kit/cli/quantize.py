@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ._common import UsageError, add_overwrite, model, text_file
 from ._job import add_device_options, announce_inference, job_device, print_device_peak, ptq_passes
+from ._qad import add_qad_arguments, run_qad
 from ._ptq_options import (
     MODEL_HELP,
     add_calibration_options,
@@ -92,6 +93,7 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
         help="layer by layer, each layer calibrates on the outputs of the layers before it in high precision (float: "
         "the whole-model result) or quantized (llm-compressor's sequential pipeline) (default: float)",
     )
+    add_qad_arguments(q)
     add_device_options(q)
     add_overwrite(q, "a folder")
 
@@ -114,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UsageError(f"--out {err}") from None
     device = job_device(args, args.scheme)
+    if args.qad_steps:
+        return run_qad(args, device)
     settings = ptq_settings(args)
     source = _sequential_source(args, settings)
     if source is not None:
