@@ -8,7 +8,6 @@ from pathlib import Path
 
 from ._common import UsageError, add_overwrite, model, text_file
 from ._job import add_device_options, announce_inference, job_device, print_device_peak, ptq_passes
-from ._qad import add_qad_arguments, run_qad
 from ._ptq_options import (
     MODEL_HELP,
     add_calibration_options,
@@ -17,6 +16,7 @@ from ._ptq_options import (
     ptq_settings,
     scheme_names,
 )
+from ._qad import add_qad_arguments, run_qad
 
 NAME = "quantize"
 SUMMARY = "post-training quantization, written as a compressed-tensors export"

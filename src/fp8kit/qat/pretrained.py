@@ -26,7 +26,8 @@ from .prepare import convert, prepare
 
 __all__ = ["QADRun", "qad_cost", "qad_pretrained"]
 
-BYTES_PER_STUDENT_PARAM = 20  # FP32 master weight, gradient, two AdamW moments, the fake-quantized weight kept for backward
+# FP32 master weight, gradient, two AdamW moments, the fake-quantized weight kept for backward
+BYTES_PER_STUDENT_PARAM = 20
 
 
 def qad_cost(
