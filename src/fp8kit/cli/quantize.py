@@ -23,6 +23,7 @@ from ._ptq_options import (
     ptq_settings,
     scheme_names,
 )
+from ._qad import add_qad_arguments, run_qad
 
 NAME = "quantize"
 SUMMARY = "post-training quantization, written as a compressed-tensors, modelopt or fp8-block checkpoint"
@@ -116,6 +117,7 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
         help="layer by layer, each layer calibrates on the outputs of the layers before it in high precision (float: "
         "the whole-model result) or quantized (llm-compressor's sequential pipeline) (default: float)",
     )
+    add_qad_arguments(q)
     add_device_options(q)
     q.add_argument("--overwrite", action="store_true", help="replace a folder in --out that fp8kit did not write")
 
@@ -141,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UsageError(f"--out {err}") from None
     device = job_device(args, args.scheme)
+    if args.qad_steps:
+        return run_qad(args, device)
     settings = ptq_settings(args)
     source = _sequential_source(args, settings)
     if source is not None:

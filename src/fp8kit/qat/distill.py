@@ -153,7 +153,7 @@ def distill(
             loss, kl = distill_loss(_logits(student, ids), target, ids, temperature, hard_label_weight)
             if not torch.isfinite(loss):
                 raise ValueError(
-                    f"distill: the loss at step {i} is {float(loss)}: the batch or the model's outputs hold NaN or "
+                    f"distill: the loss at step {i} is {float(loss.detach())}: the batch or the model's outputs hold NaN or "
                     "inf (check the data; lower lr); the student holds the weights of the step before"
                 )
             opt.zero_grad(set_to_none=True)

@@ -43,14 +43,14 @@ class _Codes(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, s, codes, qmax):  # noqa: ANN001, ANN205 - autograd.Function's signature
         ctx.qmax = qmax
-        ctx.save_for_backward(x, s)
+        ctx.save_for_backward(*((s,) if qmax is None else (x, s)))  # x only where the range clips
         return codes
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
-        x, s = ctx.saved_tensors
         if ctx.qmax is None:
-            return grad / s, None, None, None
+            return grad / ctx.saved_tensors[0], None, None, None
+        x, s = ctx.saved_tensors
         v = x / s
         inside = torch.isfinite(v) & (v.abs() <= ctx.qmax)
         gx = torch.where(inside, grad / s, torch.zeros_like(grad)) if ctx.needs_input_grad[0] else None

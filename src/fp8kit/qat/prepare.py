@@ -26,11 +26,11 @@ from ..ptq.calibrate import choose_amax, observe_inputs
 from ..ptq.experts import find_experts
 from ..ptq.layer_error import swap_submodule
 from ..ptq.linear import QuantLinear
-from ..ptq.quantize import PTQOptions, _fp4_misfit
+from ..ptq.quantize import PTQOptions
 from ..ptq.report import PTQReport
 from ..ptq.schemes import Scheme, get_scheme
 from ..ptq.smoothquant import find_mappings
-from ..scaling import compute_scale, dequant_scale
+from ..scaling import compute_scale, dequant_scale, parse_granularity
 from ..tensor import quantize as fp8_quantize
 from .linear import QATLinear
 
@@ -40,6 +40,16 @@ __all__ = ["convert", "prepare", "qat_layers"]
 def qat_layers(model: nn.Module) -> dict[str, QATLinear]:
     """The ``QATLinear`` layers of ``model`` by name."""
     return {n: m for n, m in model.named_modules() if isinstance(m, QATLinear)}
+
+
+def _misfit(scheme: Scheme, module: nn.Module) -> str | None:
+    """Why an FP4 scheme leaves ``module`` in high precision (its input dim is not a whole number of blocks)."""
+    if not scheme.is_fp4:
+        return None
+    block = parse_granularity(scheme.weight_granularity).block_shape(1, module.in_features)[1]
+    if module.in_features % block:
+        return f"in_features {module.in_features} is not a multiple of {scheme.name}'s {block}-element blocks"
+    return None
 
 
 def _targets(model: nn.Module, scheme: Scheme, module_filter, report: PTQReport) -> list[str]:
@@ -56,7 +66,7 @@ def _targets(model: nn.Module, scheme: Scheme, module_filter, report: PTQReport)
                 if head(name, module)
                 else None
             )
-        reason = reason or _fp4_misfit(scheme, module)
+        reason = reason or _misfit(scheme, module)
         if reason:
             report.skipped[name] = reason
         else:

@@ -1,0 +1,69 @@
+"""``fp8kit quantize --qad-steps N``: quantization-aware distillation before the export (``fp8kit.qat``).
+
+The teacher is the input model, the data the calibration split of the shipped corpus or ``--text``; the
+cost line (teacher and student together) comes first and the run is refused when it will not fit, then a
+bar per step, a before/after held-out perplexity line, and the export of the converted student.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ._common import UsageError
+from ._job import UnknownSize, announce, print_device_peak, shape_of
+
+QAD_BATCH, QAD_SEQ = 4, 128  # tokens per distillation step: one calibration batch
+
+
+def add_qad_arguments(q: argparse.ArgumentParser) -> None:
+    """``--qad-steps`` and ``--qad-lr``."""
+    q.add_argument(
+        "--qad-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="quantization-aware distillation: train the quantized model N steps towards the input model on the "
+        "calibration text before writing it (0: post-training quantization only)",
+    )
+    q.add_argument("--qad-lr", type=float, default=1e-5, help="--qad-steps: AdamW's peak learning rate (default 1e-5)")
+
+
+def run_qad(args: argparse.Namespace, device) -> int:
+    """Load, distil, convert and write the model (``qat.pretrained.qad_pretrained``)."""
+    from ..device import work_dtype
+    from ..export import save_pretrained
+    from ..pretrained_ptq import calibration_for, calibration_loop, load_splits
+    from ..qat.pretrained import qad_cost, qad_pretrained
+    from ..train.reload import load_model
+
+    if args.qad_steps < 0 or not args.qad_lr > 0:
+        raise UsageError("--qad-steps takes a whole number >= 0 and --qad-lr a number > 0")
+    given = [f"--{k.replace('_', '-')}" for k in ("keep_bf16", "norm_tweak", "smooth", "alpha") if getattr(args, k)]
+    if given or args.scheme in ("fp8-block", "auto"):
+        what = " ".join(given) if given else f"--scheme {args.scheme}"
+        raise UsageError(f"--qad-steps trains one PTQ scheme from round-to-nearest: drop {what}")
+    try:
+        shape = shape_of(args.model)
+        announce(qad_cost(shape, device, args.qad_steps, QAD_BATCH * QAD_SEQ, 8 * 512), device, args.force)
+    except UnknownSize as err:
+        print(f"fp8kit quantize --qad-steps: cost unknown ({err})", file=sys.stderr)
+    print("QAD starts from round-to-nearest PTQ (GPTQ, AWQ, SmoothQuant folds do not apply)", flush=True)
+    model, tokenizer = load_model(args.model, work_dtype(device), device)
+    splits = load_splits(args.text, tokenizer, second_text=False)[0]
+    loop = calibration_loop(splits, args.calib_batches)
+    try:
+        student, run = qad_pretrained(
+            model, args.scheme, splits, args.qad_steps, loop, lr=args.qad_lr,
+            calibration=calibration_for(args.scheme, args.calibration), batch_size=QAD_BATCH, seq_len=QAD_SEQ,
+        )  # fmt: skip
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    print(run.line(), flush=True)
+    out = save_pretrained(
+        student, args.out, tokenizer, format=args.format, overwrite=args.overwrite, max_shard_size=args.max_shard_size
+    )
+    print(student.ptq_report)
+    print(f"distilled on {splits.name}; wrote the {args.format} export to {out} (vLLM: LLM(model={str(out)!r}))")
+    print_device_peak(device)
+    return 0

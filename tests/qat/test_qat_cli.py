@@ -1,0 +1,37 @@
+"""``fp8kit quantize --qad-steps``: the cost line, the before/after perplexity line and an export that reloads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8kit.cli import main
+from fp8kit.export import load_pretrained
+from tests.helpers.models import save_sample_llama
+
+pytest.importorskip("transformers")
+
+
+def test_quantize_with_qad_steps_distils_then_writes_the_export(tmp_path, capsys):
+    root = save_sample_llama(tmp_path)
+    argv = ["quantize", "--model", str(root / "model"), "--text", str(root / "text.txt"), "--scheme", "nvfp4"]
+    assert main([*argv, "--out", str(tmp_path / "q"), "--qad-steps", "3", "--qad-lr", "1e-4"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("held-out perplexity"))
+    assert "before QAD (round-to-nearest PTQ)" in line and "after 3 QAD steps" in line
+    loaded = load_pretrained(tmp_path / "q")
+    assert loaded.ptq_report.scheme == "nvfp4" and loaded.ptq_report.quantized
+    with torch.no_grad():
+        assert torch.isfinite(loaded(torch.zeros(1, 8, dtype=torch.long)).logits).all()
+
+
+def test_qad_refuses_what_it_does_not_train_and_jobs_that_do_not_fit(tmp_path, capsys, monkeypatch):
+    root = save_sample_llama(tmp_path)
+    argv = ["quantize", "--model", str(root / "model"), "--scheme", "nvfp4", "--out", str(tmp_path / "q")]
+    assert main([*argv, "--qad-steps", "2", "--keep-bf16", "1"]) == 2
+    assert "drop --keep-bf16" in capsys.readouterr().err
+    monkeypatch.setattr("fp8kit.cost.available_bytes", lambda device: 1024)
+    assert main([*argv, "--qad-steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "quantize --qad-steps 2 (teacher + student" in err and "GiB" in err
+    assert not (tmp_path / "q").exists()
