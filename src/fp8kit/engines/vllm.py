@@ -89,14 +89,14 @@ def engine_environment(threads: int | None = None) -> dict[str, str]:
 
 def run_vllm(
     folders: list[str | Path],
-    windows: torch.Tensor,
+    windows: torch.Tensor | dict[str, torch.Tensor],
     python: str | None = None,
     new_tokens: int = 4,
     dtype: str = "bfloat16",
     timeout: float | None = 3600,
 ) -> dict[str, Any]:
     """Load each of ``folders`` in vLLM (one subprocess, one after the other) and score ``windows`` (``(n,
-    seq_len + 1)`` token ids) there. Returns ``{"vllm": version, "results": [per folder]}``; each result holds
+    seq_len + 1)`` token ids; or a ``{folder: windows}`` map) there. Returns ``{"vllm": version, "results": [per folder]}``; each result holds
     ``loaded``, ``error`` (``{"stage", "text"}`` or ``None``), ``quant_config``, ``layers``, ``weights``,
     ``generated``, ``window_losses`` and ``ppl`` (see ``_vllm_worker``). Raises ``VllmError`` when vLLM is not
     available or the subprocess died before writing a result for every folder."""
@@ -104,9 +104,18 @@ def run_vllm(
     reason = vllm_unavailable(python)
     if reason:
         raise VllmError(reason)
+    paths = [str(Path(f).absolute()) for f in folders]
+    if isinstance(windows, dict):
+        by_path = {str(Path(f).absolute()): w.tolist() for f, w in windows.items()}
+        missing = [p for p in paths if p not in by_path]
+        if missing:
+            raise ValueError(f"run_vllm: no windows for {', '.join(missing)}")
+        job_windows: Any = {p: by_path[p] for p in paths}
+    else:
+        job_windows = windows.tolist()
     job = {
-        "folders": [str(Path(f).absolute()) for f in folders],
-        "windows": windows.tolist(),
+        "folders": paths,
+        "windows": job_windows,
         "new_tokens": new_tokens,
         "dtype": dtype,
     }
