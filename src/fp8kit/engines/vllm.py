@@ -27,6 +27,8 @@ __all__ = [
     "engine_environment",
     "fp8kit_losses",
     "held_out_windows",
+    "perplexity_of",
+    "score_beside_fp8kit",
     "run_vllm",
     "vllm_python",
     "vllm_unavailable",
@@ -166,3 +168,32 @@ def perplexity_of(losses: list[float] | torch.Tensor) -> float:
     """``exp`` of the mean of per-window losses (windows of equal length)."""
     vals = [float(x) for x in losses]
     return math.exp(sum(vals) / len(vals))
+
+
+def score_beside_fp8kit(
+    folder: str | Path, n_windows: int = 4, seq_len: int = 256, text: str | Path | None = None
+) -> dict[str, Any]:
+    """Perplexity of the export ``folder`` read by fp8kit and by vLLM on the same held-out windows (the test
+    split of the shipped corpus, or of ``text``, tokenized by the folder's tokenizer). Returns ``fp8kit_ppl``,
+    ``vllm_ppl`` (``None`` when vLLM did not run it), ``vllm`` (its version), ``result`` (``run_vllm``'s
+    record) and ``tokens`` (scored per reader)."""
+    from transformers import AutoTokenizer
+
+    from ..export.common import ExportError, read_config
+
+    if "quantization_config" not in read_config(folder):
+        raise ExportError(f"{folder} is not a quantized export (no quantization_config in config.json)")
+    reason = vllm_unavailable()
+    if reason:
+        raise VllmError(f"--engine vllm: {reason}")
+    windows = held_out_windows(AutoTokenizer.from_pretrained(folder), n_windows, seq_len, text)
+    ours = perplexity_of(fp8kit_losses(folder, windows))
+    got = run_vllm([folder], windows, dtype="float32")
+    result = got["results"][0]
+    return {
+        "fp8kit_ppl": ours,
+        "vllm_ppl": result.get("ppl"),
+        "vllm": got["vllm"],
+        "result": result,
+        "tokens": windows.shape[0] * (windows.shape[1] - 1),
+    }
