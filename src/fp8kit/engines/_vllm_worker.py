@@ -81,6 +81,14 @@ def _weights_match(model: Any, folder: str) -> dict[str, bool]:
     return out
 
 
+def _kv_scales(model: Any) -> dict[str, list[float]]:
+    """The k/v scales the first attention layer holds after loading (1.0 where none was loaded)."""
+    for name, module in model.named_modules():
+        if name.endswith("self_attn.attn") and hasattr(module, "k_scale"):
+            return {name: [float(module.k_scale.reshape(-1)[0]), float(module.v_scale.reshape(-1)[0])]}
+    return {}
+
+
 def _install_hook() -> None:
     """Record the layers' quant methods and the probe layer's loaded tensors just before vLLM processes them."""
     from vllm.model_executor.model_loader import base_loader
@@ -91,6 +99,7 @@ def _install_hook() -> None:
         try:
             _RECORD["layers"] = _layer_methods(model)
             _RECORD["weights"] = _weights_match(model, _RECORD["folder"])
+            _RECORD["kv_scales"] = _kv_scales(model)
         except Exception as err:  # the record is diagnostic: never stop the load over it
             _RECORD["record_error"] = repr(err)
         return original(model, model_config, target_device)
@@ -222,7 +231,7 @@ def run_one(folder: str, job: dict[str, Any]) -> dict[str, Any]:
                 "text": f"{type(err).__name__}: {err}",
                 "trace": traceback.format_exc()[-3000:],
             }
-    for key in ("layers", "weights", "record_error"):
+    for key in ("layers", "weights", "kv_scales", "record_error"):
         if key in _RECORD:
             result[key] = _RECORD[key]
     if "layers" not in result and config is not None:  # the load stopped before the model was built
