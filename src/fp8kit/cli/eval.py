@@ -56,6 +56,13 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
         help="with --model: also the KL divergence to this model's next-token distribution (e.g. the BF16 model an "
         "export was quantized from) and top-1 agreement, on the same held-out tokens",
     )
+    e.add_argument(
+        "--engine",
+        choices=["vllm"],
+        default=None,
+        help="also score the export --checkpoint DIR in this serving engine, beside fp8kit's own number on the "
+        "same tokens (vllm: needs FP8KIT_VLLM_PYTHON, see scripts/vllm_env.sh)",
+    )
     add_device_options(e)
 
 
@@ -69,7 +76,32 @@ def checkpoints_in(path: Path) -> list[Path]:
     return [r for r in runs if latest_checkpoint(r) is not None]
 
 
+def run_engine(args: argparse.Namespace) -> int:
+    """``--engine vllm``: the export ``--checkpoint`` scored by fp8kit and by vLLM on the same held-out windows."""
+    from ..engines.vllm import score_beside_fp8kit, vllm_unavailable
+
+    if args.checkpoint is None or args.model is not None:
+        raise UsageError("--engine vllm scores an export folder: give --checkpoint DIR (from fp8kit quantize)")
+    reason = vllm_unavailable()
+    if reason:
+        raise UsageError(f"--engine vllm: {reason}")
+    windows = args.eval_batches or 4
+    res = score_beside_fp8kit(args.checkpoint, n_windows=windows, text=args.text)
+    print(f"{args.checkpoint}: held-out perplexity over {res['tokens']} tokens ({windows} windows of 256)")
+    print(f"  fp8kit (export.load_pretrained): {res['fp8kit_ppl']:.3f}")
+    r = res["result"]
+    if res["vllm_ppl"] is not None:
+        rel = 100 * (res["vllm_ppl"] / res["fp8kit_ppl"] - 1)
+        print(f"  vLLM {res['vllm']} ({r['quant_config']}): {res['vllm_ppl']:.3f} ({rel:+.2f}%)")
+        return 0
+    err = r["error"] or {}
+    print(f"  vLLM {res['vllm']}: did not run it ({err.get('stage')}): {err.get('text', '').splitlines()[0][:300]}")
+    return 1
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.engine is not None:
+        return run_engine(args)
     if args.model is not None and args.checkpoint is not None:
         raise UsageError("give --checkpoint (a trained run) or --model (a pretrained model), not both")
     if args.reference is not None and args.model is None:

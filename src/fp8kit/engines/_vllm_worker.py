@@ -2,8 +2,8 @@
 a job file with ``vllm.LLM`` in this one process, and writes what it saw as JSON.
 
 Usage: ``python _vllm_worker.py JOB.json OUT.json``. The job holds ``folders``, ``windows`` (token-id lists to
-score with prompt log-probabilities), ``new_tokens`` (greedy tokens to generate from the first window's start)
-and ``dtype``. For each folder the result holds ``loaded`` (the engine started and ran), ``error`` (the
+score with prompt log-probabilities; or a ``{folder: lists}`` map), ``new_tokens`` (greedy tokens to generate from the first window's start)
+and ``dtype``; an export with an FP8 KV cache gets ``kv_cache_dtype="fp8"``. For each folder the result holds ``loaded`` (the engine started and ran), ``error`` (the
 exception text and the stage it came from: ``load`` or ``run``), ``quant_config`` (the config class vLLM
 parsed), ``layers`` (each layer's quant method and, where it has one, its scheme), ``weights`` (for one
 quantized layer, each checkpoint tensor compared bit for bit with the parameter vLLM loaded it into, before
@@ -81,6 +81,14 @@ def _weights_match(model: Any, folder: str) -> dict[str, bool]:
     return out
 
 
+def _kv_scales(model: Any) -> dict[str, list[float]]:
+    """The k/v scales the first attention layer holds after loading (1.0 where none was loaded)."""
+    for name, module in model.named_modules():
+        if name.endswith("self_attn.attn") and hasattr(module, "k_scale"):
+            return {name: [float(module.k_scale.reshape(-1)[0]), float(module.v_scale.reshape(-1)[0])]}
+    return {}
+
+
 def _install_hook() -> None:
     """Record the layers' quant methods and the probe layer's loaded tensors just before vLLM processes them."""
     from vllm.model_executor.model_loader import base_loader
@@ -91,6 +99,7 @@ def _install_hook() -> None:
         try:
             _RECORD["layers"] = _layer_methods(model)
             _RECORD["weights"] = _weights_match(model, _RECORD["folder"])
+            _RECORD["kv_scales"] = _kv_scales(model)
         except Exception as err:  # the record is diagnostic: never stop the load over it
             _RECORD["record_error"] = repr(err)
         return original(model, model_config, target_device)
@@ -98,7 +107,33 @@ def _install_hook() -> None:
     base_loader.process_weights_after_loading = recording
 
 
-def _quant_config_name(folder: str) -> str | None:
+def _config_schemes(folder: str, config: Any) -> dict[str, str]:
+    """The scheme a compressed-tensors config gives each quantized layer of the checkpoint, asked of the config
+    itself (``get_scheme``): what the engine's layers would get, for exports whose load stops before them."""
+    from safetensors import safe_open
+    from torch import nn
+
+    if not hasattr(config, "get_scheme"):
+        return {}
+    names = set()
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                for tail in (".weight_scale", ".weight_packed"):
+                    if key.endswith(tail):
+                        names.add(key[: -len(tail)])
+    out = {}
+    for name in sorted(names):
+        try:
+            scheme = config.get_scheme(nn.Linear(1, 1), name)
+        except Exception as err:
+            out[name] = f"error: {type(err).__name__}: {err}"
+            continue
+        out[name] = f"CompressedTensorsLinearMethod/{type(scheme).__name__}" if scheme is not None else "Unquantized"
+    return out
+
+
+def _quant_config(folder: str) -> Any:
     cfg = json.loads((Path(folder) / "config.json").read_text())
     qc = cfg.get("quantization_config")
     if qc is None:
@@ -110,8 +145,14 @@ def _quant_config_name(folder: str) -> str | None:
         method = "modelopt_fp4"
     if method == "modelopt" and str(qc.get("quant_algo", "")).upper() == "MIXED_PRECISION":
         method = "modelopt_mixed"
-    cls = get_quantization_config(method)
-    return type(cls.from_config(qc)).__name__
+    return get_quantization_config(method).from_config(qc)
+
+
+def _kv_cache_dtype(folder: str) -> str:
+    """``fp8`` when the export declares an FP8 KV cache (compressed-tensors ``kv_cache_scheme``, ModelOpt
+    ``kv_cache_quant_algo``), as ``vllm serve --kv-cache-dtype fp8`` would be given; else ``auto``."""
+    qc = json.loads((Path(folder) / "config.json").read_text()).get("quantization_config") or {}
+    return "fp8" if qc.get("kv_cache_scheme") or qc.get("kv_cache_quant_algo") else "auto"
 
 
 def _free(llm: Any) -> None:
@@ -141,8 +182,8 @@ def _score(llm: Any, windows: list[list[int]], new_tokens: int) -> dict[str, Any
         use_tqdm=False,
     )
     losses = []
-    for w, out in zip(windows, scored):
-        nll = [-lp[tok].logprob for tok, lp in zip(w[1:], out.prompt_logprobs[1:])]
+    for w, out in zip(windows, scored, strict=True):
+        nll = [-lp[tok].logprob for tok, lp in zip(w[1:], out.prompt_logprobs[1:], strict=True)]
         losses.append(sum(nll) / len(nll))
     return {"generated": list(gen[0].outputs[0].token_ids), "window_losses": losses}
 
@@ -152,14 +193,15 @@ def run_one(folder: str, job: dict[str, Any]) -> dict[str, Any]:
     _RECORD["folder"] = folder
     result: dict[str, Any] = {"folder": folder, "loaded": False, "error": None}
     try:
-        result["quant_config"] = _quant_config_name(folder)
+        config = _quant_config(folder)
+        result["quant_config"] = type(config).__name__ if config is not None else None
     except Exception as err:
         result["quant_config"] = None
         result["error"] = {"stage": "config", "text": f"{type(err).__name__}: {err}"}
         return result
     from vllm import LLM
 
-    windows = job["windows"]
+    windows = job["windows"][folder] if isinstance(job["windows"], dict) else job["windows"]
     llm = None
     try:
         llm = LLM(
@@ -168,19 +210,33 @@ def run_one(folder: str, job: dict[str, Any]) -> dict[str, Any]:
             max_model_len=max(len(w) for w in windows) + 8,
             max_num_seqs=max(len(windows), 1),
             enforce_eager=True,
+            skip_tokenizer_init=True,
+            kv_cache_dtype=_kv_cache_dtype(folder),
             seed=0,
+            **job.get("engine_args", {}).get(folder, {}),
         )
     except Exception as err:
-        result["error"] = {"stage": "load", "text": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-3000:]}
+        result["error"] = {
+            "stage": "load",
+            "text": f"{type(err).__name__}: {err}",
+            "trace": traceback.format_exc()[-3000:],
+        }
     else:
         try:
             result.update(_score(llm, windows, job.get("new_tokens", 4)))
             result["loaded"] = True
         except Exception as err:
-            result["error"] = {"stage": "run", "text": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-3000:]}
-    for key in ("layers", "weights", "record_error"):
+            result["error"] = {
+                "stage": "run",
+                "text": f"{type(err).__name__}: {err}",
+                "trace": traceback.format_exc()[-3000:],
+            }
+    for key in ("layers", "weights", "kv_scales", "record_error"):
         if key in _RECORD:
             result[key] = _RECORD[key]
+    if "layers" not in result and config is not None:  # the load stopped before the model was built
+        result["layers"] = _config_schemes(folder, config)
+        result["layers_from"] = "config"
     if llm is not None:
         _free(llm)
     else:

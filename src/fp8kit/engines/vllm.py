@@ -27,6 +27,8 @@ __all__ = [
     "engine_environment",
     "fp8kit_losses",
     "held_out_windows",
+    "perplexity_of",
+    "score_beside_fp8kit",
     "run_vllm",
     "vllm_python",
     "vllm_unavailable",
@@ -89,14 +91,14 @@ def engine_environment(threads: int | None = None) -> dict[str, str]:
 
 def run_vllm(
     folders: list[str | Path],
-    windows: torch.Tensor,
+    windows: torch.Tensor | dict[str, torch.Tensor],
     python: str | None = None,
     new_tokens: int = 4,
     dtype: str = "bfloat16",
     timeout: float | None = 3600,
 ) -> dict[str, Any]:
     """Load each of ``folders`` in vLLM (one subprocess, one after the other) and score ``windows`` (``(n,
-    seq_len + 1)`` token ids) there. Returns ``{"vllm": version, "results": [per folder]}``; each result holds
+    seq_len + 1)`` token ids; or a ``{folder: windows}`` map) there. Returns ``{"vllm": version, "results": [per folder]}``; each result holds
     ``loaded``, ``error`` (``{"stage", "text"}`` or ``None``), ``quant_config``, ``layers``, ``weights``,
     ``generated``, ``window_losses`` and ``ppl`` (see ``_vllm_worker``). Raises ``VllmError`` when vLLM is not
     available or the subprocess died before writing a result for every folder."""
@@ -104,9 +106,18 @@ def run_vllm(
     reason = vllm_unavailable(python)
     if reason:
         raise VllmError(reason)
+    paths = [str(Path(f).absolute()) for f in folders]
+    if isinstance(windows, dict):
+        by_path = {str(Path(f).absolute()): w.tolist() for f, w in windows.items()}
+        missing = [p for p in paths if p not in by_path]
+        if missing:
+            raise ValueError(f"run_vllm: no windows for {', '.join(missing)}")
+        job_windows: Any = {p: by_path[p] for p in paths}
+    else:
+        job_windows = windows.tolist()
     job = {
-        "folders": [str(Path(f).absolute()) for f in folders],
-        "windows": windows.tolist(),
+        "folders": paths,
+        "windows": job_windows,
         "new_tokens": new_tokens,
         "dtype": dtype,
     }
@@ -157,3 +168,32 @@ def perplexity_of(losses: list[float] | torch.Tensor) -> float:
     """``exp`` of the mean of per-window losses (windows of equal length)."""
     vals = [float(x) for x in losses]
     return math.exp(sum(vals) / len(vals))
+
+
+def score_beside_fp8kit(
+    folder: str | Path, n_windows: int = 4, seq_len: int = 256, text: str | Path | None = None
+) -> dict[str, Any]:
+    """Perplexity of the export ``folder`` read by fp8kit and by vLLM on the same held-out windows (the test
+    split of the shipped corpus, or of ``text``, tokenized by the folder's tokenizer). Returns ``fp8kit_ppl``,
+    ``vllm_ppl`` (``None`` when vLLM did not run it), ``vllm`` (its version), ``result`` (``run_vllm``'s
+    record) and ``tokens`` (scored per reader)."""
+    from transformers import AutoTokenizer
+
+    from ..export.common import ExportError, read_config
+
+    if "quantization_config" not in read_config(folder):
+        raise ExportError(f"{folder} is not a quantized export (no quantization_config in config.json)")
+    reason = vllm_unavailable()
+    if reason:
+        raise VllmError(f"--engine vllm: {reason}")
+    windows = held_out_windows(AutoTokenizer.from_pretrained(folder), n_windows, seq_len, text)
+    ours = perplexity_of(fp8kit_losses(folder, windows))
+    got = run_vllm([folder], windows, dtype="float32")
+    result = got["results"][0]
+    return {
+        "fp8kit_ppl": ours,
+        "vllm_ppl": result.get("ppl"),
+        "vllm": got["vllm"],
+        "result": result,
+        "tokens": windows.shape[0] * (windows.shape[1] - 1),
+    }

@@ -1,0 +1,99 @@
+"""Every export fp8kit writes, made once from SmolLM2-135M (and one tiny Qwen3-MoE) for the engine tests:
+one-shot PTQ (round to nearest, one calibration batch of the corpus' calibration split), so that building
+all of them stays within a few minutes on two cores."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class Export:
+    """One export of the engine tests: ``scheme`` (``auto``: a scheme per layer) written in ``fmt``."""
+
+    name: str
+    scheme: str
+    fmt: str = "compressed-tensors"
+    kv: bool = False
+    moe: bool = False
+
+
+EXPORTS = [
+    Export("fp8-dynamic", "fp8-dynamic"),
+    Export("fp8-dynamic+kv", "fp8-dynamic", kv=True),
+    Export("fp8", "fp8"),
+    Export("int8-smoothquant", "int8-smoothquant"),
+    Export("int8-weight-only", "int8-weight-only"),
+    Export("nvfp4", "nvfp4"),
+    Export("nvfp4-weight-only", "nvfp4-weight-only"),
+    Export("mxfp4-weight-only", "mxfp4-weight-only"),
+    Export("auto", "auto"),
+    Export("fp8-dynamic/modelopt", "fp8-dynamic", "modelopt"),
+    Export("fp8-block/fp8-block", "fp8-block", "fp8-block"),
+    Export("moe fp8-dynamic", "fp8-dynamic", moe=True),
+]
+
+AUTO_CANDIDATES = ("fp8-dynamic", "nvfp4-weight-only")
+AUTO_BUDGET = 6.0  # mean effective bits per weight: between NVFP4's 4.5 and FP8's 8, so both are chosen
+
+
+def calibration_batch(tokenizer, seq_len: int = 128) -> torch.Tensor:
+    """Two windows of the corpus' calibration split."""
+    from fp8kit.data.corpus import load_ids
+    from fp8kit.data.splits import ptq_splits
+
+    ids, name = load_ids(None, tokenizer)
+    calib = ptq_splits(ids, name).calib
+    return torch.stack([calib[:seq_len], calib[seq_len : 2 * seq_len]])
+
+
+def tiny_qwen3_moe(seed: int = 0) -> nn.Module:
+    """A 2-layer Qwen3-MoE (8 experts, top 2, hidden 128) with random weights scaled so that its next-token
+    distribution is far from uniform (a perplexity gap between two readers then shows)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        mlp_only_layers=[],
+        tie_word_embeddings=False,
+        max_position_embeddings=1024,
+    )
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    return model
+
+
+def write_export(e: Export, base: nn.Module, tokenizer, batch: torch.Tensor, out: Path) -> Path:
+    """Quantize a copy of ``base`` as ``e`` says and write it to ``out``."""
+    from fp8kit.export import quantize_block, save_pretrained
+    from fp8kit.ptq.auto import quantize_auto
+    from fp8kit.ptq.quantize import quantize
+
+    model = copy.deepcopy(base)
+
+    def loop(m: nn.Module) -> None:
+        m(input_ids=batch)
+
+    if e.scheme == "fp8-block":
+        quantize_block(model)
+    elif e.scheme == "auto":
+        quantize_auto(model, loop, budget=AUTO_BUDGET, candidates=list(AUTO_CANDIDATES), progress=False)
+    else:
+        quantize(model, e.scheme, loop, kv_cache=e.kv, progress=False)
+    return save_pretrained(model, out, tokenizer, format=e.fmt)
