@@ -7,8 +7,9 @@
 ``NAME.weight_scale_inv`` (float32, ``(ceil(out / 128), ceil(in / 128))``): the dequant multiplier of each
 128x128 tile, ``real = code * weight_scale_inv`` (the name is DeepSeek's: the inverse of the quantizing
 scale). Activations are quantized at run time per 1x128 group (``activation_scheme: "dynamic"``).
-``transformers`` derives the tile from the shapes when it dequantizes, so it needs both dims to be
-multiples of 128; the serving GPUs' kernels handle ragged edge tiles.
+Other square tiles (``weight_block_size: [64, 64]``) are written where the readers need them:
+``transformers`` derives the tile from the shapes when it dequantizes, so every dimension must be whole
+tiles, and vLLM needs whole tiles in the parts of its fused GEMMs (``support.BLOCK_READERS``).
 
 MoE experts (``ptq.experts.QuantExperts`` with ``FP8_BLOCK``) are written per expert in the
 architecture's naming (``model.layers.L.mlp.experts.E.gate_proj.weight`` + ``.weight_scale_inv``; see

@@ -4,12 +4,13 @@ Formats (``save_pretrained(format=...)``, ``fp8kit quantize --format``):
 
 * ``compressed-tensors`` (default): vLLM, ``transformers`` (with the ``compressed-tensors`` package).
 * ``modelopt``: NVIDIA ModelOpt's unified Hugging Face checkpoint (TensorRT-LLM, vLLM, SGLang).
-* ``fp8-block``: ``quant_method: "fp8"`` with 128x128 weight blocks (DeepSeek-V3 style; vLLM, SGLang,
-  ``transformers``' ``FineGrainedFP8Config``).
+* ``fp8-block``: ``quant_method: "fp8"`` with square weight blocks, 128x128 or the largest its readers load
+  (DeepSeek-V3 style; vLLM, SGLang, ``transformers``' ``FineGrainedFP8Config``).
 
 Schemes are fp8kit's PTQ schemes (``fp8``, ``fp8-dynamic``, ``int8-smoothquant``, ``int8-weight-only``,
-``+kv`` for an FP8 KV cache; the FP4 ``nvfp4``, ``nvfp4-weight-only``, ``mxfp4-weight-only``) and ``fp8-block``, the block training recipe's layout (square weight
-tiles, 128x128 by default, dynamic 1 x tile activations).
+``+kv`` for an FP8 KV cache; the FP4 ``nvfp4``, ``nvfp4-weight-only``, ``mxfp4-weight-only``) and
+``fp8-block``, the block training recipe's layout (square weight tiles, 128x128 by default, dynamic 1 x tile
+activations).
 
 Block-FP8 tiles and their readers (``BLOCK_READERS``): each format that carries ``fp8-block`` names the
 readers it is written for and the tile shapes each loads. ``block_problem`` gives the one line (reader,
