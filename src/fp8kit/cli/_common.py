@@ -130,11 +130,13 @@ def model(allow_demo: bool, demo_hint: str = "") -> Callable[[str], str]:
                 f"{text!r} is {what}: give {known}, a local Hugging Face model folder (with config.json) "
                 "or a Hub ID ORG/NAME[@REVISION]"
             )
-        from ..models.folder import ModelFolderError, check_model_folder
+        from ..export.fp4_checkpoints import fp4_layout
+        from ..models.folder import check_model_folder
 
         try:
             check_model_folder(path)
-        except ModelFolderError as err:
+            fp4_layout(path)  # an FP4 layout fp8kit does not read
+        except ValueError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
         return text
 
