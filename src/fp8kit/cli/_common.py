@@ -205,11 +205,9 @@ def check_run_dir(
         raise UsageError(f"--out {out} is a file, not a folder: give a folder path (new, or an earlier run's)")
     if path.is_dir() and not overwrite and not resume:
         if _written_by_fp8kit(path / signature[0], signature[1]):
-            keep = (
-                "pass --resume to continue it, --overwrite to replace it"
-                if resume is not None
-                else ("pass --overwrite to replace it")
-            )
+            keep = "pass --overwrite to replace it"
+            if resume is not None:  # the command can continue it
+                keep = "pass --resume to continue it, --overwrite to replace it"
             raise UsageError(f"--out {out} holds an earlier fp8kit {kind}: {keep}, or give a new --out")
         clash = [w for w in writes if (path / w).exists()]
         if clash:
