@@ -91,14 +91,15 @@ def test_readme_recipe_constructors_run():
         assert isinstance(eval(call, {name: getattr(fp8kit.recipes, name)}), fp8kit.recipes.Recipe), call
 
 
-def test_readme_train_runs_each_write_their_own_folder():
-    """Run in sequence, the README's training commands lose no run: each new run names its own --out (a command
-    written twice is one run)."""
+@pytest.mark.parametrize("command", ["train", "doctor"])
+def test_readme_runs_each_write_their_own_folder(command):
+    """Run in sequence, the README's train and doctor commands lose no run and stop at none (an --out holding a
+    run is refused): each new run names its own --out (a command written twice is one run)."""
     from fp8kit.cli import build_parser
 
     outs = []
     for line in dict.fromkeys(CLI_LINES):
         args = build_parser().parse_args(line.split()[1:])
-        if args.command == "train" and not args.resume:
+        if args.command == command and not getattr(args, "resume", False):
             outs.append(args.out)
     assert len(outs) >= 3 and len(set(outs)) == len(outs), outs

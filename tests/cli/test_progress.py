@@ -6,6 +6,7 @@ to 0 so that each update of a short phase prints its line."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -41,6 +42,13 @@ def test_a_log_file_gets_one_line_per_update_and_nothing_for_a_short_phase(capsy
     bar.close()
     err = capsys.readouterr().err
     assert "\r" not in err and bar_lines(err, "long phase")[-1] == (3, 3)
+    monkeypatch.setattr(fp8kit.progress, "LOG_INTERVAL_S", 10.0)
+    bar = fp8kit.progress.bar(1000, "many quick steps", "step")
+    for _ in range(1000):
+        bar.set_postfix(loss="1.0", refresh=False)
+        bar.update(1)
+    bar.close()
+    assert capsys.readouterr().err == ""  # a quick phase, however many updates: no line in a log
 
 
 def test_counting_advances_by_the_sequences_a_model_sees(capsys, every_update):
@@ -51,7 +59,7 @@ def test_counting_advances_by_the_sequences_a_model_sees(capsys, every_update):
     assert bar_lines(capsys.readouterr().err, "eval")[-1] == (6, 6)
 
 
-def test_train_and_doctor_show_their_steps_in_a_log(tmp_path, capsys, every_update):
+def test_train_doctor_and_eval_show_their_progress_in_a_log(tmp_path, capsys, every_update):
     tiny = ["--model-size", "tiny", "--steps", "2", "--batch-size", "2", "--seq-len", "16"]
     assert main(["doctor", *tiny, "--out", str(tmp_path / "doc")]) == 0
     err = capsys.readouterr().err
@@ -61,8 +69,14 @@ def test_train_and_doctor_show_their_steps_in_a_log(tmp_path, capsys, every_upda
     err = capsys.readouterr().err
     assert err.splitlines()[0].startswith("fp8kit train: ")
     assert bar_lines(err, "fp8-delayed")[-1] == (2, 2) and bar_lines(err, "bf16")[-1] == (2, 2)
-    assert main(["eval", "--checkpoint", str(tmp_path / "run" / "ckpt" / "bf16"), "--eval-batches", "2"]) == 0
-    assert bar_lines(capsys.readouterr().err, "eval bf16")[-1] == (2 * 2, 2 * 2)  # sequences of the batches
+    assert len(bar_lines(err, "fp8-delayed")) <= 3  # a line per update (and the last), no extra redraws
+    # eval of a checkpoint: the held-out batches of the training summary (16 of 2 sequences), so the same loss
+    assert main(["eval", "--checkpoint", str(tmp_path / "run")]) == 0
+    captured = capsys.readouterr()
+    assert bar_lines(captured.err, "eval bf16")[-1] == (16 * 2, 16 * 2)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    for run, res in summary["runs"].items():
+        assert f"{run} (step 2) on the held-out split of King James Bible: loss {res['val_loss']:.4f}" in captured.out
 
 
 def test_calibration_bars_have_a_total(capsys, every_update):

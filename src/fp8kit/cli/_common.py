@@ -130,11 +130,13 @@ def model(allow_demo: bool, demo_hint: str = "") -> Callable[[str], str]:
                 f"{text!r} is {what}: give {known}, a local Hugging Face model folder (with config.json) "
                 "or a Hub ID ORG/NAME[@REVISION]"
             )
-        from ..models.folder import ModelFolderError, check_model_folder
+        from ..export.fp4_checkpoints import fp4_layout
+        from ..models.folder import check_model_folder
 
         try:
             check_model_folder(path)
-        except ModelFolderError as err:
+            fp4_layout(path)  # an FP4 layout fp8kit does not read
+        except ValueError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
         return text
 
@@ -203,11 +205,9 @@ def check_run_dir(
         raise UsageError(f"--out {out} is a file, not a folder: give a folder path (new, or an earlier run's)")
     if path.is_dir() and not overwrite and not resume:
         if _written_by_fp8kit(path / signature[0], signature[1]):
-            keep = (
-                "pass --resume to continue it, --overwrite to replace it"
-                if resume is not None
-                else ("pass --overwrite to replace it")
-            )
+            keep = "pass --overwrite to replace it"
+            if resume is not None:  # the command can continue it
+                keep = "pass --resume to continue it, --overwrite to replace it"
             raise UsageError(f"--out {out} holds an earlier fp8kit {kind}: {keep}, or give a new --out")
         clash = [w for w in writes if (path / w).exists()]
         if clash:

@@ -224,7 +224,7 @@ def _add_output_options(t: argparse.ArgumentParser) -> None:
         "--resume",
         action="store_true",
         help="continue the runs in --out from their checkpoints, with the settings in OUT/config.json (an option "
-        "that contradicts them is refused; --steps may be raised to train further)",
+        "that contradicts them is refused; a larger --steps trains further, the cosine schedule stretched to it)",
     )
     t.add_argument(
         "--export-format",
@@ -335,10 +335,8 @@ def resume_settings(args: argparse.Namespace) -> None:
         if key not in saved:
             continue
         if dest in given:
-            value = parse_recipes(args.recipe) if key == "recipes" else getattr(args, dest)
-            if (sorted(value) if key == "recipes" else value) != (
-                sorted(saved[key]) if key == "recipes" else saved[key]
-            ):
+            value = sorted(parse_recipes(args.recipe)) if key == "recipes" else getattr(args, dest)
+            if value != (sorted(saved[key]) if key == "recipes" else saved[key]):
                 option = "--" + dest.replace("_", "-")
                 shown = args.recipe if key == "recipes" else value
                 raise UsageError(

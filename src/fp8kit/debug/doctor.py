@@ -236,11 +236,13 @@ def _train_pair(
 
 def _nudged_losses(
     model: nn.Module, batches: list[Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor], lr: float,
-    layer: str, seed: int,
+    layer: str, seed: int, progress: bool = False,
 ) -> list[float]:  # fmt: skip
     """The losses of a BF16 copy of ``model`` whose ``layer`` weight is moved to neighbouring bfloat16 values
     (each element one ulp up or down, at random), trained as the pair is: the run-to-run spread a gap is
-    measured against."""
+    measured against. ``progress``: a bar over the steps."""
+    from ..progress import bar
+
     torch.manual_seed(seed)
     ref = to_bf16_gemms(copy.deepcopy(model)).train()
     weight = next(p for p in ref.get_submodule(layer).parameters() if p.dim() >= 2)
@@ -252,13 +254,18 @@ def _nudged_losses(
         weight.copy_((bits + step).view(torch.bfloat16).to(weight.dtype))
     opt = torch.optim.AdamW(ref.parameters(), lr=lr)
     losses = []
+    steps_bar = bar(len(batches), "  doctor bf16 one ulp off", "step", enabled=progress)
     for batch in batches:
         loss = loss_fn(ref, batch)
         losses.append(loss.item())
+        if steps_bar is not None:
+            steps_bar.update(1)
         if not math.isfinite(losses[-1]):
             break
         loss.backward()
         _optimizer_step(opt)
+    if steps_bar is not None:
+        steps_bar.close()
     return losses
 
 
@@ -418,7 +425,7 @@ def doctor(
     }
     run = _train_pair(model, data, recipe, loss_fn, lr, module_filter, prepare_fp8, seed, progress)
     if noise_floor:
-        run["losses"]["bf16_nudged"] = _nudged_losses(model, data, loss_fn, lr, run["names"][0], seed)
+        run["losses"]["bf16_nudged"] = _nudged_losses(model, data, loss_fn, lr, run["names"][0], seed, progress)
     found = diagnose(run, **limits)
     # fixes are recommended for problems the loss shows and for latent findings; departures without a loss
     # effect that recover (e.g. a delayed scale one step stale while gradients grow after the first update)

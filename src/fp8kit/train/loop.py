@@ -271,8 +271,8 @@ def _after_step(state: RunState, cfg: TrainConfig, log: MetricsLog, rec: dict[st
         rec.update(evaluate_with_routing(state.model, state.val, state.router))
     log.write(rec)
     if bar is not None:
-        bar.update(1)
-        bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}")
+        bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}", refresh=False)
+        bar.update(1)  # redraws at most every mininterval (a log file: a line per update, not per step)
     if step % cfg.ckpt_interval == 0 or step == cfg.steps:
         save_run_checkpoint(state.ckpt_dir, state.model, state.opt, step, state.info)
 
