@@ -39,7 +39,7 @@ _SIZES: dict[str, int] = {
     ),
     **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num"), KV_HEADS),
     **dict.fromkeys(("head_dim", "attention_head_size", "kv_channels", "v_head_dim", "qk_nope_head_dim"), HEAD_DIM),
-    **dict.fromkeys(("qk_rope_head_dim",), HEAD_DIM // 2),
+    **dict.fromkeys(("qk_rope_head_dim", "rotary_dim"), HEAD_DIM // 2),
     **dict.fromkeys(("kv_lora_rank", "q_lora_rank"), 32),
     **dict.fromkeys(
         (
@@ -208,11 +208,12 @@ def _convert_step(model: nn.Module, ids: torch.Tensor, row: Row) -> None:
     if missing:
         row.convert = f"unreported layers: {', '.join(missing[:3])}"
         return
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
+    logits = model(input_ids=ids).logits  # next-token loss computed here: some models' own `labels` need more inputs
+    loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+    loss.backward()
     grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
-    if not torch.isfinite(out.loss) or not grads or not all(torch.isfinite(g).all() for g in grads):
-        row.convert = f"loss {float(out.loss):.3g} or gradients not finite"
+    if not torch.isfinite(loss) or not grads or not all(torch.isfinite(g).all() for g in grads):
+        row.convert = f"loss {float(loss):.3g} or gradients not finite"
         return
     row.convert = "ok"
 
@@ -225,8 +226,6 @@ def _reload_tolerance(err_ptq: float) -> float:
 
 
 def _ptq_export_reload(model: nn.Module, ids: torch.Tensor, row: Row, scheme: str, where: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
     from fp8kit import ptq
     from fp8kit.export import load_pretrained, save_pretrained
     from fp8kit.export.compressed_tensors import TRANSFORMERS_REFUSAL
@@ -257,7 +256,7 @@ def _ptq_export_reload(model: nn.Module, ids: torch.Tensor, row: Row, scheme: st
     except Exception as exc:
         row.fp8kit_reload = f"{type(exc).__name__}: {str(exc)[:120]}"
     try:
-        hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        hf = type(model).from_pretrained(out, dtype=torch.float32).eval()  # the class transformers built
         with torch.no_grad():
             theirs = hf(input_ids=ids).logits
         row.err_hf = _rel(theirs, ours)
