@@ -162,6 +162,7 @@ class Row:
     """One architecture's results: ``ok`` / a reason per stage, and the figures."""
 
     model_type: str
+    scheme: str = "fp8-dynamic"
     built: bool = True
     convert: str = ""
     ptq: str = ""
@@ -256,7 +257,9 @@ def _ptq_export_reload(model: nn.Module, ids: torch.Tensor, row: Row, scheme: st
     except Exception as exc:
         row.fp8kit_reload = f"{type(exc).__name__}: {str(exc)[:120]}"
     try:
-        hf = type(model).from_pretrained(out, dtype=torch.float32).eval()  # the class transformers built
+        # the class transformers built; compressed-tensors decompresses FP4 on CPU to bfloat16 only
+        dtype = torch.bfloat16 if "fp4" in scheme else torch.float32
+        hf = type(model).from_pretrained(out, dtype=dtype).eval()
         with torch.no_grad():
             theirs = hf(input_ids=ids).logits
         row.err_hf = _rel(theirs, ours)
@@ -271,20 +274,29 @@ def _ptq_export_reload(model: nn.Module, ids: torch.Tensor, row: Row, scheme: st
 
 def sweep_one(model_type: str, where: Path, scheme: str = "fp8-dynamic") -> Row:
     """Run ``model_type`` through convert + one training step and PTQ + export + both reloads (module doc)."""
+    return sweep(model_type, where, (scheme,))[0]
+
+
+def sweep(model_type: str, where: Path, schemes: tuple[str, ...]) -> list[Row]:
+    """``sweep_one`` for several PTQ schemes: one build and one convert step, one ``Row`` per scheme."""
     start = time.perf_counter()
-    row = Row(model_type)
+    rows = [Row(model_type, scheme=s) for s in schemes]
     with quiet():
         model, ids = build(model_type)
         if model is None:
-            row.built, row.notes = False, [ids]
-            return row
+            for row in rows:
+                row.built, row.notes = False, [ids]
+            return rows
         try:
-            _convert_step(model, ids, row)
+            _convert_step(model, ids, rows[0])
         except Exception as err:
-            row.convert = f"{type(err).__name__}: {str(err)[:120]}"
-        _ptq_export_reload(model, ids, row, scheme, where / model_type)
-    row.seconds = time.perf_counter() - start
-    return row
+            rows[0].convert = f"{type(err).__name__}: {str(err)[:120]}"
+        for row in rows:
+            row.convert, row.converted = rows[0].convert, rows[0].converted
+            _ptq_export_reload(model, ids, row, row.scheme, where / f"{model_type}-{row.scheme}")
+    for row in rows:
+        row.seconds = (time.perf_counter() - start) / len(rows)
+    return rows
 
 
 def table(rows: list[Row]) -> str:
