@@ -39,7 +39,7 @@ _SIZES: dict[str, int] = {
     ),
     **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num"), KV_HEADS),
     **dict.fromkeys(("head_dim", "attention_head_size", "kv_channels", "v_head_dim", "qk_nope_head_dim"), HEAD_DIM),
-    **dict.fromkeys(("qk_rope_head_dim",), HEAD_DIM // 2),
+    **dict.fromkeys(("qk_rope_head_dim", "rotary_dim"), HEAD_DIM // 2),
     **dict.fromkeys(("kv_lora_rank", "q_lora_rank"), 32),
     **dict.fromkeys(
         (
@@ -162,6 +162,7 @@ class Row:
     """One architecture's results: ``ok`` / a reason per stage, and the figures."""
 
     model_type: str
+    scheme: str = "fp8-dynamic"
     built: bool = True
     convert: str = ""
     ptq: str = ""
@@ -208,11 +209,12 @@ def _convert_step(model: nn.Module, ids: torch.Tensor, row: Row) -> None:
     if missing:
         row.convert = f"unreported layers: {', '.join(missing[:3])}"
         return
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
+    logits = model(input_ids=ids).logits  # next-token loss computed here: some models' own `labels` need more inputs
+    loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+    loss.backward()
     grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
-    if not torch.isfinite(out.loss) or not grads or not all(torch.isfinite(g).all() for g in grads):
-        row.convert = f"loss {float(out.loss):.3g} or gradients not finite"
+    if not torch.isfinite(loss) or not grads or not all(torch.isfinite(g).all() for g in grads):
+        row.convert = f"loss {float(loss):.3g} or gradients not finite"
         return
     row.convert = "ok"
 
@@ -225,8 +227,6 @@ def _reload_tolerance(err_ptq: float) -> float:
 
 
 def _ptq_export_reload(model: nn.Module, ids: torch.Tensor, row: Row, scheme: str, where: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
     from fp8kit import ptq
     from fp8kit.export import load_pretrained, save_pretrained
     from fp8kit.export.compressed_tensors import TRANSFORMERS_REFUSAL
@@ -257,7 +257,9 @@ def _ptq_export_reload(model: nn.Module, ids: torch.Tensor, row: Row, scheme: st
     except Exception as exc:
         row.fp8kit_reload = f"{type(exc).__name__}: {str(exc)[:120]}"
     try:
-        hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        # the class transformers built; compressed-tensors decompresses FP4 on CPU to bfloat16 only
+        dtype = torch.bfloat16 if "fp4" in scheme else torch.float32
+        hf = type(model).from_pretrained(out, dtype=dtype).eval()
         with torch.no_grad():
             theirs = hf(input_ids=ids).logits
         row.err_hf = _rel(theirs, ours)
@@ -272,20 +274,29 @@ def _ptq_export_reload(model: nn.Module, ids: torch.Tensor, row: Row, scheme: st
 
 def sweep_one(model_type: str, where: Path, scheme: str = "fp8-dynamic") -> Row:
     """Run ``model_type`` through convert + one training step and PTQ + export + both reloads (module doc)."""
+    return sweep(model_type, where, (scheme,))[0]
+
+
+def sweep(model_type: str, where: Path, schemes: tuple[str, ...]) -> list[Row]:
+    """``sweep_one`` for several PTQ schemes: one build and one convert step, one ``Row`` per scheme."""
     start = time.perf_counter()
-    row = Row(model_type)
+    rows = [Row(model_type, scheme=s) for s in schemes]
     with quiet():
         model, ids = build(model_type)
         if model is None:
-            row.built, row.notes = False, [ids]
-            return row
+            for row in rows:
+                row.built, row.notes = False, [ids]
+            return rows
         try:
-            _convert_step(model, ids, row)
+            _convert_step(model, ids, rows[0])
         except Exception as err:
-            row.convert = f"{type(err).__name__}: {str(err)[:120]}"
-        _ptq_export_reload(model, ids, row, scheme, where / model_type)
-    row.seconds = time.perf_counter() - start
-    return row
+            rows[0].convert = f"{type(err).__name__}: {str(err)[:120]}"
+        for row in rows:
+            row.convert, row.converted = rows[0].convert, rows[0].converted
+            _ptq_export_reload(model, ids, row, row.scheme, where / f"{model_type}-{row.scheme}")
+    for row in rows:
+        row.seconds = (time.perf_counter() - start) / len(rows)
+    return rows
 
 
 def table(rows: list[Row]) -> str:

@@ -63,12 +63,20 @@ class OwnForward(nn.Linear):
         return super().forward(x) * 2
 
 
+class FalconLike(nn.Linear):
+    """Its own forward, computing x @ W.T + b (transformers' FalconLinear)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T + self.bias
+
+
 def test_convert_takes_linear_subclasses_that_keep_linear_forward():
-    model = nn.Sequential(Scaled(32, 32), OwnForward(32, 32))
+    model = nn.Sequential(Scaled(32, 32), OwnForward(32, 32), FalconLike(32, 32))
     fp8kit.convert(model, "current")
     report = model.fp8_conversion_report
-    assert report.converted == ["0"] and isinstance(model[0], Scaled) and isinstance(model[0], fnn.Linear)
-    assert "its own forward" in report.skipped["1"] and type(model[1]) is OwnForward
+    assert report.converted == ["0", "2"] and isinstance(model[0], Scaled) and isinstance(model[0], fnn.Linear)
+    assert "does not compute" in report.skipped["1"] and type(model[1]) is OwnForward
+    assert isinstance(model[2], FalconLike) and isinstance(model[2], fnn.Linear)
 
 
 def test_ptq_export_of_gpt2_reloads_in_transformers_and_fp8kit(tmp_path):

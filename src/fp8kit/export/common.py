@@ -265,6 +265,15 @@ def model_from_config(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> nn
         config = AutoConfig.for_model(**clean)
     except (ValueError, KeyError) as err:
         raise ExportError(f"{path}/config.json: unknown model config ({err})") from err
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    # the class that wrote it, else a causal LM class of this config class: where the Auto mapping lacks the config
+    names = [*(clean.get("architectures") or []), *MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()]
+    for name in names:
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        if cls is not None and type(config) is getattr(cls, "config_class", None):
+            return cls._from_config(config, dtype=dtype)
     return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 

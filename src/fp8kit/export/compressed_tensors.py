@@ -212,7 +212,7 @@ def _matches(name: str, module: nn.Module, patterns: list[str]) -> bool:
         if p.startswith("re:"):
             if re.match(p[3:], name):
                 return True
-        elif p == type(module).__name__ or name == p or name.endswith(f".{p}"):
+        elif p in {c.__name__ for c in type(module).__mro__} or name == p or name.endswith(f".{p}"):
             return True
     return False
 

@@ -182,14 +182,35 @@ def _derive(model: nn.Module, name: str, module: nn.Module) -> ExpertsOnDisk:
     else:
         model_parts, disk_parts = name.split("."), base.split(".")
         diff = [i for i, (a, b) in enumerate(zip(model_parts, disk_parts, strict=False)) if a != b]
-        if len(model_parts) != len(disk_parts) or len(diff) != 1 or model_parts[diff[0]] != "mlp":
+        if len(model_parts) == len(disk_parts) and len(diff) == 1 and model_parts[diff[0]] == "mlp":
+            block = disk_parts[diff[0]]
+        elif _merged_under_model_names(model, name, [linears[w] for w in sorted(linears)]):
+            block = "mlp"  # renamed elsewhere on disk (Nemotron-H's backbone.*), but the model's names merge too
+        else:
             raise ambiguous(f"the experts of {name} are stored under {base}, renamed beyond the MoE block's name")
-        block = disk_parts[diff[0]]
     wanted = (0, 1, 2) if module.has_gate else (1, 2)
     if sorted(linears) != list(wanted):
         raise ambiguous(f"its per-expert linears {sorted(linears.values())} are not one each of gate, up and down")
     names = (linears.get(0, _LINEARIZED[0]), linears[1], linears[2])
     return ExpertsOnDisk("per_expert", names, block)
+
+
+def _merged_under_model_names(model: nn.Module, name: str, linears: list[str]) -> bool:
+    """Whether transformers' per-expert ``WeightConverter`` source patterns match ``{name}.E.{linear}.weight`` for
+    every linear: keys under the model's own names load as well as the renamed ones ``save_pretrained`` writes."""
+    import re
+
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    patterns = [
+        re.compile(re.escape(p).replace(r"\*", r"\d+") + "$")
+        for c in get_model_conversion_mapping(model)
+        if isinstance(c, WeightConverter)
+        for p in c._original_source_patterns
+        if "*" in p
+    ]
+    return all(any(p.search(f"{name}.0.{linear}.weight") for p in patterns) for linear in linears)
 
 
 def experts_on_disk(model: nn.Module) -> ExpertsOnDisk:

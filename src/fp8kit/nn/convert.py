@@ -32,7 +32,14 @@ from ..recipes import DelayedScaling, Recipe, recipe_from_name
 from .class_swap import mixin_class
 from .experts import convert_experts, experts_why_not, fp8_experts_forward, is_experts_module
 from .linear import Linear
-from .linear_like import Conv1DLinear, is_conv1d, is_linear_like, linear_dims, linear_like_why_not
+from .linear_like import (
+    Conv1DLinear,
+    is_conv1d,
+    is_linear_like,
+    linear_dims,
+    linear_like_why_not,
+    weights_read_outside,
+)
 
 __all__ = [
     "ConversionReport",
@@ -264,6 +271,7 @@ def conversion_targets(
             out.experts.append((name, module))
     routers = _routers(model, out.found_experts)
     default = default_module_filter(model, recipe)
+    read_outside = weights_read_outside(model)
     for name, module in model.named_modules():
         if name in routers:
             out.skipped[name] = routers[name]
@@ -274,12 +282,17 @@ def conversion_targets(
             reason = None if module_filter(name, module) else "excluded by module_filter"
         else:
             reason = default(name, module)
-        reason = reason or _why_not_convertible(module)
+        reason = reason or _why_not_convertible(module) or _read_outside_why(read_outside.get(name))
         if reason:
             out.skipped[name] = reason
         else:
             out.linears.append((name, module))
     return out
+
+
+def _read_outside_why(why: str | None) -> str | None:
+    """The conversion's reason for a layer whose weight the model reads itself: those GEMMs would bypass FP8."""
+    return None if why is None else why.replace("a quantized layer would hand it codes", "it would not run in FP8")
 
 
 KEPT_BY_PLAN = "kept in high precision by the per-layer plan"

@@ -4,9 +4,9 @@
   (``nx``, ``nf``). ``convert`` gives the layer the class ``FP8Conv1D(Conv1DLinear, Conv1D)`` in place: an
   ``fp8kit.nn.Linear`` (and still a ``Conv1D``) whose GEMMs read ``weight.t()``, a view of the same parameter,
   so the parameter, its ``(in, out)`` layout in the state dict, hooks and attributes stay as they were.
-* Subclasses of ``nn.Linear`` that keep ``nn.Linear.forward``: the class ``FP8<Sub>(Linear, Sub)``, in place.
-  A subclass with its own ``forward`` computes something fp8kit cannot follow: it is left in high precision
-  and reported with the reason.
+* Subclasses of ``nn.Linear`` that keep ``nn.Linear.forward``, or whose own ``forward`` computes ``x @ W.T + b``
+  (Falcon's ``FalconLinear``; checked on a small random input): the class ``FP8<Sub>(Linear, Sub)``, in place.
+  A subclass computing something else (a router returning indices) is left in high precision and reported.
 
 ``transformers`` is looked up in ``sys.modules`` only: a model holding a ``Conv1D`` has already imported it,
 so ``import fp8kit`` stays light.
@@ -14,6 +14,9 @@ so ``import fp8kit`` stays light.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
 import sys
 
 import torch
@@ -30,6 +33,7 @@ __all__ = [
     "linear_like_why_not",
     "linear_weight",
     "transposed_in_checkpoint",
+    "weights_read_outside",
 ]
 
 
@@ -66,18 +70,32 @@ def linear_weight(module: nn.Module) -> torch.Tensor:
 
 def linear_like_why_not(module: nn.Module) -> str | None:
     """Why a layer that looks linear (an ``nn.Linear`` subclass) cannot be converted, or ``None`` if it can
-    (plain ``nn.Linear``, ``Conv1D`` and subclasses that keep ``nn.Linear.forward``)."""
+    (plain ``nn.Linear``, ``Conv1D`` and subclasses whose forward computes ``x @ W.T + b``)."""
     if type(module) is nn.Linear or is_conv1d(module) or not isinstance(module, nn.Linear):
         return None
     cls = type(module)
-    if isinstance(module, Linear):
+    if isinstance(module, Linear) or cls.forward is nn.Linear.forward or _computes_linear(module):
         return None
-    if cls.forward is not nn.Linear.forward:
-        return (
-            f"{cls.__module__}.{cls.__qualname__} subclasses nn.Linear with its own forward "
-            "(fp8kit cannot tell what it computes; pass module_filter to skip it quietly)"
-        )
-    return None
+    return (
+        f"{cls.__module__}.{cls.__qualname__} subclasses nn.Linear with a forward that does not compute "
+        "x @ W.T + b (pass module_filter to skip it quietly)"
+    )
+
+
+@torch.no_grad()
+def _computes_linear(module: nn.Linear) -> bool:
+    """Whether a subclass's own forward computes ``F.linear(x, weight, bias)`` (Falcon's ``x @ W.T + b``): checked
+    on a small random input in float32 (exactly equal up to summation order), on the layer's device."""
+    weight = module.weight
+    if not isinstance(weight, torch.Tensor) or weight.device.type == "meta" or not weight.is_floating_point():
+        return False
+    x = torch.randn(2, module.in_features, generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
+    try:
+        out = type(module).forward(module, x)
+    except Exception:
+        return False
+    want = torch.nn.functional.linear(x, weight, module.bias)
+    return isinstance(out, torch.Tensor) and out.shape == want.shape and torch.allclose(out, want, rtol=1e-3, atol=1e-5)
 
 
 def is_linear_like(module: nn.Module) -> bool:
@@ -111,3 +129,38 @@ def as_linear(module: nn.Module) -> nn.Linear:
     if module.bias is not None:
         linear.bias = nn.Parameter(module.bias.detach(), requires_grad=False)
     return linear
+
+
+@functools.cache
+def _weights_read_by(cls: type) -> frozenset[str]:
+    """Submodule paths ``X`` (``dt_proj``, ``self_attn.o_proj``) whose ``self.X.weight`` the source of ``cls``
+    reads."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return frozenset()
+    return frozenset(re.findall(r"self\.((?:\w+\.)*\w+)\.weight\b", source))
+
+
+def weights_read_outside(model: nn.Module) -> dict[str, str]:
+    """Linear layers whose weight the model's own code reads directly (``self.dt_proj.weight @ x`` in Mamba's
+    mixer, a weight handed to a fused kernel, ``x.to(self.self_attn.o_proj.weight.dtype)``), by qualified name,
+    with the reason: found as ``self.<path>.weight`` in the source of a module's class, ``<path>`` resolved from
+    that module. A quantized layer holds codes there, so PTQ keeps these in high precision; training layers keep
+    their high-precision weight and are unaffected."""
+    out = {}
+    for parent_name, parent in model.named_modules():
+        if type(parent).__module__.startswith(("torch.", "fp8kit.")):
+            continue
+        for path in _weights_read_by(type(parent)):
+            try:
+                child = parent.get_submodule(path)
+            except AttributeError:
+                continue
+            if is_linear_like(child):
+                name = f"{parent_name}.{path}" if parent_name else path
+                out[name] = (
+                    f"{type(parent).__name__} reads {path}.weight itself (not through the layer's forward): "
+                    "a quantized layer would hand it codes"
+                )
+    return out

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from ..nn.convert import is_output_head
 from ..nn.linear import Linear as FP8Linear
-from ..nn.linear_like import as_linear, is_conv1d, linear_dims, linear_like_why_not
+from ..nn.linear_like import as_linear, is_conv1d, linear_dims, linear_like_why_not, weights_read_outside
 from ..recipes import DelayedScaling
 from ..scaling import nvfp4_tensor_scale, parse_granularity
 from .calibrate import CALIBRATION_METHODS, InputObserver, choose_amax, observe_inputs
@@ -179,6 +179,7 @@ def _select_layers(run: _Run) -> None:
     """The Linear layers to quantize (``module_filter``, or all but the output head); the rest are reported."""
     model, opts, report = run.model, run.opts, run.report
     skip = _default_skip(model)
+    read_outside = weights_read_outside(model)
     for name, module in model.named_modules():
         linear = type(module) is nn.Linear or isinstance(module, FP8Linear) or is_conv1d(module)
         subclass = isinstance(module, nn.Linear) and not type(module).__module__.startswith("fp8kit.")
@@ -190,7 +191,7 @@ def _select_layers(run: _Run) -> None:
             else skip(name, module)
         )
         reason = reason or _conv1d_misfit(run.scheme, module) or _fp4_misfit(run.scheme, module)
-        reason = reason or (None if linear else linear_like_why_not(module))
+        reason = reason or (None if linear else linear_like_why_not(module)) or read_outside.get(name)
         if reason:
             report.skipped[name] = reason
         else:
