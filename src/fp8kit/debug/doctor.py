@@ -339,7 +339,8 @@ def _clean_channel_sqnr(stats: list[dict[str, Any]], layer: str, before: int) ->
 def _latent_recommendations(
     culprits: list[Culprit], run: dict[str, Any], recipe: Recipe, loss_fn: Callable[[nn.Module, Any], torch.Tensor]
 ) -> list[Recommendation]:
-    """The ranked fixes of the first latent finding about an FP8 layer's input (``debug.fixes``)."""
+    """The ranked fixes of the first latent finding about an FP8 layer's input (``debug.fixes``); with none
+    (a weight's or a gradient's), the fixes ``recommend`` gives a problem."""
     for c in culprits:
         layer = operand_layer(c, run["names"])
         if layer is None:
@@ -348,7 +349,8 @@ def _latent_recommendations(
         if x is not None:
             clean = _clean_channel_sqnr(run["stats"], layer, c.step)
             return latent_fixes(c, layer, x, run["model"], recipe, clean)
-    return []
+    departures = [c for c in culprits if c.projected_step is None]
+    return recommend(departures, recipe, run["names"]) if departures else []
 
 
 def saturation_levels(recipe: Recipe) -> dict[str, float]:

@@ -80,8 +80,10 @@ def operand_stats(
     scale_inv = q.scale_inv.float()  # per tile, dequant multiplier
     tiles = expand_tiles(scale_inv, q.block, tuple(x2.shape))
     saturated = int((mag / tiles > fmt.max).sum())
-    err = float(((xf - x_hat) ** 2).sum())
-    sig = float((xf**2).sum())
+    diff2 = (xf - x_hat) ** 2
+    sq = xf * xf
+    err = float(diff2.sum())
+    sig = float(sq.sum())
     sqnr = 10 * math.log10(sig / err) if err > 0 and sig > 0 else (math.inf if sig > 0 else float("nan"))
     min_nz = float(mag[nonzero].min()) if n_nonzero else 0.0
     s_inv0 = float(scale_inv.reshape(-1)[0])
@@ -99,26 +101,37 @@ def operand_stats(
         set_for = fmt.max / float(delayed_scale) / 2**recipe.margin
         out["staleness"] = amax / set_for if set_for > 0 else math.inf
     if channels:
-        out.update(channel_stats(xf, x_hat))
+        out.update(_channel_figures(xf, sq, diff2, mag))
     return out
 
 
 def channel_stats(x: torch.Tensor, x_hat: torch.Tensor) -> dict[str, float]:
     """``channel_sqnr_db``, ``outlier_ratio`` and ``kurtosis`` of a 2-D ``x`` (channels: its columns) and its
     quantize-dequantize ``x_hat``. Channels that are all zero are left out; none left: NaN."""
-    sig = (x**2).sum(dim=0)
-    err = ((x - x_hat) ** 2).sum(dim=0)
+    return _channel_figures(x, x * x, (x - x_hat) ** 2, x.abs())
+
+
+def _channel_figures(x: torch.Tensor, sq: torch.Tensor, diff2: torch.Tensor, mag: torch.Tensor) -> dict[str, float]:
+    """``channel_stats`` from ``x``, ``x**2``, the squared error and ``|x|`` (already at hand in
+    ``operand_stats``). The kurtosis comes from the raw moments, summed in float64."""
+    sig = sq.sum(dim=0)
     live = sig > 0
     nan = float("nan")
     if not bool(live.any()):
         return {"channel_sqnr_db": nan, "outlier_ratio": nan, "kurtosis": nan}
+    err = diff2.sum(dim=0)
     per = 10 * torch.log10(sig[live] / err[live].clamp_min(torch.finfo(torch.float32).tiny))
-    cmax = x.abs().amax(dim=0)[live]
+    cmax = mag.amax(dim=0)[live]
     med = float(cmax.median())
-    centred = x - x.mean()
-    var = float((centred**2).mean())
+    n = x.numel()
+    m1 = float(x.sum(dtype=torch.float64)) / n
+    m2 = float(sig.sum(dtype=torch.float64)) / n
+    m3 = float((sq * x).sum(dtype=torch.float64)) / n
+    m4 = float((sq * sq).sum(dtype=torch.float64)) / n
+    var = m2 - m1 * m1
+    central4 = m4 - 4 * m1 * m3 + 6 * m1 * m1 * m2 - 3 * m1**4
     return {
         "channel_sqnr_db": float(per.median()),
         "outlier_ratio": float(cmax.max()) / med if med > 0 else math.inf,
-        "kurtosis": float((centred**4).mean()) / var**2 if var > 0 else nan,
+        "kurtosis": central4 / var**2 if var > 0 else nan,
     }
