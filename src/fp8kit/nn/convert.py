@@ -22,6 +22,7 @@ import re
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -29,6 +30,9 @@ import torch.nn as nn
 from ..recipes import DelayedScaling, Recipe, recipe_from_name
 from .experts import convert_experts, experts_why_not, fp8_experts_forward, is_experts_module
 from .linear import Linear
+
+if TYPE_CHECKING:
+    from .attention import AttentionRecipe
 
 __all__ = [
     "ConversionReport",
@@ -305,7 +309,7 @@ def convert(
     *,
     save_fp8_activations: bool = True,
     verbose: bool = False,
-    attention: object = None,
+    attention: AttentionRecipe | str | bool | None = None,
 ) -> nn.Module:
     """Turn eligible ``nn.Linear`` layers of ``model`` into ``fp8kit.nn.Linear`` in place.
 
