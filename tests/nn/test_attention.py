@@ -291,3 +291,34 @@ def test_observed_operand_statistics() -> None:
     assert 25 < rows["Q"]["sqnr_db"] < 40 and rows["Q"]["saturated"] == 0
     assert rows["Q"]["amax"] == pytest.approx((q.float() * 8).abs().amax(dim=(0, 2, 3)).tolist())
     assert rows["P"]["underflow"] > 0 and rows["P"]["amax"] == [1.0] * HQ
+
+
+def test_calibrated_kv_scales_export_as_the_fp8_kv_cache(tmp_path) -> None:
+    """PTQ (fp8-dynamic) + FP8 attention calibrated per head: its K/V scales become the KV cache's, which the
+    compressed-tensors export writes (``kv_cache_scheme``, ``self_attn.k_scale``) and ``load_pretrained`` reads."""
+    import json
+
+    from safetensors import safe_open
+
+    from fp8kit import ptq
+    from fp8kit.export import load_pretrained, save_pretrained
+    from fp8kit.nn.attention import attention_states, calibrate_fp8_attention, fp8_attention_to_kv_scales
+    from tests.helpers.models import calib, tiny_llama
+
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 256, (2, 32), generator=g) for _ in range(2)]
+    model = ptq.quantize(tiny_llama(), "fp8-dynamic")
+    A.enable_fp8_attention(model, "delayed-head")
+    calibrate_fp8_attention(model, calib(batches))
+    state = attention_states(model)["model.layers.1.self_attn.fp8_attention"]
+    k_amax = float(state.fp8_amax_history[state.index("k")].amax())
+    assert fp8_attention_to_kv_scales(model) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert not attention_states(model) and model.config._attn_implementation != A.ATTN_NAME
+    out = save_pretrained(model, tmp_path / "kv")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["kv_cache_scheme"]["strategy"] == "tensor"
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert not [k for k in f.keys() if "fp8_" in k]
+        assert float(f.get_tensor("model.layers.1.self_attn.k_scale")) == pytest.approx(k_amax / E4M3.max)
+    loaded = load_pretrained(out)
+    assert float(loaded.model.layers[1].self_attn.k_scale) == pytest.approx(k_amax / E4M3.max)

@@ -24,6 +24,7 @@ import re
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -40,6 +41,9 @@ from .linear_like import (
     linear_like_why_not,
     weights_read_outside,
 )
+
+if TYPE_CHECKING:
+    from .attention import AttentionRecipe
 
 __all__ = [
     "ConversionReport",
@@ -341,7 +345,7 @@ def convert(
     verbose: bool = False,
     smooth_swiglu: bool = False,
     swiglu_limit: float | None = None,
-    attention: object = None,
+    attention: AttentionRecipe | str | bool | None = None,
 ) -> nn.Module:
     """Turn eligible ``nn.Linear`` layers of ``model`` into ``fp8kit.nn.Linear`` in place.
 
