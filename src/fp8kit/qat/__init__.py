@@ -1,9 +1,22 @@
 """Quantization-aware training and distillation for the PTQ schemes: ``prepare`` (the scheme's quantizers
 in the forward pass, straight-through gradients), ``distill`` (KL to a high-precision teacher) and
-``convert`` (PTQ's inference modules, for every export)."""
+``convert`` (PTQ's inference modules, for every export); LoRA adapters (peft) on a quantized base
+(``lora_config``, ``merge_lora``)."""
 
 from .distill import DistillResult, distill, distill_loss, kl_to_teacher
 from .linear import QATLinear
+from .lora import lora_config, merge_lora
 from .prepare import convert, prepare, qat_layers
 
-__all__ = ["DistillResult", "QATLinear", "convert", "distill", "distill_loss", "kl_to_teacher", "prepare", "qat_layers"]
+__all__ = [
+    "DistillResult",
+    "QATLinear",
+    "convert",
+    "distill",
+    "distill_loss",
+    "kl_to_teacher",
+    "lora_config",
+    "merge_lora",
+    "prepare",
+    "qat_layers",
+]
