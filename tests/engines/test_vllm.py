@@ -12,6 +12,7 @@ tests/engines`` (``scripts/vllm_env.sh`` builds that environment); without it th
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -89,6 +90,10 @@ def engine(tmp_path_factory):
     by_folder[str(bad)] = windows
     got = run_vllm([*folders.values(), bad], by_folder, dtype="float32")
     results = {e.name: r for e, r in zip([*EXPORTS, STRING_PRODUCER], got["results"], strict=True)}
+    report = os.environ.get("FP8KIT_ENGINE_REPORT")  # the figures of BENCHMARKS.md's vLLM table, as JSON
+    if report:
+        rows = {n: {**r, "fp8kit_ppl": ours.get(n)} for n, r in results.items()}
+        Path(report).write_text(json.dumps({"vllm": got["vllm"], "rows": rows}, indent=1))
     return {"folders": folders, "results": results, "fp8kit_ppl": ours, "vllm": got["vllm"]}
 
 
@@ -117,10 +122,11 @@ def test_vllm_loads_the_export_unmodified(engine, export: Export):
         assert all(scheme in m for m in linears.values()), sorted(set(linears.values()))
     if r.get("weights"):  # the probe layer's checkpoint tensors, bit for bit in vLLM's parameters
         assert all(r["weights"].values()), r["weights"]
+    ours, theirs = engine["fp8kit_ppl"][export.name], r.get("ppl")
+    print(f"{export.name}: vLLM {engine['vllm']} loaded={r['loaded']} ppl={theirs} fp8kit ppl={ours:.3f} {err[:200]}")
     if not r["loaded"]:
         return
     assert len(r["generated"]) == 4
-    ours, theirs = engine["fp8kit_ppl"][export.name], r["ppl"]
     assert abs(theirs / ours - 1) < PPL_TOLERANCE, f"vLLM {theirs:.3f} vs fp8kit {ours:.3f}"
 
 

@@ -148,6 +148,24 @@ def _quant_config(folder: str) -> Any:
     return get_quantization_config(method).from_config(qc)
 
 
+NO_FP4_KERNEL = ("NVFP4 linear layer", "MXFP4 linear layer")  # vLLM's message when no FP4 kernel fits
+
+
+def _register_fp4_emulation() -> None:
+    """Put vLLM's own FP4 emulation kernels (dequantize, then a high-precision GEMM: the fallback its CUDA and
+    ROCm builds list last) on the CPU platform's kernel lists, which hold none in vLLM 0.32."""
+    import vllm.model_executor.kernels.linear as kernels
+    from vllm.platforms import PlatformEnum
+
+    for table, kernel in (
+        (kernels._POSSIBLE_NVFP4_KERNELS, kernels.EmulationNvFp4LinearKernel),
+        (kernels._POSSIBLE_MXFP4_KERNELS, kernels.EmulationMxfp4LinearKernel),
+    ):
+        cpu = table.setdefault(PlatformEnum.CPU, [])
+        if kernel not in cpu:
+            cpu.append(kernel)
+
+
 def _kv_cache_dtype(folder: str) -> str:
     """``fp8`` when the export declares an FP8 KV cache (compressed-tensors ``kv_cache_scheme``, ModelOpt
     ``kv_cache_quant_algo``), as ``vllm serve --kv-cache-dtype fp8`` would be given; else ``auto``."""
@@ -189,6 +207,20 @@ def _score(llm: Any, windows: list[list[int]], new_tokens: int) -> dict[str, Any
 
 
 def run_one(folder: str, job: dict[str, Any]) -> dict[str, Any]:
+    """``_run_one``; with ``job["emulate_fp4"]``, an export refused for want of an FP4 kernel is loaded again
+    with vLLM's FP4 emulation kernels (``_register_fp4_emulation``), the first refusal kept as ``no_kernel``."""
+    result = _run_one(folder, job)
+    err = (result.get("error") or {}).get("text", "")
+    if job.get("emulate_fp4") and not result["loaded"] and any(k in err for k in NO_FP4_KERNEL):
+        _register_fp4_emulation()
+        again = _run_one(folder, job)
+        again["no_kernel"] = result["error"]["text"].splitlines()[0]
+        again["emulated"] = True
+        return again
+    return result
+
+
+def _run_one(folder: str, job: dict[str, Any]) -> dict[str, Any]:
     _RECORD.clear()
     _RECORD["folder"] = folder
     result: dict[str, Any] = {"folder": folder, "loaded": False, "error": None}

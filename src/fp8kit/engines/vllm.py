@@ -96,11 +96,14 @@ def run_vllm(
     new_tokens: int = 4,
     dtype: str = "bfloat16",
     timeout: float | None = 3600,
+    emulate_fp4: bool = False,
 ) -> dict[str, Any]:
     """Load each of ``folders`` in vLLM (one subprocess, one after the other) and score ``windows`` (``(n,
     seq_len + 1)`` token ids; or a ``{folder: windows}`` map) there. Returns ``{"vllm": version, "results": [per folder]}``; each result holds
     ``loaded``, ``error`` (``{"stage", "text"}`` or ``None``), ``quant_config``, ``layers``, ``weights``,
-    ``generated``, ``window_losses`` and ``ppl`` (see ``_vllm_worker``). Raises ``VllmError`` when vLLM is not
+    ``generated``, ``window_losses`` and ``ppl`` (see ``_vllm_worker``). ``emulate_fp4``: an export refused
+    for want of an FP4 kernel is loaded again with vLLM's own FP4 emulation kernels (``emulated``, and the
+    refusal as ``no_kernel``). Raises ``VllmError`` when vLLM is not
     available or the subprocess died before writing a result for every folder."""
     python = python or vllm_python()
     reason = vllm_unavailable(python)
@@ -120,6 +123,7 @@ def run_vllm(
         "windows": job_windows,
         "new_tokens": new_tokens,
         "dtype": dtype,
+        "emulate_fp4": emulate_fp4,
     }
     with tempfile.TemporaryDirectory(prefix="fp8kit-vllm-") as tmp:
         job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "out.json"
