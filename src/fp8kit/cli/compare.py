@@ -43,7 +43,11 @@ def add_arguments(c: argparse.ArgumentParser) -> None:
         default="all",
         help=f"all, or a comma list of: {scheme_names()} (+kv: FP8 KV cache)",
     )
-    c.add_argument("--out", default="runs/fp8kit-compare", help="folder for compare.json/md/png")
+    c.add_argument(
+        "--out",
+        default="runs/fp8kit-compare",
+        help="folder for compare.json/md/png (one that holds a report needs --overwrite)",
+    )
     c.add_argument("--text", type=text_file, default=None, help="use this UTF-8 text instead of the shipped corpus")
     add_calibration_options(c)
     c.add_argument(

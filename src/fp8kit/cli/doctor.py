@@ -74,7 +74,11 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also train BF16 with one layer's weights one ulp off: a gap within twice its spread is not FP8's",
     )
-    d.add_argument("--out", default="runs/fp8kit-doctor", help="folder for report.md and its plots")
+    d.add_argument(
+        "--out",
+        default="runs/fp8kit-doctor",
+        help="folder for report.md and its plots (one that holds a report needs --overwrite)",
+    )
     add_device_options(d)
     add_overwrite(d, "report")
 

@@ -219,7 +219,7 @@ def _add_parallel_options(t: argparse.ArgumentParser) -> None:
 
 
 def _add_output_options(t: argparse.ArgumentParser) -> None:
-    t.add_argument("--out", default=TRAIN_OUT, help="run folder")
+    t.add_argument("--out", default=TRAIN_OUT, help="run folder (one that holds a run needs --resume or --overwrite)")
     t.add_argument(
         "--resume",
         action="store_true",
