@@ -133,13 +133,21 @@ def as_linear(module: nn.Module) -> nn.Linear:
 
 @functools.cache
 def _weights_read_by(cls: type) -> frozenset[str]:
-    """Submodule paths ``X`` (``dt_proj``, ``self_attn.o_proj``) whose ``self.X.weight`` the source of ``cls``
-    reads."""
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return frozenset()
-    return frozenset(re.findall(r"self\.((?:\w+\.)*\w+)\.weight\b", source))
+    """Submodule paths ``X`` (``dt_proj``, ``self_attn.o_proj``) whose ``self.X.weight`` the methods of ``cls``
+    (and of its bases outside torch) read, leaving out those that build or initialize the module."""
+    found: set[str] = set()
+    for klass in cls.__mro__:
+        if klass.__module__.startswith(("torch.", "builtins", "fp8kit.")):
+            continue
+        for fname, fn in vars(klass).items():
+            if "init" in fname or fname == "reset_parameters" or not inspect.isfunction(fn):
+                continue
+            try:
+                source = inspect.getsource(fn)
+            except (OSError, TypeError):
+                continue
+            found.update(re.findall(r"self\.((?:\w+\.)*\w+)\.weight\b", source))
+    return frozenset(found)
 
 
 def weights_read_outside(model: nn.Module) -> dict[str, str]:

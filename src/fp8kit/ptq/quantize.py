@@ -215,7 +215,7 @@ def _select_layers(run: _Run) -> None:
     if not run.targets and not run.experts:
         why = "; ".join(f"{n}: {r}" for n, r in list(report.skipped.items())[:3])
         raise ValueError(
-            "no linear layer to quantize"
+            "no nn.Linear (or Conv1D) layer to quantize"
             + (" (the module_filter matched none)" if opts.module_filter else " in this model")
             + (f" (skipped {why})" if why else "")
         )
