@@ -53,8 +53,10 @@ def test_a_persistent_outlier_channel_is_latent(outlier):
     assert all(c["layer"] != DOWN for c in outlier.applied["culprits_after"]), outlier.applied["summary_after"]
 
 
-def test_the_report_names_the_latent_finding(outlier, tmp_path):
-    text = outlier.save(tmp_path / "report").read_text()
+def test_the_report_names_the_latent_finding(outlier):
+    from fp8kit.debug.report import report_markdown
+
+    text = report_markdown(outlier.to_dict(), outlier.stats)
     assert text.startswith("# fp8kit doctor: latent")
     assert "## Latent findings" in text and f"`{DOWN}` | input" in text
     assert "## Recommendations (ranked)" in text and "smooth_swiglu=True" in text

@@ -73,6 +73,7 @@ def gate_up_alignment(gate: torch.Tensor, up: torch.Tensor) -> dict[str, float]:
     """``{"value", "max_cos", "channel"}`` of a SwiGLU MLP's ``gate_proj`` and ``up_proj`` weights ``(I, H)``:
     the largest aligned gain over the median gain (module docstring), the largest ``|cos|`` of a row pair, and
     the channel of the largest aligned gain."""
+    gate, up = (w.full_tensor() if hasattr(w, "full_tensor") else w for w in (gate, up))  # sharded (FSDP2): whole
     g, u = gate.detach().float(), up.detach().float()
     gn, un = g.norm(dim=1), u.norm(dim=1)
     gain = gn * un
