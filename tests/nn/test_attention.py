@@ -322,3 +322,21 @@ def test_calibrated_kv_scales_export_as_the_fp8_kv_cache(tmp_path) -> None:
         assert float(f.get_tensor("model.layers.1.self_attn.k_scale")) == pytest.approx(k_amax / E4M3.max)
     loaded = load_pretrained(out)
     assert float(loaded.model.layers[1].self_attn.k_scale) == pytest.approx(k_amax / E4M3.max)
+
+
+def test_ptq_quantize_with_fp8_attention() -> None:
+    from fp8kit import ptq
+    from fp8kit.nn.attention import attention_states
+    from tests.helpers.models import calib, tiny_llama
+
+    g = torch.Generator().manual_seed(4)
+    batches = [torch.randint(0, 256, (2, 32), generator=g) for _ in range(2)]
+    with pytest.raises(ValueError, match="kv_cache"):
+        ptq.quantize(tiny_llama(), "fp8", calib(batches), kv_cache=True, attention="fp8")
+    with pytest.raises(ValueError, match="forward_loop"):
+        ptq.quantize(tiny_llama(), "fp8-dynamic", attention="delayed-head")
+    model = ptq.quantize(tiny_llama(), "fp8-dynamic", calib(batches), attention="delayed-head")
+    states = attention_states(model)
+    assert len(states) == 2 and all(bool((s.fp8_seen[s.index("q")] == 2).all()) for s in states.values())
+    with torch.no_grad():
+        assert torch.isfinite(model(batches[0]).logits).all()

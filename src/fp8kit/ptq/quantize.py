@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from ..nn.attention import AttentionRecipe, attention_recipe, calibrate_fp8_attention, enable_fp8_attention
 from ..nn.convert import is_output_head
 from ..nn.linear import Linear as FP8Linear
 from ..nn.linear_like import as_linear, is_conv1d, linear_dims, linear_like_why_not, weights_read_outside
@@ -485,6 +486,7 @@ def quantize(
     norm_tweak: int = 0,
     norm_tweak_lr: float = 1e-3,
     progress: bool | None = None,
+    attention: str | None = None,
     _originals: dict[str, nn.Module] | None = None,
 ) -> nn.Module:
     """Quantize ``model``'s ``nn.Linear`` layers and MoE experts in place for inference and return it.
@@ -529,6 +531,10 @@ def quantize(
         progress: print the plan (every step that will run), an estimate per step once the first pass
             over the calibration data is timed, and a bar per step on stderr; ``None``: when stderr is a
             terminal.
+        attention: FP8 attention after the layers are quantized (``nn.attention``; ``transformers`` models):
+            ``"fp8"`` / ``"delayed"`` (static scales calibrated on ``forward_loop``; ``"delayed-head"`` per head)
+            or ``"current"`` (each call's own scales). Not with ``kv_cache`` (FP8 attention quantizes K and V
+            itself; ``nn.attention.fp8_attention_to_kv_scales`` turns its scales into the KV cache's for export).
 
     The steps run in the order of ``PIPELINE``: AWQ -> calibrate -> SmoothQuant -> activation scales ->
     KV-cache scales -> GPTQ Hessians -> quantize the layers -> rank and keep the most sensitive in high
@@ -543,6 +549,7 @@ def quantize(
     )
     opts.check(scheme)
     bars = Progress(progress, getattr(forward_loop, "batches", None))  # the calibration loop's batches, if it says
+    attn = _attention_recipe(attention, forward_loop, kv_cache) if attention is not None else None
     run = _Run(model, scheme, forward_loop, opts, PTQReport(scheme.name, kv_cache=kv_cache), bars)
     if _originals is not None:
         run.originals = _originals
@@ -562,4 +569,26 @@ def quantize(
     finally:
         model.train(was_training)
     object.__setattr__(model, "ptq_report", run.report)
+    if attn is not None:
+        _fp8_attention(model, attn, forward_loop)
     return model
+
+
+def _attention_recipe(attention: str, forward_loop: Callable | None, kv_cache: bool) -> AttentionRecipe:
+    """The ``AttentionRecipe`` of ``quantize(attention=...)``, checked against the other options."""
+    recipe = attention_recipe(attention)
+    if kv_cache:
+        raise ValueError(
+            "quantize(attention=...) quantizes K and V itself: drop kv_cache=True (for an exported FP8 KV cache, "
+            "call fp8kit.nn.attention.fp8_attention_to_kv_scales(model) after quantize)"
+        )
+    if recipe.scaling == "delayed" and forward_loop is None:
+        raise ValueError(f"quantize(attention={attention!r}) calibrates static scales: pass forward_loop")
+    return recipe
+
+
+def _fp8_attention(model: nn.Module, recipe: AttentionRecipe, forward_loop: Callable | None) -> None:
+    """FP8 attention on the quantized model, its static scales calibrated on ``forward_loop``."""
+    enable_fp8_attention(model, recipe)
+    if recipe.scaling == "delayed":
+        calibrate_fp8_attention(model, forward_loop)
