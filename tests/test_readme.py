@@ -46,6 +46,19 @@ def cli_lines(text: str) -> list[str]:
 
 
 CLI_LINES = cli_lines(README.read_text(encoding="utf-8"))
+
+
+def parseable(line: str) -> list[str]:
+    """The line's arguments, with a ``--model`` that an earlier README line writes (its ``--out``) read as
+    ``smollm2``: the parser checks that a model folder exists, and these exist only after the earlier line ran."""
+    outs = set()
+    for earlier in CLI_LINES[: CLI_LINES.index(line)]:
+        words = earlier.split()
+        outs |= {words[i + 1] for i, w in enumerate(words[:-1]) if w == "--out"}
+    argv = line.split()[1:]
+    return [("smollm2" if i and argv[i - 1] == "--model" and a in outs else a) for i, a in enumerate(argv)]
+
+
 # The README commands that finish in seconds: run as written. The others train, calibrate or evaluate for
 # minutes: their options are checked against the command's parser and --help.
 RUN_AS_WRITTEN = {"fp8kit info"}
@@ -77,7 +90,7 @@ def test_readme_cli_line_matches_the_help(line, tmp_path, monkeypatch):
     for token in argv[1:]:
         if token.startswith("--"):
             assert token in help_text, f"{token} of `{line}` is not in `fp8kit {argv[0]} --help`"
-    args = parser.parse_args(argv)  # exits (failing the test) on an option or value the command refuses
+    args = parser.parse_args(parseable(line))  # exits (failing the test) on an option or value the command refuses
     assert args.command == argv[0]
 
 
@@ -99,7 +112,7 @@ def test_readme_runs_each_write_their_own_folder(command):
 
     outs = []
     for line in dict.fromkeys(CLI_LINES):
-        args = build_parser().parse_args(line.split()[1:])
+        args = build_parser().parse_args(parseable(line))
         if args.command == command and not getattr(args, "resume", False):
             outs.append(args.out)
     assert len(outs) >= 3 and len(set(outs)) == len(outs), outs
