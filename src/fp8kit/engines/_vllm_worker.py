@@ -3,7 +3,8 @@ a job file with ``vllm.LLM`` in this one process, and writes what it saw as JSON
 
 Usage: ``python _vllm_worker.py JOB.json OUT.json``. The job holds ``folders``, ``windows`` (token-id lists to
 score with prompt log-probabilities; or a ``{folder: lists}`` map), ``new_tokens`` (greedy tokens to generate from the first window's start)
-and ``dtype``; an export with an FP8 KV cache gets ``kv_cache_dtype="fp8"``. For each folder the result holds ``loaded`` (the engine started and ran), ``error`` (the
+and ``dtype`` (``bfloat16`` where the quantization method takes no other; ``dtype`` in each result says which
+ran); an export with an FP8 KV cache gets ``kv_cache_dtype="fp8"``. For each folder the result holds ``loaded`` (the engine started and ran), ``error`` (the
 exception text and the stage it came from: ``load`` or ``run``), ``quant_config`` (the config class vLLM
 parsed), ``layers`` (each layer's quant method and, where it has one, its scheme), ``weights`` (for one
 quantized layer, each checkpoint tensor compared bit for bit with the parameter vLLM loaded it into, before
@@ -166,6 +167,16 @@ def _register_fp4_emulation() -> None:
             cpu.append(kernel)
 
 
+def _dtype_for(config: Any, wanted: str) -> str:
+    """``wanted``, or ``bfloat16`` when the quantization config does not take it (vLLM 0.32's ``Fp8Config`` and
+    ``ModelOptFp8Config`` list half precision only)."""
+    import torch
+
+    if config is None or getattr(torch, wanted) in config.get_supported_act_dtypes():
+        return wanted
+    return "bfloat16"
+
+
 def _kv_cache_dtype(folder: str) -> str:
     """``fp8`` when the export declares an FP8 KV cache (compressed-tensors ``kv_cache_scheme``, ModelOpt
     ``kv_cache_quant_algo``), as ``vllm serve --kv-cache-dtype fp8`` would be given; else ``auto``."""
@@ -234,11 +245,13 @@ def _run_one(folder: str, job: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM
 
     windows = job["windows"][folder] if isinstance(job["windows"], dict) else job["windows"]
+    dtype = _dtype_for(config, job.get("dtype", "bfloat16"))
+    result["dtype"] = dtype
     llm = None
     try:
         llm = LLM(
             model=folder,
-            dtype=job.get("dtype", "bfloat16"),
+            dtype=dtype,
             max_model_len=max(len(w) for w in windows) + 8,
             max_num_seqs=max(len(windows), 1),
             enforce_eager=True,
