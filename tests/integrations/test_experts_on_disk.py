@@ -124,3 +124,22 @@ def test_llama4_export_loads_in_transformers(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(load_pretrained(out)(x).logits, ours, rtol=0, atol=0)
         assert rel(hf(x).logits, ours) < rel(ours, ref)
+
+
+def test_multimodal_ptq_quantizes_the_language_model_and_transformers_reloads_it(tmp_path):
+    """A vision-language model (tiny Gemma 3, random): PTQ quantizes the language model's linears and keeps the
+    vision tower and projector in high precision, listed in the export's ignore list; transformers reloads it."""
+    from tests.helpers.arch_sweep import build, quiet
+
+    with quiet():
+        model, ids = build("gemma3")
+    q = ptq.quantize(copy.deepcopy(model), "fp8-dynamic")
+    assert q.ptq_report.quantized and all(n.startswith("model.language_model.") for n in q.ptq_report.quantized)
+    vision = [n for n in q.ptq_report.skipped if n.startswith("model.vision_tower.")]
+    assert vision and all("outside the language model" in q.ptq_report.skipped[n] for n in vision)
+    out = save_pretrained(q, tmp_path / "vlm")
+    assert set(vision) <= set(json.loads((out / "config.json").read_text())["quantization_config"]["ignore"])
+    with torch.no_grad():
+        ours, ref = q(input_ids=ids).logits, model(input_ids=ids).logits
+        theirs = type(model).from_pretrained(out, dtype=torch.float32).eval()(input_ids=ids).logits
+    assert rel(theirs, ours) < rel(ours, ref)

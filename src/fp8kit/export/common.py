@@ -266,10 +266,12 @@ def model_from_config(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> nn
     except (ValueError, KeyError) as err:
         raise ExportError(f"{path}/config.json: unknown model config ({err})") from err
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    # the class that wrote it, else a causal LM class of this config class: where the Auto mapping lacks the config
-    names = [*(clean.get("architectures") or []), *MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()]
+    # the class that wrote it, else the Auto class, else a causal LM class of this config class (Emu3's text config)
+    names = list(clean.get("architectures") or [])
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        names += MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
     for name in names:
         cls = getattr(transformers, name, None) if isinstance(name, str) else None
         if cls is not None and type(config) is getattr(cls, "config_class", None):

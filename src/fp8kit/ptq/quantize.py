@@ -29,12 +29,32 @@ __all__ = ["PIPELINE", "PTQOptions", "PTQReport", "plan_line", "quantize"]
 ROWS_PER_BATCH = 64  # calibration tokens per batch kept for the SmoothQuant alpha search
 
 
+def _language_model(model: nn.Module) -> str | None:
+    """The qualified name of a multimodal model's language model (its config has a text sub-config and
+    ``get_decoder()`` is a proper submodule: ``model.language_model``), else ``None``."""
+    config = getattr(model, "config", None)
+    get_text, get_decoder = getattr(config, "get_text_config", None), getattr(model, "get_decoder", None)
+    if not callable(get_text) or not callable(get_decoder) or get_text() is config:
+        return None
+    try:
+        decoder = get_decoder()
+    except (AttributeError, NotImplementedError):
+        return None
+    return next((n for n, m in model.named_modules() if m is decoder and n), None)
+
+
 def _default_skip(model: nn.Module) -> Callable[[str, nn.Module], str | None]:
     head = is_output_head(model)
+    language = _language_model(model)
 
     def why(name: str, module: nn.Module) -> str | None:
         if head(name, module):
             return "output head (kept in high precision, as ModelOpt and llm-compressor do)"
+        if language is not None and not name.startswith(f"{language}."):
+            return (
+                f"outside the language model {language} (vision/audio tower or projector: kept in high precision, as "
+                "llm-compressor's and ModelOpt's multimodal recipes do; pass module_filter to quantize it)"
+            )
         return None
 
     return why
