@@ -141,7 +141,13 @@ def _announce_cost(args: argparse.Namespace, device) -> None:
     shape = shape_of(args.model, args.arch, args.model_size, args.seq_len)
     tokens = args.batch_size * args.seq_len
     runs = ["bf16 + fp8"] + (["apply fix"] if args.apply else [])
-    cost = estimate_training("doctor", shape, device, runs, 2 * args.steps, tokens, tokens)
+    from ..estimate import current_rates, training_seconds
+
+    rates = current_rates(device, [args.recipe])
+    cost = estimate_training("doctor", shape, device, runs, 2 * args.steps, tokens, tokens, rates=rates)
+    recipe = args.recipe
+    for run in runs:  # a BF16 and an FP8 copy each step
+        cost.phases[run] = sum(training_seconds(shape, r, args.steps, tokens, tokens, rates) for r in ("bf16", recipe))
     if args.noise_floor:  # one copy, not two
         cost.phases["bf16 one ulp off"] = cost.phases["bf16 + fp8"] / 2
     cost.device_bytes *= 2  # both copies live at once
