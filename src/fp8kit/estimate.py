@@ -10,7 +10,8 @@ its passes over the calibration data as forward passes, plus what the step does 
 search, GPTQ's Hessians and column sweep, AWQ's grid), and the export's write.
 
 ``current_rates`` measures the rates once per machine (``planner.roofline.cpu_roofline`` on the CPU, about a
-minute on a loaded 2-core machine) and caches them under ``cache_dir()/rates``; tests pass fixed ``Rates``.
+minute on a loaded 2-core machine) and caches them under ``cache_dir()/rates``; ``set_rates`` fixes them
+instead (the tests do).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from .cost import ModelShape
     from .planner.roofline import GPU
 
-__all__ = ["Rates", "current_rates", "forward_seconds", "load_seconds", "ptq_phases", "training_seconds"]
+__all__ = ["Rates", "current_rates", "set_rates", "forward_seconds", "load_seconds", "ptq_phases", "training_seconds"]
 
 # counts of the ops a decoder layer runs besides its Linear layers (norms, rotary, residuals, softmax,
 # activation), forward; a backward runs about twice as many
@@ -67,6 +68,12 @@ class Rates:
 
 # ---- measuring and caching -------------------------------------------------------------------------------
 _MEMO: dict[str, Rates] = {}
+_FIXED: list[Rates] = []  # set_rates: the rates every estimate uses instead of measured ones
+
+
+def set_rates(rates: Rates | None) -> None:
+    """Price every estimate with ``rates`` instead of this machine's measured ones (``None``: measure again)."""
+    _FIXED[:] = [] if rates is None else [rates]
 
 
 def _cache_file(device: torch.device) -> Path:
@@ -83,6 +90,8 @@ def current_rates(device: torch.device, recipes: list[str] | tuple[str, ...] = (
     ``recipes`` missing from it gets its per-call cost measured (CPU) and cached too."""
     from .planner.roofline import GPU
 
+    if _FIXED:
+        return _FIXED[0]
     path = _cache_file(device)
     rates = _MEMO.get(str(path))
     if rates is None and path.is_file():
