@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .cost import ModelShape
     from .planner.roofline import GPU
+
+from .cost import ModelShape
 
 __all__ = ["Rates", "current_rates", "set_rates", "forward_seconds", "load_seconds", "ptq_phases", "training_seconds"]
 
@@ -45,12 +46,17 @@ _MSE_CANDIDATE_OPS = 6  # ops per candidate scale of the MSE search (quantize, d
 @dataclass(frozen=True)
 class Rates:
     """What the device does per second and per call: the planner's roofline (``GPU``: FLOP/s, bytes/s,
-    cast and call costs), the checkpoint read rate (bytes/s), and per recipe the seconds of one training
-    step of a tiny layer (the fixed cost a recipe adds per Linear and step)."""
+    cast and call costs), the checkpoint read rate (bytes/s), per recipe the seconds of one training step of
+    a tiny layer (the fixed cost a recipe adds per Linear and step), and how far the real module stack runs
+    from the model: the demo decoder's measured forward and, per recipe, training step over their modelled
+    seconds (``forward_scale``, ``step_scale``; 1 when not measured), and one report figure's seconds."""
 
     roofline: GPU
     load_bytes_per_s: float
     recipe_call_s: dict[str, float] = field(default_factory=dict)
+    forward_scale: float = 1.0  # measured / modelled forward of the demo decoder
+    step_scale: dict[str, float] = field(default_factory=dict)  # the same for a training step, per recipe
+    figure_s: float = 0.0  # one report figure rendered and written (matplotlib)
 
     def layer_call_s(self, recipe: str) -> float:
         """Fixed seconds per Linear and training step with ``recipe``: measured, else the roofline's
@@ -97,18 +103,20 @@ def current_rates(device: torch.device, recipes: list[str] | tuple[str, ...] = (
     if rates is None and path.is_file():
         try:
             data = json.loads(path.read_text())
-            rates = Rates(GPU(**{**data["roofline"], "capability": tuple(data["roofline"]["capability"])}),
-                          data["load_bytes_per_s"], data.get("recipe_call_s", {}))  # fmt: skip
+            data["roofline"] = GPU(**{**data["roofline"], "capability": tuple(data["roofline"]["capability"])})
+            rates = Rates(**data)
         except (ValueError, KeyError, TypeError):
             rates = None
     if rates is None:
         rates = _measure(device)
-    missing = [r for r in recipes if r not in rates.recipe_call_s and device.type == "cpu"]
+    missing = [r for r in recipes if r not in rates.step_scale and device.type == "cpu"]
     if missing or str(path) not in _MEMO:
         if missing:
             from .planner.roofline import _step_seconds
 
-            rates = replace(rates, recipe_call_s=rates.recipe_call_s | {r: _step_seconds(16, 16, r) for r in missing})
+            calls = rates.recipe_call_s | {r: _step_seconds(16, 16, r) for r in missing}
+            rates = replace(rates, recipe_call_s=calls)
+            rates = replace(rates, step_scale=rates.step_scale | {r: _step_scale(rates, r) for r in missing})
         _MEMO[str(path)] = rates
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -131,7 +139,70 @@ def _measure(device: torch.device) -> Rates:
         dst = torch.empty_like(src)
         roofline = GPU("cuda", flops, flops, 2 * src.numel() * 4 / _timed(lambda: dst.copy_(src), device), (0, 0),
                        matmul_call_s=_timed(lambda: dst[:16].add_(1), device))  # fmt: skip
-    return Rates(roofline, _load_rate())
+    rates = Rates(roofline, _load_rate())
+    if device.type != "cpu":
+        return rates
+    rates = replace(rates, forward_scale=_forward_scale(rates), figure_s=_figure_seconds())
+    return replace(rates, step_scale={"bf16": _step_scale(rates, "bf16")})
+
+
+def _demo(recipe: str | None = None) -> tuple[torch.nn.Module, ModelShape]:
+    from .cost import module_shape
+    from .models import build_demo
+    from .nn import convert, to_bf16_gemms
+
+    model = build_demo("dense", "small", max_seq_len=128)
+    shape = module_shape(model)
+    if recipe is not None and recipe != "bf16":
+        convert(model, recipe)
+    return to_bf16_gemms(model), shape
+
+
+def _forward_scale(rates: Rates) -> float:
+    """The demo decoder's forward over 4 x 128 tokens, measured over modelled."""
+    model, shape = _demo()
+    x = torch.randint(0, 256, (4, 128))
+    with torch.no_grad():
+        measured = _timed(lambda: model(x), torch.device("cpu"), reps=3)
+    return measured / forward_seconds(shape, 4 * 128, replace(rates, forward_scale=1.0))
+
+
+def _step_scale(rates: Rates, recipe: str) -> float:
+    """One training step (forward, backward, AdamW) of the demo decoder with ``recipe`` on 4 x 128 tokens,
+    measured over modelled."""
+    model, shape = _demo(recipe)
+    x = torch.randint(0, 256, (4, 128))
+    opt = torch.optim.AdamW(model.parameters())
+
+    def step() -> None:
+        out = model(x)
+        logits = out.logits if hasattr(out, "logits") else out
+        logits.float().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    measured = _timed(step, torch.device("cpu"), reps=3)
+    return measured / _step_model(shape, recipe, 4 * 128, 4 * 128, replace(rates, step_scale={}))
+
+
+def _figure_seconds() -> float:
+    """One small line plot rendered and written as a PNG (the reports' figures)."""
+    import tempfile
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(range(100), range(100))
+        fig.savefig(os.path.join(tmp, "f.png"))
+        plt.close(fig)
+        return time.perf_counter() - t0
 
 
 def _timed(fn: Any, device: torch.device, reps: int = 5) -> float:
@@ -197,7 +268,7 @@ def forward_seconds(shape: ModelShape, tokens: int, rates: Rates, seq_len: int =
     r = rates.roofline
     batches = max(tokens // max(seq_len * 4, 1), 1)  # the calibration / eval batches (4 sequences)
     gemm = sum(2 * tokens * i * o / r.bf16_flops + batches * r.matmul_call_s for i, o in _gemms(shape))
-    return gemm + batches * _layer_ops_seconds(shape, tokens // batches, seq_len, rates, 1)
+    return rates.forward_scale * (gemm + batches * _layer_ops_seconds(shape, tokens // batches, seq_len, rates, 1))
 
 
 def training_seconds(
@@ -212,10 +283,24 @@ def training_seconds(
 ) -> float:
     """``steps`` optimizer steps of ``recipe`` (``bf16`` or an FP8 recipe name), each of
     ``tokens_per_step // micro_tokens`` micro-batches, plus forward passes over ``eval_tokens`` and the
-    checkpoint's write."""
-    from .planner.roofline import Gemm, layer_seconds
+    checkpoint's write; scaled by the measured ``step_scale`` / ``forward_scale``."""
 
     recipe = recipe if _is_recipe(recipe) else "bf16"  # a per-layer plan (auto): priced at its BF16 floor
+    step = _step_model(shape, recipe, tokens_per_step, micro_tokens, rates, seq_len)
+    step *= rates.step_scale.get(recipe, rates.step_scale.get("bf16", 1.0))
+    evaluate = forward_seconds(shape, eval_tokens, rates, seq_len) if eval_tokens else 0.0
+    if recipe != "bf16" and "bf16" in rates.step_scale and recipe in rates.step_scale:
+        evaluate *= rates.step_scale[recipe] / rates.step_scale["bf16"]  # an emulated FP8 forward costs more
+    save = 16 * shape.params / rates.load_bytes_per_s  # the run's checkpoint: weights and optimizer state
+    return steps * step + evaluate + save
+
+
+def _step_model(
+    shape: ModelShape, recipe: str, tokens_per_step: int, micro_tokens: int, rates: Rates, seq_len: int = 128
+) -> float:
+    """Modelled seconds of one optimizer step (before ``step_scale``)."""
+    from .planner.roofline import Gemm, layer_seconds
+
     free = replace(rates.roofline, matmul_call_s=0.0, cast_call_s=0.0)  # the fixed costs: layer_call_s
     micro = max(micro_tokens, 1)
     micro_step = 0.0
@@ -226,9 +311,7 @@ def training_seconds(
     tensors = 2 * shape.layers + len(_gemms(shape)) + 2  # norms, Linears, embedding and final norm
     optimizer = shape.params * _ADAMW_BYTES / rates.roofline.hbm_bytes_per_s + tensors * _ADAMW_OPS * rates.op_call_s
     accum = max(tokens_per_step // micro, 1)
-    evaluate = forward_seconds(shape, eval_tokens, rates, seq_len) if eval_tokens else 0.0
-    save = 16 * shape.params / rates.load_bytes_per_s  # the run's checkpoint: weights and optimizer state
-    return steps * (accum * micro_step + optimizer) + evaluate + save
+    return accum * micro_step + optimizer
 
 
 def _is_recipe(name: str) -> bool:

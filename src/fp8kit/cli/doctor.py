@@ -150,5 +150,6 @@ def _announce_cost(args: argparse.Namespace, device) -> None:
         cost.phases[run] = sum(training_seconds(shape, r, args.steps, tokens, tokens, rates) for r in ("bf16", recipe))
     if args.noise_floor:  # one copy, not two
         cost.phases["bf16 one ulp off"] = cost.phases["bf16 + fp8"] / 2
+    cost.phases["report"] = 2 * rates.figure_s  # loss.png, heatmaps.png
     cost.device_bytes *= 2  # both copies live at once
     announce(cost, device, args.force)

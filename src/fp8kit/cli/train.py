@@ -388,8 +388,9 @@ def _announce_cost(cfg: TrainConfig, force: bool) -> None:
     cost = estimate_training(
         "train", shape, device, runs, cfg.steps, micro * cfg.grad_accum, micro, cfg.optimizer == "fp8-adamw",
         recipes={run: run.removeprefix("fp8-") for run in runs}, eval_tokens=evals * cfg.eval_batches * cfg.batch_size * cfg.seq_len,
-        rates=_rates(device, runs),
+        rates=(rates := _rates(device, runs)),
     )  # fmt: skip
+    cost.phases["report"] = rates.figure_s  # loss.png
     announce(cost, device, force)
 
 
