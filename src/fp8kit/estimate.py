@@ -356,11 +356,16 @@ def ptq_phases(
     tokens = calib_batches * tokens_per_batch
     one_pass = forward_seconds(shape, tokens, rates)
     body = [d for d in _gemms(shape) if not _is_head(shape, d)]
+    # a pass over the quantized model also quantizes each layer's input (and decodes its weight codes)
+    quantized_pass = one_pass + calib_batches * sum(
+        (3 * tokens_per_batch * i + 3 * i * o) / r.cast_bytes_per_s + 2 * r.cast_call_s for i, o in _gemms(shape)
+        if not _is_head(shape, (i, o))
+    )  # fmt: skip
     phases: dict[str, float] = {}
     for step in PIPELINE:
         if not step.runs(run):
             continue
-        seconds = step.passes(run) * one_pass
+        seconds = step.passes(run) * (quantized_pass if step.name in ("rank", "norm tweak") else one_pass)
         if step.name == "awq":  # per layer: the grid's weight casts and sample matmuls
             seconds += sum(AWQ_GRID * (3 * i * o / r.cast_bytes_per_s + 4 * r.cast_call_s) for i, o in body)
         elif step.name == "activation scales" and opts.calibration == "mse":
