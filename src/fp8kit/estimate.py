@@ -32,7 +32,16 @@ if TYPE_CHECKING:
 
 from .cost import ModelShape
 
-__all__ = ["Rates", "current_rates", "set_rates", "forward_seconds", "load_seconds", "ptq_phases", "training_seconds"]
+__all__ = [
+    "Rates",
+    "current_rates",
+    "doctor_rates",
+    "set_rates",
+    "forward_seconds",
+    "load_seconds",
+    "ptq_phases",
+    "training_seconds",
+]
 
 # counts of the ops a decoder layer runs besides its Linear layers (norms, rotary, residuals, softmax,
 # activation), forward; a backward runs about twice as many
@@ -49,7 +58,9 @@ class Rates:
     cast and call costs), the checkpoint read rate (bytes/s), per recipe the seconds of one training step of
     a tiny layer (the fixed cost a recipe adds per Linear and step), and how far the real module stack runs
     from the model: the demo decoder's measured forward and, per recipe, training step over their modelled
-    seconds (``forward_scale``, ``step_scale``; 1 when not measured), and one report figure's seconds."""
+    seconds (``forward_scale``, ``step_scale``; 1 when not measured), one report figure's seconds, and per
+    recipe the doctor's step (both copies, its statistics) over the modelled BF16 + FP8 steps, with its fixed
+    seconds (diagnosis, the report's data)."""
 
     roofline: GPU
     load_bytes_per_s: float
@@ -57,6 +68,7 @@ class Rates:
     forward_scale: float = 1.0  # measured / modelled forward of the demo decoder
     step_scale: dict[str, float] = field(default_factory=dict)  # the same for a training step, per recipe
     figure_s: float = 0.0  # one report figure rendered and written (matplotlib)
+    doctor: dict[str, tuple[float, float]] = field(default_factory=dict)  # recipe -> (step scale, fixed seconds)
 
     def layer_call_s(self, recipe: str) -> float:
         """Fixed seconds per Linear and training step with ``recipe``: measured, else the roofline's
@@ -104,6 +116,7 @@ def current_rates(device: torch.device, recipes: list[str] | tuple[str, ...] = (
         try:
             data = json.loads(path.read_text())
             data["roofline"] = GPU(**{**data["roofline"], "capability": tuple(data["roofline"]["capability"])})
+            data["doctor"] = {k: tuple(v) for k, v in data.get("doctor", {}).items()}
             rates = Rates(**data)
         except (ValueError, KeyError, TypeError):
             rates = None
@@ -117,12 +130,7 @@ def current_rates(device: torch.device, recipes: list[str] | tuple[str, ...] = (
             calls = rates.recipe_call_s | {r: _step_seconds(16, 16, r) for r in missing}
             rates = replace(rates, recipe_call_s=calls)
             rates = replace(rates, step_scale=rates.step_scale | {r: _step_scale(rates, r) for r in missing})
-        _MEMO[str(path)] = rates
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(asdict(rates)))
-        except OSError:
-            pass  # a read-only cache: measured again next time
+        _store(device, rates)
     return rates
 
 
@@ -182,7 +190,40 @@ def _step_scale(rates: Rates, recipe: str) -> float:
         opt.zero_grad()
 
     measured = _timed(step, torch.device("cpu"), reps=3)
-    return measured / _step_model(shape, recipe, 4 * 128, 4 * 128, replace(rates, step_scale={}))
+    return measured / step_model(shape, recipe, 4 * 128, 4 * 128, replace(rates, step_scale={}))
+
+
+def doctor_rates(device: torch.device, recipe: str) -> tuple[float, float]:
+    """``Rates.doctor[recipe]``: measured once (``debug.doctor`` on the demo decoder for 1 and 2 steps of
+    8 x 64 tokens, the ``fp8kit doctor`` defaults) and cached; ``(1, 0)`` off the CPU."""
+    rates = current_rates(device, [recipe])
+    if recipe in rates.doctor or device.type != "cpu" or _FIXED:
+        return rates.doctor.get(recipe, (1.0, 0.0))
+    from .debug import doctor
+
+    model, shape = _demo()
+    x = torch.randint(0, 256, (8, 64))
+    times = []
+    for steps in (1, 2):
+        t0 = time.perf_counter()
+        doctor(model, [{"input_ids": x, "labels": x}], recipe=recipe, steps=steps, progress=False)
+        times.append(time.perf_counter() - t0)
+    per_step = max(times[1] - times[0], times[1] / 4)
+    modelled = sum(step_model(shape, r, 8 * 64, 8 * 64, rates) for r in ("bf16", recipe))
+    measured = (per_step / modelled, max(times[0] - per_step, 0.0))
+    rates = replace(rates, doctor=rates.doctor | {recipe: measured})
+    _store(device, rates)
+    return measured
+
+
+def _store(device: torch.device, rates: Rates) -> None:
+    path = _cache_file(device)
+    _MEMO[str(path)] = rates
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(rates)))
+    except OSError:
+        pass  # a read-only cache: measured again next time
 
 
 def _figure_seconds() -> float:
@@ -286,7 +327,7 @@ def training_seconds(
     checkpoint's write; scaled by the measured ``step_scale`` / ``forward_scale``."""
 
     recipe = recipe if _is_recipe(recipe) else "bf16"  # a per-layer plan (auto): priced at its BF16 floor
-    step = _step_model(shape, recipe, tokens_per_step, micro_tokens, rates, seq_len)
+    step = step_model(shape, recipe, tokens_per_step, micro_tokens, rates, seq_len)
     step *= rates.step_scale.get(recipe, rates.step_scale.get("bf16", 1.0))
     evaluate = forward_seconds(shape, eval_tokens, rates, seq_len) if eval_tokens else 0.0
     if recipe != "bf16" and "bf16" in rates.step_scale and recipe in rates.step_scale:
@@ -295,7 +336,7 @@ def training_seconds(
     return steps * step + evaluate + save
 
 
-def _step_model(
+def step_model(
     shape: ModelShape, recipe: str, tokens_per_step: int, micro_tokens: int, rates: Rates, seq_len: int = 128
 ) -> float:
     """Modelled seconds of one optimizer step (before ``step_scale``)."""
