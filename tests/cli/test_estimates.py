@@ -103,3 +103,19 @@ def test_rates_measured_once_then_read_from_the_cache(monkeypatch, tmp_path):
     second = estimate.current_rates(torch.device("cpu"))
     assert len(calls) == 1 and first == second
     assert list((tmp_path / "rates").glob("*.json"))
+
+
+def test_doctor_cost_grows_with_steps_and_names_its_report(monkeypatch):
+    from fp8kit.cli import doctor
+
+    seen = []
+    monkeypatch.setattr(doctor, "announce", lambda cost, device, force: seen.append(cost))
+    for steps in (4, 40):
+        args = argparse.Namespace(
+            model="demo", arch="dense", model_size="small", seq_len=64, batch_size=8, steps=steps, apply=False,
+            noise_floor=True, recipe="delayed", force=False,
+        )  # fmt: skip
+        doctor._announce_cost(args, torch.device("cpu"))
+    short, long = seen
+    assert {"bf16 + fp8", "bf16 one ulp off", "report"} <= set(short.phases)
+    assert long.phases["bf16 + fp8"] > short.phases["bf16 + fp8"] > 0
