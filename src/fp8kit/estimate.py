@@ -199,9 +199,12 @@ def doctor_rates(device: torch.device, recipe: str) -> tuple[float, float]:
     rates = current_rates(device, [recipe])
     if recipe in rates.doctor or device.type != "cpu" or _FIXED:
         return rates.doctor.get(recipe, (1.0, 0.0))
+    from .cost import module_shape
     from .debug import doctor
+    from .models import build_demo
 
-    model, shape = _demo()
+    model = build_demo("dense", "small", max_seq_len=128)
+    shape = module_shape(model)
     x = torch.randint(0, 256, (8, 64))
     times = []
     for steps in (1, 2):
