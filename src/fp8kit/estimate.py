@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -121,6 +122,7 @@ def current_rates(device: torch.device, recipes: list[str] | tuple[str, ...] = (
         except (ValueError, KeyError, TypeError):
             rates = None
     if rates is None:
+        print(f"fp8kit: measuring this machine's rates for the estimates, once (cached in {path})", file=sys.stderr)
         rates = _measure(device)
     missing = [r for r in recipes if r not in rates.step_scale and device.type == "cpu"]
     if missing or str(path) not in _MEMO:
