@@ -34,3 +34,16 @@ def _module_backend(request):
     set_quantize_backend("compiled" if request.node.get_closest_marker("compiled") else "eager")
     yield
     set_quantize_backend("compiled")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _fixed_rates():
+    """Every cost line is priced with fixed rates: no test measures this machine (``fp8kit.estimate``)."""
+    from fp8kit.estimate import Rates, set_rates
+    from fp8kit.planner.roofline import GPU
+
+    gpu = GPU("cpu", 3e10, 3e10, 2e10, (0, 0), emulated_flops=3e10, cast_bytes_per_s=4e9,
+              dequant_bytes_per_s=1e10, tile_dequant_bytes_per_s=1.5e8, matmul_call_s=2e-5, cast_call_s=6e-5)  # fmt: skip
+    set_rates(Rates(gpu, 4e8))
+    yield
+    set_rates(None)

@@ -2,9 +2,11 @@
 config, never its weights), the expected peak memory on the chosen device, and the time of each phase.
 
 Estimates, not measurements: memory counts weights, gradients, optimizer state and the activations one
-micro-batch saves (Korthikanti et al.'s per-layer count); time divides each phase's FLOPs (2 per parameter
-per token forward, 6 for a training step) by the rate a short GEMM reaches on the device now. The
-progress bars refine the times once the job runs. ``check_fits`` refuses a job whose estimate exceeds the
+micro-batch saves (Korthikanti et al.'s per-layer count). Time is priced by ``fp8kit.estimate`` from the
+device's ``Rates`` (the planner's roofline of this CPU, measured once and cached): each GEMM's FLOPs and
+bytes, each recipe's quantization passes and fixed cost per layer call, the elementwise ops, attention and
+optimizer step of every layer, and per PTQ phase what that phase runs. The progress bars refine the times
+once the job runs. ``check_fits`` refuses a job whose estimate exceeds the
 device's free memory.
 """
 
@@ -49,6 +51,7 @@ class ModelShape:
     hidden: int
     layers: int
     vocab: int
+    gemms: tuple[tuple[int, int], ...] = ()  # (in_features, out_features) of each Linear, the output head included
 
 
 @dataclass
@@ -92,16 +95,25 @@ def model_shape(folder: str | Path) -> ModelShape:
     from safetensors import safe_open
 
     params = nbytes = 0
+    gemms: list[tuple[int, int]] = []
+    head = False
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 part = f.get_slice(key)
+                dims = part.get_shape()
                 n = 1
-                for d in part.get_shape():
+                for d in dims:
                     n *= d
                 params += n
                 nbytes += n * _DTYPE_BYTES.get(part.get_dtype(), 4)
-    return ModelShape(params, nbytes, _dims(config)[0], _dims(config)[1], _dims(config)[2])
+                if len(dims) == 2 and key.endswith(".weight") and "embed" not in key and "norm" not in key:
+                    gemms.append((int(dims[1]), int(dims[0])))
+                    head = head or "lm_head" in key
+    hidden, layers, vocab = _dims(config)
+    if not head and hidden and vocab:  # tied embeddings: the head still runs
+        gemms.append((hidden, vocab))
+    return ModelShape(params, nbytes, hidden, layers, vocab, tuple(gemms))
 
 
 def _dims(config: dict[str, Any]) -> tuple[int, int, int]:
@@ -118,7 +130,7 @@ def shape_from_config(config: Any) -> ModelShape:
     params = sum(p.numel() for p in model.parameters())
     text = getattr(config, "text_config", config)
     dims = _dims(text.to_dict())
-    return ModelShape(params, 4 * params, *dims)
+    return ModelShape(params, 4 * params, *dims, linear_dims(model))
 
 
 def module_shape(model: torch.nn.Module) -> ModelShape:
@@ -126,7 +138,20 @@ def module_shape(model: torch.nn.Module) -> ModelShape:
     params = sum(p.numel() for p in model.parameters())
     config = getattr(model, "config", None)
     dims = _dims(config.to_dict()) if config is not None else (0, 0, 0)
-    return ModelShape(params, 4 * params, *dims)
+    return ModelShape(params, 4 * params, *dims, linear_dims(model))
+
+
+def linear_dims(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
+    """``(in_features, out_features)`` of every ``nn.Linear`` of ``model``, and one per 3-D experts weight
+    (what a token's routed expert computes)."""
+    dims = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            dims.append((module.in_features, module.out_features))
+        for pname, p in module.named_parameters(recurse=False):
+            if p.dim() == 3 and "expert" in f"{name}.{pname}":
+                dims.append((int(p.shape[2]), int(p.shape[1])))
+    return tuple(dims)
 
 
 # ---- the device -------------------------------------------------------------------------------------------
@@ -218,17 +243,32 @@ def estimate_training(
     micro_tokens: int,
     fp8_optimizer: bool = False,
     flops: float | None = None,
+    recipes: dict[str, str] | None = None,
+    rates: Any = None,
+    eval_tokens: int = 0,
 ) -> JobCost:
     """Training ``runs`` one after another (``fp8kit train``, ``fp8kit doctor``): the base model in FP32 in
     host RAM, and on ``device`` one run at a time: FP32 master weights, gradients and AdamW moments (16 bytes
     per parameter; 4 + 4 + 2 with FP8 moments), an FP8 copy of the weights and one micro-batch's activations;
-    6 FLOPs per parameter and token per step."""
+    time per run from ``estimate.training_seconds`` (``recipes``: run -> recipe name, ``bf16`` when absent;
+    ``eval_tokens``: tokens evaluated per run), or 6 FLOPs per parameter and token at ``flops`` when given."""
     n = shape.params
     per_param = 10 if fp8_optimizer else 16
     run_bytes = n * (per_param + 1) + activation_bytes(shape, micro_tokens, 2 if device.type == "cuda" else 4)
-    flops = flops or device_flops(device)
-    step_s = 6 * n * tokens_per_step / flops
-    phases = {"load": _load_seconds(shape)} | {run: steps * step_s for run in runs}
+    if flops is not None:
+        step_s = 6 * n * tokens_per_step / flops
+        phases = {"load": _load_seconds(shape)} | {run: steps * step_s for run in runs}
+    else:
+        from .estimate import current_rates, load_seconds, training_seconds
+
+        rates = rates or current_rates(device)
+        recipes = recipes or {}
+        phases = {"load": load_seconds(shape, rates)} | {
+            run: training_seconds(
+                shape, recipes.get(run, "bf16"), steps, tokens_per_step, micro_tokens, rates, eval_tokens
+            )
+            for run in runs
+        }
     if device.type != "cuda":
         return JobCost(what, n, str(device), run_bytes + 4 * n, phases=phases)
     return JobCost(what, n, str(device), run_bytes, host_bytes=4 * n, phases=phases)
@@ -244,17 +284,20 @@ def estimate_inference(
     copies: float = 1.0,
     flops: float | None = None,
     quantized: bool = True,
+    phases: dict[str, float] | None = None,
 ) -> JobCost:
     """A job that loads the model and runs forward passes (``fp8kit quantize``, ``compare``, ``eval``):
     ``copies`` of the weights in the load dtype (BF16 on CUDA, FP32 on the CPU), one byte per parameter of
     quantized codes (``quantized``), one forward's working memory, and the checkpoint's pages in host RAM
     while ``from_pretrained`` reads it (memory-mapped safetensors); ``passes``: phase -> passes over ``tokens_per_pass``
-    tokens (2 FLOPs per parameter and token; a pass with gradients counts 3)."""
+    tokens (2 FLOPs per parameter and token at ``flops``; a pass with gradients counts 3); ``phases``: the
+    seconds of each phase priced by ``fp8kit.estimate`` instead (``passes`` is then unused)."""
     n = shape.params
     width = 2 if device.type == "cuda" else 4
     peak = int(copies * width * n) + (n if quantized else 0) + forward_bytes(shape, micro_tokens, width)
-    flops = flops or device_flops(device)
-    phases = {"load": _load_seconds(shape)} | {k: p * 2 * n * tokens_per_pass / flops for k, p in passes.items()}
+    if phases is None:
+        flops = flops or device_flops(device)
+        phases = {"load": _load_seconds(shape)} | {k: p * 2 * n * tokens_per_pass / flops for k, p in passes.items()}
     if device.type != "cuda":
         return JobCost(what, n, str(device), peak + shape.checkpoint_bytes, phases=phases)
     return JobCost(what, n, str(device), peak, host_bytes=shape.checkpoint_bytes, phases=phases)

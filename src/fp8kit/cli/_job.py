@@ -117,7 +117,43 @@ def announce_inference(
     except UnknownSize as err:
         print(f"fp8kit {what}: cost unknown ({err})", file=sys.stderr)
         return
-    cost = estimate_inference(what, shape, device, passes, tokens_per_pass, micro_tokens, copies, quantized=quantized)
+    from ..estimate import current_rates, forward_seconds, load_seconds
+
+    rates = current_rates(device)
+    one_pass = forward_seconds(shape, tokens_per_pass, rates)
+    phases = {"load": copies * load_seconds(shape, rates)} | {k: p * one_pass for k, p in passes.items()}
+    cost = estimate_inference(
+        what, shape, device, passes, tokens_per_pass, micro_tokens, copies, quantized=quantized, phases=phases
+    )
+    announce(cost, device, args.force)
+
+
+def ptq_cost_phases(args: argparse.Namespace, device: torch.device, scheme: str) -> dict[str, float]:
+    """Seconds of each PTQ step that will run for ``scheme`` with the parsed options (the scheme's defaults
+    filled in by ``pretrained_ptq.ptq_settings``) and of the export (``estimate.ptq_phases``), after the load."""
+    from ..estimate import current_rates, load_seconds, ptq_phases
+    from ..pretrained_ptq import ptq_settings
+
+    shape = shape_of(args.model)
+    rates = current_rates(device)
+    settings = ptq_settings(
+        scheme, args.calibration, args.alpha, args.smooth, args.gptq, args.awq, args.keep_bf16,
+        sum(1 for d in shape.gemms if d[1] != shape.vocab) or 210, args.norm_tweak,
+    )  # fmt: skip
+    return {"load": load_seconds(shape, rates)} | ptq_phases(shape, scheme, settings, args.calib_batches, rates)
+
+
+def announce_ptq(args: argparse.Namespace, device: torch.device, scheme: str) -> None:
+    """The cost line of ``quantize`` on the whole model: each PTQ step that runs for ``scheme``, priced."""
+    from ..cost import estimate_inference
+
+    try:
+        shape = shape_of(args.model)
+        phases = ptq_cost_phases(args, device, scheme)
+    except UnknownSize as err:
+        print(f"fp8kit quantize: cost unknown ({err})", file=sys.stderr)
+        return
+    cost = estimate_inference("quantize", shape, device, {}, 0, 4 * 128, phases=phases)
     announce(cost, device, args.force)
 
 
@@ -156,7 +192,11 @@ def announce(cost: JobCost, device: torch.device, force: bool) -> None:
 
 
 def announce_layer_by_layer(
-    args: argparse.Namespace, device: torch.device, passes: dict[str, int], tokens_per_pass: int
+    args: argparse.Namespace,
+    device: torch.device,
+    passes: dict[str, int],
+    tokens_per_pass: int,
+    phases: dict[str, float] | None = None,
 ) -> None:
     """The cost line of ``quantize`` layer by layer, and its memory check: the time of the whole model's
     passes (``cost.estimate_inference``), but in memory one decoder layer (weights in the load dtype and
@@ -169,7 +209,7 @@ def announce_layer_by_layer(
     except UnknownSize as err:
         print(f"fp8kit quantize: cost unknown ({err})", file=sys.stderr)
         return
-    whole = estimate_inference("quantize", shape, device, passes, tokens_per_pass, 4 * 128)
+    whole = estimate_inference("quantize", shape, device, passes, tokens_per_pass, 4 * 128, phases=phases)
     width = 2 if device.type == "cuda" else 4
     embed = shape.vocab * shape.hidden
     layer = max(shape.params - 2 * embed, 0) // max(shape.layers, 1)

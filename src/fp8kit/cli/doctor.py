@@ -141,8 +141,17 @@ def _announce_cost(args: argparse.Namespace, device) -> None:
     shape = shape_of(args.model, args.arch, args.model_size, args.seq_len)
     tokens = args.batch_size * args.seq_len
     runs = ["bf16 + fp8"] + (["apply fix"] if args.apply else [])
-    cost = estimate_training("doctor", shape, device, runs, 2 * args.steps, tokens, tokens)
+    from ..estimate import current_rates, doctor_rates, step_model
+
+    rates = current_rates(device, [args.recipe])
+    cost = estimate_training("doctor", shape, device, runs, 2 * args.steps, tokens, tokens, rates=rates)
+    scale, fixed = doctor_rates(device, args.recipe)
+    for run in runs:  # a BF16 and an FP8 copy each step, the statistics of every layer
+        pair = sum(step_model(shape, r, tokens, tokens, rates) for r in ("bf16", args.recipe))
+        cost.phases[run] = args.steps * scale * pair + fixed
     if args.noise_floor:  # one copy, not two
-        cost.phases["bf16 one ulp off"] = cost.phases["bf16 + fp8"] / 2
+        bf16 = step_model(shape, "bf16", tokens, tokens, rates) * rates.step_scale.get("bf16", 1.0)
+        cost.phases["bf16 one ulp off"] = args.steps * bf16
+    cost.phases["report"] = 2 * rates.figure_s  # loss.png, heatmaps.png
     cost.device_bytes *= 2  # both copies live at once
     announce(cost, device, args.force)

@@ -11,8 +11,10 @@ from ._job import (
     add_device_options,
     announce_inference,
     announce_layer_by_layer,
+    announce_ptq,
     job_device,
     print_device_peak,
+    ptq_cost_phases,
     ptq_passes,
 )
 from ._ptq_options import (
@@ -173,8 +175,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from ..compare import quantize_pretrained
 
-    passes = ptq_passes(args.calib_batches, args.gptq, args.awq, args.norm_tweak)
-    announce_inference(args, "quantize", device, passes, args.calib_batches * 4 * 128)
+    announce_ptq(args, device, args.scheme)
     model, tokenizer, corpus = quantize_pretrained(
         args.model, args.scheme, text=args.text, device=device, progress=True, **settings
     )
@@ -212,7 +213,8 @@ def _run_sequential(args: argparse.Namespace, source: Path, settings: dict, devi
         passes: dict[str, int] = {}
     else:
         passes = ptq_passes(args.calib_batches, args.gptq, args.awq, 0)
-    announce_layer_by_layer(args, device, passes, args.calib_batches * 4 * 128)
+    phases = None if args.scheme == "fp8-block" else ptq_cost_phases(args, device, args.scheme)
+    announce_layer_by_layer(args, device, passes, args.calib_batches * 4 * 128, phases)
 
     out, report, corpus = quantize_pretrained_sequential(  # fp8-block: the tile check runs before any layer is read
         source,

@@ -382,10 +382,31 @@ def _announce_cost(cfg: TrainConfig, force: bool) -> None:
     device = resolve_device(cfg.device, recipe=fixed_recipes(cfg.recipes), emulate=cfg.emulate)
     shape = shape_of(cfg.model, cfg.arch, cfg.model_size, cfg.seq_len)
     micro = cfg.batch_size * cfg.seq_len // max(cfg.nproc, 1)
+    runs = run_names(cfg)
+    interval = max(cfg.eval_interval, 1)
+    evals = 1 + cfg.steps // interval + (1 if cfg.steps % interval else 0)  # step 0, each interval, the end
     cost = estimate_training(
-        "train", shape, device, run_names(cfg), cfg.steps, micro * cfg.grad_accum, micro, cfg.optimizer == "fp8-adamw"
-    )
+        "train", shape, device, runs, cfg.steps, micro * cfg.grad_accum, micro, cfg.optimizer == "fp8-adamw",
+        recipes={run: run.removeprefix("fp8-") for run in runs}, eval_tokens=evals * cfg.eval_batches * cfg.batch_size * cfg.seq_len,
+        rates=(rates := _rates(device, runs)),
+    )  # fmt: skip
+    cost.phases["report"] = rates.figure_s  # loss.png
     announce(cost, device, force)
+
+
+def _rates(device, runs: list[str]):
+    """The device's measured rates (``estimate.current_rates``), with the per-call cost of each recipe run."""
+    from ..estimate import current_rates
+    from ..recipes import recipe_from_name
+
+    recipes = []
+    for run in runs:
+        try:
+            recipe_from_name(run.removeprefix("fp8-"))
+            recipes.append(run.removeprefix("fp8-"))
+        except (ValueError, KeyError):
+            pass
+    return current_rates(device, recipes)
 
 
 def _train(cfg: TrainConfig, args: argparse.Namespace) -> dict | None:

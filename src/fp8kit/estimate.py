@@ -1,0 +1,431 @@
+"""Seconds per phase of a job, priced from the device's measured ``Rates`` (used by ``fp8kit.cost``).
+
+A training step sums, per ``nn.Linear`` of the model, the planner's roofline of its three matmuls with the
+run's recipe (``planner.roofline.layer_seconds``: FLOPs, bytes and the recipe's quantization passes) plus
+the fixed seconds one step of a tiny layer with that recipe takes (dispatch, scale bookkeeping); per decoder
+layer its attention matmuls and elementwise ops (each a fixed call cost plus its bytes); and the AdamW update
+(its bytes, a fixed cost per parameter tensor). The output head stays in high precision. A PTQ run prices
+each step of ``ptq.quantize.PIPELINE`` that runs for the scheme and options (the same rule the run uses):
+its passes over the calibration data as forward passes, plus what the step does per layer (the MSE scale
+search, GPTQ's Hessians and column sweep, AWQ's grid), and the export's write.
+
+``current_rates`` measures the rates once per machine (``planner.roofline.cpu_roofline`` on the CPU, about a
+minute on a loaded 2-core machine) and caches them under ``cache_dir()/rates``; ``set_rates`` fixes them
+instead (the tests do).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .planner.roofline import GPU
+
+from .cost import ModelShape
+
+__all__ = [
+    "Rates",
+    "current_rates",
+    "doctor_rates",
+    "set_rates",
+    "forward_seconds",
+    "load_seconds",
+    "ptq_phases",
+    "training_seconds",
+]
+
+# counts of the ops a decoder layer runs besides its Linear layers (norms, rotary, residuals, softmax,
+# activation), forward; a backward runs about twice as many
+_ELEMENTWISE_OPS = 24
+_ADAMW_OPS = 12  # per parameter tensor: the moments' updates, bias corrections, decay, the step
+_ADAMW_BYTES = 4 * 4 * 3  # read and write parameter, moments; read gradient (FP32), about 3 passes
+_GPTQ_COLUMN_OPS = 10  # ops per weight column in GPTQ's sweep (round, error, rank-1 update)
+_MSE_CANDIDATE_OPS = 6  # ops per candidate scale of the MSE search (quantize, dequantize, error)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What the device does per second and per call: the planner's roofline (``GPU``: FLOP/s, bytes/s,
+    cast and call costs), the checkpoint read rate (bytes/s), per recipe the seconds of one training step of
+    a tiny layer (the fixed cost a recipe adds per Linear and step), and how far the real module stack runs
+    from the model: the demo decoder's measured forward and, per recipe, training step over their modelled
+    seconds (``forward_scale``, ``step_scale``; 1 when not measured), one report figure's seconds, and per
+    recipe the doctor's step (both copies, its statistics) over the modelled BF16 + FP8 steps, with its fixed
+    seconds (diagnosis, the report's data)."""
+
+    roofline: GPU
+    load_bytes_per_s: float
+    recipe_call_s: dict[str, float] = field(default_factory=dict)
+    forward_scale: float = 1.0  # measured / modelled forward of the demo decoder
+    step_scale: dict[str, float] = field(default_factory=dict)  # the same for a training step, per recipe
+    figure_s: float = 0.0  # one report figure rendered and written (matplotlib)
+    doctor: dict[str, tuple[float, float]] = field(default_factory=dict)  # recipe -> (step scale, fixed seconds)
+
+    def layer_call_s(self, recipe: str) -> float:
+        """Fixed seconds per Linear and training step with ``recipe``: measured, else the roofline's
+        call costs (3 matmuls, 6 quantization passes for an FP8 recipe)."""
+        if recipe in self.recipe_call_s:
+            return self.recipe_call_s[recipe]
+        r = self.roofline
+        return 3 * r.matmul_call_s + (0 if recipe == "bf16" else 6 * r.cast_call_s)
+
+    @property
+    def op_call_s(self) -> float:
+        """Fixed seconds per elementwise op (the roofline's per-matmul call cost)."""
+        return self.roofline.matmul_call_s
+
+
+# ---- measuring and caching -------------------------------------------------------------------------------
+_MEMO: dict[str, Rates] = {}
+_FIXED: list[Rates] = []  # set_rates: the rates every estimate uses instead of measured ones
+
+
+def set_rates(rates: Rates | None) -> None:
+    """Price every estimate with ``rates`` instead of this machine's measured ones (``None``: measure again)."""
+    _FIXED[:] = [] if rates is None else [rates]
+
+
+def _cache_file(device: torch.device) -> Path:
+    from .models.pretrained import cache_dir
+
+    key = f"{device.type}-{platform.machine()}-{os.cpu_count()}cpu-{torch.get_num_threads()}t-torch{torch.__version__}"
+    if device.type == "cuda":
+        key += "-" + torch.cuda.get_device_name(device).replace(" ", "_")
+    return cache_dir() / "rates" / f"{key}.json"
+
+
+def current_rates(device: torch.device, recipes: list[str] | tuple[str, ...] = ()) -> Rates:
+    """This machine's ``Rates`` for ``device``: from the cache file, else measured now and cached; each of
+    ``recipes`` missing from it gets its per-call cost measured (CPU) and cached too."""
+    from .planner.roofline import GPU
+
+    if _FIXED:
+        return _FIXED[0]
+    path = _cache_file(device)
+    rates = _MEMO.get(str(path))
+    if rates is None and path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            data["roofline"] = GPU(**{**data["roofline"], "capability": tuple(data["roofline"]["capability"])})
+            data["doctor"] = {k: tuple(v) for k, v in data.get("doctor", {}).items()}
+            rates = Rates(**data)
+        except (ValueError, KeyError, TypeError):
+            rates = None
+    if rates is None:
+        print(f"fp8kit: measuring this machine's rates for the estimates, once (cached in {path})", file=sys.stderr)
+        rates = _measure(device)
+    missing = [r for r in recipes if r not in rates.step_scale and device.type == "cpu"]
+    if missing or str(path) not in _MEMO:
+        if missing:
+            from .planner.roofline import _step_seconds
+
+            calls = rates.recipe_call_s | {r: _step_seconds(16, 16, r) for r in missing}
+            rates = replace(rates, recipe_call_s=calls)
+            rates = replace(rates, step_scale=rates.step_scale | {r: _step_scale(rates, r) for r in missing})
+        _store(device, rates)
+    return rates
+
+
+def _measure(device: torch.device) -> Rates:
+    from .planner.roofline import GPU, cpu_roofline
+
+    if device.type == "cpu":
+        roofline = cpu_roofline()
+    else:
+        from .cost import device_flops
+
+        flops = device_flops(device)
+        src = torch.randn(16 * 2**20, device=device)
+        dst = torch.empty_like(src)
+        roofline = GPU("cuda", flops, flops, 2 * src.numel() * 4 / _timed(lambda: dst.copy_(src), device), (0, 0),
+                       matmul_call_s=_timed(lambda: dst[:16].add_(1), device))  # fmt: skip
+    rates = Rates(roofline, _load_rate())
+    if device.type != "cpu":
+        return rates
+    rates = replace(rates, forward_scale=_forward_scale(rates), figure_s=_figure_seconds())
+    return replace(rates, step_scale={"bf16": _step_scale(rates, "bf16")})
+
+
+def _demo(recipe: str | None = None) -> tuple[torch.nn.Module, ModelShape]:
+    from .cost import module_shape
+    from .models import build_demo
+    from .nn import convert, to_bf16_gemms
+
+    model = build_demo("dense", "small", max_seq_len=128)
+    shape = module_shape(model)
+    if recipe is not None and recipe != "bf16":
+        convert(model, recipe)
+    return to_bf16_gemms(model), shape
+
+
+def _forward_scale(rates: Rates) -> float:
+    """The demo decoder's forward over 4 x 128 tokens, measured over modelled."""
+    model, shape = _demo()
+    x = torch.randint(0, 256, (4, 128))
+    with torch.no_grad():
+        measured = _timed(lambda: model(x), torch.device("cpu"), reps=3)
+    return measured / forward_seconds(shape, 4 * 128, replace(rates, forward_scale=1.0))
+
+
+def _step_scale(rates: Rates, recipe: str) -> float:
+    """One training step (forward, backward, AdamW) of the demo decoder with ``recipe`` on 4 x 128 tokens,
+    measured over modelled."""
+    model, shape = _demo(recipe)
+    x = torch.randint(0, 256, (4, 128))
+    opt = torch.optim.AdamW(model.parameters())
+
+    def step() -> None:
+        out = model(x)
+        logits = out.logits if hasattr(out, "logits") else out
+        logits.float().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    measured = _timed(step, torch.device("cpu"), reps=3)
+    return measured / step_model(shape, recipe, 4 * 128, 4 * 128, replace(rates, step_scale={}))
+
+
+def doctor_rates(device: torch.device, recipe: str) -> tuple[float, float]:
+    """``Rates.doctor[recipe]``: measured once (``debug.doctor`` on the demo decoder for 1 and 2 steps of
+    8 x 64 tokens, the ``fp8kit doctor`` defaults) and cached; ``(1, 0)`` off the CPU."""
+    rates = current_rates(device, [recipe])
+    if recipe in rates.doctor or device.type != "cpu" or _FIXED:
+        return rates.doctor.get(recipe, (1.0, 0.0))
+    from .cost import module_shape
+    from .debug import doctor
+    from .models import build_demo
+
+    model = build_demo("dense", "small", max_seq_len=128)
+    shape = module_shape(model)
+    x = torch.randint(0, 256, (8, 64))
+    times = []
+    for steps in (1, 2):
+        t0 = time.perf_counter()
+        doctor(model, [{"input_ids": x, "labels": x}], recipe=recipe, steps=steps, progress=False)
+        times.append(time.perf_counter() - t0)
+    per_step = max(times[1] - times[0], times[1] / 4)
+    modelled = sum(step_model(shape, r, 8 * 64, 8 * 64, rates) for r in ("bf16", recipe))
+    measured = (per_step / modelled, max(times[0] - per_step, 0.0))
+    rates = replace(rates, doctor=rates.doctor | {recipe: measured})
+    _store(device, rates)
+    return measured
+
+
+def _store(device: torch.device, rates: Rates) -> None:
+    path = _cache_file(device)
+    _MEMO[str(path)] = rates
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(rates)))
+    except OSError:
+        pass  # a read-only cache: measured again next time
+
+
+def _figure_seconds() -> float:
+    """One small line plot rendered and written as a PNG (the reports' figures)."""
+    import tempfile
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(range(100), range(100))
+        fig.savefig(os.path.join(tmp, "f.png"))
+        plt.close(fig)
+        return time.perf_counter() - t0
+
+
+def _timed(fn: Any, device: torch.device, reps: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return max(best, 1e-9)
+
+
+def _load_rate() -> float:
+    """Bytes/s of writing and reading back a 64 MiB safetensors file (a checkpoint's load or save)."""
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    t = {"w": torch.randn(16 * 2**20)}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "t.safetensors")
+        t0 = time.perf_counter()
+        save_file(t, path)
+        load_file(path)["w"].add_(0)
+        seconds = time.perf_counter() - t0
+    return 2 * t["w"].numel() * 4 / max(seconds, 1e-9)
+
+
+# ---- pricing ------------------------------------------------------------------------------------------------
+def _gemms(shape: ModelShape) -> tuple[tuple[int, int], ...]:
+    """The model's Linear dims; without them, its parameters as square ``hidden`` layers plus the head."""
+    if shape.gemms:
+        return shape.gemms
+    h = max(shape.hidden, 1)
+    body = max(shape.params - 2 * shape.vocab * h, 0)
+    return ((h, h),) * (body // (h * h)) + (((h, shape.vocab),) if shape.vocab else ())
+
+
+def _is_head(shape: ModelShape, dims: tuple[int, int]) -> bool:
+    return shape.vocab > 0 and dims[1] == shape.vocab
+
+
+def load_seconds(shape: ModelShape, rates: Rates) -> float:
+    """Reading the checkpoint and building the model: its bytes at the load rate, its weights written once."""
+    return shape.checkpoint_bytes / rates.load_bytes_per_s + 4 * shape.params / rates.roofline.hbm_bytes_per_s
+
+
+def _layer_ops_seconds(shape: ModelShape, tokens: int, seq_len: int, rates: Rates, passes: int) -> float:
+    """Attention matmuls and elementwise ops of every decoder layer, ``passes`` = 1 forward, 3 with backward."""
+    r = rates.roofline
+    attention = 4 * tokens * min(seq_len, tokens) * shape.hidden / r.bf16_flops
+    elementwise = _ELEMENTWISE_OPS * (rates.op_call_s + 8 * tokens * shape.hidden / r.hbm_bytes_per_s)
+    return passes * shape.layers * (attention + elementwise)
+
+
+def forward_seconds(shape: ModelShape, tokens: int, rates: Rates, seq_len: int = 128) -> float:
+    """One forward pass over ``tokens`` tokens in batches of ``seq_len``: every Linear's matmul and call,
+    the layers' attention and elementwise ops."""
+    r = rates.roofline
+    batches = max(tokens // max(seq_len * 4, 1), 1)  # the calibration / eval batches (4 sequences)
+    gemm = sum(2 * tokens * i * o / r.bf16_flops + batches * r.matmul_call_s for i, o in _gemms(shape))
+    return rates.forward_scale * (gemm + batches * _layer_ops_seconds(shape, tokens // batches, seq_len, rates, 1))
+
+
+def training_seconds(
+    shape: ModelShape,
+    recipe: str,
+    steps: int,
+    tokens_per_step: int,
+    micro_tokens: int,
+    rates: Rates,
+    eval_tokens: int = 0,
+    seq_len: int = 128,
+) -> float:
+    """``steps`` optimizer steps of ``recipe`` (``bf16`` or an FP8 recipe name), each of
+    ``tokens_per_step // micro_tokens`` micro-batches, plus forward passes over ``eval_tokens`` and the
+    checkpoint's write; scaled by the measured ``step_scale`` / ``forward_scale``."""
+
+    recipe = recipe if _is_recipe(recipe) else "bf16"  # a per-layer plan (auto): priced at its BF16 floor
+    step = step_model(shape, recipe, tokens_per_step, micro_tokens, rates, seq_len)
+    step *= rates.step_scale.get(recipe, rates.step_scale.get("bf16", 1.0))
+    evaluate = forward_seconds(shape, eval_tokens, rates, seq_len) if eval_tokens else 0.0
+    if recipe != "bf16" and "bf16" in rates.step_scale and recipe in rates.step_scale:
+        evaluate *= rates.step_scale[recipe] / rates.step_scale["bf16"]  # an emulated FP8 forward costs more
+    save = 16 * shape.params / rates.load_bytes_per_s  # the run's checkpoint: weights and optimizer state
+    return steps * step + evaluate + save
+
+
+def step_model(
+    shape: ModelShape, recipe: str, tokens_per_step: int, micro_tokens: int, rates: Rates, seq_len: int = 128
+) -> float:
+    """Modelled seconds of one optimizer step (before ``step_scale``)."""
+    from .planner.roofline import Gemm, layer_seconds
+
+    free = replace(rates.roofline, matmul_call_s=0.0, cast_call_s=0.0)  # the fixed costs: layer_call_s
+    micro = max(micro_tokens, 1)
+    micro_step = 0.0
+    for dims in _gemms(shape):
+        candidate = "bf16" if recipe == "bf16" or _is_head(shape, dims) else recipe
+        micro_step += layer_seconds([Gemm(micro, *dims)], candidate, free) + rates.layer_call_s(candidate)
+    micro_step += _layer_ops_seconds(shape, micro, seq_len, rates, 3)
+    tensors = 2 * shape.layers + len(_gemms(shape)) + 2  # norms, Linears, embedding and final norm
+    optimizer = shape.params * _ADAMW_BYTES / rates.roofline.hbm_bytes_per_s + tensors * _ADAMW_OPS * rates.op_call_s
+    accum = max(tokens_per_step // micro, 1)
+    return accum * micro_step + optimizer
+
+
+def _is_recipe(name: str) -> bool:
+    from .recipes import recipe_from_name
+
+    if name == "bf16":
+        return True
+    try:
+        recipe_from_name(name)
+    except (ValueError, KeyError):
+        return False
+    return True
+
+
+def ptq_phases(
+    shape: ModelShape,
+    scheme: str,
+    settings: dict[str, Any],
+    calib_batches: int,
+    rates: Rates,
+    tokens_per_batch: int = 4 * 128,
+    export: bool = True,
+) -> dict[str, float]:
+    """Seconds of each step ``ptq.quantize`` will run for ``scheme`` with ``settings`` (``pretrained_ptq.
+    ptq_settings``' keywords), decided by the pipeline's own rule (``PIPELINE``'s ``runs``), and of the export."""
+    from .ptq.awq import AWQ_GRID
+    from .ptq.calibrate import MSE_GRID
+    from .ptq.quantize import PIPELINE, PTQOptions
+    from .ptq.schemes import get_scheme
+
+    scheme_obj = get_scheme(scheme.removesuffix("+kv"))
+    keys = ("calibration", "alpha", "smooth", "kv_cache", "gptq", "awq", "keep_bf16", "norm_tweak")
+    opts = PTQOptions(**{k: settings[k] for k in keys if k in settings})
+    run = SimpleNamespace(
+        scheme=scheme_obj,
+        opts=opts,
+        calibrating=opts.needs_data(scheme_obj),
+        progress=SimpleNamespace(batches=calib_batches),
+        targets=[None] * len(_gemms(shape)),
+    )
+    r = rates.roofline
+    tokens = calib_batches * tokens_per_batch
+    one_pass = forward_seconds(shape, tokens, rates)
+    body = [d for d in _gemms(shape) if not _is_head(shape, d)]
+    # a pass over the quantized model also quantizes each layer's input (and decodes its weight codes)
+    quantized_pass = one_pass + calib_batches * sum(
+        (3 * tokens_per_batch * i + 3 * i * o) / r.cast_bytes_per_s + 2 * r.cast_call_s for i, o in _gemms(shape)
+        if not _is_head(shape, (i, o))
+    )  # fmt: skip
+    phases: dict[str, float] = {}
+    for step in PIPELINE:
+        if not step.runs(run):
+            continue
+        seconds = step.passes(run) * (quantized_pass if step.name in ("rank", "norm tweak") else one_pass)
+        if step.name == "awq":  # per layer: the grid's weight casts and sample matmuls
+            seconds += sum(AWQ_GRID * (3 * i * o / r.cast_bytes_per_s + 4 * r.cast_call_s) for i, o in body)
+        elif step.name == "activation scales" and opts.calibration == "mse":
+            seconds += len(body) * MSE_GRID * _MSE_CANDIDATE_OPS * rates.op_call_s
+        elif step.name == "gptq hessians":
+            seconds += sum(2 * tokens * i * i / r.bf16_flops + calib_batches * r.matmul_call_s for i, _ in body)
+        elif step.name == "quantize layers":
+            if opts.gptq:  # Cholesky inverse, the blocks' updates, a Python step per column
+                seconds += sum((i**3 + 2 * o * i * i) / r.bf16_flops + i * _GPTQ_COLUMN_OPS * rates.op_call_s
+                               for i, o in body)  # fmt: skip
+            else:
+                seconds += sum(3 * i * o / r.cast_bytes_per_s + r.cast_call_s for i, o in body)
+        if seconds > 0:
+            phases[step.name] = seconds
+    if export:
+        phases["export"] = shape.params * 2 / rates.load_bytes_per_s + len(body) * rates.op_call_s
+    return phases

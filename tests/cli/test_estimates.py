@@ -1,0 +1,121 @@
+"""The time estimates (``fp8kit.estimate``) with fixed rates: which phases appear for which scheme and options,
+and that the seconds grow with steps, tokens and a recipe's costs. No timing is measured."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from fp8kit import estimate
+from fp8kit.cost import ModelShape, estimate_training
+from fp8kit.estimate import Rates, forward_seconds, ptq_phases, training_seconds
+from fp8kit.planner.roofline import GPU
+from fp8kit.pretrained_ptq import ptq_settings
+
+HIDDEN, LAYERS, VOCAB = 64, 2, 100
+GEMMS = ((HIDDEN, HIDDEN),) * 4 + ((HIDDEN, 128), (HIDDEN, 128), (128, HIDDEN))
+SHAPE = ModelShape(100_000, 400_000, HIDDEN, LAYERS, VOCAB, GEMMS * LAYERS + ((HIDDEN, VOCAB),))
+
+
+def rates(**call: float) -> Rates:
+    gpu = GPU("cpu", 1e10, 1e10, 1e10, (0, 0), emulated_flops=5e9, cast_bytes_per_s=1e9,
+              dequant_bytes_per_s=2e9, tile_dequant_bytes_per_s=1e8, matmul_call_s=1e-5, cast_call_s=2e-5)  # fmt: skip
+    return Rates(gpu, 1e9, dict(call))
+
+
+def phases(scheme: str, calib_batches: int = 4, **options) -> dict[str, float]:
+    return ptq_phases(SHAPE, scheme, ptq_settings(scheme, n_layers=14, **options), calib_batches, rates())
+
+
+def test_fp8_prices_norm_tweak_and_gptq_but_no_awq():
+    got = phases("fp8")
+    assert {"calibrate", "gptq hessians", "quantize layers", "rank", "norm tweak", "export"} <= set(got)
+    assert "awq" not in got
+    assert all(s > 0 for s in got.values())
+
+
+def test_each_scheme_lists_only_the_steps_it_runs():
+    assert "awq" in phases("int8-weight-only")
+    assert "awq" not in phases("int8-weight-only", awq=False)
+    dynamic = phases("fp8-dynamic")
+    assert not {"calibrate", "norm tweak", "rank", "awq"} & set(dynamic)
+    assert "gptq hessians" not in phases("fp8-dynamic", gptq=False)
+    assert "norm tweak" not in phases("fp8", norm_tweak=0)
+    assert "smooth" in phases("int8-smoothquant")
+    assert "kv cache" in phases("fp8+kv")
+
+
+def test_ptq_seconds_grow_with_calibration_and_tweak_steps():
+    assert sum(phases("fp8", 8).values()) > sum(phases("fp8", 4).values())
+    assert phases("fp8", norm_tweak=200)["norm tweak"] > phases("fp8", norm_tweak=20)["norm tweak"]
+
+
+def test_training_grows_with_steps_tokens_and_recipe_costs():
+    r = rates()
+    base = training_seconds(SHAPE, "bf16", 10, 2048, 2048, r)
+    assert training_seconds(SHAPE, "bf16", 20, 2048, 2048, r) > base
+    assert training_seconds(SHAPE, "bf16", 10, 4096, 2048, r) > base
+    assert training_seconds(SHAPE, "bf16", 10, 2048, 2048, r, eval_tokens=4096) > base
+    fp8 = training_seconds(SHAPE, "delayed", 10, 2048, 2048, r)
+    assert fp8 > base  # casts and quantization passes cost more than BF16 on an emulating CPU
+    slow = training_seconds(SHAPE, "delayed", 10, 2048, 2048, rates(delayed=1e-2))
+    assert slow - fp8 == pytest.approx(10 * (len(GEMMS) * LAYERS) * (1e-2 - r.layer_call_s("delayed")))
+
+
+def test_fixed_costs_count_beyond_flops():
+    """Ten times fewer tokens take more than a tenth of the time: the per-call costs stay."""
+    r = rates()
+    assert forward_seconds(SHAPE, 512, r) > forward_seconds(SHAPE, 5120, r) / 10
+
+
+def test_estimate_training_prices_each_run_by_its_recipe():
+    cost = estimate_training(
+        "train", SHAPE, torch.device("cpu"), ["bf16", "fp8-delayed"], 10, 2048, 2048,
+        recipes={"fp8-delayed": "delayed"}, rates=rates(delayed=1e-2),
+    )  # fmt: skip
+    assert cost.phases["fp8-delayed"] > cost.phases["bf16"] > 0
+
+
+def test_cli_quantize_fp8_cost_has_the_phases_that_run(monkeypatch):
+    from fp8kit.cli import _job
+
+    monkeypatch.setattr(_job, "shape_of", lambda spec, *a: SHAPE)
+    monkeypatch.setattr(estimate, "current_rates", lambda device, recipes=(): rates())
+    args = argparse.Namespace(
+        model="x", calibration=None, alpha=None, smooth=None, gptq=True, awq=True, keep_bf16=None,
+        norm_tweak=None, calib_batches=8,
+    )  # fmt: skip
+    got = _job.ptq_cost_phases(args, torch.device("cpu"), "fp8")
+    assert "awq" not in got and "norm tweak" in got and "load" in got and "export" in got
+    assert "awq" in _job.ptq_cost_phases(args, torch.device("cpu"), "int8-weight-only")
+
+
+def test_rates_measured_once_then_read_from_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("FP8KIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(estimate, "_MEMO", {})
+    monkeypatch.setattr(estimate, "_FIXED", [])
+    calls = []
+    monkeypatch.setattr(estimate, "_measure", lambda device: calls.append(device) or rates())
+    first = estimate.current_rates(torch.device("cpu"))
+    monkeypatch.setattr(estimate, "_MEMO", {})
+    second = estimate.current_rates(torch.device("cpu"))
+    assert len(calls) == 1 and first == second
+    assert list((tmp_path / "rates").glob("*.json"))
+
+
+def test_doctor_cost_grows_with_steps_and_names_its_report(monkeypatch):
+    from fp8kit.cli import doctor
+
+    seen = []
+    monkeypatch.setattr(doctor, "announce", lambda cost, device, force: seen.append(cost))
+    for steps in (4, 40):
+        args = argparse.Namespace(
+            model="demo", arch="dense", model_size="small", seq_len=64, batch_size=8, steps=steps, apply=False,
+            noise_floor=True, recipe="delayed", force=False,
+        )  # fmt: skip
+        doctor._announce_cost(args, torch.device("cpu"))
+    short, long = seen
+    assert {"bf16 + fp8", "bf16 one ulp off", "report"} <= set(short.phases)
+    assert long.phases["bf16 + fp8"] > short.phases["bf16 + fp8"] > 0
