@@ -20,6 +20,10 @@ attention sinks (GPT-OSS) and logit softcapping (Gemma 2) are handled; attention
 attention block gets an ``FP8AttentionState`` child holding the amax histories and scales of its six
 operands (``scaling_state.DelayedScalingState``). On CUDA the same emulated kernels run (torch has no FP8
 attention kernel with a backward), and the fallback is logged once.
+
+Inference: ``calibrate_fp8_attention`` gives static scales (the delayed scales of a calibration run),
+``fp8_attention_to_kv_scales`` hands the K and V scales to the FP8 KV cache for export, and
+``observe_fp8_attention`` / ``attention_stats`` report each operand's per-head amax, SQNR and underflow.
 """
 
 from __future__ import annotations
