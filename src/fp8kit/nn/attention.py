@@ -481,7 +481,6 @@ def _fp8_attention_forward(
     if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[-1] != key.shape[2]:
         attention_mask = attention_mask[..., : key.shape[2]]
     window = sliding_window if attention_mask is None and causal else None
-    sinks = s_aux if s_aux is not None else None
     out = fp8_attention(
         query,
         key,
@@ -491,7 +490,7 @@ def _fp8_attention_forward(
         mask=attention_mask,
         causal=causal,
         sliding_window=window,
-        sinks=sinks,
+        sinks=s_aux,
         softcap=softcap,
     )
     return out.transpose(1, 2).contiguous(), None
