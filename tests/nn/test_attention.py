@@ -162,13 +162,24 @@ def _tiny(builder, **kw):
     return builder("tiny", max_seq_len=64, **kw).float()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
+def _gemma2() -> torch.nn.Module:
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8, attn_logit_softcapping=5.0, attn_implementation="eager",
+    )  # fmt: skip
+    return Gemma2ForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss", "gemma2"])
 def test_convert_attention_runs_the_models_attention(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the casts made exact, the FP8 path is the model's own attention (padding, sliding windows, GQA,
-    sinks); with them, a training step records the amax of all six operands."""
+    sinks, softcapping); with them, a training step records the amax of all six operands."""
     from fp8kit.models.llama import build_gpt_oss, build_llama
 
-    model = _tiny(build_llama if arch == "llama" else build_gpt_oss)
+    model = _gemma2() if arch == "gemma2" else _tiny(build_llama if arch == "llama" else build_gpt_oss)
     x = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
     keep = torch.ones(2, 40, dtype=torch.long)
     keep[1, :6] = 0

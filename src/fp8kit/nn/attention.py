@@ -20,6 +20,10 @@ attention sinks (GPT-OSS) and logit softcapping (Gemma 2) are handled; attention
 attention block gets an ``FP8AttentionState`` child holding the amax histories and scales of its six
 operands (``scaling_state.DelayedScalingState``). On CUDA the same emulated kernels run (torch has no FP8
 attention kernel with a backward), and the fallback is logged once.
+
+Inference: ``calibrate_fp8_attention`` gives static scales (the delayed scales of a calibration run),
+``fp8_attention_to_kv_scales`` hands the K and V scales to the FP8 KV cache for export, and
+``observe_fp8_attention`` / ``attention_stats`` report each operand's per-head amax, SQNR and underflow.
 """
 
 from __future__ import annotations
@@ -477,7 +481,6 @@ def _fp8_attention_forward(
     if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[-1] != key.shape[2]:
         attention_mask = attention_mask[..., : key.shape[2]]
     window = sliding_window if attention_mask is None and causal else None
-    sinks = s_aux if s_aux is not None else None
     out = fp8_attention(
         query,
         key,
@@ -487,7 +490,7 @@ def _fp8_attention_forward(
         mask=attention_mask,
         causal=causal,
         sliding_window=window,
-        sinks=sinks,
+        sinks=s_aux,
         softcap=softcap,
     )
     return out.transpose(1, 2).contiguous(), None
