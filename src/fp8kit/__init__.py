@@ -61,6 +61,7 @@ _LAZY_SUBMODULES = (
     "optim",
     "planner",
     "ptq",
+    "qat",
     "train",
 )
 # Functions and classes of lazy submodules reachable from ``fp8kit`` (``fp8kit.autotune(...)``), imported on first use.
