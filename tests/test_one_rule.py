@@ -26,7 +26,7 @@ RULES = [
         "a scale computed from an amax by an FP8 module or parallel style (Recipe.scale_from_amax, "
         "DelayedScalingState.scale_for or scaling_state.operand_scale are the entry points)",
         re.compile(r"\bcompute_scale\("),
-        {"scaling.py", "recipes.py", "scaling_state.py", "grouped_tensor.py", "kernels/reference.py", "ptq/*"},
+        {"scaling.py", "recipes.py", "scaling_state.py", "grouped_tensor.py", "kernels/reference.py", "ptq/*", "qat/*"},
     ),
     (
         "a write to a delayed-scaling buffer",

@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .model_shape import ModelShape
+
 if TYPE_CHECKING:
     from .planner.roofline import GPU
-
-from .cost import ModelShape
 
 __all__ = [
     "Rates",
@@ -127,9 +127,9 @@ def current_rates(device: torch.device, recipes: list[str] | tuple[str, ...] = (
     missing = [r for r in recipes if r not in rates.step_scale and device.type == "cpu"]
     if missing or str(path) not in _MEMO:
         if missing:
-            from .planner.roofline import _step_seconds
+            from .planner.roofline import step_seconds
 
-            calls = rates.recipe_call_s | {r: _step_seconds(16, 16, r) for r in missing}
+            calls = rates.recipe_call_s | {r: step_seconds(16, 16, r) for r in missing}
             rates = replace(rates, recipe_call_s=calls)
             rates = replace(rates, step_scale=rates.step_scale | {r: _step_scale(rates, r) for r in missing})
         _store(device, rates)
@@ -142,8 +142,6 @@ def _measure(device: torch.device) -> Rates:
     if device.type == "cpu":
         roofline = cpu_roofline()
     else:
-        from .cost import device_flops
-
         flops = device_flops(device)
         src = torch.randn(16 * 2**20, device=device)
         dst = torch.empty_like(src)
@@ -157,7 +155,7 @@ def _measure(device: torch.device) -> Rates:
 
 
 def _demo(recipe: str | None = None) -> tuple[torch.nn.Module, ModelShape]:
-    from .cost import module_shape
+    from .model_shape import module_shape
     from .models import build_demo
     from .nn import convert, to_bf16_gemms
 
@@ -201,8 +199,8 @@ def doctor_rates(device: torch.device, recipe: str) -> tuple[float, float]:
     rates = current_rates(device, [recipe])
     if recipe in rates.doctor or device.type != "cpu" or _FIXED:
         return rates.doctor.get(recipe, (1.0, 0.0))
-    from .cost import module_shape
     from .debug import doctor
+    from .model_shape import module_shape
     from .models import build_demo
 
     model = build_demo("dense", "small", max_seq_len=128)
@@ -429,3 +427,20 @@ def ptq_phases(
     if export:
         phases["export"] = shape.params * 2 / rates.load_bytes_per_s + len(body) * rates.op_call_s
     return phases
+
+
+def device_flops(device: torch.device, dtype: torch.dtype | None = None) -> float:
+    """FLOP/s a 1024 x 1024 x 1024 GEMM reaches on ``device`` now (in ``dtype``: BF16 on CUDA, FP32 on
+    the CPU), best of three after a warm-up."""
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    a = torch.randn(1024, 1024, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(4):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        a @ a
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 1024**3 / max(best, 1e-9)

@@ -92,7 +92,7 @@ def shape_of(spec: str, arch: str = "dense", size: str = "small", seq_len: int =
 def _demo_shape(arch: str, size: str, seq_len: int) -> ModelShape:
     import torch
 
-    from ..cost import module_shape
+    from ..model_shape import module_shape
     from ..models import build_demo
 
     with torch.device("meta"):

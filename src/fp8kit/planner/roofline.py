@@ -179,7 +179,7 @@ def _best_seconds(fn, reps: int = 5) -> float:
     return max(best, 1e-9)
 
 
-def _step_seconds(tokens: int, side: int, candidate: str) -> float:
+def step_seconds(tokens: int, side: int, candidate: str) -> float:
     """Best seconds of one training step of a ``side x side`` layer on ``tokens`` tokens with ``candidate``."""
     layer = _layer(side, side, candidate)
     x = torch.randn(tokens, side, requires_grad=True)
@@ -208,13 +208,13 @@ def cpu_roofline() -> GPU:
     from ..nn.backend import quantize_backend
     from ..tensor import quantize
 
-    tiny_bf16 = _step_seconds(16, 16, "bf16")
+    tiny_bf16 = step_seconds(16, 16, "bf16")
     matmul_call = tiny_bf16 / 3
-    cast_call = max(_step_seconds(16, 16, "current") - tiny_bf16, 0.0) / 6
+    cast_call = max(step_seconds(16, 16, "current") - tiny_bf16, 0.0) / 6
     tokens, side = 1000, 512
     g = Gemm(tokens, side, side)
     flops = 3 * 2 * tokens * side * side
-    bf16 = flops / max(_step_seconds(tokens, side, "bf16") - 3 * matmul_call, 1e-9)
+    bf16 = flops / max(step_seconds(tokens, side, "bf16") - 3 * matmul_call, 1e-9)
     src = torch.randn(16 * 2**20)
     dst = torch.empty_like(src)
     bandwidth = 2 * src.numel() * 4 / _best_seconds(lambda: dst.copy_(src))
@@ -228,10 +228,10 @@ def cpu_roofline() -> GPU:
         "cpu", bf16, bf16, bandwidth, (0, 0), emulated_flops=float("inf"), cast_bytes_per_s=cast,
         dequant_bytes_per_s=dequant, matmul_call_s=matmul_call, cast_call_s=cast_call,
     )  # fmt: skip
-    step = _step_seconds(tokens, side, "current")
+    step = step_seconds(tokens, side, "current")
     rest = layer_seconds([g], "current", cpu)  # everything but the matmuls' FLOPs
     emulated = flops / max(step - rest, step / 4)
     cpu = replace(cpu, fp8_flops=emulated, emulated_flops=emulated, tile_dequant_bytes_per_s=float("inf"))
-    step = _step_seconds(tokens, side, "block")
+    step = step_seconds(tokens, side, "block")
     tiles = _dequant_bytes(g) / max(step - layer_seconds([g], "block", cpu), step / 4)
     return replace(cpu, tile_dequant_bytes_per_s=tiles)
