@@ -44,8 +44,11 @@ class VllmError(RuntimeError):
 
 
 def vllm_python() -> str | None:
-    """The interpreter of vLLM's virtual environment: ``$FP8KIT_VLLM_PYTHON``, or ``None`` when unset."""
-    return os.environ.get(ENV_VAR) or None
+    """The interpreter of vLLM's virtual environment: ``$FP8KIT_VLLM_PYTHON`` as an absolute path (a relative
+    one is read from the current directory; symlinks are kept, so the venv's own interpreter runs), or
+    ``None`` when unset."""
+    python = os.environ.get(ENV_VAR)
+    return os.path.abspath(python) if python else None
 
 
 def vllm_unavailable(python: str | None = None) -> str | None:
@@ -105,7 +108,7 @@ def run_vllm(
     for want of an FP4 kernel is loaded again with vLLM's own FP4 emulation kernels (``emulated``, and the
     refusal as ``no_kernel``). Raises ``VllmError`` when vLLM is not
     available or the subprocess died before writing a result for every folder."""
-    python = python or vllm_python()
+    python = os.path.abspath(python) if python else vllm_python()  # the worker runs in a temporary folder
     reason = vllm_unavailable(python)
     if reason:
         raise VllmError(reason)
