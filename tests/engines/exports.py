@@ -55,21 +55,17 @@ def calibration_batch(tokenizer, seq_len: int = 128) -> torch.Tensor:
 def tiny_qwen3_moe(seed: int = 0) -> nn.Module:
     """A 2-layer Qwen3-MoE (8 experts, top 2, hidden 128) with random weights scaled so that its next-token
     distribution is far from uniform (a perplexity gap between two readers then shows)."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeForCausalLM
+
+    from tests.helpers.moe import qwen3_moe_config
 
     torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(
+    cfg = qwen3_moe_config(
         vocab_size=512,
         hidden_size=128,
         intermediate_size=256,
         moe_intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        mlp_only_layers=[],
         tie_word_embeddings=False,
         max_position_embeddings=1024,
     )
