@@ -1,4 +1,4 @@
-"""The time estimates (``fp8kit.estimate``) with fixed rates: which phases appear for which scheme and options,
+"""The time estimates (``fp8kit.jobs.estimate``) with fixed rates: which phases appear for which scheme and options,
 and that the seconds grow with steps, tokens and a recipe's costs. No timing is measured."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import argparse
 import pytest
 import torch
 
-from fp8kit import estimate
-from fp8kit.cost import ModelShape, estimate_training
-from fp8kit.estimate import Rates, forward_seconds, ptq_phases, training_seconds
+from fp8kit.jobs import estimate
+from fp8kit.jobs.cost import ModelShape, estimate_training
+from fp8kit.jobs.estimate import Rates, forward_seconds, ptq_phases, training_seconds
+from fp8kit.jobs.quantize import ptq_settings
 from fp8kit.planner.roofline import GPU
-from fp8kit.pretrained_ptq import ptq_settings
 
 HIDDEN, LAYERS, VOCAB = 64, 2, 100
 GEMMS = ((HIDDEN, HIDDEN),) * 4 + ((HIDDEN, 128), (HIDDEN, 128), (128, HIDDEN))

@@ -112,8 +112,8 @@ def model(allow_demo: bool, demo_hint: str = "") -> Callable[[str], str]:
         if text in PRETRAINED_MODELS:
             return text
         path = Path(text)
+        from ..jobs.loading import train_checkpoint
         from ..models.resolve import is_hub_id
-        from ..train.reload import train_checkpoint
 
         if is_hub_id(text):
             return text

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from ..cost import JobCost, ModelShape
+    from ..jobs.cost import JobCost, ModelShape
 
 
 class UnknownSize(Exception):
@@ -42,8 +42,8 @@ def add_device_options(p: argparse.ArgumentParser) -> None:
 
 
 def job_device(args: argparse.Namespace, recipes: Any = None) -> torch.device:
-    """``--device`` resolved and checked against ``recipes`` (``fp8kit.device.resolve_device``)."""
-    from ..device import resolve_device
+    """``--device`` resolved and checked against ``recipes`` (``fp8kit.runtime.device.resolve_device``)."""
+    from ..runtime.device import resolve_device
 
     return resolve_device(args.device, recipe=recipes, emulate=args.emulate)
 
@@ -52,11 +52,11 @@ def shape_of(spec: str, arch: str = "dense", size: str = "small", seq_len: int =
     """The size of ``--model``: the demo model (built on the ``meta`` device), an ``fp8kit train``
     checkpoint (its demo model), ``smollm2`` (the GGUF's config until it is converted), a folder or a Hub
     ID (safetensors headers, resolved through ``models.resolve``). Reads no weights."""
-    from ..cost import model_shape, shape_from_config
+    from ..jobs.cost import model_shape, shape_from_config
 
     if spec == "demo":
         return _demo_shape(arch, size, seq_len)
-    from ..train.reload import train_checkpoint
+    from ..jobs.loading import train_checkpoint
 
     found = train_checkpoint(Path(spec))
     if found is not None:
@@ -92,7 +92,7 @@ def shape_of(spec: str, arch: str = "dense", size: str = "small", seq_len: int =
 def _demo_shape(arch: str, size: str, seq_len: int) -> ModelShape:
     import torch
 
-    from ..model_shape import module_shape
+    from ..jobs.model_shape import module_shape
     from ..models import build_demo
 
     with torch.device("meta"):
@@ -110,14 +110,14 @@ def announce_inference(
     quantized: bool = True,
 ) -> None:
     """The cost line of a job that loads ``--model`` and runs forward passes (``cost.estimate_inference``)."""
-    from ..cost import estimate_inference
+    from ..jobs.cost import estimate_inference
 
     try:
         shape = shape_of(args.model)
     except UnknownSize as err:
         print(f"fp8kit {what}: cost unknown ({err})", file=sys.stderr)
         return
-    from ..estimate import current_rates, forward_seconds, load_seconds
+    from ..jobs.estimate import current_rates, forward_seconds, load_seconds
 
     rates = current_rates(device)
     one_pass = forward_seconds(shape, tokens_per_pass, rates)
@@ -131,8 +131,8 @@ def announce_inference(
 def ptq_cost_phases(args: argparse.Namespace, device: torch.device, scheme: str) -> dict[str, float]:
     """Seconds of each PTQ step that will run for ``scheme`` with the parsed options (the scheme's defaults
     filled in by ``pretrained_ptq.ptq_settings``) and of the export (``estimate.ptq_phases``), after the load."""
-    from ..estimate import current_rates, load_seconds, ptq_phases
-    from ..pretrained_ptq import ptq_settings
+    from ..jobs.estimate import current_rates, load_seconds, ptq_phases
+    from ..jobs.quantize import ptq_settings
 
     shape = shape_of(args.model)
     rates = current_rates(device)
@@ -145,7 +145,7 @@ def ptq_cost_phases(args: argparse.Namespace, device: torch.device, scheme: str)
 
 def announce_ptq(args: argparse.Namespace, device: torch.device, scheme: str) -> None:
     """The cost line of ``quantize`` on the whole model: each PTQ step that runs for ``scheme``, priced."""
-    from ..cost import estimate_inference
+    from ..jobs.cost import estimate_inference
 
     try:
         shape = shape_of(args.model)
@@ -176,7 +176,7 @@ def print_device_peak(device: torch.device) -> None:
         return
     import torch
 
-    from ..device import device_report
+    from ..runtime.device import device_report
 
     peak = torch.cuda.max_memory_allocated(device) / 2**30
     print(f"device: {device_report(device).line()}; peak GPU memory allocated {peak:.2f} GiB")
@@ -185,7 +185,7 @@ def print_device_peak(device: torch.device) -> None:
 def announce(cost: JobCost, device: torch.device, force: bool) -> None:
     """Print the cost line to stderr (always: in a terminal and in a log file alike), then refuse the job if
     it will not fit (``cost.check_fits``)."""
-    from ..cost import check_fits
+    from ..jobs.cost import check_fits
 
     print(cost.line(), file=sys.stderr, flush=True)
     check_fits(cost, device, force)
@@ -202,7 +202,7 @@ def announce_layer_by_layer(
     passes (``cost.estimate_inference``), but in memory one decoder layer (weights in the load dtype and
     their quantized codes), the embeddings, the calibration hidden states a layer reads and writes, and one
     forward's working memory."""
-    from ..cost import JobCost, estimate_inference, forward_bytes
+    from ..jobs.cost import JobCost, estimate_inference, forward_bytes
 
     try:
         shape = shape_of(args.model)

@@ -73,7 +73,7 @@ def add_arguments(c: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_run_dir(args.out, WRITES, SIGNATURE, args.overwrite, kind="comparison")
-    from ..compare import compare_markdown, compare_schemes, parse_schemes
+    from ..jobs.compare import compare_markdown, compare_schemes, parse_schemes
 
     schemes = parse_schemes(args.schemes)
     device = job_device(args, schemes)

@@ -29,7 +29,7 @@ SIGNATURE = ("report.json", ("healthy", "culprits", "recipe"))
 
 def recipe_name(text: str) -> str:
     """One recipe name."""
-    from ..recipes import TRAINING_RECIPE_NAMES, recipe_from_name
+    from ..numerics.recipes import TRAINING_RECIPE_NAMES, recipe_from_name
 
     try:
         recipe_from_name(text)
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     out = check_run_dir(args.out, WRITES, SIGNATURE, args.overwrite, kind="doctor report")
     from ..data import load_corpus
     from ..debug import doctor
-    from ..recipes import recipe_from_name
+    from ..numerics.recipes import recipe_from_name
     from ..train.loop import TrainConfig, build_base
 
     recipe = recipe_from_name(args.recipe)
@@ -136,12 +136,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _announce_cost(args: argparse.Namespace, device) -> None:
     """Two copies (BF16 and FP8) trained side by side, ``--apply``: twice; ``--noise-floor``: one more BF16 run."""
-    from ..cost import estimate_training
+    from ..jobs.cost import estimate_training
 
     shape = shape_of(args.model, args.arch, args.model_size, args.seq_len)
     tokens = args.batch_size * args.seq_len
     runs = ["bf16 + fp8"] + (["apply fix"] if args.apply else [])
-    from ..estimate import current_rates, doctor_rates, step_model
+    from ..jobs.estimate import current_rates, doctor_rates, step_model
 
     rates = current_rates(device, [args.recipe])
     cost = estimate_training("doctor", shape, device, runs, 2 * args.steps, tokens, tokens, rates=rates)

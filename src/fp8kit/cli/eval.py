@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
                 f"no fp8kit checkpoint in {where}: run `fp8kit train` first, or give --checkpoint "
                 f"(a run's ckpt/<run> folder) or --model {'|'.join(PRETRAINED_MODELS)}|DIR"
             )
-    from ..train.evaluate import evaluate_checkpoint, evaluate_pretrained
+    from ..jobs.evaluate import evaluate_checkpoint, evaluate_pretrained
 
     device = job_device(args)
     if args.model is not None:

@@ -152,9 +152,9 @@ def run(args: argparse.Namespace) -> int:
     if source is not None:
         return _run_sequential(args, source, settings, device)
     if args.scheme == "fp8-block":  # no calibration: 128x128 weight tiles, dynamic activations
-        from ..device import work_dtype
         from ..export import quantize_block
-        from ..train.reload import load_model
+        from ..jobs.loading import load_model
+        from ..runtime.device import work_dtype
 
         announce_inference(args, "quantize", device, {}, 0)
         model, tokenizer = load_model(args.model, work_dtype(device), device)
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{model.ptq_report}\nwrote the {args.format} export to {out}")
         print_device_peak(device)
         return 0
-    from ..compare import quantize_pretrained
+    from ..jobs.compare import quantize_pretrained
 
     announce_ptq(args, device, args.scheme)
     model, tokenizer, corpus = quantize_pretrained(
@@ -191,8 +191,8 @@ def run(args: argparse.Namespace) -> int:
 def _sequential_source(args: argparse.Namespace, settings: dict) -> Path | None:
     """The folder to quantize layer by layer, or ``None`` (GGUF/train checkpoints, or options that need the
     whole model: one line says so, with what the full load takes)."""
-    from ..pretrained_ptq import full_load_line, ptq_settings, quantizable_layers, sequential_source
-    from ..ptq.sequential import needs_full_load, skeleton
+    from ..jobs.layerwise import needs_full_load, skeleton
+    from ..jobs.quantize import full_load_line, ptq_settings, quantizable_layers, sequential_source
 
     source = sequential_source(args.model)
     if source is None or args.scheme == "fp8-block":
@@ -207,7 +207,7 @@ def _sequential_source(args: argparse.Namespace, settings: dict) -> Path | None:
 
 def _run_sequential(args: argparse.Namespace, source: Path, settings: dict, device) -> int:
     """Layer by layer: each decoder layer onloaded to ``device`` in turn, the export written as it goes."""
-    from ..pretrained_ptq import quantize_pretrained_sequential
+    from ..jobs.quantize import quantize_pretrained_sequential
 
     if args.scheme == "fp8-block":
         passes: dict[str, int] = {}
@@ -240,11 +240,11 @@ def _run_sequential(args: argparse.Namespace, source: Path, settings: dict, devi
 def _run_auto(args: argparse.Namespace) -> int:
     """A scheme per layer (``ptq.quantize(..., "auto")``) on the whole model, its plan printed and the export
     written, each layer in its scheme (a mix: one compressed-tensors config group per scheme)."""
-    from ..device import work_dtype
     from ..export import check_export_dir, save_pretrained
-    from ..pretrained_ptq import calibration_loop, load_splits
+    from ..jobs.loading import load_model
+    from ..jobs.quantize import calibration_loop, load_splits
     from ..ptq import quantize
-    from ..train.reload import load_model
+    from ..runtime.device import work_dtype
 
     given = [
         f"--{k.replace('_', '-')}"

@@ -63,7 +63,7 @@ EXTENDABLE = ("steps", "eval_interval", "ckpt_interval")
 
 def recipe_list(text: str) -> str:
     """``all``, ``auto`` or a comma list of recipe names."""
-    from ..recipes import TRAINING_RECIPE_NAMES, recipe_from_name
+    from ..numerics.recipes import TRAINING_RECIPE_NAMES, recipe_from_name
 
     names = [s.strip() for s in text.split(",") if s.strip()]
     if text.strip().lower() == "all":
@@ -374,8 +374,8 @@ def _check_export(cfg: TrainConfig, export_format: str) -> None:
 
 def _announce_cost(cfg: TrainConfig, force: bool) -> None:
     """Parameters, peak memory per process and time per run, before anything is loaded."""
-    from ..cost import estimate_training
-    from ..device import resolve_device
+    from ..jobs.cost import estimate_training
+    from ..runtime.device import resolve_device
     from ..train.checks import fixed_recipes
     from ..train.loop import run_names
 
@@ -396,8 +396,8 @@ def _announce_cost(cfg: TrainConfig, force: bool) -> None:
 
 def _rates(device, runs: list[str]):
     """The device's measured rates (``estimate.current_rates``), with the per-call cost of each recipe run."""
-    from ..estimate import current_rates
-    from ..recipes import recipe_from_name
+    from ..jobs.estimate import current_rates
+    from ..numerics.recipes import recipe_from_name
 
     recipes = []
     for run in runs:

@@ -3,7 +3,7 @@
 The recipe (``ptq_settings``: calibration, SmoothQuant, GPTQ/AWQ, layers kept in BF16, norm tweaking per
 scheme, BENCHMARKS.md), the calibration batches (``calibration_loop`` over the calibration split of the
 shipped corpus or a user's text, never the dev or test split) and ``quantize_pretrained``, which ties
-them to the model loader. ``fp8kit.compare`` scores what this makes.
+them to the model loader. ``fp8kit.jobs.compare`` scores what this makes.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .data import PTQSplits, load_ids, ptq_splits, reference_text, windows
-from .data.splits import available_windows
-from .evaluation import model_device
-from .ptq.quantize import quantize
-from .ptq.schemes import PTQ_SCHEMES
+from ..data import PTQSplits, load_ids, ptq_splits, reference_text, windows
+from ..data.evaluation import model_device
+from ..data.splits import available_windows
+from ..ptq.quantize import quantize
+from ..ptq.schemes import PTQ_SCHEMES
 
 __all__ = [
     "DEFAULT_KEEP_BF16",
@@ -42,7 +42,7 @@ __all__ = [
 
 def _quantizable(model: nn.Module) -> list[nn.Linear]:
     """The Linear layers ``quantize`` quantizes by default (the output head excluded)."""
-    from .nn.convert import is_output_head
+    from ..nn.convert import is_output_head
 
     head = is_output_head(model)
     return [m for n, m in model.named_modules() if type(m) is nn.Linear and not head(n, m)]
@@ -171,8 +171,8 @@ def quantize_pretrained(
     (``+kv`` suffix: FP8 KV cache), calibrating on the calibration split of the corpus (or ``text``).
     ``None`` settings take the scheme's dev-chosen defaults (``ptq_settings``). The model loads on ``device``
     (BF16 on a GPU, FP32 on the CPU: ``device.work_dtype``); ``progress`` as ``ptq.quantize``'s."""
-    from .device import work_dtype
-    from .train.reload import load_model
+    from ..runtime.device import work_dtype
+    from .loading import load_model
 
     del seed  # the calibration windows are fixed (evenly spaced over the calibration split)
     device = torch.device(device)
@@ -191,9 +191,9 @@ def sequential_source(model_name: str) -> Path | None:
     ``fp8kit train`` checkpoint), else ``None``."""
     import json
 
-    from .export.fp4_checkpoints import fp4_layout
-    from .models.pretrained import pretrained_dir
-    from .train.reload import train_checkpoint
+    from ..export.fp4_checkpoints import fp4_layout
+    from ..models.pretrained import pretrained_dir
+    from .loading import train_checkpoint
 
     if train_checkpoint(Path(model_name)) is not None:
         return None
@@ -206,7 +206,7 @@ def sequential_source(model_name: str) -> Path | None:
 def full_load_line(path: Path, options: list[str]) -> str:
     """One line before a run that ``options`` (``keep_bf16``, ``norm_tweak``) make load the whole model: what
     it takes, and how to quantize layer by layer instead."""
-    from .ptq.sequential import skeleton
+    from .layerwise import skeleton
 
     params = sum(p.numel() for p in skeleton(path).parameters())
     flags = " ".join(f"--{o.replace('_', '-')} 0" for o in options)
@@ -236,9 +236,9 @@ def quantize_pretrained_sequential(
     arguments; ``keep_bf16`` and ``norm_tweak`` must be 0; ``propagate`` as ``ptq.sequential.quantize_checkpoint``;
     ``block``: ``fp8-block``'s tile edge (default: the largest every reader of ``format`` loads).
     Returns the export, its report and the corpus."""
-    from .models.folder import load_tokenizer
-    from .models.pretrained import HFTokenizer
-    from .ptq.sequential import decoder_layers, quantize_checkpoint, skeleton
+    from ..models.folder import load_tokenizer
+    from ..models.pretrained import HFTokenizer
+    from .layerwise import decoder_layers, quantize_checkpoint, skeleton
 
     tokenizer = HFTokenizer(load_tokenizer(path))
     splits = load_splits(text, tokenizer, second_text=False)[0]
