@@ -10,6 +10,7 @@ import pytest
 import fp8kit.debug
 import fp8kit.jobs.compare
 import fp8kit.jobs.evaluate
+import fp8kit.jobs.quantize
 import fp8kit.models.pretrained
 import fp8kit.train
 import fp8kit.train.loop
@@ -22,6 +23,7 @@ WORK = [
     (fp8kit.jobs.evaluate, "evaluate_pretrained"),
     (fp8kit.models.pretrained, "load_pretrained_lm"),
     (fp8kit.jobs.compare, "quantize_pretrained"),
+    (fp8kit.jobs.quantize, "quantize_pretrained"),
     (fp8kit.jobs.compare, "compare_schemes"),
     (fp8kit.debug, "doctor"),
 ]

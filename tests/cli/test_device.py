@@ -12,6 +12,7 @@ import fp8kit.debug
 import fp8kit.jobs.compare
 import fp8kit.jobs.cost
 import fp8kit.jobs.evaluate
+import fp8kit.jobs.quantize
 import fp8kit.models.pretrained
 import fp8kit.train
 import fp8kit.train.loop
@@ -26,6 +27,7 @@ LOADERS = {
     fp8kit.jobs.evaluate: ("evaluate_checkpoint", "evaluate_pretrained"),
     fp8kit.models.pretrained: ("load_pretrained_lm",),
     fp8kit.jobs.compare: ("quantize_pretrained", "compare_schemes"),
+    fp8kit.jobs.quantize: ("quantize_pretrained",),
     fp8kit.debug: ("doctor",),
 }
 

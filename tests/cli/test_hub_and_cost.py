@@ -10,6 +10,7 @@ import torch
 
 import fp8kit.jobs.compare
 import fp8kit.jobs.cost
+import fp8kit.jobs.quantize
 import fp8kit.models.pretrained
 import fp8kit.train
 from fp8kit.cli import main
@@ -92,7 +93,7 @@ def test_cli_offline_miss_is_one_line_exit_2_before_loading(hub_cache, monkeypat
     for module, name in [
         (fp8kit.models.pretrained, "load_pretrained_lm"),
         (fp8kit.train, "run_comparison"),
-        (fp8kit.jobs.compare, "quantize_pretrained"),
+        (fp8kit.jobs.quantize, "quantize_pretrained"),
         (fp8kit.jobs.compare, "compare_schemes"),
     ]:
         monkeypatch.setattr(module, name, never)
@@ -150,7 +151,7 @@ def test_a_job_that_will_not_fit_ends_before_loading(tiny_llama, monkeypatch, ca
         raise Started
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(fp8kit.jobs.compare, "quantize_pretrained", started)
+    monkeypatch.setattr(fp8kit.jobs.quantize, "quantize_pretrained", started)
     monkeypatch.setattr(fp8kit.train, "run_comparison", started)
     monkeypatch.setattr(fp8kit.jobs.cost, "available_bytes", lambda device: 1000)
     monkeypatch.setattr(fp8kit.jobs.cost, "device_flops", lambda device, dtype=None: 1e3)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..jobs.announce import UnknownSize, announce, print_device_peak, shape_of
 from ._common import UsageError
-from ._job import UnknownSize, announce, print_device_peak, shape_of
 
 QAD_BATCH, QAD_SEQ = 4, 128  # tokens per distillation step: one calibration batch
 

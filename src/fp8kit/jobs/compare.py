@@ -468,3 +468,15 @@ def _write_compare(out: Path, result: dict[str, Any]) -> None:
     fig.tight_layout()
     fig.savefig(out / "compare.png", dpi=110)
     plt.close(fig)
+
+
+def announce_cost(args: Any, device: torch.device, schemes: list[str]) -> None:
+    """The cost line of a comparison of ``schemes`` (``args``: the command's options): the BF16 model and one quantized copy at a time; per scheme its PTQ passes over the calibration data,
+    then every model's held-out windows on two texts (in units of calibration passes)."""
+    from .announce import announce_inference, ptq_passes
+
+    calib_tokens = args.calib_batches * 4 * 128
+    per_scheme = sum(ptq_passes(args.calib_batches, args.gptq, args.awq, args.norm_tweak).values())
+    passes = {f"{s} ptq": per_scheme for s in schemes}
+    passes["eval"] = max(1, (len(schemes) + 1) * 2 * args.windows * args.seq_len // calib_tokens)
+    announce_inference(args, "compare", device, passes, calib_tokens, 8 * args.seq_len, copies=2)

@@ -8,9 +8,17 @@ from typing import Any
 
 import torch
 
-from ..train.checkpoint import CheckpointError
+from ..train.checkpoint import CheckpointError, latest_checkpoint
 
-__all__ = ["CheckpointError", "TrainRun", "load_model", "load_train_checkpoint", "rebuild_run", "train_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "TrainRun",
+    "train_runs",
+    "load_model",
+    "load_train_checkpoint",
+    "rebuild_run",
+    "train_checkpoint",
+]
 
 
 def load_model(
@@ -40,6 +48,14 @@ def train_checkpoint(path: Path) -> Path | None:
     if found is None and (path / "model.safetensors").is_file() and not (path / "config.json").is_file():
         found = path
     return found
+
+
+def train_runs(path: Path) -> list[Path]:
+    """``ckpt/<run>`` folders to evaluate: ``path`` itself, or every run of a ``fp8kit train`` folder."""
+    if latest_checkpoint(path) is not None or (path / "model.safetensors").is_file():
+        return [path]
+    runs = sorted(p for p in (path / "ckpt").glob("*") if p.is_dir()) if (path / "ckpt").is_dir() else []
+    return [r for r in runs if latest_checkpoint(r) is not None]
 
 
 def load_train_checkpoint(path: Path, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, Any]:

@@ -21,6 +21,15 @@ from ..data.evaluation import model_device
 from ..data.splits import available_windows
 from ..ptq.quantize import quantize
 from ..ptq.schemes import PTQ_SCHEMES
+from .announce import (
+    UnknownSize,
+    announce,
+    announce_inference,
+    announce_layer_by_layer,
+    print_device_peak,
+    ptq_passes,
+    shape_of,
+)
 
 __all__ = [
     "DEFAULT_KEEP_BF16",
@@ -280,3 +289,158 @@ def settings_text(kw: dict[str, Any]) -> str:
     if kw.get("norm_tweak"):
         parts.append(f"norm tweaking {kw['norm_tweak']} steps")
     return "; ".join(parts)
+
+
+# ---- the cost line of `fp8kit quantize` (``args``: its options) ----
+def ptq_cost_phases(args: Any, device: torch.device, scheme: str) -> dict[str, float]:
+    """Seconds of each PTQ step that will run for ``scheme`` with the parsed options (the scheme's defaults
+    filled in by ``ptq_settings``) and of the export (``estimate.ptq_phases``), after the load."""
+    from .estimate import current_rates, load_seconds, ptq_phases
+
+    shape = shape_of(args.model)
+    rates = current_rates(device)
+    settings = ptq_settings(
+        scheme, args.calibration, args.alpha, args.smooth, args.gptq, args.awq, args.keep_bf16,
+        sum(1 for d in shape.gemms if d[1] != shape.vocab) or 210, args.norm_tweak,
+    )  # fmt: skip
+    return {"load": load_seconds(shape, rates)} | ptq_phases(shape, scheme, settings, args.calib_batches, rates)
+
+
+def announce_ptq(args: Any, device: torch.device, scheme: str) -> None:
+    """The cost line of ``quantize`` on the whole model: each PTQ step that runs for ``scheme``, priced."""
+    from .cost import estimate_inference
+
+    try:
+        shape = shape_of(args.model)
+        phases = ptq_cost_phases(args, device, scheme)
+    except UnknownSize as err:
+        print(f"fp8kit quantize: cost unknown ({err})", file=sys.stderr)
+        return
+    cost = estimate_inference("quantize", shape, device, {}, 0, 4 * 128, phases=phases)
+    announce(cost, device, args.force)
+
+
+# ---- the runs of `fp8kit quantize` (``args``: its options): block FP8, whole model, layer by layer, auto ----
+def run_block(args: Any, device: torch.device) -> int:
+    """``--scheme fp8-block``: no calibration; the weights in tiles, dynamic activations; the export written."""
+    from ..export import quantize_block, save_pretrained
+    from ..runtime.device import work_dtype
+    from .loading import load_model
+
+    announce_inference(args, "quantize", device, {}, 0)
+    model, tokenizer = load_model(args.model, work_dtype(device), device)
+    try:
+        model = quantize_block(model, block=args.block, format=args.format)
+    except ValueError as err:  # a reader of --format cannot load a layer: nothing is quantized or written
+        raise ValueError(f"--format {args.format}: {err}") from None
+    out = save_pretrained(
+        model,
+        args.out,
+        tokenizer,
+        format=args.format,
+        overwrite=args.overwrite,
+        max_shard_size=args.max_shard_size,
+    )
+    print(f"{model.ptq_report}\nwrote the {args.format} export to {out}")
+    print_device_peak(device)
+    return 0
+
+
+def run_whole(args: Any, device: torch.device, settings: dict[str, Any]) -> int:
+    """The whole model loaded, calibrated and quantized with ``settings`` (``ptq_settings``), then written."""
+    from ..export import save_pretrained
+
+    announce_ptq(args, device, args.scheme)
+    model, tokenizer, corpus = quantize_pretrained(
+        args.model, args.scheme, text=args.text, device=device, progress=True, **settings
+    )
+    out = save_pretrained(
+        model, args.out, tokenizer, format=args.format, overwrite=args.overwrite, max_shard_size=args.max_shard_size
+    )
+    print(model.ptq_report)
+    print(f"calibrated on {corpus.name}; wrote the {args.format} export to {out} (vLLM: LLM(model={str(out)!r}))")
+    print_device_peak(device)
+    return 0
+
+
+def layerwise_source(args: Any, settings: dict[str, Any]) -> Path | None:
+    """The folder to quantize layer by layer, or ``None`` (GGUF/train checkpoints, or options that need the
+    whole model: one line says so, with what the full load takes)."""
+    from .layerwise import needs_full_load, skeleton
+
+    source = sequential_source(args.model)
+    if source is None or args.scheme == "fp8-block":
+        return source
+    defaults = {k: v for k, v in settings.items() if k != "calib_batches"}
+    full = needs_full_load(ptq_settings(args.scheme, **defaults, n_layers=quantizable_layers(skeleton(source))))
+    if full:
+        print(full_load_line(source, full), flush=True)
+        return None
+    return source
+
+
+def run_layerwise(args: Any, source: Path, settings: dict[str, Any], device: torch.device) -> int:
+    """Layer by layer: each decoder layer onloaded to ``device`` in turn, the export written as it goes."""
+    if args.scheme == "fp8-block":
+        passes: dict[str, int] = {}
+    else:
+        passes = ptq_passes(args.calib_batches, args.gptq, args.awq, 0)
+    phases = None if args.scheme == "fp8-block" else ptq_cost_phases(args, device, args.scheme)
+    announce_layer_by_layer(args, device, passes, args.calib_batches * 4 * 128, phases)
+
+    out, report, corpus = quantize_pretrained_sequential(  # fp8-block: the tile check runs before any layer is read
+        source,
+        args.scheme,
+        args.out,
+        format=args.format,
+        text=args.text,
+        overwrite=args.overwrite,
+        max_shard_size=args.max_shard_size,
+        device=device,
+        progress=True,
+        propagate=args.propagate,
+        block=args.block,
+        **settings,
+    )
+    print(report)
+    where = "" if args.scheme == "fp8-block" else f"calibrated on {corpus.name}; "
+    print(f"quantized layer by layer; {where}wrote the {args.format} export to {out} (vLLM: LLM(model={str(out)!r}))")
+    print_device_peak(device)
+    return 0
+
+
+def run_auto(args: Any, device: torch.device) -> int:
+    """A scheme per layer (``ptq.quantize(..., "auto")``) on the whole model, its plan printed and the export
+    written, each layer in its scheme (a mix: one compressed-tensors config group per scheme)."""
+    from ..export import save_pretrained
+    from ..ptq import quantize as quantize_model
+    from ..runtime.device import work_dtype
+    from .loading import load_model
+
+    candidates = None if args.candidates is None else [c for c in args.candidates.split(",") if c.strip()]
+    print("--scheme auto scores every layer in one pass with gradients: the whole model is loaded", flush=True)
+    passes = ptq_passes(args.calib_batches, args.gptq, False, 0) | {"score": 3}
+    announce_inference(args, "quantize", device, passes, args.calib_batches * 4 * 128)
+    model, tokenizer = load_model(args.model, work_dtype(device), device)
+    model.eval()
+    splits = load_splits(args.text, tokenizer, second_text=False)[0]
+    loop = calibration_loop(splits, args.calib_batches)
+    quantize_model(
+        model, "auto", loop, budget=args.budget, candidates=candidates, calibration=args.calibration or "max",
+        gptq=args.gptq, progress=True,
+    )  # fmt: skip
+    report = model.ptq_report
+    print(report)
+    if not report.schemes:
+        raise ValueError(f"the plan keeps every layer in BF16 ({args.budget:g} bits allow it): give a lower --budget")
+    try:
+        out = save_pretrained(
+            model, args.out, tokenizer, format=args.format, overwrite=args.overwrite, max_shard_size=args.max_shard_size
+        )
+    except ValueError as err:
+        raise ValueError(f"--format: {err}") from None
+    counts = report.plan.counts()
+    layers = ", ".join(f"{c} {k}" for c, k in counts.items())
+    print(f"calibrated on {splits.name}; wrote the {args.format} export (layers: {layers}) to {out}")
+    print_device_peak(device)
+    return 0
