@@ -379,7 +379,7 @@ def ptq_phases(
     tokens_per_batch: int = 4 * 128,
     export: bool = True,
 ) -> dict[str, float]:
-    """Seconds of each step ``ptq.quantize`` will run for ``scheme`` with ``settings`` (``pretrained_ptq.
+    """Seconds of each step ``ptq.quantize`` will run for ``scheme`` with ``settings`` (``jobs.quantize.
     ptq_settings``' keywords), decided by the pipeline's own rule (``PIPELINE``'s ``runs``), and of the export."""
     from ..ptq.awq import AWQ_GRID
     from ..ptq.calibrate import MSE_GRID
