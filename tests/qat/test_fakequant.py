@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8kit.formats import E2M1
+from fp8kit.numerics.formats import E2M1
+from fp8kit.numerics.tensor import quantize
 from fp8kit.qat.fakequant import nvfp4_fake_quant
-from fp8kit.tensor import quantize
 
 
 def _reference(x: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:

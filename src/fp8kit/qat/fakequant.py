@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..scaling import nvfp4_scales
+from ..numerics.scaling import nvfp4_scales
 
 __all__ = ["NVFP4_BLOCK", "nvfp4_fake_quant"]
 

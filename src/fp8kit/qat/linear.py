@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..numerics.scaling import compute_scale, dequant_scale, nvfp4_tensor_scale
+from ..numerics.tensor import quantize as fp8_quantize
 from ..ptq.schemes import Scheme, get_scheme
-from ..scaling import compute_scale, dequant_scale, nvfp4_tensor_scale
-from ..tensor import quantize as fp8_quantize
 from .fakequant import nvfp4_fake_quant
 
 __all__ = ["SCALE_RANGE", "QATLinear", "group_weight_scale"]
