@@ -22,7 +22,7 @@ SHAPE = ModelShape(100_000, 400_000, HIDDEN, LAYERS, VOCAB, GEMMS * LAYERS + ((H
 def rates(**call: float) -> Rates:
     gpu = GPU("cpu", 1e10, 1e10, 1e10, (0, 0), emulated_flops=5e9, cast_bytes_per_s=1e9,
               dequant_bytes_per_s=2e9, tile_dequant_bytes_per_s=1e8, matmul_call_s=1e-5, cast_call_s=2e-5)  # fmt: skip
-    return Rates(gpu, 1e9, dict(call))
+    return Rates(gpu, 1e9, dict(call), tokenize_bytes_per_s=1e6, import_s=2.0)
 
 
 def phases(scheme: str, calib_batches: int = 4, **options) -> dict[str, float]:
@@ -119,3 +119,25 @@ def test_doctor_cost_grows_with_steps_and_names_its_report(monkeypatch):
     short, long = seen
     assert {"bf16 + fp8", "bf16 one ulp off", "report"} <= set(short.phases)
     assert long.phases["bf16 + fp8"] > short.phases["bf16 + fp8"] > 0
+
+
+def test_a_job_on_an_export_prices_its_tokenizer_and_first_quantized_forward(tmp_path):
+    """Beyond the weights and the forwards: transformers' import, the text encoded with the model's tokenizer and,
+    for a quantized export, the first forward through PTQ's layers (their kernels compile)."""
+    import dataclasses
+    import json
+
+    from fp8kit.jobs.announce import before_the_first_forward
+
+    r = dataclasses.replace(rates(), first_quantized_s=5.0)  # 1 MB/s tokenizer
+    export, plain = tmp_path / "q", tmp_path / "p"
+    for folder, config in ((export, {"quantization_config": {"quant_method": "compressed-tensors"}}), (plain, {})):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+    text = tmp_path / "t.txt"
+    text.write_text("x" * 2_000_000)
+    got = before_the_first_forward(str(export), str(text), r)
+    assert got["compile"] == 5.0 and got["tokenize"] == pytest.approx(2.0) and "import" in got
+    assert "compile" not in before_the_first_forward(str(plain), str(text), r)
+    assert before_the_first_forward(str(plain), str(text), r, quantized_forward=True)["compile"] == 5.0
+    assert before_the_first_forward("demo", None, r) == {}

@@ -81,8 +81,12 @@ def announce_inference(
     micro_tokens: int = 4 * 128,
     copies: float = 1.0,
     quantized: bool = True,
+    second_text: bool = False,
+    quantized_forward: bool | None = None,
 ) -> None:
-    """The cost line of a job that loads ``--model`` and runs forward passes (``cost.estimate_inference``)."""
+    """The cost line of a job that loads ``--model`` and runs forward passes (``cost.estimate_inference``);
+    ``second_text``: the job encodes the second text too; ``quantized_forward``: it runs PTQ's layers (default:
+    ``--model`` is a quantized export)."""
     from .cost import estimate_inference
 
     try:
@@ -95,10 +99,51 @@ def announce_inference(
     rates = current_rates(device)
     one_pass = forward_seconds(shape, tokens_per_pass, rates)
     phases = {"load": copies * load_seconds(shape, rates)} | {k: p * one_pass for k, p in passes.items()}
+    text = getattr(args, "text", None)
+    phases = before_the_first_forward(args.model, text, rates, second_text, quantized_forward) | phases
     cost = estimate_inference(
         what, shape, device, passes, tokens_per_pass, micro_tokens, copies, quantized=quantized, phases=phases
     )
     announce(cost, device, args.force)
+
+
+def before_the_first_forward(
+    spec: str, text: str | None, rates: Any, second_text: bool = False, quantized_forward: bool | None = None
+) -> dict[str, float]:
+    """What a job on the pretrained model ``spec`` spends besides reading its weights and its forward passes:
+    importing transformers' model classes (``import``; nothing when this process has them already), encoding
+    the text (``--text`` or the shipped corpus; with ``second_text`` the second text too) with the model's
+    Hugging Face tokenizer (``tokenize``), and with ``quantized_forward`` (default: ``spec`` is a quantized
+    export) the first forward through PTQ's layers, whose kernels compile (``compile``). A train run's model and
+    byte tokenizer need neither import nor tokenizer."""
+    if quantized_forward is None:
+        quantized_forward = _is_quantized_export(spec)
+    first = {"compile": rates.first_quantized_s} if quantized_forward and rates.first_quantized_s else {}
+    from ..data.corpus import kjv_text
+    from ..data.splits import reference_text
+    from .estimate import tokenize_seconds
+    from .loading import train_checkpoint
+
+    if spec == "demo" or train_checkpoint(Path(spec)) is not None:
+        return first
+    try:  # a missing text fails the job itself, with its own message
+        size = Path(text).stat().st_size if text else len(kjv_text().encode())
+        size += len(reference_text().encode()) if second_text else 0
+    except OSError:
+        size = 0
+    loaded = "transformers.models.auto.modeling_auto" in sys.modules
+    return {"import": 0.0 if loaded else rates.import_s, "tokenize": tokenize_seconds(size, rates)} | first
+
+
+def _is_quantized_export(spec: str) -> bool:
+    """Whether the folder ``spec`` holds a quantized checkpoint (a ``quantization_config`` in its config)."""
+    import json
+
+    try:
+        config = json.loads((Path(spec) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("quantization_config"), dict)
 
 
 def ptq_passes(calib_batches: int, gptq: bool, awq: bool, norm_tweak: int | None) -> dict[str, int]:

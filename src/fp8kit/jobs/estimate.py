@@ -70,6 +70,9 @@ class Rates:
     step_scale: dict[str, float] = field(default_factory=dict)  # the same for a training step, per recipe
     figure_s: float = 0.0  # one report figure rendered and written (matplotlib)
     doctor: dict[str, tuple[float, float]] = field(default_factory=dict)  # recipe -> (step scale, fixed seconds)
+    tokenize_bytes_per_s: float = 0.0  # a Hugging Face fast tokenizer encoding text (0: not measured)
+    import_s: float = 0.0  # importing transformers' model classes in a fresh process
+    first_quantized_s: float = 0.0  # a process's first forward through PTQ's layers (their kernels compile)
 
     def layer_call_s(self, recipe: str) -> float:
         """Fixed seconds per Linear and training step with ``recipe``: measured, else the roofline's
@@ -124,6 +127,14 @@ def current_rates(device: torch.device, recipes: list[str] | tuple[str, ...] = (
     if rates is None:
         print(f"fp8kit: measuring this machine's rates for the estimates, once (cached in {path})", file=sys.stderr)
         rates = _measure(device)
+    if not rates.tokenize_bytes_per_s:  # a cache written before these were measured
+        rates = replace(
+            rates,
+            tokenize_bytes_per_s=_tokenize_rate(),
+            import_s=_import_seconds(),
+            first_quantized_s=_first_quantized_seconds(),
+        )
+        _MEMO.pop(str(path), None)
     missing = [r for r in recipes if r not in rates.step_scale and device.type == "cpu"]
     if missing or str(path) not in _MEMO:
         if missing:
@@ -147,7 +158,13 @@ def _measure(device: torch.device) -> Rates:
         dst = torch.empty_like(src)
         roofline = GPU("cuda", flops, flops, 2 * src.numel() * 4 / _timed(lambda: dst.copy_(src), device), (0, 0),
                        matmul_call_s=_timed(lambda: dst[:16].add_(1), device))  # fmt: skip
-    rates = Rates(roofline, _load_rate())
+    rates = Rates(
+        roofline,
+        _load_rate(),
+        tokenize_bytes_per_s=_tokenize_rate(),
+        import_s=_import_seconds(),
+        first_quantized_s=_first_quantized_seconds(),
+    )
     if device.type != "cpu":
         return rates
     rates = replace(rates, forward_scale=_forward_scale(rates), figure_s=_figure_seconds())
@@ -249,6 +266,67 @@ def _figure_seconds() -> float:
         return time.perf_counter() - t0
 
 
+def _tokenize_rate() -> float:
+    """Bytes/s of a Hugging Face fast tokenizer (``ByteTokenizer``'s byte-level one, as ``save_pretrained``
+    writes it) encoding 256 KiB of text; 0 when ``tokenizers`` is missing."""
+    try:
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+    except ImportError:
+        return 0.0
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    text = ("In the beginning God created the heaven and the earth. " * 5000)[: 256 * 1024]
+    seconds = _timed(lambda: tok.encode(text), torch.device("cpu"), reps=2)
+    return len(text.encode()) / seconds
+
+
+def _in_a_fresh_process(code: str) -> float:
+    """Seconds ``python -c code`` takes; 0 when it cannot run."""
+    import subprocess
+
+    t0 = time.perf_counter()
+    try:
+        subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0.0
+    return time.perf_counter() - t0
+
+
+def _import_seconds() -> float:
+    """Seconds a fresh process takes to import transformers' causal-LM classes beyond ``import torch``."""
+    base = _in_a_fresh_process("import torch")
+    full = _in_a_fresh_process("import torch, transformers; from transformers import AutoModelForCausalLM")
+    return max(full - base, 0.0) if base and full else 0.0
+
+
+_FIRST_QUANTIZED = """
+import time, torch
+from fp8kit import ptq
+model = ptq.quantize(torch.nn.Sequential(torch.nn.Linear(64, 64)), "fp8-dynamic")
+x = torch.randn(8, 64)
+with torch.no_grad():
+    t0 = time.perf_counter(); model(x); first = time.perf_counter() - t0
+    t0 = time.perf_counter(); model(x); again = time.perf_counter() - t0
+print(first - again)
+"""
+
+
+def _first_quantized_seconds() -> float:
+    """The fixed seconds of a process's first forward through a PTQ layer (its kernels compiled, or read from
+    the compiler's cache) beyond a later forward, measured in a fresh process; 0 when it cannot run."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _FIRST_QUANTIZED], capture_output=True, text=True, timeout=600, check=True
+        )
+        return max(float(out.stdout.split()[-1]), 0.0)
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return 0.0
+
+
 def _timed(fn: Any, device: torch.device, reps: int = 5) -> float:
     fn()
     best = float("inf")
@@ -291,6 +369,11 @@ def _gemms(shape: ModelShape) -> tuple[tuple[int, int], ...]:
 
 def _is_head(shape: ModelShape, dims: tuple[int, int]) -> bool:
     return shape.vocab > 0 and dims[1] == shape.vocab
+
+
+def tokenize_seconds(text_bytes: int, rates: Rates) -> float:
+    """Encoding ``text_bytes`` of text with a Hugging Face tokenizer at the measured rate."""
+    return text_bytes / rates.tokenize_bytes_per_s if rates.tokenize_bytes_per_s > 0 else 0.0
 
 
 def load_seconds(shape: ModelShape, rates: Rates) -> float:

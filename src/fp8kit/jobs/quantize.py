@@ -26,6 +26,7 @@ from .announce import (
     announce,
     announce_inference,
     announce_layer_by_layer,
+    before_the_first_forward,
     print_device_peak,
     ptq_passes,
     shape_of,
@@ -303,7 +304,12 @@ def ptq_cost_phases(args: Any, device: torch.device, scheme: str) -> dict[str, f
         scheme, args.calibration, args.alpha, args.smooth, args.gptq, args.awq, args.keep_bf16,
         sum(1 for d in shape.gemms if d[1] != shape.vocab) or 210, args.norm_tweak,
     )  # fmt: skip
-    return {"load": load_seconds(shape, rates)} | ptq_phases(shape, scheme, settings, args.calib_batches, rates)
+    steps = ptq_phases(shape, scheme, settings, args.calib_batches, rates)
+    quantized_forward = "rank" in steps or "norm tweak" in steps  # passes over the quantized model
+    before = before_the_first_forward(
+        args.model, getattr(args, "text", None), rates, quantized_forward=quantized_forward
+    )
+    return before | {"load": load_seconds(shape, rates)} | steps
 
 
 def announce_ptq(args: Any, device: torch.device, scheme: str) -> None:
