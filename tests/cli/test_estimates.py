@@ -122,22 +122,49 @@ def test_doctor_cost_grows_with_steps_and_names_its_report(monkeypatch):
 
 
 def test_a_job_on_an_export_prices_its_tokenizer_and_first_quantized_forward(tmp_path):
-    """Beyond the weights and the forwards: transformers' import, the text encoded with the model's tokenizer and,
-    for a quantized export, the first forward through PTQ's layers (their kernels compile)."""
+    """Beyond the weights and the forwards: transformers' import, the text encoded with the model's tokenizer
+    (sampled: a byte-level one makes a token per byte) and, for a quantized export, the first forward through
+    PTQ's layers (their kernels compile); the process's memory with them."""
     import dataclasses
     import json
 
-    from fp8kit.jobs.announce import before_the_first_forward
+    from fp8kit.data import ByteTokenizer
+    from fp8kit.jobs.announce import process_cost
 
-    r = dataclasses.replace(rates(), first_quantized_s=5.0)  # 1 MB/s tokenizer
+    r = dataclasses.replace(
+        rates(), first_quantized_s=5.0, tokenize_bytes_per_token=100.0, process_bytes=1000, quantized_process_bytes=3000
+    )
     export, plain = tmp_path / "q", tmp_path / "p"
     for folder, config in ((export, {"quantization_config": {"quant_method": "compressed-tensors"}}), (plain, {})):
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps(config))
     text = tmp_path / "t.txt"
     text.write_text("x" * 2_000_000)
-    got = before_the_first_forward(str(export), str(text), r)
-    assert got["compile"] == 5.0 and got["tokenize"] == pytest.approx(2.0) and "import" in got
-    assert "compile" not in before_the_first_forward(str(plain), str(text), r)
-    assert before_the_first_forward(str(plain), str(text), r, quantized_forward=True)["compile"] == 5.0
-    assert before_the_first_forward("demo", None, r) == {}
+    phases, floor = process_cost(str(export), str(text), r)  # no tokenizer file: as the 1 MB/s byte-level one
+    assert phases["compile"] == 5.0 and phases["tokenize"] == pytest.approx(2.0) and "import" in phases
+    assert floor == 3000 + 100 * 2_000_000
+    phases, floor = process_cost(str(plain), str(text), r)
+    assert "compile" not in phases and floor == 1000 + 100 * 2_000_000
+    assert process_cost(str(plain), str(text), r, quantized_forward=True)[0]["compile"] == 5.0
+    assert process_cost(str(plain), str(text), r, encodes_text=False) == ({"import": phases["import"]}, 1000)
+    assert process_cost("demo", None, r) == ({}, 1000)
+    ByteTokenizer().save_pretrained(plain)  # a tokenizer to sample: its own rate, a token per byte
+    phases, floor = process_cost(str(plain), str(text), r)
+    assert phases["tokenize"] != pytest.approx(2.0) and floor == 1000 + 100 * 2_000_000
+
+
+def test_the_cost_line_counts_the_process_itself_in_the_host_peak(monkeypatch, capsys):
+    import dataclasses
+
+    from fp8kit.jobs.announce import announce
+    from fp8kit.jobs.cost import JobCost
+
+    monkeypatch.setattr(
+        estimate, "current_rates", lambda device, recipes=(): dataclasses.replace(rates(), process_bytes=2**30)
+    )
+    cpu = JobCost("eval", 10**6, "cpu", 2**29)
+    announce(cpu, torch.device("cpu"), force=True)
+    assert cpu.device_bytes == 3 * 2**29 and "peak ~1.50 GiB on cpu" in capsys.readouterr().err
+    gpu = JobCost("eval", 10**6, "cuda:0", 2**29, host_bytes=2**29)
+    announce(gpu, torch.device("cuda", 0), force=True)
+    assert gpu.device_bytes == 2**29 and gpu.host_bytes == 3 * 2**29
