@@ -3,13 +3,14 @@ r"""Quantization-aware distillation (``fp8kit.qat``) of SmolLM2-135M to NVFP4: h
 The teacher is the FP32 model; each scheme's student is ``qat.prepare``d (static scales calibrated on the
 8 x 4 x 128-token KJV calibration batches, as ``benchmarks/ptq_fp4_anchors.py`` does), distilled with
 ``qat.distill`` on further windows of the KJV calibration split (KL to the teacher, AdamW, cosine decay),
-evaluated along the way, then ``qat.convert``ed into PTQ's modules and scored again. Scores are on the
+evaluated along the way, then ``qat.convert``ed into PTQ's modules and scored again. Settings are chosen
+with ``--split dev`` (the dev windows) and reported with the default ``--split test``. Scores are on the
 KJV test split (the FP4 anchors' windows: ``--windows`` x ``--seq-len`` tokens), paired per window with
 BF16 GEMMs as ``fp8kit compare`` does; distillation never reads the test split. Step 0 is round-to-nearest
 PTQ (QAT's forward equals it bit for bit). torchao's NVFP4 QAT (``QATConfig(NVFP4DynamicActivationNVFP4WeightConfig())``,
 W4A4 only) runs in the same script where it runs; where it does not, the error is printed.
 
-    OMP_NUM_THREADS=2 nice -n 10 python benchmarks/qad.py --steps 16 --curve-every 8
+    OMP_NUM_THREADS=2 nice -n 10 python benchmarks/qad.py --steps 48 --curve-every 16 --windows 4
 """
 
 from __future__ import annotations
@@ -73,12 +74,12 @@ def main() -> None:
     p.add_argument("--schemes", default="nvfp4-weight-only,nvfp4")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--curve-every", type=int, default=8, help="score the test windows every N steps (0: ends only)")
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr", type=float, default=qat.QAD_LR)
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--calib-batches", type=int, default=8)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--train-seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=qat.QAD_BATCH_SIZE)
+    p.add_argument("--train-seq", type=int, default=qat.QAD_SEQ_LEN)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--warmup", type=int, default=0)
     p.add_argument(
