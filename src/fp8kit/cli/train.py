@@ -96,6 +96,9 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
 
 def _add_model_options(t: argparse.ArgumentParser) -> None:
     from ..planner.roofline import TARGETS
+    from ._lora import add_lora_argument
+
+    add_lora_argument(t)
 
     t.add_argument(
         "--recipe",
@@ -280,6 +283,10 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.lora:  # adapters on a quantized checkpoint: a job of its own (cli._lora)
+        from ._lora import run_lora
+
+        return run_lora(args)
     cfg = checked_config(args)
     from ..distributed.launch import launch, should_launch, torchrun_worker
 
