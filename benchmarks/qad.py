@@ -10,7 +10,7 @@ BF16 GEMMs as ``fp8kit compare`` does; distillation never reads the test split. 
 PTQ (QAT's forward equals it bit for bit). torchao's NVFP4 QAT (``QATConfig(NVFP4DynamicActivationNVFP4WeightConfig())``,
 W4A4 only) runs in the same script where it runs; where it does not, the error is printed.
 
-    OMP_NUM_THREADS=2 nice -n 10 python benchmarks/qad.py --steps 48 --curve-every 16 --windows 4
+    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/qad.py --steps 96 --curve-every 32 --windows 4
 """
 
 from __future__ import annotations
