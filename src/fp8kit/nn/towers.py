@@ -4,13 +4,14 @@ A ``transformers`` image-text-to-text or speech model holds one language model (
 ``model.language_model`` of Llava, Gemma 3, Qwen2-VL, ``model.text_model`` of Idefics3, ``model.decoder`` of
 Whisper) beside the modules that turn images or audio into its inputs: vision and audio encoders
 (``model.vision_tower``, ``model.visual``, ``model.audio_tower``, Whisper's ``model.encoder``) and projectors
-(``model.multi_modal_projector``, Idefics3's ``model.connector``). A model is multimodal when its config holds a
-text sub-config (``get_text_config()`` is not the config itself) or its first input is not text
-(``main_input_name``: Whisper's ``input_features``). Its towers are the children, holding parameters, of the
-modules on the path from the model to its language model that are off that path, the output head aside. Each
-tower's kind comes from the config: a module whose ``config`` is the model's ``vision_config`` is a vision
-tower, ``audio_config`` (or the whole config of a model whose input is audio) an audio tower, and any other
-a projector.
+(``model.multi_modal_projector``, Idefics3's ``model.connector``). A model is multimodal when it generates text
+(it has output embeddings) and its config holds a text sub-config (``get_text_config()`` is not the config
+itself), or it is an encoder-decoder whose first input is not text (``main_input_name``: Whisper's
+``input_features``); an image or audio classifier and CLIP's dual encoders are not. Its towers are the children,
+holding parameters, of the modules on the path from the model to its language model that are off that path, the
+output head aside. Each tower's kind comes from the config: a module whose ``config`` is the model's
+``vision_config`` is a vision tower, ``audio_config`` (or the whole config of a model whose input is audio) an
+audio tower, and any other a projector.
 
 ``convert`` and ``ptq.quantize`` keep the towers in high precision unless asked (``towers=True``), as
 llm-compressor's and ModelOpt's multimodal recipes do, and the exports list them in ``ignore`` /
@@ -70,7 +71,8 @@ def _is_multimodal(model: nn.Module) -> bool:
     text = _call(config, "get_text_config") if config is not None else None
     if text is not None and text is not config:
         return True
-    return getattr(model, "main_input_name", "input_ids") not in _TEXT_INPUTS
+    encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+    return encoder_decoder and getattr(model, "main_input_name", "input_ids") not in _TEXT_INPUTS
 
 
 def _kind(model: nn.Module, module: nn.Module) -> str:
@@ -91,17 +93,17 @@ def _kind(model: nn.Module, module: nn.Module) -> str:
 
 
 def find_towers(model: nn.Module) -> Towers | None:
-    """The language model and towers of a multimodal ``model`` (module doc), or ``None`` for a text-only model
-    or one whose language model is not a proper submodule."""
-    if not _is_multimodal(model):
-        return None
+    """The language model and towers of a multimodal ``model`` (module doc), or ``None`` for a text-only model, a
+    model with no text output, or one whose language model is not a proper submodule."""
+    head = _call(model, "get_output_embeddings")
+    if not isinstance(head, nn.Module) or not _is_multimodal(model):
+        return None  # no text output (CLIP's dual encoders, classifiers), or a text-only model
     decoder = _call(model, "get_decoder")
     if not isinstance(decoder, nn.Module) or decoder is model:
         return None
     language = next((n for n, m in model.named_modules() if m is decoder and n), None)
     if language is None:
         return None
-    head = _call(model, "get_output_embeddings")
     kinds: dict[str, str] = {}
     parts = language.split(".")
     for depth in range(len(parts)):
