@@ -34,8 +34,8 @@ import torch.nn as nn
 from ..nn.experts import FP8Experts
 from ..nn.linear import Linear as FP8Linear
 from ..nn.routing import gather, permute
-from ..recipes import DelayedScaling, Recipe, recipe_from_name
-from ..tensor import tensor_amax
+from ..numerics.recipes import DelayedScaling, Recipe, recipe_from_name
+from ..numerics.tensor import tensor_amax
 from .stats import ROLES, operand_stats
 from .trends import gate_up_alignment
 

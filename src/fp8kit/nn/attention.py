@@ -39,9 +39,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..formats import E4M3, E5M2, Format
-from ..recipes import CurrentScaling, DelayedScaling
-from ..scaling_state import DelayedScalingState, forgive_missing_fp8_state
+from ..numerics.formats import E4M3, E5M2, Format
+from ..numerics.recipes import CurrentScaling, DelayedScaling
+from ..numerics.scaling_state import DelayedScalingState, forgive_missing_fp8_state
 
 __all__ = [
     "ATTN_NAME",
@@ -629,7 +629,7 @@ def fp8_attention_to_kv_scales(model: nn.Module) -> list[str]:
     (compressed-tensors ``kv_cache_scheme``, ModelOpt ``k_proj.k_scale`` / ``v_proj.v_scale``), and
     ``fp8kit.ptq.kv_cache.enable_fp8_kv(model, "quantize")`` runs them. Returns the blocks' names; raises
     ``ValueError`` where a block recorded no K or V amax (calibrate first: ``calibrate_fp8_attention``)."""
-    from ..scaling import dequant_scale
+    from ..numerics.scaling import dequant_scale
 
     states = attention_states(model)
     if not states:
