@@ -69,6 +69,18 @@ def serving_name(tower: str, name: str) -> str:
     return name[len(tower) - len(tower.rpartition(".")[2]) :]
 
 
+def auto_class(model: nn.Module) -> type:
+    """The Auto class users load ``model``'s type with: image-text-to-text, speech-seq2seq, else the class itself."""
+    from transformers.models.auto import modeling_auto as auto
+
+    model_type = model.config.model_type
+    if model_type in auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return transformers.AutoModelForImageTextToText
+    if model_type in auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES:
+        return transformers.AutoModelForSpeechSeq2Seq
+    return type(model)
+
+
 def tower_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     found = find_towers(model)
     return {k: v for k, v in model.state_dict().items() if found.tower_of(k.rpartition(".")[0])}
@@ -126,7 +138,8 @@ def test_ptq_export_reloads_in_transformers_and_fp8kit_with_the_towers_unquantiz
         assert any(re.match(p, serving_name(tower, name)) for p in patterns), f"{tower}: prefix-bound pattern"
     assert not any(re.match(p, n) for p in patterns for n in report.quantized)
     with torch.no_grad():
-        hf = type(model).from_pretrained(out, dtype=torch.float32).eval()
+        hf = auto_class(model).from_pretrained(out, dtype=torch.float32).eval()
+        assert type(hf) is type(model)
         theirs = hf(**kw).logits
         mine = load_pretrained(out)(**kw).logits
     assert rel(theirs, ours) <= 2 * err + 1e-6, f"transformers' reload: {rel(theirs, ours):.2e} vs PTQ error {err:.2e}"
@@ -189,3 +202,17 @@ def test_models_that_are_not_multimodal_language_models_have_no_towers():
             )
         ]
     assert all(find_towers(m) is None for m in [llama, *others])
+
+
+def test_a_tower_named_like_a_quantized_layer_is_ignored_by_its_full_name():
+    """The prefix-free pattern of a tower whose attribute name also ends a quantized layer's path would keep that
+    layer unquantized in the reader: the tower is then named in full."""
+    from fp8kit.nn.towers import ignore_patterns
+
+    model, _ = model_and_inputs("whisper")
+    clash = ["model.decoder.layers.0.encoder.q_proj"]  # a quantized layer under a module named like the tower
+    assert ignore_patterns(model, ["model.decoder.layers.0.fc1"], "compressed-tensors") == [
+        r"re:(.*\.)?encoder($|\..*)"
+    ]
+    assert ignore_patterns(model, clash, "compressed-tensors") == [r"re:model\.encoder($|\..*)"]
+    assert ignore_patterns(model, clash, "modelopt") == ["model.encoder", "model.encoder.*"]
