@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from ..nn.convert import CHECKPOINT_TILES
 from ..nn.linear import Linear as FP8Linear
+from ..nn.towers import ignore_patterns
 from ..ptq.quantized import QuantExperts, QuantLinear, dequantize_experts_module
 from .block_linear import BlockQuantLinear
 from .common import (
@@ -106,6 +107,7 @@ def save_pretrained(
     block = experts_naming(model, format)[1] if experts else "mlp"  # the MoE block's name on disk (Mixtral's differs)
     # the checkpoint's names (vLLM's modules) and, where they differ, the model's (transformers matches those)
     ignore = list(dict.fromkeys(k for n in ignore for k in (checkpoint_key(n, block), n)))
+    ignore += ignore_patterns(model, [*qlayers, *experts], format)  # the towers kept whole, under any prefix
     cfg = hf_config_dict(model)
     out = check_export_dir(out_dir, overwrite)
     tensors = kept_tensors(model, [*qlayers, *experts])
