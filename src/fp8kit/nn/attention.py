@@ -45,7 +45,9 @@ from ..scaling_state import DelayedScalingState, forgive_missing_fp8_state
 from ..tensor import quantize
 
 __all__ = [
+    "ATTENTION_CHOICES",
     "ATTN_NAME",
+    "STATIC_ATTENTION_CHOICES",
     "AttentionRecipe",
     "FP8AttentionState",
     "attention_recipe",
@@ -56,6 +58,9 @@ __all__ = [
     "fp8_attention",
     "fp8_attention_to_kv_scales",
     "observe_fp8_attention",
+    "block_static_scales",
+    "set_static_scales",
+    "static_scales",
 ]
 
 log = logging.getLogger("fp8kit")
@@ -705,10 +710,12 @@ def attention_states(model: nn.Module) -> dict[str, FP8AttentionState]:
 @torch.no_grad()
 def calibrate_fp8_attention(model: nn.Module, forward_loop: Callable[[nn.Module], object]) -> None:
     """Static attention scales: run ``forward_loop(model)`` with the FP8 attention states recording (the rest of
-    the model keeps its mode), so that afterwards, in evaluation mode, Q, K, V and P are quantized with the
-    delayed scales of the amaxes seen (per tensor or per head, as the states' recipe says; the max over the
-    calibration, ``amax_compute_algo="max"``). Needs delayed attention scaling (current scaling has no static
-    scales); raises ``ValueError`` otherwise or where ``model`` has no FP8 attention."""
+    the model keeps its mode), then fix each state's static scales (``set_static_scales``): Q, K and V from the
+    largest amax seen (per tensor or per head, as the states' recipe says), ``amax / 448``; P from its bound 1
+    (``exp(S - rowmax) <= 1``; no format but vLLM's ``fp8`` method has a place for a calibrated P scale). In
+    evaluation mode they quantize with those, as a serving engine does with the exported scales. Needs delayed
+    attention scaling (current scaling has no static scales); raises ``ValueError`` otherwise or where
+    ``model`` has no FP8 attention."""
     states = attention_states(model)
     if not states:
         raise ValueError("calibrate_fp8_attention: the model has no FP8 attention (fp8kit.convert(..., attention=))")
@@ -726,6 +733,56 @@ def calibrate_fp8_attention(model: nn.Module, forward_loop: Callable[[nn.Module]
     finally:
         for n, s in states.items():
             s.train(modes[n])
+    from ..scaling import dequant_scale
+
+    for name, st in states.items():
+        amax = {}
+        for op in ("q", "k", "v"):
+            index = st.index(op)
+            if not bool((st.fp8_seen[index] > 0).all()):
+                raise ValueError(f"{name}: the calibration loop never ran its attention; give forward_loop batches")
+            amax[op] = st.fp8_amax_history[index].amax(-1)
+        amax["p"] = torch.ones_like(amax["q"])  # the bound of exp(S - rowmax): P's static scale (see the docs)
+        set_static_scales(st, {op: dequant_scale(a, QKVP_FORMAT) for op, a in amax.items()})
+
+
+STATIC_OPERANDS = ("q", "k", "v", "p")
+# the attention recipes that calibrate static scales (``fp8kit quantize --attention``, ``ptq.quantize``)
+STATIC_ATTENTION_CHOICES = {"fp8": "Q, K, V, P scales per tensor", "fp8-head": "Q, K, V, P scales per head"}
+
+
+@torch.no_grad()
+def set_static_scales(state: FP8AttentionState, dequant: dict[str, torch.Tensor]) -> None:
+    """Quantize Q, K, V and P with static dequantization multipliers ``dequant`` (``amax / 448``: one element
+    per tensor, or one per query head for Q and P and per key/value head for K and V), as a serving engine
+    does: multiplier ``fl(1 / d)``. The slots count as seen, so evaluation uses them; ``static_scales`` gives
+    the multipliers back for export."""
+    if set(dequant) != set(STATIC_OPERANDS) or state.attention_recipe.scaling != "delayed":
+        raise ValueError(
+            f"static attention scales are the {STATIC_OPERANDS} of a delayed-scaling state; got {sorted(dequant)} "
+            f"for {state.attention_recipe.scaling} scaling"
+        )
+    kept = {}
+    for op, d in dequant.items():
+        index = state.index(op)
+        d = d.detach().float().to(state.fp8_scale.device).reshape(state.fp8_scale[index].shape)
+        if not bool((torch.isfinite(d) & (d > 0)).all()):
+            raise ValueError(f"static {op.upper()} scale must be finite and positive, got {d.tolist()}")
+        state.fp8_scale[index] = 1.0 / d
+        state.fp8_seen[index] = state.fp8_seen[index].clamp_min(1)
+        kept[op] = d.clone()
+    state.static_dequant = kept
+    state.fp8_state.forget_reads()
+
+
+def static_scales(state: FP8AttentionState | None) -> dict[str, torch.Tensor] | None:
+    """The static dequantization multipliers (``set_static_scales``) of ``state``, or None where it has none."""
+    return getattr(state, "static_dequant", None)
+
+
+def block_static_scales(block: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The static Q, K, V, P dequantization multipliers of an attention block's FP8 attention, or None."""
+    return static_scales(getattr(block, STATE_NAME, None))
 
 
 @contextmanager
