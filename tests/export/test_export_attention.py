@@ -112,3 +112,39 @@ def test_fp8_attention_without_static_scales_is_refused(tmp_path) -> None:
     model = ptq.quantize(tiny_llama(), "fp8-dynamic", attention="current")
     with pytest.raises(ExportError, match="static scales"):
         save_pretrained(model, tmp_path / "cur")
+
+
+_VLLM_READS = """
+import json, sys
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+    CompressedTensorsConfig, CompressedTensorsKVCacheMethod)
+qc = json.load(open(sys.argv[1]))["quantization_config"]
+cfg = CompressedTensorsConfig.from_config(qc)
+CompressedTensorsKVCacheMethod.validate_kv_cache_scheme(cfg.kv_cache_scheme)
+names = [f"model.layers.0.self_attn.{op}_scale" for op in "qkv"]
+mapper = QuantizationConfig.get_cache_scale_mapper()
+print(json.dumps({"strategy": cfg.kv_cache_scheme["strategy"], "names": [mapper._map_name(n) for n in names]}))
+"""
+
+
+@pytest.mark.engine
+def test_vllm_reads_the_compressed_tensors_attention_config(quantized, tmp_path) -> None:
+    """vLLM's own parser (its CPU build's ``CompressedTensorsConfig``, KV-cache validator and scale-name mapper)
+    takes the config and maps ``self_attn.{q,k,v}_scale`` onto its attention layer's scales."""
+    import subprocess
+
+    from fp8kit.engines.vllm import vllm_python, vllm_unavailable
+
+    why = vllm_unavailable()
+    if why:
+        pytest.skip(why)
+    spelling, model, _, _ = quantized
+    out = save_pretrained(model, tmp_path / "ct")
+    run = subprocess.run(
+        [vllm_python(), "-c", _VLLM_READS, str(out / "config.json")], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["strategy"] == ("attn_head" if spelling == "fp8-head" else "tensor")
+    assert got["names"] == [f"model.layers.0.self_attn.attn.{op}_scale" for op in "qkv"]

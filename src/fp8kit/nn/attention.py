@@ -455,6 +455,35 @@ def _mx_values(codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tenso
     return (codes * scales.repeat_interleave(MX_BLOCK, -1))[..., :n]
 
 
+def _mx_sums(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> list:
+    """``_observe_block``'s sums for ``x`` (float, blocked dimension last) cast to MX ``codes`` / ``scales``."""
+    n = x.shape[-1]
+    step = scales.repeat_interleave(MX_BLOCK, -1)[..., :n]
+    c = codes[..., :n]
+    x64 = x.double()
+    return [
+        float(x64.pow(2).sum()),
+        float((x64 - c * step).pow(2).sum()),
+        int((x != 0).sum()),
+        int(((x != 0) & (c == 0)).sum()),
+        int((x64.abs() > MX_FORMAT.max * step).sum()),
+    ]
+
+
+def _mx_observe(q, k, v, p_sums: list) -> dict[str, dict[str, Any]]:
+    """The statistics of one MXFP8 attention call: Q and K in blocks along D, V along the keys, P (``p_sums``)."""
+    rows = {}
+    for op, x, dim in (("q", q, -1), ("k", k, -1), ("v", v, 2)):
+        codes, scales = _mx(x, dim)
+        xt = x.detach().float().movedim(dim, -1)
+        rows[op] = {
+            "amax": x.detach().float().abs().amax(dim=(0, 2, 3)).tolist(),
+            **_summary(_mx_sums(xt, codes, scales)),
+        }
+    rows["p"] = {"amax": [], **_summary(p_sums)}
+    return rows
+
+
 class _MXFP8Attention(torch.autograd.Function):
     """MXFP8 attention (``attention_reference.reference_mx_attention``), blocked over keys like ``_FP8Attention``;
     key blocks start at multiples of 32, so every MX block of P, V, K and dS lies within one key block."""
@@ -487,8 +516,14 @@ class _MXFP8Attention(torch.autograd.Function):
         m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
         total = torch.zeros(b, hq, sq, 1, dtype=torch.float64, device=q.device)
         acc = torch.zeros(b, hq, sq, d, dtype=torch.float64, device=q.device)
+        p_sums = [0.0, 0.0, 0, 0, 0]
+        p_amax = torch.zeros(hq, device=q.device)
         for j0, j1 in spans:
-            pc, sp = _mx(torch.exp(scores(j0, j1) - m), -1)
+            pt = torch.exp(scores(j0, j1) - m)
+            pc, sp = _mx(pt, -1)
+            if state.observing:
+                p_sums = [a + b for a, b in zip(p_sums, _mx_sums(pt, pc, sp), strict=True)]
+                p_amax = torch.maximum(p_amax, pt.amax(dim=(0, 2, 3)))
             for i in range(sp.shape[-1]):
                 total = total + pc[..., i * MX_BLOCK : (i + 1) * MX_BLOCK].sum(-1, keepdim=True) * sp[..., i, None]
             b0, b1 = j0 // MX_BLOCK, j0 // MX_BLOCK + sp.shape[-1]
@@ -497,6 +532,10 @@ class _MXFP8Attention(torch.autograd.Function):
             total = total + torch.exp(sink - m).double()
         safe = torch.where(total > 0, total, 1.0)
         out = torch.where(total > 0, acc / safe, 0.0).float()
+        if state.observing:
+            observed = _mx_observe(q, k, v, p_sums)
+            observed["p"]["amax"] = p_amax.tolist()
+            state.observed.append(observed)
         if record:
             p_amax = torch.exp(row_max - m).amax().reshape(1)
             state.fp8_state.record(state.index("p"), p_amax, fold=fold)
