@@ -18,10 +18,10 @@ import time
 import torch
 
 from fp8kit.data import windows
-from fp8kit.evaluation import window_losses, window_summary
+from fp8kit.data.evaluation import window_losses, window_summary
+from fp8kit.jobs.quantize import calibration_loop, load_splits
 from fp8kit.models.pretrained import load_pretrained_lm
 from fp8kit.nn.attention import AttentionRecipe, calibrate_fp8_attention, enable_fp8_attention
-from fp8kit.pretrained_ptq import calibration_loop, load_splits
 from fp8kit.ptq import quantize
 
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 
 from fp8kit.data import load_corpus
-from fp8kit.evaluation import evaluate, loss_of
+from fp8kit.data.evaluation import evaluate, loss_of
 from fp8kit.nn.attention import enable_fp8_attention
 from fp8kit.train.config import TrainConfig
 from fp8kit.train.loop import build_base, lr_at, make_model, make_optimizer

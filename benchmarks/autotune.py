@@ -32,7 +32,7 @@ import torch
 
 import fp8kit
 from fp8kit.data import ByteTokenizer, load_corpus
-from fp8kit.evaluation import evaluate, loss_of
+from fp8kit.data.evaluation import evaluate, loss_of
 from fp8kit.nn import to_bf16_gemms
 from fp8kit.planner.roofline import cpu_roofline, layer_seconds, measured_seconds
 from fp8kit.planner.sensitivity import plannable_layers

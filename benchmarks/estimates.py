@@ -1,4 +1,4 @@
-"""Predicted vs measured time of fp8kit's jobs: each command's cost line (``fp8kit.estimate``) against the
+"""Predicted vs measured time of fp8kit's jobs: each command's cost line (``fp8kit.jobs.estimate``) against the
 wall time from that line to the command's exit (the predicted phases are printed beside it).
 
     OMP_NUM_THREADS=1 python benchmarks/estimates.py [--quick]

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.engines.ex
 
 
 def main() -> None:
+    from fp8kit.data.evaluation import divergence, window_losses
     from fp8kit.engines.vllm import held_out_windows, perplexity_of
-    from fp8kit.evaluation import divergence, window_losses
     from fp8kit.export import load_pretrained
     from fp8kit.models.pretrained import load_pretrained_lm
     from tests.engines.exports import EXPORTS, calibration_batch, write_export

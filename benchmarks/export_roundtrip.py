@@ -16,9 +16,9 @@ import time
 import torch
 
 from fp8kit.data import windows
-from fp8kit.evaluation import window_losses
+from fp8kit.data.evaluation import window_losses
 from fp8kit.export import load_pretrained, save_pretrained
-from fp8kit.pretrained_ptq import quantize_pretrained
+from fp8kit.jobs.quantize import quantize_pretrained
 
 
 def main() -> None:

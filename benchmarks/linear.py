@@ -27,7 +27,7 @@ import torch
 import fp8kit
 from fp8kit.gemm import cpu_gemm_backend
 from fp8kit.nn import saved_activation_bytes
-from fp8kit.recipes import recipe_from_name
+from fp8kit.numerics.recipes import recipe_from_name
 
 warnings.filterwarnings("ignore")
 

@@ -23,13 +23,13 @@ import time
 import torch
 
 from fp8kit.data import windows
-from fp8kit.evaluation import window_losses
+from fp8kit.data.evaluation import window_losses
+from fp8kit.jobs.loading import load_model
+from fp8kit.jobs.quantize import calibration_loop, load_splits
 from fp8kit.nn import to_bf16_gemms
 from fp8kit.planner.bits import EFFECTIVE_BITS
-from fp8kit.pretrained_ptq import calibration_loop, load_splits
 from fp8kit.ptq import quantize
 from fp8kit.ptq.experts import find_experts
-from fp8kit.train.reload import load_model
 
 
 def paired(loss: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:

@@ -61,7 +61,7 @@ def paired(loss: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 
 
 def fp8kit_row(base, scheme: str, opt: str, loop):
-    from fp8kit.pretrained_ptq import ptq_settings, quantizable_layers, settings_text
+    from fp8kit.jobs.quantize import ptq_settings, quantizable_layers, settings_text
     from fp8kit.ptq import quantize
 
     switches = {"rtn": {"gptq": False, "awq": False}, "gptq": {"awq": False}, "": {}}[opt]
@@ -135,7 +135,7 @@ def llmc_worker(model_dir: str, data: str, out: str, presets: list[str]) -> None
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    from fp8kit.evaluation import window_losses
+    from fp8kit.data.evaluation import window_losses
 
     tensors = load_file(data)
     calib = tensors.pop("calib")
@@ -181,11 +181,11 @@ def main() -> None:
         return
 
     from fp8kit.data import windows
+    from fp8kit.data.evaluation import window_losses
     from fp8kit.data.splits import available_windows
-    from fp8kit.evaluation import window_losses
+    from fp8kit.jobs.quantize import calibration_batches, calibration_loop, load_splits
     from fp8kit.models.pretrained import load_pretrained_lm, smollm2_dir
     from fp8kit.nn import to_bf16_gemms
-    from fp8kit.pretrained_ptq import calibration_batches, calibration_loop, load_splits
 
     torch.manual_seed(0)
     base, tok = load_pretrained_lm("smollm2")

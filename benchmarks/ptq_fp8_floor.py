@@ -17,12 +17,12 @@ import statistics
 import torch
 
 from fp8kit.data import windows
-from fp8kit.formats import E4M3
+from fp8kit.jobs.quantize import calibration_loop, load_splits
 from fp8kit.models.pretrained import load_pretrained_lm
-from fp8kit.pretrained_ptq import calibration_loop, load_splits
+from fp8kit.numerics.formats import E4M3
+from fp8kit.numerics.scaling import compute_scale
+from fp8kit.numerics.tensor import quantize
 from fp8kit.ptq.calibrate import choose_amax, observe_inputs
-from fp8kit.scaling import compute_scale
-from fp8kit.tensor import quantize
 
 
 def sqnr(ref: torch.Tensor, approx: torch.Tensor) -> float:

@@ -25,12 +25,12 @@ import torch
 from ptq_dev_sweep import paired, parse
 
 from fp8kit.data import windows
+from fp8kit.data.evaluation import window_losses
 from fp8kit.data.heldout import HELDOUT_TEXTS, heldout_text
 from fp8kit.data.splits import available_windows
-from fp8kit.evaluation import window_losses
+from fp8kit.jobs.quantize import calibration_loop, load_splits
 from fp8kit.models.pretrained import load_pretrained_lm
 from fp8kit.nn import to_bf16_gemms
-from fp8kit.pretrained_ptq import calibration_loop, load_splits
 from fp8kit.ptq import quantize
 
 

@@ -37,7 +37,7 @@ print(json.dumps({"rc": rc, "s": time.perf_counter() - t0,
 """
 WHOLE = """
 import sys
-from fp8kit.compare import quantize_pretrained
+from fp8kit.jobs.compare import quantize_pretrained
 from fp8kit.export import save_pretrained
 model_dir, scheme, text, batches, gptq, out = sys.argv[1:]
 m, tok, _ = quantize_pretrained(model_dir, scheme, text=text, calib_batches=int(batches), gptq=gptq == "1",

@@ -33,7 +33,7 @@ SCHEMES = "fp8,fp8-dynamic,int8-smoothquant,int8-weight-only"
 
 def write_folder(root: Path) -> Path:
     """SmolLM2-135M in BF16 safetensors with its tokenizer, as a Hub download would hold it."""
-    from fp8kit.train.reload import load_model
+    from fp8kit.jobs.loading import load_model
 
     model, tokenizer = load_model("smollm2", torch.bfloat16, torch.device("cpu"))
     path = root / "smollm2-bf16"
@@ -52,7 +52,7 @@ def high_precision_in_float32(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def perplexity_on(model: torch.nn.Module, windows: torch.Tensor) -> float:
-    from fp8kit.evaluation import window_losses
+    from fp8kit.data.evaluation import window_losses
 
     with torch.no_grad():
         return math.exp(window_losses(model, windows).mean().item())
@@ -68,9 +68,9 @@ def main() -> None:
     ap.add_argument("--propagate", choices=("float", "quantized"), default="quantized")
     args = ap.parse_args()
 
-    from fp8kit.compare import _eval_windows
     from fp8kit.export import load_pretrained
-    from fp8kit.pretrained_ptq import quantize_pretrained, quantize_pretrained_sequential
+    from fp8kit.jobs.compare import _eval_windows
+    from fp8kit.jobs.quantize import quantize_pretrained, quantize_pretrained_sequential
 
     print(
         f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "

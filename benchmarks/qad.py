@@ -24,11 +24,11 @@ import torch
 
 from fp8kit import qat
 from fp8kit.data import windows
+from fp8kit.data.evaluation import window_losses
 from fp8kit.data.splits import available_windows
-from fp8kit.evaluation import window_losses
+from fp8kit.jobs.quantize import calibration_batches, calibration_loop, load_splits
 from fp8kit.models.pretrained import load_pretrained_lm
 from fp8kit.nn import to_bf16_gemms
-from fp8kit.pretrained_ptq import calibration_batches, calibration_loop, load_splits
 
 
 def paired(loss: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:

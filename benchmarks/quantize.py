@@ -50,7 +50,7 @@ def timeit(fn, min_time: float = 0.3, device: str = "cpu") -> float:
 def pair(shapes: str, device: str) -> None:
     """The pair kernel vs two row-ordered quantizes (see the module doc), E4M3, bf16 input."""
     from fp8kit.kernels import BlockSpec, quantize_pair_fused
-    from fp8kit.scaling import parse_granularity
+    from fp8kit.numerics.scaling import parse_granularity
 
     def two(x, g):
         kw = {"backend": "compiled", "nonfinite": "propagate"}

@@ -23,7 +23,7 @@ import warnings
 
 import torch
 
-from fp8kit.pretrained_ptq import calibration_loop, load_splits, ptq_settings, quantizable_layers, settings_text
+from fp8kit.jobs.quantize import calibration_loop, load_splits, ptq_settings, quantizable_layers, settings_text
 from fp8kit.ptq import quantize
 
 SCHEMES = ("fp8", "fp8-dynamic", "int8-smoothquant", "int8-weight-only")

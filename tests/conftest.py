@@ -38,8 +38,8 @@ def _module_backend(request):
 
 @pytest.fixture(autouse=True, scope="session")
 def _fixed_rates():
-    """Every cost line is priced with fixed rates: no test measures this machine (``fp8kit.estimate``)."""
-    from fp8kit.estimate import Rates, set_rates
+    """Every cost line is priced with fixed rates: no test measures this machine (``fp8kit.jobs.estimate``)."""
+    from fp8kit.jobs.estimate import Rates, set_rates
     from fp8kit.planner.roofline import GPU
 
     gpu = GPU("cpu", 3e10, 3e10, 2e10, (0, 0), emulated_flops=3e10, cast_bytes_per_s=4e9,

@@ -1,5 +1,5 @@
-"""One rule in one place: delayed scaling's state is written by ``fp8kit.scaling_state`` only, and recipe-specific
-behaviour lives in the recipe classes (``fp8kit.recipes``), not in ``recipe.kind`` checks at the call sites."""
+"""One rule in one place: delayed scaling's state is written by ``fp8kit.numerics.scaling_state`` only, and recipe-specific
+behaviour lives in the recipe classes (``fp8kit.numerics.recipes``), not in ``recipe.kind`` checks at the call sites."""
 
 from __future__ import annotations
 
@@ -15,28 +15,36 @@ RULES = [
     (
         "delayed scaling's first-step rule (a torch.where on the seen count)",
         re.compile(r"torch\.where\([^)]*seen"),
-        {"scaling_state.py"},
+        {"numerics/scaling_state.py"},
     ),
     (
         "a scale computed from an amax with a kept previous scale (the fold or the first-step rule)",
         re.compile(r"compute_scale\([^)]*previous="),
-        {"scaling.py", "recipes.py"},
+        {"numerics/scaling.py", "numerics/recipes.py"},
     ),
     (
         "a scale computed from an amax by an FP8 module or parallel style (Recipe.scale_from_amax, "
         "DelayedScalingState.scale_for or scaling_state.operand_scale are the entry points)",
         re.compile(r"\bcompute_scale\("),
-        {"scaling.py", "recipes.py", "scaling_state.py", "grouped_tensor.py", "kernels/reference.py", "ptq/*", "qat/*"},
+        {
+            "numerics/scaling.py",
+            "numerics/recipes.py",
+            "numerics/scaling_state.py",
+            "numerics/grouped_tensor.py",
+            "kernels/reference.py",
+            "ptq/*",
+            "qat/*",
+        },
     ),
     (
         "a write to a delayed-scaling buffer",
         re.compile(r"\bfp8_(amax_history|scale|seen|amax_pending)\[[^\]]*\]\s*(\+|-)?=(?!=)"),
-        {"scaling_state.py"},
+        {"numerics/scaling_state.py"},
     ),
     (
         "a recipe kind check (give the recipe classes a property or method instead)",
         re.compile(r"\brecipe\.kind\s*(==|!=|in\b|not\s+in\b)|\.get\(\s*recipe\.kind\s*\)|\[\s*recipe\.kind\s*\]"),
-        {"recipes.py"},
+        {"numerics/recipes.py"},
     ),
 ]
 

@@ -96,12 +96,14 @@ def test_readme_cli_line_matches_the_help(line, tmp_path, monkeypatch):
 
 def test_readme_recipe_constructors_run():
     """Every recipe written as a call in the README's text (``MXFP8Scaling(rounding="rceil")``) constructs."""
-    import fp8kit.recipes
+    import fp8kit.numerics.recipes
 
     calls = re.findall(r"`(([A-Z]\w*Scaling)\([^`]*\))`", README.read_text(encoding="utf-8"))
     assert calls
     for call, name in calls:
-        assert isinstance(eval(call, {name: getattr(fp8kit.recipes, name)}), fp8kit.recipes.Recipe), call
+        assert isinstance(eval(call, {name: getattr(fp8kit.numerics.recipes, name)}), fp8kit.numerics.recipes.Recipe), (
+            call
+        )
 
 
 @pytest.mark.parametrize("command", ["train", "doctor"])

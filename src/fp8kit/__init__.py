@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from . import nn
-from .formats import E2M1, E4M3, E5M2, E8M0, FORMATS, INT8, Format, cast, get_format
+from . import _moved, nn
 from .gemm import fp8_gemm
 from .nn import autocast, compile
-from .recipes import (
+from .numerics.formats import E2M1, E4M3, E5M2, E8M0, FORMATS, INT8, Format, cast, get_format
+from .numerics.recipes import (
     BlockScaling,
     CurrentScaling,
     DelayedScaling,
@@ -22,9 +22,11 @@ from .recipes import (
     RowwiseScaling,
     recipe_from_name,
 )
-from .scaling import Granularity, compute_scale, mx_scale
-from .tensor import QuantizedTensor, quantize
+from .numerics.scaling import Granularity, compute_scale, mx_scale
+from .numerics.tensor import QuantizedTensor, quantize
 from .version import __version__
+
+_moved.install()
 
 
 def convert(
@@ -50,18 +52,18 @@ def convert(
 # Submodules reachable as attributes after ``import fp8kit`` (``fp8kit.ptq.quantize(...)``), imported on first
 # use (PEP 562) so that ``import fp8kit`` stays light: no transformers, matplotlib or tensorboard.
 _LAZY_SUBMODULES = (
-    "compare",
     "data",
     "debug",
     "distributed",
-    "evaluation",
     "export",
     "integrations",
+    "jobs",
     "models",
     "optim",
     "planner",
     "ptq",
     "qat",
+    "runtime",
     "train",
 )
 # Functions and classes of lazy submodules reachable from ``fp8kit`` (``fp8kit.autotune(...)``), imported on first use.

@@ -7,22 +7,24 @@ import time
 
 import pytest
 
-import fp8kit.compare
 import fp8kit.debug
+import fp8kit.jobs.compare
+import fp8kit.jobs.evaluate
+import fp8kit.jobs.quantize
 import fp8kit.models.pretrained
 import fp8kit.train
-import fp8kit.train.evaluate
 import fp8kit.train.loop
 from fp8kit.cli import main
 
 WORK = [
     (fp8kit.train, "run_comparison"),
     (fp8kit.train.loop, "build_base"),
-    (fp8kit.train.evaluate, "evaluate_checkpoint"),
-    (fp8kit.train.evaluate, "evaluate_pretrained"),
+    (fp8kit.jobs.evaluate, "evaluate_checkpoint"),
+    (fp8kit.jobs.evaluate, "evaluate_pretrained"),
     (fp8kit.models.pretrained, "load_pretrained_lm"),
-    (fp8kit.compare, "quantize_pretrained"),
-    (fp8kit.compare, "compare_schemes"),
+    (fp8kit.jobs.compare, "quantize_pretrained"),
+    (fp8kit.jobs.quantize, "quantize_pretrained"),
+    (fp8kit.jobs.compare, "compare_schemes"),
     (fp8kit.debug, "doctor"),
 ]
 
@@ -241,7 +243,7 @@ def test_eval_without_options_evaluates_every_train_run(sandbox, monkeypatch, ca
         (runs / run / "latest").write_text("step-000010")
     seen = []
     monkeypatch.setattr(
-        fp8kit.train.evaluate,
+        fp8kit.jobs.evaluate,
         "evaluate_checkpoint",
         lambda path, text=None, batches=32, device=None: (
             seen.append((path.name, batches))

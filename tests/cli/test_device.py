@@ -8,24 +8,26 @@ import logging
 import pytest
 import torch
 
-import fp8kit.compare
-import fp8kit.cost
 import fp8kit.debug
+import fp8kit.jobs.compare
+import fp8kit.jobs.cost
+import fp8kit.jobs.evaluate
+import fp8kit.jobs.quantize
 import fp8kit.models.pretrained
 import fp8kit.train
-import fp8kit.train.evaluate
 import fp8kit.train.loop
 from fp8kit.cli import main
-from fp8kit.device import DeviceError, device_report, native_on, resolve_device, work_dtype
+from fp8kit.runtime.device import DeviceError, device_report, native_on, resolve_device, work_dtype
 from tests.helpers.models import save_local_llama
 
 # what starts real work in each command: none of it may run before the checks have passed
 LOADERS = {
     fp8kit.train: ("run_comparison",),
     fp8kit.train.loop: ("build_base",),
-    fp8kit.train.evaluate: ("evaluate_checkpoint", "evaluate_pretrained"),
+    fp8kit.jobs.evaluate: ("evaluate_checkpoint", "evaluate_pretrained"),
     fp8kit.models.pretrained: ("load_pretrained_lm",),
-    fp8kit.compare: ("quantize_pretrained", "compare_schemes"),
+    fp8kit.jobs.compare: ("quantize_pretrained", "compare_schemes"),
+    fp8kit.jobs.quantize: ("quantize_pretrained",),
     fp8kit.debug: ("doctor",),
 }
 
@@ -46,8 +48,8 @@ def no_loading(monkeypatch, tmp_path):
     for module, names in LOADERS.items():
         for name in names:
             monkeypatch.setattr(module, name, fail)
-    monkeypatch.setattr(fp8kit.cost, "device_flops", lambda device, dtype=None: 1e12)
-    monkeypatch.setattr(fp8kit.cost, "available_bytes", lambda device: 1 << 40)
+    monkeypatch.setattr(fp8kit.jobs.cost, "device_flops", lambda device, dtype=None: 1e12)
+    monkeypatch.setattr(fp8kit.jobs.cost, "available_bytes", lambda device: 1 << 40)
     return tmp_path
 
 

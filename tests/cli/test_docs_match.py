@@ -3,7 +3,7 @@ calibrate nothing (``eval`` of a checkpoint printing the training summary's loss
 
 from __future__ import annotations
 
-from fp8kit.compare import calibration_methods
+from fp8kit.jobs.compare import calibration_methods
 
 
 def test_compare_reports_no_calibration_for_schemes_without_static_scales():

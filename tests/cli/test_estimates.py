@@ -1,4 +1,4 @@
-"""The time estimates (``fp8kit.estimate``) with fixed rates: which phases appear for which scheme and options,
+"""The time estimates (``fp8kit.jobs.estimate``) with fixed rates: which phases appear for which scheme and options,
 and that the seconds grow with steps, tokens and a recipe's costs. No timing is measured."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import argparse
 import pytest
 import torch
 
-from fp8kit import estimate
-from fp8kit.cost import ModelShape, estimate_training
-from fp8kit.estimate import Rates, forward_seconds, ptq_phases, training_seconds
+from fp8kit.jobs import estimate
+from fp8kit.jobs.cost import ModelShape, estimate_training
+from fp8kit.jobs.estimate import Rates, forward_seconds, ptq_phases, training_seconds
+from fp8kit.jobs.quantize import ptq_settings
 from fp8kit.planner.roofline import GPU
-from fp8kit.pretrained_ptq import ptq_settings
 
 HIDDEN, LAYERS, VOCAB = 64, 2, 100
 GEMMS = ((HIDDEN, HIDDEN),) * 4 + ((HIDDEN, 128), (HIDDEN, 128), (128, HIDDEN))
@@ -79,7 +79,7 @@ def test_estimate_training_prices_each_run_by_its_recipe():
 
 
 def test_cli_quantize_fp8_cost_has_the_phases_that_run(monkeypatch):
-    from fp8kit.cli import _job
+    from fp8kit.jobs import quantize as _job
 
     monkeypatch.setattr(_job, "shape_of", lambda spec, *a: SHAPE)
     monkeypatch.setattr(estimate, "current_rates", lambda device, recipes=(): rates())
@@ -106,7 +106,7 @@ def test_rates_measured_once_then_read_from_the_cache(monkeypatch, tmp_path):
 
 
 def test_doctor_cost_grows_with_steps_and_names_its_report(monkeypatch):
-    from fp8kit.cli import doctor
+    from fp8kit.jobs import doctor
 
     seen = []
     monkeypatch.setattr(doctor, "announce", lambda cost, device, force: seen.append(cost))
@@ -115,7 +115,7 @@ def test_doctor_cost_grows_with_steps_and_names_its_report(monkeypatch):
             model="demo", arch="dense", model_size="small", seq_len=64, batch_size=8, steps=steps, apply=False,
             noise_floor=True, recipe="delayed", force=False,
         )  # fmt: skip
-        doctor._announce_cost(args, torch.device("cpu"))
+        doctor.announce_cost(args, torch.device("cpu"))
     short, long = seen
     assert {"bf16 + fp8", "bf16 one ulp off", "report"} <= set(short.phases)
     assert long.phases["bf16 + fp8"] > short.phases["bf16 + fp8"] > 0

@@ -8,12 +8,13 @@ import shutil
 import pytest
 import torch
 
-import fp8kit.compare
-import fp8kit.cost
+import fp8kit.jobs.compare
+import fp8kit.jobs.cost
+import fp8kit.jobs.quantize
 import fp8kit.models.pretrained
 import fp8kit.train
 from fp8kit.cli import main
-from fp8kit.cost import estimate_inference, estimate_training, model_shape
+from fp8kit.jobs.cost import estimate_inference, estimate_training, model_shape
 from fp8kit.models.resolve import ModelNotFound, is_hub_id, resolve_model
 from tests.helpers.models import save_local_llama
 
@@ -92,8 +93,8 @@ def test_cli_offline_miss_is_one_line_exit_2_before_loading(hub_cache, monkeypat
     for module, name in [
         (fp8kit.models.pretrained, "load_pretrained_lm"),
         (fp8kit.train, "run_comparison"),
-        (fp8kit.compare, "quantize_pretrained"),
-        (fp8kit.compare, "compare_schemes"),
+        (fp8kit.jobs.quantize, "quantize_pretrained"),
+        (fp8kit.jobs.compare, "compare_schemes"),
     ]:
         monkeypatch.setattr(module, name, never)
     assert main([*argv, "--device", "cpu"]) == 2
@@ -106,7 +107,7 @@ def test_cli_offline_miss_is_one_line_exit_2_before_loading(hub_cache, monkeypat
 
 
 def test_cli_evaluates_a_cached_hub_model(hub_cache, monkeypatch, capsys):
-    monkeypatch.setattr(fp8kit.cost, "device_flops", lambda device, dtype=None: 1e3)  # a long job: the line shows
+    monkeypatch.setattr(fp8kit.jobs.cost, "device_flops", lambda device, dtype=None: 1e3)  # a long job: the line shows
     assert main(["eval", "--model", "org/tiny@v1", "--device", "cpu", "--eval-batches", "1"]) == 0
     captured = capsys.readouterr()
     assert "org/tiny@v1 (step 0)" in captured.out and "perplexity" in captured.out
@@ -150,10 +151,10 @@ def test_a_job_that_will_not_fit_ends_before_loading(tiny_llama, monkeypatch, ca
         raise Started
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(fp8kit.compare, "quantize_pretrained", started)
+    monkeypatch.setattr(fp8kit.jobs.quantize, "quantize_pretrained", started)
     monkeypatch.setattr(fp8kit.train, "run_comparison", started)
-    monkeypatch.setattr(fp8kit.cost, "available_bytes", lambda device: 1000)
-    monkeypatch.setattr(fp8kit.cost, "device_flops", lambda device, dtype=None: 1e3)
+    monkeypatch.setattr(fp8kit.jobs.cost, "available_bytes", lambda device: 1000)
+    monkeypatch.setattr(fp8kit.jobs.cost, "device_flops", lambda device, dtype=None: 1e3)
     argv = ["quantize", "--model", str(tiny_llama), "--scheme", "fp8", "--out", "q", "--device", "cpu"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -163,8 +164,8 @@ def test_a_job_that_will_not_fit_ends_before_loading(tiny_llama, monkeypatch, ca
         main([*argv, "--force"])
     assert main(["train", "--model-size", "tiny", "--out", "run", "--device", "cpu"]) == 2
     assert "fp8kit train: error: train needs" in capsys.readouterr().err
-    monkeypatch.setattr(fp8kit.cost, "available_bytes", lambda device: 1 << 40)
-    monkeypatch.setattr(fp8kit.cost, "device_flops", lambda device, dtype=None: 1e12)
+    monkeypatch.setattr(fp8kit.jobs.cost, "available_bytes", lambda device: 1 << 40)
+    monkeypatch.setattr(fp8kit.jobs.cost, "device_flops", lambda device, dtype=None: 1e12)
     with pytest.raises(Started):  # a short job that fits starts after its cost line, in a log file too
         main(argv)
     err = capsys.readouterr().err.strip().splitlines()

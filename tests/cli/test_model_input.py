@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import fp8kit.compare
+import fp8kit.jobs.compare
+import fp8kit.jobs.evaluate
 import fp8kit.models.pretrained
 import fp8kit.train
-import fp8kit.train.evaluate
 from fp8kit.cli import main
 from fp8kit.models.folder import check_model_folder, safetensors_problem
 from fp8kit.train.checkpoint import FORMAT
@@ -42,10 +42,10 @@ def sandbox(tmp_path, monkeypatch):
 
     for module, name in [
         (fp8kit.train, "run_comparison"),
-        (fp8kit.train.evaluate, "evaluate_pretrained"),
+        (fp8kit.jobs.evaluate, "evaluate_pretrained"),
         (fp8kit.models.pretrained, "load_pretrained_lm"),
-        (fp8kit.compare, "quantize_pretrained"),
-        (fp8kit.compare, "compare_schemes"),
+        (fp8kit.jobs.compare, "quantize_pretrained"),
+        (fp8kit.jobs.compare, "compare_schemes"),
     ]:
         monkeypatch.setattr(module, name, fail)
     return tmp_path
@@ -167,7 +167,7 @@ def test_a_train_run_folder_with_one_checkpoint_is_taken(sandbox, monkeypatch):
         loaded.append(spec)
         raise WorkStarted
 
-    monkeypatch.setattr("fp8kit.train.reload.load_model", load_model)
+    monkeypatch.setattr("fp8kit.jobs.loading.load_model", load_model)
     with pytest.raises(WorkStarted):
         main(["quantize", "--model", str(run), "--scheme", "fp8-block", "--format", "fp8-block", "--out", "q"])
     assert loaded == [str(run / "ckpt" / "bf16")]

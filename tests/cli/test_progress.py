@@ -12,9 +12,9 @@ import re
 import pytest
 import torch
 
-import fp8kit.cost
-import fp8kit.pretrained_ptq
-import fp8kit.progress
+import fp8kit.jobs.cost
+import fp8kit.jobs.quantize
+import fp8kit.runtime.progress
 from fp8kit.cli import main
 from tests.helpers.models import calib, save_local_llama, tiny_llama, token_batches
 
@@ -27,23 +27,23 @@ def bar_lines(err: str, desc: str) -> list[tuple[int, int]]:
 
 @pytest.fixture
 def every_update(monkeypatch):
-    monkeypatch.setattr(fp8kit.progress, "LOG_INTERVAL_S", 0.0)
+    monkeypatch.setattr(fp8kit.runtime.progress, "LOG_INTERVAL_S", 0.0)
 
 
 def test_a_log_file_gets_one_line_per_update_and_nothing_for_a_short_phase(capsys, monkeypatch):
-    bar = fp8kit.progress.bar(4, "short phase", "step")
+    bar = fp8kit.runtime.progress.bar(4, "short phase", "step")
     bar.update(4)
     bar.close()
     assert capsys.readouterr().err == ""  # shorter than LOG_INTERVAL_S: quiet
-    monkeypatch.setattr(fp8kit.progress, "LOG_INTERVAL_S", 0.0)
-    bar = fp8kit.progress.bar(3, "long phase", "step")
+    monkeypatch.setattr(fp8kit.runtime.progress, "LOG_INTERVAL_S", 0.0)
+    bar = fp8kit.runtime.progress.bar(3, "long phase", "step")
     for _ in range(3):
         bar.update(1)
     bar.close()
     err = capsys.readouterr().err
     assert "\r" not in err and bar_lines(err, "long phase")[-1] == (3, 3)
-    monkeypatch.setattr(fp8kit.progress, "LOG_INTERVAL_S", 10.0)
-    bar = fp8kit.progress.bar(1000, "many quick steps", "step")
+    monkeypatch.setattr(fp8kit.runtime.progress, "LOG_INTERVAL_S", 10.0)
+    bar = fp8kit.runtime.progress.bar(1000, "many quick steps", "step")
     for _ in range(1000):
         bar.set_postfix(loss="1.0", refresh=False)
         bar.update(1)
@@ -53,7 +53,7 @@ def test_a_log_file_gets_one_line_per_update_and_nothing_for_a_short_phase(capsy
 
 def test_counting_advances_by_the_sequences_a_model_sees(capsys, every_update):
     model = torch.nn.Linear(4, 4)
-    with fp8kit.progress.counting(model, 6, "eval", "seq"):
+    with fp8kit.runtime.progress.counting(model, 6, "eval", "seq"):
         model(torch.zeros(2, 4))
         model(input=torch.zeros(4, 4))
     assert bar_lines(capsys.readouterr().err, "eval")[-1] == (6, 6)
@@ -104,13 +104,13 @@ def test_layer_by_layer_prints_its_cost_line_and_checks_memory(llama_folder, tmp
         raise WorkStarted
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(fp8kit.pretrained_ptq, "quantize_pretrained_sequential", started)
+    monkeypatch.setattr(fp8kit.jobs.quantize, "quantize_pretrained_sequential", started)
     argv = ["quantize", "--model", str(llama_folder), "--scheme", "fp8-dynamic", "--out", "q", "--device", "cpu"]
     with pytest.raises(WorkStarted):
         main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("fp8kit quantize (layer by layer): ") and "expected peak" in err[-1]
-    monkeypatch.setattr(fp8kit.cost, "available_bytes", lambda device: 1000)
+    monkeypatch.setattr(fp8kit.jobs.cost, "available_bytes", lambda device: 1000)
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "layer by layer" in err[-2] and "GiB is free" in err[-1] and "--force" in err[-1]

@@ -9,7 +9,7 @@ import fp8kit
 from fp8kit.debug import NaNDetector
 from fp8kit.debug.diagnosis import recommend
 from fp8kit.nn.experts import FP8Experts
-from fp8kit.recipes import DelayedScaling
+from fp8kit.numerics.recipes import DelayedScaling
 from tests.helpers.moe import tiny_moe_model
 
 LAYER0 = "model.layers.0.mlp.experts"

@@ -110,7 +110,7 @@ def test_cli_picks_a_tile_transformers_loads_or_refuses_the_one_given(smollm2_sh
 
 
 def test_compare_scores_fp8_block_and_every_scheme_list_is_the_one_table(tmp_path, capsys):
-    from fp8kit.compare import compare_schemes
+    from fp8kit.jobs.compare import compare_schemes
     from fp8kit.ptq.schemes import CLI_SCHEMES
     from tests.helpers.models import save_sample_llama
 

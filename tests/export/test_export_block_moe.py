@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fp8kit.export import ExportError, dequantized_model, load_pretrained, quantize_block, save_pretrained
-from fp8kit.formats import E4M3, cast
+from fp8kit.numerics.formats import E4M3, cast
 from fp8kit.ptq.experts import QuantExperts
 from tests.helpers.checkpoints import read_safetensors, transformers_written
 from tests.helpers.moe import qwen3_moe_config

@@ -200,7 +200,7 @@ def test_llm_compressors_own_scales_load_with_vllms_semantics(exported, tmp_path
     and the input scales become their max, as vLLM's fused-MoE loader does."""
     from safetensors.torch import save_file
 
-    from fp8kit.formats import E4M3, cast
+    from fp8kit.numerics.formats import E4M3, cast
 
     q, out = exported["fp8"]
     t = read_safetensors(out)

@@ -13,7 +13,7 @@ import torch
 
 from fp8kit.export import ExportError, dequantized_model
 from fp8kit.export.fp4_checkpoints import fp4_layout
-from fp8kit.ptq.sequential import Checkpoint, load_layer, skeleton
+from fp8kit.jobs.layerwise import Checkpoint, load_layer, quantize_checkpoint, skeleton
 from tests.helpers.checkpoints import read_safetensors
 from tests.helpers.fp4_checkpoints import write_fp4, write_gpt_oss_mxfp4
 from tests.helpers.models import tiny_llama, token_batches
@@ -99,7 +99,7 @@ def test_gpt_oss_requantized_layer_by_layer_is_the_whole_models_export(gpt_oss, 
     def keep(name, module):
         return ".self_attn." in name
 
-    out, report = ptq.quantize_checkpoint(gpt_oss, "fp8-dynamic", tmp_path / "seq", progress=False, module_filter=keep)
+    out, report = quantize_checkpoint(gpt_oss, "fp8-dynamic", tmp_path / "seq", progress=False, module_filter=keep)
     assert len(report.quantized) == 8
     whole = ptq.quantize(dequantized_model(gpt_oss), "fp8-dynamic", module_filter=keep)
     a, b = read_safetensors(out), read_safetensors(save_pretrained(whole, tmp_path / "whole"))
@@ -239,11 +239,11 @@ def test_sequential_requantizes_an_nvfp4_checkpoint_as_the_whole_model_does(nvfp
     dequantized model."""
     from fp8kit import ptq
     from fp8kit.export import save_pretrained
-    from fp8kit.pretrained_ptq import sequential_source
+    from fp8kit.jobs.quantize import sequential_source
 
     path = nvfp4_dirs["compressed-tensors", "nvfp4-pack-quantized", "qwen3_moe"]
     assert sequential_source(str(path)) == path
-    out, _ = ptq.quantize_checkpoint(path, "fp8-dynamic", tmp_path / "seq", progress=False)
+    out, _ = quantize_checkpoint(path, "fp8-dynamic", tmp_path / "seq", progress=False)
     whole = save_pretrained(ptq.quantize(dequantized_model(path), "fp8-dynamic"), tmp_path / "whole")
     a, b = read_safetensors(out), read_safetensors(whole)
     assert sorted(a) == sorted(b)

@@ -27,14 +27,14 @@ def local_model(tmp_path_factory):
 
 
 def test_unsupported_pairs_exit_2_before_any_model_is_loaded(local_model, tmp_path, capsys, monkeypatch):
-    import fp8kit.compare
+    import fp8kit.jobs.quantize
     import fp8kit.models.pretrained
 
     def no_loading(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
     monkeypatch.setattr(fp8kit.models.pretrained, "load_pretrained_lm", no_loading)
-    monkeypatch.setattr(fp8kit.compare, "quantize_pretrained", no_loading)
+    monkeypatch.setattr(fp8kit.jobs.quantize, "quantize_pretrained", no_loading)
     model = str(local_model / "model")
     for scheme, fmt, says in [
         ("fp8", "fp8-block", "write fp8 as --format compressed-tensors or modelopt"),

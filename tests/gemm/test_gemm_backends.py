@@ -169,7 +169,7 @@ def test_power_of_two_block_tiles_run_a_bf16_gemm_with_one_rounding(cpu_backend,
 def test_recipes_say_whether_their_scales_are_powers_of_two():
     """``Recipe.power_of_two_scales`` picks the CPU GEMM dtype of tile-dequantized operands: MX always,
     block by default, and a block recipe without power-of-two scales must not claim it."""
-    from fp8kit.recipes import BlockScaling, CurrentScaling, DelayedScaling, MXFP8Scaling, RowwiseScaling
+    from fp8kit.numerics.recipes import BlockScaling, CurrentScaling, DelayedScaling, MXFP8Scaling, RowwiseScaling
 
     assert MXFP8Scaling().power_of_two_scales and BlockScaling().power_of_two_scales
     assert not BlockScaling(power_of_two=False).power_of_two_scales

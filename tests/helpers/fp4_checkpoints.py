@@ -7,7 +7,7 @@ import json
 import torch
 
 import fp8kit
-from fp8kit.state_dict import pack_fp4
+from fp8kit.numerics.state_dict import pack_fp4
 
 # openai/gpt-oss-20b's quantization_config
 GPT_OSS_QC = {

@@ -11,7 +11,7 @@ import torch
 import fp8kit
 from fp8kit import E4M3, E5M2, fp8_gemm, quantize
 from fp8kit.nn import set_quantize_backend
-from fp8kit.recipes import all_recipes
+from fp8kit.numerics.recipes import all_recipes
 from tests.helpers.models import tiny_llama_config
 from tests.helpers.numerics import sqnr_db
 

@@ -6,7 +6,7 @@ import torch
 
 from fp8kit import E2M1, cast, quantize
 from fp8kit.kernels import fused
-from fp8kit.tensor import quantize_with_transpose
+from fp8kit.numerics.tensor import quantize_with_transpose
 
 CASES = [("nvfp4", "rceil"), ("mxfp4", "rceil"), ("mxfp4", "floor")]
 

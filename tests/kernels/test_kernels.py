@@ -59,7 +59,7 @@ def test_cuda_matches_cpu_reference(gran):
 @pytest.mark.parametrize("gran", ["row", (1, 128), "mx", (128, 128)], ids=str)
 @pytest.mark.parametrize("backend", ["eager", "compiled"])
 def test_quantize_with_transpose_matches_two_quantizes(gran, backend):
-    from fp8kit.tensor import quantize_with_transpose
+    from fp8kit.numerics.tensor import quantize_with_transpose
 
     x = torch.randn(200, 96) * torch.exp2(torch.randint(-5, 5, (200, 1)).float())
     q, q_t = quantize_with_transpose(x, E4M3, gran, backend=backend)
@@ -73,7 +73,7 @@ def test_compiled_bit_cast_matches_reference_on_every_bfloat16_and_random_bits(f
     """The integer-bit cast inductor vectorizes on CPU (``fused.cast_bits``), compiled as fp8kit
     compiles it, against the reference rounding: all 65,536 bfloat16 patterns (every tie of both
     formats, subnormals, +-0, NaNs of both signs, +-inf, overflow) and random float32 bit patterns."""
-    from fp8kit.formats import cast_reference
+    from fp8kit.numerics.formats import cast_reference
 
     compiled = torch.compile(lambda y: fused.cast_bits(y, fmt, view=False), dynamic=False)
     patterns = torch.arange(-(2**15), 2**15, dtype=torch.int16).view(torch.bfloat16).float()
@@ -91,7 +91,7 @@ def test_compiled_native_cast_matches_reference_on_every_bfloat16_ties_and_rando
     """``fused.cast_native`` (torch's float8 conversion after a NaN-safe saturation), compiled as fp8kit
     compiles it (static and symbolic sizes) and eagerly: all bfloat16 patterns, random float32 bits and
     the midpoints between neighbouring FP8 values, against the reference cast (NaN signs included)."""
-    from fp8kit.formats import cast_reference
+    from fp8kit.numerics.formats import cast_reference
 
     grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt.dtype).float()
     grid = grid[grid.isfinite()].sort().values
@@ -135,7 +135,7 @@ def test_cast_values_give_the_values_the_cast_encodes(fmt, kernel):
     read back) and ``round_split`` (Veltkamp's splitting) equal the reference cast's values bit for bit,
     compiled and eager, with either CPU conversion: every bfloat16 pattern, random float32 bits, and
     the exact midpoints between neighbouring FP8 values (ties to even)."""
-    from fp8kit.formats import cast_reference
+    from fp8kit.numerics.formats import cast_reference
 
     grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt.dtype).float()
     grid = grid[grid.isfinite()].sort().values
@@ -218,7 +218,7 @@ def test_leading_amax_gives_each_experts_abs_max():
     ``abs().amax``; a reduction compiled) is ``x[i].abs().max()`` as float32 for each ``i``: an
     all-negative expert, NaN (propagates to that expert only), -inf, an all-zero expert with -0.0
     (gives +0.0), bfloat16; small experts and experts of 2**16 elements (the aminmax loop)."""
-    from fp8kit.tensor import leading_amax
+    from fp8kit.numerics.tensor import leading_amax
 
     for shape in [(5, 8, 16), (5, 256, 256)]:
         w = torch.randn(*shape, dtype=torch.bfloat16) * 10
@@ -237,7 +237,7 @@ def test_leading_amax_gives_each_experts_abs_max():
 def test_tensor_amax_eager_and_compiled_agree_with_abs_max():
     """``tensor_amax`` (one ``aminmax`` pass eagerly, the kernels' row-then-all reduction compiled) is
     max|x| as float32: all-negative tensors, NaN (propagates), -inf, -0.0 (gives +0.0), bfloat16."""
-    from fp8kit.tensor import tensor_amax
+    from fp8kit.numerics.tensor import tensor_amax
 
     compiled = torch.compile(tensor_amax, fullgraph=True)
     cases = [
@@ -310,7 +310,7 @@ def test_compiled_tile_dequantization_matches_the_expanded_scale_grid(fmt, block
 def test_compiled_scaled_cast_matches_the_eager_cast(fmt):
     """``cast_scaled`` (row-wise group columns: ``x * scale[group]`` cast in one loop) gives the codes of
     ``formats.cast`` on the eager product, NaN, inf and signed zero included."""
-    from fp8kit.formats import cast
+    from fp8kit.numerics.formats import cast
 
     x = _awkward(120, 40).bfloat16()
     ids = torch.randint(0, 4, (120,))

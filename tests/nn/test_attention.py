@@ -10,9 +10,9 @@ import torch
 
 import fp8kit
 import fp8kit.nn.attention as A
-from fp8kit.formats import E4M3
 from fp8kit.nn.attention import AttentionRecipe, FP8AttentionState, attention_recipe, fp8_attention
 from fp8kit.nn.attention_reference import reference_attention, reference_attention_backward
+from fp8kit.numerics.formats import E4M3
 
 B, HQ, HKV, S, D = 2, 4, 2, 19, 16
 OPERANDS = ("q", "k", "v", "p", "do", "ds")

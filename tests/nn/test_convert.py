@@ -9,7 +9,7 @@ from safetensors.torch import load, save
 
 import fp8kit
 from fp8kit import nn as fnn
-from fp8kit.recipes import all_recipes
+from fp8kit.numerics.recipes import all_recipes
 from tests.helpers.models import tiny_llama_config
 
 

@@ -11,7 +11,7 @@ import fp8kit
 from fp8kit import E5M2
 from fp8kit import nn as fnn
 from fp8kit.nn import saved_activation_bytes
-from fp8kit.recipes import all_recipes
+from fp8kit.numerics.recipes import all_recipes
 from tests.helpers.numerics import sqnr_db
 
 RECIPES = all_recipes()

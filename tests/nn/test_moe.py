@@ -18,8 +18,8 @@ from safetensors.torch import load, save
 
 import fp8kit
 from fp8kit.gemm.grouped import grouped_gemm_counts
-from fp8kit.grouped_tensor import quantize_experts
 from fp8kit.nn.experts import FP8Experts, grouped_linear
+from fp8kit.numerics.grouped_tensor import quantize_experts
 from tests.helpers.moe import qwen3_moe_config, tiny_moe_model
 from tests.helpers.numerics import sqnr_db
 from tests.helpers.reference import KINDS, assert_matches, ref_operand
@@ -546,7 +546,7 @@ def test_block_tile_operands_are_exact_in_the_cpu_gemm(power_of_two, monkeypatch
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
     from fp8kit.gemm import probe
-    from fp8kit.recipes import BlockScaling
+    from fp8kit.numerics.recipes import BlockScaling
 
     monkeypatch.setitem(probe._CPU_BACKEND, "name", "bf16")
     ids, x, w, _, sizes = routed_inputs()
@@ -575,8 +575,8 @@ def test_operands_only_cpu_gemms_read_keep_no_codes(kind):
     """Expert weights and output gradients reach the CPU GEMMs as the values the quantize kernel writes
     (``lazy_codes``): no FP8 codes are written for them, and reading ``data`` encodes exactly the codes a
     plain quantize writes. Saved activations keep their codes (the weight gradient decodes them)."""
-    from fp8kit.formats import E4M3
     from fp8kit.nn import experts as experts_mod
+    from fp8kit.numerics.formats import E4M3
 
     ids, x, w, g, _ = routed_inputs()
     module = experts_module(w, recipe=kind)
@@ -634,7 +634,7 @@ def test_cuda_native_operands_keep_the_numerics_and_pass_torch_checks(recipe, mo
     tokens gets 16 zero rows (no empty weight-gradient group)."""
     from fp8kit.gemm import grouped
     from fp8kit.nn import experts as experts_mod
-    from fp8kit.recipes import CurrentScaling, RowwiseScaling
+    from fp8kit.numerics.recipes import CurrentScaling, RowwiseScaling
 
     rec = RowwiseScaling() if recipe == "rowwise" else CurrentScaling(fp8_format="e4m3")
     ids, x, w, g, _ = routed_inputs()
@@ -711,7 +711,7 @@ def test_hybrid_gradients_and_alignment_choose_the_cuda_fallback(monkeypatch):
     device only where the gradients are E4M3 (block and MX keep their tiles)."""
     from fp8kit.gemm import grouped
     from fp8kit.nn import experts as experts_mod
-    from fp8kit.recipes import BlockScaling, CurrentScaling, DelayedScaling, RowwiseScaling
+    from fp8kit.numerics.recipes import BlockScaling, CurrentScaling, DelayedScaling, RowwiseScaling
 
     ids, x, w, g, _ = routed_inputs()
     gq = fp8kit.quantize(g, "e5m2", "tensor")

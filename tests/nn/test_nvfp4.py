@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 import fp8kit
-from fp8kit.hadamard import apply_rht, random_hadamard
 from fp8kit.nn import Linear
 from fp8kit.nn.backend import quantize_backend, set_quantize_backend
-from fp8kit.scaling import Granularity
+from fp8kit.numerics.hadamard import apply_rht, random_hadamard
+from fp8kit.numerics.scaling import Granularity
 from tests.helpers.models import tiny_llama_config
 from tests.helpers.numerics import sqnr_db
 

@@ -17,12 +17,12 @@ import torch.nn.functional as F
 import fp8kit
 from fp8kit.gemm import grouped as grouped_gemms
 from fp8kit.gemm.grouped import grouped_gemm_counts
-from fp8kit.grouped_tensor import quantize_experts
-from fp8kit.hadamard import random_hadamard
 from fp8kit.nn import linear as dense_linear
 from fp8kit.nn.experts import FP8Experts, grouped_linear
 from fp8kit.nn.routing import routing_plan
-from fp8kit.scaling import Granularity, nvfp4_tensor_scale
+from fp8kit.numerics.grouped_tensor import quantize_experts
+from fp8kit.numerics.hadamard import random_hadamard
+from fp8kit.numerics.scaling import Granularity, nvfp4_tensor_scale
 from tests.helpers.moe import qwen3_moe_config
 from tests.helpers.numerics import sqnr_db
 

@@ -9,7 +9,7 @@ import torch
 
 import fp8kit
 from fp8kit import E4M3, E5M2, E8M0, INT8, cast
-from fp8kit.formats import cast_reference, e8m0_decode, e8m0_encode
+from fp8kit.numerics.formats import cast_reference, e8m0_decode, e8m0_encode
 
 NP = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
 FP8 = [E4M3, E5M2]

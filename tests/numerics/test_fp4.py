@@ -11,10 +11,10 @@ from hypothesis.extra.numpy import arrays
 
 import fp8kit
 from fp8kit import E2M1, cast, get_format, quantize
-from fp8kit.formats import e2m1_decode, e2m1_encode
-from fp8kit.scaling import nvfp4_scales
-from fp8kit.state_dict import pack_fp4, unpack_fp4
-from fp8kit.tensor import quantize_with_transpose
+from fp8kit.numerics.formats import e2m1_decode, e2m1_encode
+from fp8kit.numerics.scaling import nvfp4_scales
+from fp8kit.numerics.state_dict import pack_fp4, unpack_fp4
+from fp8kit.numerics.tensor import quantize_with_transpose
 from tests.helpers.numerics import sqnr_db
 from tests.helpers.reference import ref_e2m1_codes, ref_e2m1_values, ref_mxfp4, ref_nvfp4
 

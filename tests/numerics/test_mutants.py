@@ -22,12 +22,13 @@ import fp8kit.kernels.fused as fused
 import fp8kit.kernels.reference as reference
 import fp8kit.nn.bf16 as bf16
 import fp8kit.nn.layernorm as layernorm
+import fp8kit.numerics.scaling as scaling
 import fp8kit.ptq.calibrate as calibrate
 import fp8kit.ptq.linear as ptq_linear
 import fp8kit.ptq.smoothquant as smoothquant
-import fp8kit.scaling as scaling
-from fp8kit import E4M3, INT8, recipes
-from fp8kit.tensor import QuantizedTensor
+from fp8kit import E4M3, INT8
+from fp8kit.numerics import recipes
+from fp8kit.numerics.tensor import QuantizedTensor
 from tests.helpers.patching import replace_everywhere
 from tests.nn import test_numerics_layernorm as ln
 from tests.numerics import test_fp4 as fp4

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from fp8kit import quantize
-from fp8kit.scaling import nvfp4_tensor_scale
-from fp8kit.state_dict import pack_fp4
+from fp8kit.numerics.scaling import nvfp4_tensor_scale
+from fp8kit.numerics.state_dict import pack_fp4
 from tests.helpers.reference import ref_nvfp4
 
 

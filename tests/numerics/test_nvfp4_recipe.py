@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import fp8kit
-from fp8kit.formats import E2M1
-from fp8kit.recipes import RECIPE_NAMES, Recipe, recipe_from_name
-from fp8kit.scaling import Granularity
+from fp8kit.numerics.formats import E2M1
+from fp8kit.numerics.recipes import RECIPE_NAMES, Recipe, recipe_from_name
+from fp8kit.numerics.scaling import Granularity
 
 
 def test_defaults_follow_transformer_engine():

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fp8kit import E4M3, E5M2, compute_scale, mx_scale
-from fp8kit.scaling import MAX_SCALE, parse_granularity
+from fp8kit.numerics.scaling import MAX_SCALE, parse_granularity
 
 
 def test_compute_scale_formula_and_margin():

@@ -1,4 +1,4 @@
-"""``fp8kit.scaling_state.DelayedScalingState`` (record, fold, first-step rule, host reads) and the recipe
+"""``fp8kit.numerics.scaling_state.DelayedScalingState`` (record, fold, first-step rule, host reads) and the recipe
 properties the modules read instead of kind checks."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fp8kit import recipes
-from fp8kit.formats import E4M3, E5M2
-from fp8kit.scaling_state import DelayedScalingState, operand_scale
+from fp8kit.numerics import recipes
+from fp8kit.numerics.formats import E4M3, E5M2
+from fp8kit.numerics.scaling_state import DelayedScalingState, operand_scale
 
 
 def make_state(recipe: recipes.DelayedScaling, lead: tuple[int, ...] = ()) -> tuple[nn.Module, DelayedScalingState]:

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-import fp8kit.evaluation as evaluation
+import fp8kit.data.evaluation as evaluation
 from fp8kit.cli import main
-from fp8kit.evaluation import Divergence, divergence, next_token_divergence, window_losses
+from fp8kit.data.evaluation import Divergence, divergence, next_token_divergence, window_losses
 from tests.helpers.models import save_sample_llama, tiny_llama
 
 
@@ -80,8 +80,8 @@ def test_eval_of_an_export_computes_as_served(tmp_path):
     from fp8kit import ptq
     from fp8kit.data import load_corpus
     from fp8kit.export import dequantized_model, save_pretrained
+    from fp8kit.jobs.evaluate import evaluate_pretrained
     from fp8kit.models.pretrained import load_pretrained_lm
-    from fp8kit.train.evaluate import evaluate_pretrained
 
     root = save_sample_llama(tmp_path, hidden_size=64, intermediate_size=128)
     base, tokenizer = load_pretrained_lm(str(root / "model"))

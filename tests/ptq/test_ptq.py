@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from fp8kit import ptq
-from fp8kit.formats import E4M3, INT8
+from fp8kit.numerics.formats import E4M3, INT8
 from fp8kit.ptq.calibrate import InputObserver, choose_amax
 from fp8kit.ptq.schemes import Scheme
 from fp8kit.ptq.smoothquant import apply_smoothing, find_mappings
@@ -57,7 +57,7 @@ def test_scheme_sqnr_and_storage(scheme):
 def test_wrong_format_fails_the_fp8_floor():
     model, xs = layer_and_data()
     ref = torch.cat([model(x).detach() for x in xs])
-    from fp8kit.formats import E5M2
+    from fp8kit.numerics.formats import E5M2
 
     e5 = Scheme("fp8", E5M2, "tensor", E5M2, "tensor", False, "float-quantized", "negative control")
     q = ptq.quantize(copy.deepcopy(model), e5, calib(xs), module_filter=lambda n, m: True)

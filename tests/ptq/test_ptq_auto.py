@@ -12,6 +12,7 @@ import torch
 from fp8kit import ptq
 from fp8kit.cli import main
 from fp8kit.export import load_pretrained
+from fp8kit.jobs import quantize_checkpoint
 from fp8kit.planner.bits import EFFECTIVE_BITS, plan_bits
 from tests.helpers.models import calib, save_sample_llama, tiny_llama, token_batches
 
@@ -135,7 +136,9 @@ def test_auto_refuses_what_it_cannot_plan(tmp_path):
     with pytest.raises(ValueError, match="go with scheme='auto'"):
         ptq.quantize(model, "fp8", loop, budget=6)
     with pytest.raises(ValueError, match="whole model"):
-        ptq.quantize(str(tmp_path), "auto", loop, out=tmp_path / "q", budget=6)
+        quantize_checkpoint(str(tmp_path), "auto", tmp_path / "q", loop, budget=6)
+    with pytest.raises(TypeError, match="fp8kit.jobs.quantize_checkpoint"):
+        ptq.quantize(str(tmp_path), "auto", loop, budget=6)
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import torch.nn as nn
 
 from fp8kit import ptq, quantize
 from fp8kit.export import ExportError, save_pretrained
+from fp8kit.numerics.state_dict import unpack_fp4
 from fp8kit.ptq.gptq import gptq_fp4_weight
-from fp8kit.state_dict import unpack_fp4
 from tests.helpers.models import tiny_llama
 from tests.helpers.numerics import sqnr_db
 

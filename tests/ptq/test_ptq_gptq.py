@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fp8kit.formats import E4M3, INT8
+from fp8kit.numerics.formats import E4M3, INT8
+from fp8kit.numerics.tensor import quantize as fp8_quantize
 from fp8kit.ptq import QuantLinear, collect_hessians, gptq_linear, gptq_weight, quantize
-from fp8kit.tensor import quantize as fp8_quantize
 from tests.helpers.models import tiny_llama_config
 
 

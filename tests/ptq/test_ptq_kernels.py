@@ -16,8 +16,8 @@ import torch.nn as nn
 
 import fp8kit.gemm.codes as gemm_codes
 from fp8kit import E4M3, INT8
-from fp8kit.formats import cast_reference
 from fp8kit.gemm import probe
+from fp8kit.numerics.formats import cast_reference
 from fp8kit.ptq import QuantLinear, resident_bytes, set_weight_cache
 from fp8kit.ptq.linear import KernelChoice, dequant_scale, select_kernel
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from fp8kit.export import ExportError, dequantized_model, load_pretrained, save_pretrained
-from fp8kit.formats import E4M3, INT8, cast
 from fp8kit.nn.experts import is_experts_module
+from fp8kit.numerics.formats import E4M3, INT8, cast
 from fp8kit.ptq import quantize
 from fp8kit.ptq.experts import IMPLEMENTATION, QuantExperts, quantize_experts_module
 from tests.helpers.moe import tiny_moe_model
@@ -355,9 +355,9 @@ def test_quantize_takes_an_fp8kit_train_checkpoint_of_the_moe_demo(tmp_path):
     """``fp8kit quantize --model runs/.../ckpt/bf16``: the demo MoE rebuilt from the checkpoint's settings
     with its weights and byte tokens; the CLI's validator accepts the folder."""
     from fp8kit.cli._common import model as model_arg
+    from fp8kit.jobs.loading import load_model
     from fp8kit.models.llama import build_demo
     from fp8kit.train.checkpoint import save_checkpoint
-    from fp8kit.train.reload import load_model
 
     trained = build_demo("moe", "tiny", max_seq_len=64, seed=5)
     with torch.no_grad():

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import fp8kit
+from fp8kit.numerics.scaling import nvfp4_tensor_scale
+from fp8kit.numerics.state_dict import unpack_fp4
 from fp8kit.ptq import quantize
 from fp8kit.ptq.experts import QuantExperts, dequantize_experts_module, quantize_experts_module
-from fp8kit.scaling import nvfp4_tensor_scale
-from fp8kit.state_dict import unpack_fp4
 from tests.helpers.moe import qwen3_moe_config, tiny_moe_model
 from tests.helpers.numerics import sqnr_db
 

@@ -140,7 +140,7 @@ def test_quiet_unless_asked(capsys):
 def test_every_layer_in_fp8_beside_the_default():
     """``--keep-bf16 0`` quantizes every Linear but the head, as ModelOpt and llm-compressor
     do, while the default keeps its share of layers in BF16; the settings line says which."""
-    from fp8kit.pretrained_ptq import ptq_settings, settings_text
+    from fp8kit.jobs.quantize import ptq_settings, settings_text
 
     every = ptq_settings("fp8", keep_bf16=0, norm_tweak=0, n_layers=len(LINEARS))
     default = ptq_settings("fp8", n_layers=len(LINEARS), norm_tweak=2)

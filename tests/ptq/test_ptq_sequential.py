@@ -1,4 +1,4 @@
-"""Sequential PTQ (``fp8kit.ptq.sequential``): a checkpoint quantized one decoder layer at a time gives the
+"""Sequential PTQ (``fp8kit.jobs.layerwise``): a checkpoint quantized one decoder layer at a time gives the
 whole-model export bit for bit with round-to-nearest settings (dense Llama, Qwen3-MoE, Mixtral; every
 format), the same accuracy with calibrated settings, an export ``transformers`` reloads from several
 shards, no complete-looking folder when a run dies half way, and a peak memory the whole-model path
@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from fp8kit.export import load_pretrained, quantize_block, save_pretrained
+from fp8kit.jobs import quantize_checkpoint
 from fp8kit.ptq import quantize
 from tests.helpers.models import tiny_llama_config
 from tests.helpers.moe import qwen3_moe_config, tiny_moe_model
@@ -60,7 +61,7 @@ def _whole_and_sequential(
     model = quantize_block(model) if scheme == "fp8-block" else quantize(model, scheme, _loop(ids), **kw)
     whole = save_pretrained(model, tmp / f"whole-{scheme}-{fmt}", format=fmt)
     out = tmp / f"seq-{scheme}-{fmt}-{propagate}"
-    seq = quantize(str(src), scheme, _loop(ids), out=out, format=fmt, propagate=propagate, **kw)
+    seq, _ = quantize_checkpoint(str(src), scheme, out, _loop(ids), format=fmt, propagate=propagate, **kw)
     return whole, seq
 
 
@@ -193,7 +194,7 @@ def test_transformers_reloads_the_sharded_export(llama_dir, tmp_path):
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
     ids = _ids(256)
-    out = quantize(str(llama_dir), "fp8", _loop(ids), out=tmp_path / "ckpt", max_shard_size="40KB")
+    out, _ = quantize_checkpoint(str(llama_dir), "fp8", tmp_path / "ckpt", _loop(ids), max_shard_size="40KB")
     shards = sorted(out.glob("model-*-of-*.safetensors"))
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(shards) > 2 and set(index["weight_map"].values()) == {s.name for s in shards}
@@ -210,7 +211,7 @@ def test_transformers_reloads_the_sharded_export(llama_dir, tmp_path):
 
 
 def test_a_run_that_fails_half_way_leaves_nothing(llama_dir, tmp_path, monkeypatch):
-    from fp8kit.ptq import sequential
+    from fp8kit.jobs import layerwise as sequential
 
     calls = []
     real = sequential._layer_tensors
@@ -223,21 +224,21 @@ def test_a_run_that_fails_half_way_leaves_nothing(llama_dir, tmp_path, monkeypat
 
     monkeypatch.setattr(sequential, "_layer_tensors", fail_on_second)
     with pytest.raises(RuntimeError, match="disk full"):
-        quantize(str(llama_dir), "fp8-dynamic", out=tmp_path / "ckpt", max_shard_size="40KB")
+        quantize_checkpoint(str(llama_dir), "fp8-dynamic", tmp_path / "ckpt", max_shard_size="40KB")
     assert os.listdir(tmp_path) == []
 
 
 KILLED = """
 import os, signal, sys
 from fp8kit.export import shards
-from fp8kit.ptq import quantize
+from fp8kit.jobs import quantize_checkpoint
 finish = shards.ShardWriter._finish_shard
 def finish_then_die(self):
     finish(self)
     if len(self.shards) == 2:
         os.kill(os.getpid(), signal.SIGKILL)
 shards.ShardWriter._finish_shard = finish_then_die
-quantize(sys.argv[1], "fp8-dynamic", out=sys.argv[2], max_shard_size="40KB")
+quantize_checkpoint(sys.argv[1], "fp8-dynamic", sys.argv[2], max_shard_size="40KB")
 """
 
 
@@ -256,6 +257,7 @@ import sys, torch
 from pathlib import Path
 from transformers import AutoModelForCausalLM
 from fp8kit.export import save_pretrained
+from fp8kit.jobs import quantize_checkpoint
 from fp8kit.ptq import quantize
 
 def status(key):
@@ -267,7 +269,7 @@ loop = lambda m: [m(input_ids=x) for x in ids.split(4)]
 
 def run(path, dest):
     if mode == "sequential":
-        quantize(path, "int8-weight-only", loop, out=dest)
+        quantize_checkpoint(path, "int8-weight-only", dest, loop)
     else:
         model = quantize(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), "int8-weight-only", loop)
         save_pretrained(model, dest)
@@ -313,9 +315,9 @@ def test_peak_memory_stays_under_the_checkpoint_bytes(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_layers_onloaded_to_the_gpu_give_the_cpu_export(llama_dir, tmp_path):
     """Round to nearest on CUDA (each layer onloaded in turn) writes the CPU run's codes and scales."""
-    cpu = quantize(str(llama_dir), "fp8-dynamic", out=tmp_path / "cpu")
+    cpu, _ = quantize_checkpoint(str(llama_dir), "fp8-dynamic", tmp_path / "cpu")
     torch.cuda.reset_peak_memory_stats()
-    gpu = quantize(str(llama_dir), "fp8-dynamic", out=tmp_path / "gpu", device="cuda")
+    gpu, _ = quantize_checkpoint(str(llama_dir), "fp8-dynamic", tmp_path / "gpu", device="cuda")
     assert torch.cuda.max_memory_allocated() > 0
     a, b = _tensors(cpu), _tensors(gpu)
     assert set(a) == set(b) and all(_same(a[k], b[k]) for k in a)

@@ -1,5 +1,5 @@
 """PTQ evaluation protocol: disjoint calibration/dev/test splits spread over the text, windows, paired
-mean and spread (``fp8kit.data.splits``, ``fp8kit.evaluation.window_summary``), the compare table."""
+mean and spread (``fp8kit.data.splits``, ``fp8kit.data.evaluation.window_summary``), the compare table."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from fp8kit.compare import compare_markdown
 from fp8kit.data import ptq_splits, reference_text, windows
+from fp8kit.data.evaluation import window_losses, window_summary
 from fp8kit.data.splits import BLOCK
-from fp8kit.evaluation import window_losses, window_summary
+from fp8kit.jobs.compare import compare_markdown
 
 
 def test_splits_are_disjoint_cover_the_text_and_windows_spread_over_it():
@@ -33,7 +33,7 @@ def test_splits_are_disjoint_cover_the_text_and_windows_spread_over_it():
 
 
 def test_calibration_loop_runs_the_calibration_batches_from_the_calibration_split_only():
-    from fp8kit.pretrained_ptq import calibration_batches, calibration_loop
+    from fp8kit.jobs.quantize import calibration_batches, calibration_loop
 
     ids = torch.arange(40 * BLOCK + 100)
     sp = ptq_splits(ids, "t")
@@ -103,7 +103,7 @@ def test_compare_uses_each_schemes_settings_keeps_bf16_layers_and_reports_them(t
     ranking keeps one layer in BF16 and the table names it with its share of the weights."""
     transformers = pytest.importorskip("transformers")
     tokenizers = pytest.importorskip("tokenizers")
-    from fp8kit.compare import compare_schemes
+    from fp8kit.jobs.compare import compare_schemes
     from tests.helpers.models import tiny_llama_config
 
     text = "In the beginning God created the heaven and the earth. And the earth was without form. " * 60
@@ -147,7 +147,7 @@ def test_compare_uses_each_schemes_settings_keeps_bf16_layers_and_reports_them(t
 
 
 def test_ptq_settings_take_each_schemes_default_unless_given():
-    from fp8kit.compare import DEFAULT_KEEP_BF16, DEFAULT_NORM_TWEAK, ptq_settings
+    from fp8kit.jobs.compare import DEFAULT_KEEP_BF16, DEFAULT_NORM_TWEAK, ptq_settings
 
     fp8 = ptq_settings("fp8+kv")  # SmolLM2's 210 layers
     assert (

@@ -30,7 +30,7 @@ def test_qad_refuses_what_it_does_not_train_and_jobs_that_do_not_fit(tmp_path, c
     argv = ["quantize", "--model", str(root / "model"), "--scheme", "nvfp4", "--out", str(tmp_path / "q")]
     assert main([*argv, "--qad-steps", "2", "--keep-bf16", "1"]) == 2
     assert "drop --keep-bf16" in capsys.readouterr().err
-    monkeypatch.setattr("fp8kit.cost.available_bytes", lambda device: 1024)
+    monkeypatch.setattr("fp8kit.jobs.cost.available_bytes", lambda device: 1024)
     assert main([*argv, "--qad-steps", "2"]) == 2
     err = capsys.readouterr().err
     assert "quantize --qad-steps 2 (teacher + student" in err and "GiB" in err

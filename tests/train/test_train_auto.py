@@ -4,10 +4,10 @@ trained with; the checkpoint rebuilds the planned model."""
 import json
 
 from fp8kit.cli import main
+from fp8kit.jobs.loading import load_train_checkpoint
 from fp8kit.nn.linear import Linear as FP8Linear
 from fp8kit.planner import Plan, roofline
 from fp8kit.train.checkpoint import latest_checkpoint, read_info
-from fp8kit.train.reload import load_train_checkpoint
 
 TINY = ["--model-size", "tiny", "--steps", "2", "--batch-size", "2", "--seq-len", "32", "--no-progress"]
 

@@ -13,7 +13,7 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 TRAIN_OUT = "runs/fp8kit-train"
 # How an ``fp8kit train`` run folder is recognized: its config.json holds these keys.
@@ -112,8 +112,8 @@ def model(allow_demo: bool, demo_hint: str = "") -> Callable[[str], str]:
         if text in PRETRAINED_MODELS:
             return text
         path = Path(text)
+        from ..jobs.loading import train_checkpoint
         from ..models.resolve import is_hub_id
-        from ..train.reload import train_checkpoint
 
         if is_hub_id(text):
             return text
@@ -265,3 +265,29 @@ def read_json(path: Path) -> dict | None:
 def _written_by_fp8kit(path: Path, keys: tuple[str, ...]) -> bool:
     data = read_json(path)
     return data is not None and all(k in data for k in keys)
+
+
+def add_device_options(p: argparse.ArgumentParser) -> None:
+    """``--device``, ``--emulate`` and ``--force``."""
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (CUDA when present, else the CPU), cpu, cuda or cuda:N; on CUDA weights load in BF16 and "
+        "FP8 GEMMs run on the native kernels",
+    )
+    p.add_argument(
+        "--emulate",
+        action="store_true",
+        help="run a recipe/scheme this GPU has no native FP8 GEMM for (MXFP8 below SM100, FP8 below SM89) on "
+        "dequantized BF16 operands, with a warning, instead of refusing",
+    )
+    p.add_argument(
+        "--force", action="store_true", help="start even when the estimated peak memory exceeds the free memory"
+    )
+
+
+def job_device(args: argparse.Namespace, recipes: Any = None) -> Any:
+    """``--device`` resolved and checked against ``recipes`` (``fp8kit.runtime.device.resolve_device``)."""
+    from ..runtime.device import resolve_device
+
+    return resolve_device(args.device, recipe=recipes, emulate=args.emulate)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..jobs.announce import UnknownSize, announce, print_device_peak, shape_of
 from ._common import UsageError
-from ._job import UnknownSize, announce, print_device_peak, shape_of
 
 QAD_BATCH, QAD_SEQ = 4, 128  # tokens per distillation step: one calibration batch
 
@@ -31,11 +31,11 @@ def add_qad_arguments(q: argparse.ArgumentParser) -> None:
 
 def run_qad(args: argparse.Namespace, device) -> int:
     """Load, distil, convert and write the model (``qat.pretrained.qad_pretrained``)."""
-    from ..device import work_dtype
     from ..export import save_pretrained
-    from ..pretrained_ptq import calibration_for, calibration_loop, load_splits
-    from ..qat.pretrained import qad_cost, qad_pretrained
-    from ..train.reload import load_model
+    from ..jobs.loading import load_model
+    from ..jobs.qad import qad_cost, qad_pretrained
+    from ..jobs.quantize import calibration_for, calibration_loop, load_splits
+    from ..runtime.device import work_dtype
 
     if args.qad_steps < 0 or not args.qad_lr > 0:
         raise UsageError("--qad-steps takes a whole number >= 0 and --qad-lr a number > 0")

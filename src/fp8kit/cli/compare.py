@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import add_overwrite, check_run_dir, clear_run_dir, model, positive_int, text_file
-from ._job import add_device_options, announce_inference, job_device, print_device_peak, ptq_passes
+from ..jobs.announce import print_device_peak
+from ._common import (
+    add_device_options,
+    add_overwrite,
+    check_run_dir,
+    clear_run_dir,
+    job_device,
+    model,
+    positive_int,
+    text_file,
+)
 from ._ptq_options import (
     MODEL_HELP,
     add_calibration_options,
@@ -73,11 +82,11 @@ def add_arguments(c: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_run_dir(args.out, WRITES, SIGNATURE, args.overwrite, kind="comparison")
-    from ..compare import compare_markdown, compare_schemes, parse_schemes
+    from ..jobs.compare import announce_cost, compare_markdown, compare_schemes, parse_schemes
 
     schemes = parse_schemes(args.schemes)
     device = job_device(args, schemes)
-    _announce_cost(args, device, schemes)
+    announce_cost(args, device, schemes)
     if args.overwrite:
         clear_run_dir(args.out, WRITES)
     result = compare_schemes(
@@ -99,13 +108,3 @@ def run(args: argparse.Namespace) -> int:
     print_device_peak(device)
     print(f"wrote {args.out}/compare.json, compare.md and compare.png")
     return 0
-
-
-def _announce_cost(args: argparse.Namespace, device, schemes: list[str]) -> None:
-    """The BF16 model and one quantized copy at a time; per scheme its PTQ passes over the calibration data,
-    then every model's held-out windows on two texts (in units of calibration passes)."""
-    calib_tokens = args.calib_batches * 4 * 128
-    per_scheme = sum(ptq_passes(args.calib_batches, args.gptq, args.awq, args.norm_tweak).values())
-    passes = {f"{s} ptq": per_scheme for s in schemes}
-    passes["eval"] = max(1, (len(schemes) + 1) * 2 * args.windows * args.seq_len // calib_tokens)
-    announce_inference(args, "compare", device, passes, calib_tokens, 8 * args.seq_len, copies=2)

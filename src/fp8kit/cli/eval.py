@@ -5,8 +5,17 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ._common import PRETRAINED_MODELS, TRAIN_OUT, UsageError, model, positive_int, text_file
-from ._job import add_device_options, announce_inference, job_device, print_device_peak
+from ..jobs.announce import announce_inference, print_device_peak
+from ._common import (
+    PRETRAINED_MODELS,
+    TRAIN_OUT,
+    UsageError,
+    add_device_options,
+    job_device,
+    model,
+    positive_int,
+    text_file,
+)
 
 # The held-out batches of a demo run's evaluations in training (``TrainConfig.eval_batches``): the same
 # batches, so ``fp8kit eval`` of a checkpoint prints the perplexity of the training summary.
@@ -66,16 +75,6 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
     add_device_options(e)
 
 
-def checkpoints_in(path: Path) -> list[Path]:
-    """``ckpt/<run>`` folders to evaluate: ``path`` itself, or every run of a ``fp8kit train`` folder."""
-    from ..train.checkpoint import latest_checkpoint
-
-    if latest_checkpoint(path) is not None or (path / "model.safetensors").is_file():
-        return [path]
-    runs = sorted(p for p in (path / "ckpt").glob("*") if p.is_dir()) if (path / "ckpt").is_dir() else []
-    return [r for r in runs if latest_checkpoint(r) is not None]
-
-
 def run_engine(args: argparse.Namespace) -> int:
     """``--engine vllm``: the export ``--checkpoint`` scored by fp8kit and by vLLM on the same held-out windows."""
     from ..engines.vllm import score_beside_fp8kit, vllm_unavailable
@@ -107,14 +106,16 @@ def run(args: argparse.Namespace) -> int:
     if args.reference is not None and args.model is None:
         raise UsageError("--reference goes with --model (the model to score against it)")
     if args.model is None:
+        from ..jobs.loading import train_runs
+
         where = Path(args.checkpoint or TRAIN_OUT)
-        runs = checkpoints_in(where)
+        runs = train_runs(where)
         if not runs:
             raise UsageError(
                 f"no fp8kit checkpoint in {where}: run `fp8kit train` first, or give --checkpoint "
                 f"(a run's ckpt/<run> folder) or --model {'|'.join(PRETRAINED_MODELS)}|DIR"
             )
-    from ..train.evaluate import evaluate_checkpoint, evaluate_pretrained
+    from ..jobs.evaluate import evaluate_checkpoint, evaluate_pretrained
 
     device = job_device(args)
     if args.model is not None:

@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def format_table() -> str:
     """One row per format: dtype, exponent bias, largest, smallest normal and subnormal value, binades."""
-    from ..formats import FORMATS
+    from ..numerics.formats import FORMATS
 
     head = f"{'format':<7} {'torch dtype':<22} {'bias':>4} {'max':>12} {'min normal':>12} {'min subnormal':>14} {'binades':>8}"
     lines = [head, "-" * len(head)]
@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from .. import __version__
-    from ..device import device_report
+    from ..runtime.device import device_report
 
     print(f"fp8kit {__version__}  torch {torch.__version__}  CUDA available: {torch.cuda.is_available()}")
     devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] or [torch.device("cpu")]

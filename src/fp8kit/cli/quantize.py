@@ -4,19 +4,9 @@ compressed-tensors, ModelOpt or block-FP8 checkpoint (``--format``)."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from ._common import UsageError, check_out_outside_model, model, text_file
-from ._job import (
-    add_device_options,
-    announce_inference,
-    announce_layer_by_layer,
-    announce_ptq,
-    job_device,
-    print_device_peak,
-    ptq_cost_phases,
-    ptq_passes,
-)
+from ..jobs import quantize as quantize_job
+from ._common import UsageError, add_device_options, check_out_outside_model, job_device, model, text_file
 from ._ptq_options import (
     MODEL_HELP,
     add_calibration_options,
@@ -146,7 +136,7 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..export import check_export_dir, check_scheme_format, save_pretrained
+    from ..export import check_export_dir, check_scheme_format
 
     if (args.scheme == "auto") != (args.budget is not None):
         raise UsageError("--scheme auto and --budget BITS go together (a scheme per layer for a bits budget)")
@@ -174,103 +164,20 @@ def run(args: argparse.Namespace) -> int:
     if args.qad_steps:
         return run_qad(args, device)
     settings = ptq_settings(args)
-    source = None if args.attention else _sequential_source(args, settings)  # attention calibrates whole
+    if args.attention:  # FP8 attention calibrates on the whole model
+        return quantize_job.run_whole(args, device, {**settings, "attention": args.attention})
+    source = quantize_job.layerwise_source(args, settings)
     if source is not None:
-        return _run_sequential(args, source, settings, device)
+        return quantize_job.run_layerwise(args, source, settings, device)
     if args.scheme == "fp8-block":  # no calibration: 128x128 weight tiles, dynamic activations
-        from ..device import work_dtype
-        from ..export import quantize_block
-        from ..train.reload import load_model
-
-        announce_inference(args, "quantize", device, {}, 0)
-        model, tokenizer = load_model(args.model, work_dtype(device), device)
-        try:
-            model = quantize_block(model, block=args.block, format=args.format)
-        except ValueError as err:  # a reader of --format cannot load a layer: nothing is quantized or written
-            raise UsageError(f"--format {args.format}: {err}") from None
-        out = save_pretrained(
-            model,
-            args.out,
-            tokenizer,
-            format=args.format,
-            overwrite=args.overwrite,
-            max_shard_size=args.max_shard_size,
-        )
-        print(f"{model.ptq_report}\nwrote the {args.format} export to {out}")
-        print_device_peak(device)
-        return 0
-    from ..compare import quantize_pretrained
-
-    announce_ptq(args, device, args.scheme)
-    model, tokenizer, corpus = quantize_pretrained(
-        args.model, args.scheme, text=args.text, device=device, progress=True, attention=args.attention, **settings
-    )
-    out = save_pretrained(
-        model, args.out, tokenizer, format=args.format, overwrite=args.overwrite, max_shard_size=args.max_shard_size
-    )
-    print(model.ptq_report)
-    print(f"calibrated on {corpus.name}; wrote the {args.format} export to {out} (vLLM: LLM(model={str(out)!r}))")
-    print_device_peak(device)
-    return 0
-
-
-def _sequential_source(args: argparse.Namespace, settings: dict) -> Path | None:
-    """The folder to quantize layer by layer, or ``None`` (GGUF/train checkpoints, or options that need the
-    whole model: one line says so, with what the full load takes)."""
-    from ..pretrained_ptq import full_load_line, ptq_settings, quantizable_layers, sequential_source
-    from ..ptq.sequential import needs_full_load, skeleton
-
-    source = sequential_source(args.model)
-    if source is None or args.scheme == "fp8-block":
-        return source
-    defaults = {k: v for k, v in settings.items() if k != "calib_batches"}
-    full = needs_full_load(ptq_settings(args.scheme, **defaults, n_layers=quantizable_layers(skeleton(source))))
-    if full:
-        print(full_load_line(source, full), flush=True)
-        return None
-    return source
-
-
-def _run_sequential(args: argparse.Namespace, source: Path, settings: dict, device) -> int:
-    """Layer by layer: each decoder layer onloaded to ``device`` in turn, the export written as it goes."""
-    from ..pretrained_ptq import quantize_pretrained_sequential
-
-    if args.scheme == "fp8-block":
-        passes: dict[str, int] = {}
-    else:
-        passes = ptq_passes(args.calib_batches, args.gptq, args.awq, 0)
-    phases = None if args.scheme == "fp8-block" else ptq_cost_phases(args, device, args.scheme)
-    announce_layer_by_layer(args, device, passes, args.calib_batches * 4 * 128, phases)
-
-    out, report, corpus = quantize_pretrained_sequential(  # fp8-block: the tile check runs before any layer is read
-        source,
-        args.scheme,
-        args.out,
-        format=args.format,
-        text=args.text,
-        overwrite=args.overwrite,
-        max_shard_size=args.max_shard_size,
-        device=device,
-        progress=True,
-        propagate=args.propagate,
-        block=args.block,
-        **settings,
-    )
-    print(report)
-    where = "" if args.scheme == "fp8-block" else f"calibrated on {corpus.name}; "
-    print(f"quantized layer by layer; {where}wrote the {args.format} export to {out} (vLLM: LLM(model={str(out)!r}))")
-    print_device_peak(device)
-    return 0
+        return quantize_job.run_block(args, device)
+    return quantize_job.run_whole(args, device, settings)
 
 
 def _run_auto(args: argparse.Namespace) -> int:
     """A scheme per layer (``ptq.quantize(..., "auto")``) on the whole model, its plan printed and the export
     written, each layer in its scheme (a mix: one compressed-tensors config group per scheme)."""
-    from ..device import work_dtype
-    from ..export import check_export_dir, save_pretrained
-    from ..pretrained_ptq import calibration_loop, load_splits
-    from ..ptq import quantize
-    from ..train.reload import load_model
+    from ..export import check_export_dir
 
     given = [
         f"--{k.replace('_', '-')}"
@@ -288,32 +195,4 @@ def _run_auto(args: argparse.Namespace) -> int:
         check_export_dir(args.out, args.overwrite)
     except ValueError as err:
         raise UsageError(f"--out {err}") from None
-    candidates = None if args.candidates is None else [c for c in args.candidates.split(",") if c.strip()]
-    device = job_device(args)
-    print("--scheme auto scores every layer in one pass with gradients: the whole model is loaded", flush=True)
-    passes = ptq_passes(args.calib_batches, args.gptq, False, 0) | {"score": 3}
-    announce_inference(args, "quantize", device, passes, args.calib_batches * 4 * 128)
-    model, tokenizer = load_model(args.model, work_dtype(device), device)
-    model.eval()
-    splits = load_splits(args.text, tokenizer, second_text=False)[0]
-    loop = calibration_loop(splits, args.calib_batches)
-    try:
-        quantize(model, "auto", loop, budget=args.budget, candidates=candidates, calibration=args.calibration or "max",
-                 gptq=args.gptq, progress=True)  # fmt: skip
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-    report = model.ptq_report
-    print(report)
-    if not report.schemes:
-        raise UsageError(f"the plan keeps every layer in BF16 ({args.budget:g} bits allow it): give a lower --budget")
-    try:
-        out = save_pretrained(
-            model, args.out, tokenizer, format=args.format, overwrite=args.overwrite, max_shard_size=args.max_shard_size
-        )
-    except ValueError as err:
-        raise UsageError(f"--format: {err}") from None
-    counts = report.plan.counts()
-    layers = ", ".join(f"{c} {k}" for c, k in counts.items())
-    print(f"calibrated on {splits.name}; wrote the {args.format} export (layers: {layers}) to {out}")
-    print_device_peak(device)
-    return 0
+    return quantize_job.run_auto(args, job_device(args))

@@ -7,16 +7,17 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..jobs import train as train_job
 from ._common import (
     TRAIN_OUT,
     TRAIN_SIGNATURE,
     USER_ERRORS,
     Parser,
     UsageError,
+    add_device_options,
     at_least,
     check_run_dir,
     clear_run_dir,
@@ -27,7 +28,6 @@ from ._common import (
     read_json,
     text_file,
 )
-from ._job import add_device_options, announce, shape_of
 
 if TYPE_CHECKING:
     from ..train import TrainConfig
@@ -63,7 +63,7 @@ EXTENDABLE = ("steps", "eval_interval", "ckpt_interval")
 
 def recipe_list(text: str) -> str:
     """``all``, ``auto`` or a comma list of recipe names."""
-    from ..recipes import TRAINING_RECIPE_NAMES, recipe_from_name
+    from ..numerics.recipes import TRAINING_RECIPE_NAMES, recipe_from_name
 
     names = [s.strip() for s in text.split(",") if s.strip()]
     if text.strip().lower() == "all":
@@ -289,16 +289,16 @@ def run(args: argparse.Namespace) -> int:
         if args.overwrite and not rank:
             clear_run_dir(cfg.out, WRITES)
         try:
-            summary = _train(cfg, args)
+            summary = train_job.run(cfg, getattr(args, "argv", None))
         except USER_ERRORS:
             if rank:
                 return 2
             raise
         if summary is None:
             return 130
-        _print_summary(cfg, summary)
+        train_job.print_summary(cfg, summary)
         if args.export_format and not rank:
-            _export(cfg, args.export_format)
+            train_job.export(cfg, args.export_format)
     return 0
 
 
@@ -318,7 +318,7 @@ def checked_config(args: argparse.Namespace) -> TrainConfig:
         _check_export(cfg, args.export_format)
     check_config(cfg)
     if not in_torchrun():  # the launching process speaks for the job
-        _announce_cost(cfg, args.force)
+        train_job.announce_cost(cfg, args.force)
     return cfg
 
 
@@ -370,91 +370,3 @@ def _check_export(cfg: TrainConfig, export_format: str) -> None:
         check_train_export(cfg.recipes, export_format, cfg.out, cfg.model != "demo")
     except ValueError as err:
         raise UsageError(f"--export-format: {err}") from None
-
-
-def _announce_cost(cfg: TrainConfig, force: bool) -> None:
-    """Parameters, peak memory per process and time per run, before anything is loaded."""
-    from ..cost import estimate_training
-    from ..device import resolve_device
-    from ..train.checks import fixed_recipes
-    from ..train.loop import run_names
-
-    device = resolve_device(cfg.device, recipe=fixed_recipes(cfg.recipes), emulate=cfg.emulate)
-    shape = shape_of(cfg.model, cfg.arch, cfg.model_size, cfg.seq_len)
-    micro = cfg.batch_size * cfg.seq_len // max(cfg.nproc, 1)
-    runs = run_names(cfg)
-    interval = max(cfg.eval_interval, 1)
-    evals = 1 + cfg.steps // interval + (1 if cfg.steps % interval else 0)  # step 0, each interval, the end
-    cost = estimate_training(
-        "train", shape, device, runs, cfg.steps, micro * cfg.grad_accum, micro, cfg.optimizer == "fp8-adamw",
-        recipes={run: run.removeprefix("fp8-") for run in runs}, eval_tokens=evals * cfg.eval_batches * cfg.batch_size * cfg.seq_len,
-        rates=(rates := _rates(device, runs)),
-    )  # fmt: skip
-    cost.phases["report"] = rates.figure_s  # loss.png
-    announce(cost, device, force)
-
-
-def _rates(device, runs: list[str]):
-    """The device's measured rates (``estimate.current_rates``), with the per-call cost of each recipe run."""
-    from ..estimate import current_rates
-    from ..recipes import recipe_from_name
-
-    recipes = []
-    for run in runs:
-        try:
-            recipe_from_name(run.removeprefix("fp8-"))
-            recipes.append(run.removeprefix("fp8-"))
-        except (ValueError, KeyError):
-            pass
-    return current_rates(device, recipes)
-
-
-def _train(cfg: TrainConfig, args: argparse.Namespace) -> dict | None:
-    """``run_comparison``; ``None`` when interrupted (after saying what was saved and the command that goes on)."""
-    from ..train import run_comparison
-
-    try:
-        return run_comparison(cfg)
-    except KeyboardInterrupt:
-        print("\n" + interrupt_hint(cfg, getattr(args, "argv", None)), file=sys.stderr)
-        return None
-
-
-def interrupt_hint(cfg: TrainConfig, argv: list[str] | None) -> str:
-    """What an interrupted ``fp8kit train`` left in ``cfg.out`` and the exact command that continues it."""
-    import shlex
-
-    from ..train.checkpoint import latest_checkpoint
-
-    out = Path(cfg.out)
-    resume = f"fp8kit train --out {shlex.quote(str(out))} --resume"
-    ckpt = out / "ckpt"
-    saved = sorted(p.name for p in ckpt.iterdir() if latest_checkpoint(p) is not None) if ckpt.is_dir() else []
-    if saved:
-        return f"interrupted: checkpoints of {', '.join(saved)} are in {ckpt}; continue with: {resume}"
-    if read_json(out / SIGNATURE[0]) is not None:
-        return f"interrupted before the first checkpoint: nothing was saved yet; start again with: {resume}"
-    again = "fp8kit " + shlex.join(argv) if argv else "the same command"
-    return f"interrupted before the run started: nothing was saved; start again with: {again}"
-
-
-def _print_summary(cfg: TrainConfig, summary: dict) -> None:
-    from ..train.report import summary_markdown
-
-    plan_file = Path(cfg.out) / "plan.json"
-    if "auto" in cfg.recipes and plan_file.is_file():
-        from ..planner import Plan
-
-        print()
-        print(Plan.from_json(plan_file))
-        print(f"wrote the fp8-auto run's plan to {plan_file}")
-    print()
-    print(summary_markdown(summary))
-    print(f"wrote {cfg.out}/summary.json, summary.md, loss.png, metrics.jsonl and checkpoints in {cfg.out}/ckpt")
-
-
-def _export(cfg: TrainConfig, export_format: str) -> None:
-    from ..train.serving import export_runs
-
-    for path in export_runs(cfg.out, export_format, [f"fp8-{r}" for r in cfg.recipes]):
-        print(f"wrote the {export_format} serving checkpoint {path}")

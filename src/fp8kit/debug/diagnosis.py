@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..recipes import DelayedScaling, Recipe
+from ..numerics.recipes import DelayedScaling, Recipe
 from .detectors import SpikeDetector
 from .trends import Trend, find_trends
 

@@ -38,7 +38,7 @@ import torch.nn as nn
 from ..nn import convert, to_bf16_gemms
 from ..nn.experts import FP8Experts
 from ..nn.linear import Linear as FP8Linear
-from ..recipes import CurrentScaling, DelayedScaling, Recipe, recipe_from_name
+from ..numerics.recipes import CurrentScaling, DelayedScaling, Recipe, recipe_from_name
 from .detectors import NaNDetector
 from .diagnosis import Culprit, Recommendation, diagnose, final_gap, recommend
 from .fixes import latent_fixes, operand_layer
@@ -176,7 +176,7 @@ def _train_pair(
     """Train a BF16 and an FP8 copy of ``model`` in lockstep on ``batches``, recording per step both losses,
     each FP8 layer's output error and each weight's gradient error against the BF16 copy, and the
     inspector's statistics; stops at the first non-finite FP8 loss. ``progress``: a bar over the steps."""
-    from ..progress import bar
+    from ..runtime.progress import bar
 
     torch.manual_seed(seed)
     ref, fp8, names = _pair_models(model, recipe, module_filter, prepare_fp8, convert_kwargs)
@@ -241,7 +241,7 @@ def _nudged_losses(
     """The losses of a BF16 copy of ``model`` whose ``layer`` weight is moved to neighbouring bfloat16 values
     (each element one ulp up or down, at random), trained as the pair is: the run-to-run spread a gap is
     measured against. ``progress``: a bar over the steps."""
-    from ..progress import bar
+    from ..runtime.progress import bar
 
     torch.manual_seed(seed)
     ref = to_bf16_gemms(copy.deepcopy(model)).train()
@@ -403,7 +403,7 @@ def doctor(
         device: where both copies train (default: where ``model`` is); batches follow.
         noise_floor: also train a BF16 copy with one layer's weights one ulp off (``losses["bf16_nudged"]``): a gap
             within ``NOISE_FACTOR`` times its final gap is the run-to-run spread, not FP8's (a third run).
-        progress: a bar over the steps of each run, on stderr (``fp8kit.progress``).
+        progress: a bar over the steps of each run, on stderr (``fp8kit.runtime.progress``).
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from ..nn.swiglu import smooth_scales, swiglu_mlps
-from ..recipes import BlockScaling, Recipe, RowwiseScaling
+from ..numerics.recipes import BlockScaling, Recipe, RowwiseScaling
 from .diagnosis import Culprit, Recommendation, module_of
 from .stats import channel_stats, operand_stats
 

@@ -40,8 +40,8 @@ from ..nn.attention import STATE_NAME, attention_states, attention_stats
 from ..nn.experts import FP8Experts
 from ..nn.linear import Linear as FP8Linear
 from ..nn.routing import gather, permute
-from ..recipes import DelayedScaling, Recipe, recipe_from_name
-from ..tensor import tensor_amax
+from ..numerics.recipes import DelayedScaling, Recipe, recipe_from_name
+from ..numerics.tensor import tensor_amax
 from .stats import ROLES, operand_stats
 from .trends import gate_up_alignment
 

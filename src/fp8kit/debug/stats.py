@@ -25,10 +25,10 @@ import math
 
 import torch
 
-from ..formats import Format
 from ..kernels.reference import expand_tiles
-from ..recipes import DelayedScaling, Recipe
-from ..tensor import QuantizedTensor, quantize
+from ..numerics.formats import Format
+from ..numerics.recipes import DelayedScaling, Recipe
+from ..numerics.tensor import QuantizedTensor, quantize
 
 __all__ = ["ROLES", "channel_stats", "operand_stats", "quantize_for_stats"]
 

@@ -91,10 +91,10 @@ from ..nn.backend import quantize_backend
 from ..nn.class_swap import swap_class
 from ..nn.experts import FP8Experts, is_experts_module, token_alignment
 from ..nn.routing import Permutation, RoutingPlan, combine_slots, gather, permute, routing_plan, unpermute
-from ..recipes import DelayedScaling, Recipe
-from ..scaling import parse_granularity
-from ..scaling_state import operand_scale
-from ..tensor import QuantizedTensor, quantize, tensor_amax
+from ..numerics.recipes import DelayedScaling, Recipe
+from ..numerics.scaling import parse_granularity
+from ..numerics.scaling_state import operand_scale
+from ..numerics.tensor import QuantizedTensor, quantize, tensor_amax
 from .scaling import _COUNTS, _compiler_disable
 
 __all__ = ["ExpertParallel", "expert_parallel_stats", "parallelize_experts", "reset_expert_parallel_stats"]

@@ -38,9 +38,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from ..formats import E4M3, cast
-from ..scaling_state import operand_scale
-from ..tensor import leading_amax
+from ..numerics.formats import E4M3, cast
+from ..numerics.scaling_state import operand_scale
+from ..numerics.tensor import leading_amax
 from .scaling import _COUNTS, _compiler_disable, fp8_layers, sync_scaling
 
 __all__ = [

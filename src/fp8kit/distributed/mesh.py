@@ -136,7 +136,7 @@ def check_tp_model(tp: int, heads: int, kv_heads: int, hidden: int, intermediate
     (``tensor_parallel.check_tensor_parallel_layout``'s rule, checked here without building the model)."""
     if tp == 1:
         return
-    from ..recipes import recipe_from_name
+    from ..numerics.recipes import recipe_from_name
 
     for what, size in (("attention heads", heads), ("key/value heads", kv_heads), ("intermediate size", intermediate)):
         if size % tp:

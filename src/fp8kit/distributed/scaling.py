@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..recipes import DelayedScaling
+from ..numerics.recipes import DelayedScaling
 
 __all__ = [
     "AmaxAllReduce",

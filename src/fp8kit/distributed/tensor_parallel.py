@@ -62,9 +62,9 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..nn.autocast import fp8_enabled
 from ..nn.linear import ROLES, Linear
-from ..recipes import DelayedScaling, Recipe
-from ..scaling_state import operand_scale
-from ..tensor import QuantizedTensor, quantize, tensor_amax
+from ..numerics.recipes import DelayedScaling, Recipe
+from ..numerics.scaling_state import operand_scale
+from ..numerics.tensor import QuantizedTensor, quantize, tensor_amax
 from .scaling import _COUNTS, record_pending_amax
 
 __all__ = [

@@ -165,7 +165,7 @@ def held_out_windows(tokenizer: Any, n: int = 2, seq_len: int = 256, text: str |
 
 def fp8kit_losses(folder: str | Path, windows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Each window's mean next-token loss with the export read by fp8kit (``export.load_pretrained``)."""
-    from ..evaluation import window_losses
+    from ..data.evaluation import window_losses
     from ..export import load_pretrained
 
     return window_losses(load_pretrained(folder, dtype=dtype), windows)

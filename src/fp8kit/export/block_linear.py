@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..formats import E4M3
 from ..gemm.scaled import block_scaled_mm
-from ..scaling import parse_granularity
-from ..tensor import QuantizedTensor, quantize
+from ..numerics.formats import E4M3
+from ..numerics.scaling import parse_granularity
+from ..numerics.tensor import QuantizedTensor, quantize
 
 __all__ = ["BlockQuantLinear", "BLOCK"]
 

@@ -10,8 +10,7 @@ import torch.nn as nn
 
 from ..nn.convert import CHECKPOINT_TILES
 from ..nn.linear import Linear as FP8Linear
-from ..ptq.experts import QuantExperts, dequantize_experts_module
-from ..ptq.linear import QuantLinear
+from ..ptq.quantized import QuantExperts, QuantLinear, dequantize_experts_module
 from .block_linear import BlockQuantLinear
 from .common import (
     ExportError,
@@ -204,7 +203,7 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.
     if any(k.endswith(".q_scale") for k in kv_scales):
         _load_static_attention(model, path, kv_scales)
     elif kv:
-        from ..ptq.kv_cache import enable_fp8_kv
+        from ..ptq.quantized import enable_fp8_kv
 
         for name, m in enable_fp8_kv(model, "quantize").items():
             for which in ("k", "v"):
@@ -214,7 +213,7 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.
                 if key is None:
                     raise ExportError(f"{path}: the checkpoint has an FP8 KV cache but {name}.{which}_scale is missing")
                 m.register_buffer(f"{which}_scale", kv_scales[key].float().reshape(1))
-    from ..ptq.report import PTQReport
+    from ..ptq.quantized import PTQReport
 
     experts = [n for n in names if isinstance(model.get_submodule(n), QuantExperts)]
     report = PTQReport(scheme, quantized=[n for n in names if n not in experts], kv_cache=kv, experts=experts)

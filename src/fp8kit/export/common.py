@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from ..nn.linear_like import linear_dims
-from ..state_dict import tied_aliases
+from ..numerics.state_dict import tied_aliases
 from .shards import DEFAULT_MAX_SHARD_SIZE, ShardWriter
 
 __all__ = [

@@ -52,8 +52,7 @@ import torch
 import torch.nn as nn
 
 from ..nn.linear_like import is_conv1d, linear_dims
-from ..ptq.linear import QuantLinear
-from ..ptq.schemes import FP4_SCHEMES, SCHEMES, Scheme
+from ..ptq.quantized import FP4_SCHEMES, SCHEMES, QuantLinear, Scheme
 from .common import ExportError, load_layer, load_rest, model_from_config, producer, read_tensors, stored_codes
 from .experts import (
     checkpoint_key,
@@ -539,7 +538,7 @@ def _experts_groups(
     """The MoE experts modules with per-expert tensors, by the scheme of the config group that targets their
     per-expert linears (one group: every experts module; a mix: as ``_layer_groups`` ranks the targets of expert
     0's first linear, in its checkpoint name)."""
-    from ..ptq.experts import find_experts
+    from ..ptq.quantized import find_experts
 
     stored = has_expert_tensors(tensors) or has_fused_expert_tensors(model, tensors)
     found = find_experts(model) if stored else {}

@@ -51,8 +51,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..ptq.experts import QuantExperts, experts_projections, install_quant_experts, quantize_codes
-from ..ptq.schemes import Scheme
+from ..ptq.quantized import QuantExperts, Scheme, experts_projections, install_quant_experts, quantize_codes
 from .common import ExportError
 
 __all__ = [
@@ -218,7 +217,7 @@ def experts_on_disk(model: nn.Module) -> ExpertsOnDisk:
     structure and transformers' weight-conversion metadata (``revert_weight_conversion``, what transformers'
     own ``save_pretrained`` writes); every experts module of the model must agree. ``ExportError`` where they do
     not or the metadata is ambiguous."""
-    from ..ptq.experts import find_experts
+    from ..ptq.quantized import find_experts
 
     found = {n: m for n, m in model.named_modules() if isinstance(m, QuantExperts)} | find_experts(model)
     if not found:
@@ -500,7 +499,7 @@ def load_fused_experts(
 ) -> list[str]:
     """Make every experts module of ``model`` whose fused quantized tensors ``tensors`` holds (``"fused"`` layout,
     ``fused_expert_tensors``) a ``QuantExperts``, popping them; returns the module names."""
-    from ..ptq.experts import find_experts
+    from ..ptq.quantized import find_experts
 
     disk = experts_on_disk(model)
     names = []
@@ -537,7 +536,7 @@ def has_expert_tensors(tensors: dict[str, torch.Tensor]) -> bool:
 
 def has_fused_expert_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> bool:
     """Whether a checkpoint holds quantized experts in the ``"fused"`` layout of ``model``'s architecture."""
-    from ..ptq.experts import find_experts
+    from ..ptq.quantized import find_experts
 
     found = find_experts(model)
     if not found:
@@ -551,7 +550,7 @@ def fuse_expert_tensors(module: nn.Module, state: dict[str, torch.Tensor], model
     fused 3-D parameters of ``module``'s ``transformers`` experts modules (``gate_up_proj`` ``(E, 2I, H)``, gate
     rows first, ``down_proj`` ``(E, H, I)``), in place; ``model`` gives the architecture's naming. Experts
     already fused in ``state`` (GPT-OSS keeps them so on disk) are left as they are."""
-    from ..ptq.experts import find_experts
+    from ..ptq.quantized import find_experts
 
     for name, m in find_experts(module).items():
         if not any(k.startswith(f"{name}.0.") for k in state):
@@ -571,7 +570,7 @@ def fuse_expert_tensors(module: nn.Module, state: dict[str, torch.Tensor], model
 def _stored_experts(model: nn.Module, tensors: dict[str, torch.Tensor], fmt: str, only: Collection[str] | None):
     """The experts modules of ``model`` (``only`` these, if given) that ``tensors`` holds per expert: one kept in
     high precision is stored fused, as its parameters, and is left to the model's own loading."""
-    from ..ptq.experts import find_experts
+    from ..ptq.quantized import find_experts
 
     found = {n: m for n, m in find_experts(model).items() if only is None or n in only}
     if not found:

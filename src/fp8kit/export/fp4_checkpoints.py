@@ -34,8 +34,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..formats import e2m1_decode, e8m0_decode
-from ..state_dict import unpack_fp4
+from ..numerics.formats import e2m1_decode, e8m0_decode
+from ..numerics.state_dict import unpack_fp4
 from .common import ExportError, load_rest, model_from_config, read_tensors
 
 __all__ = ["FP4Layout", "fp4_dequantized_model", "fp4_layout"]

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..ptq.schemes import FP8_BLOCK
+from ..ptq.quantized import FP8_BLOCK
 from .block_linear import BLOCK, BlockQuantLinear
 from .common import ExportError, load_rest, model_from_config, producer, read_tensors, replace_module, stored_codes
 from .experts import expert_tensors, experts_naming, has_expert_tensors, load_experts, model_key

@@ -55,8 +55,7 @@ import torch
 import torch.nn as nn
 
 from ..nn.attention import block_static_scales
-from ..ptq.linear import QuantLinear
-from ..ptq.schemes import SCHEMES, get_scheme
+from ..ptq.quantized import SCHEMES, QuantLinear, get_scheme
 from .block_linear import BlockQuantLinear
 from .common import ExportError, load_layer, load_rest, model_from_config, producer, read_tensors, stored_codes
 from .experts import experts_naming, has_expert_tensors, load_experts, load_fp4_experts, model_key

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from ..nn.linear import Linear as FP8Linear
-from ..ptq.linear import QuantLinear
+from ..ptq.quantized import QuantLinear
 from .block_linear import BlockQuantLinear
 from .common import ExportError, replace_module
 from .support import BLOCK_SCHEME
@@ -60,8 +60,7 @@ def _block_experts(module: nn.Module, name: str) -> nn.Module:
     a block-recipe ``FP8Experts`` computes with, per expert."""
     from dataclasses import replace
 
-    from ..ptq.experts import experts_projections, install_quant_experts, shallow_copy
-    from ..ptq.schemes import FP8_BLOCK
+    from ..ptq.quantized import FP8_BLOCK, experts_projections, install_quant_experts, shallow_copy
 
     new: dict[str, torch.Tensor] = {}
     for p, proj in enumerate(experts_projections(module)):
@@ -142,7 +141,7 @@ def _fit_trained_tiles(layers: dict[str, nn.Module], trained: dict[str, FP8Linea
 def _report(
     model: nn.Module, scheme: str, names: list[str], why: str, experts: list[str] | None = None, **skipped: str
 ) -> None:
-    from ..ptq.report import PTQReport
+    from ..ptq.quantized import PTQReport
 
     report = PTQReport(scheme, quantized=list(names), experts=list(experts or []))
     report.skipped = {n: why for n, m in model.named_modules() if _high_precision(m)} | skipped
@@ -156,7 +155,7 @@ def serving_model(
 ) -> nn.Module:
     """The inference model of a ``fp8kit.convert``-ed training model (a copy unless ``inplace``): what
     ``save_pretrained(model, format=format)`` writes, to evaluate before exporting."""
-    from ..ptq.experts import QuantExperts, dispatch_quant_experts
+    from ..ptq.quantized import QuantExperts, dispatch_quant_experts
 
     model = model if inplace else copy.deepcopy(model)
     scheme, layers, _ = serving_layers(model, format)
@@ -173,7 +172,7 @@ def block_shapes(layers: Mapping[str, nn.Module]) -> dict[str, tuple[int, int]]:
     """``{layer: (out, in)}`` of Linear layers (``nn.Linear``, ``BlockQuantLinear``) and, per projection as the
     checkpoint writes them (``NAME.gate_proj``, ``NAME.up_proj``, ``NAME.down_proj``), of experts modules
     (quantized or not), from ``{name: module}``: what ``support.block_problem`` checks."""
-    from ..ptq.experts import QuantExperts, experts_projections
+    from ..ptq.quantized import QuantExperts, experts_projections
 
     shapes: dict[str, tuple[int, int]] = {}
     for name, m in layers.items():
@@ -197,7 +196,7 @@ def _block_targets(
     """The ``nn.Linear`` layers and experts modules ``quantize_block`` quantizes in ``block`` tiles, and the
     experts it keeps in high precision with the reason (a fused gate_up not whole tiles)."""
     from ..nn.convert import default_module_filter
-    from ..ptq.experts import block_tiling_problem, find_experts
+    from ..ptq.quantized import block_tiling_problem, find_experts
 
     default = default_module_filter(model)
     keep = module_filter or (lambda n, m: default(n, m) is None)
@@ -253,8 +252,7 @@ def quantize_block(
     high precision (``ptq_report.skipped`` says why); a ``module_filter`` that selects them gets the error."""
     from dataclasses import replace
 
-    from ..ptq.experts import quantize_experts_module
-    from ..ptq.schemes import FP8_BLOCK
+    from ..ptq.quantized import FP8_BLOCK, quantize_experts_module
 
     block = block_size_for(model, format, block, module_filter)
     names, experts, untileable = _block_targets(model, module_filter, block)

@@ -14,7 +14,7 @@
   ``torch._grouped_mm`` over all experts on CPU, ``torch._scaled_grouped_mm`` on CUDA), on the same probe
   and decode, and ``grouped_scaled_mm``, the PTQ experts' grouped GEMM on 8-bit codes; imported on use
   (``fp8kit.gemm.grouped``), as it registers custom ops. Their operands (``GroupedWeight``,
-  ``GroupColumns``) and quantizers are in ``fp8kit.grouped_tensor``.
+  ``GroupColumns``) and quantizers are in ``fp8kit.numerics.grouped_tensor``.
 """
 
 from .codes import TILE_ELEMENTS, codes_mm, decode_codes

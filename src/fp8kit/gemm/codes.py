@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import get_format
 from ..kernels import decode_fp8
 from ..kernels.fused import cpu_cast_kernel
+from ..numerics.formats import get_format
 
 __all__ = ["TILE_ELEMENTS", "codes_mm", "decode_codes", "tile_rows"]
 

@@ -49,7 +49,7 @@ import logging
 import torch
 
 from ..kernels.opaque import repeat_tiles
-from ..tensor import QuantizedTensor
+from ..numerics.tensor import QuantizedTensor
 from .codes import decode_codes
 from .probe import cpu_gemm_backend
 

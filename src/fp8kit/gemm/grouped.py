@@ -3,7 +3,7 @@
 The tokens routed to the experts are sorted by expert into one ``(P, K)`` matrix whose rows ``[offs[e-1],
 offs[e])`` belong to expert ``e`` (``offs``: int32 cumulative row ends, as ``torch._grouped_mm`` takes;
 rows past ``offs[-1]`` are padding and their outputs are undefined). Expert weights are one 3-D operand
-``(E, N, K)``, quantized per expert (``fp8kit.grouped_tensor.GroupedWeight``: an expert's weight never
+``(E, N, K)``, quantized per expert (``fp8kit.numerics.grouped_tensor.GroupedWeight``: an expert's weight never
 shares a scale with another expert's). Three GEMMs of the FP8 training experts:
 
 * ``grouped_gemm(x, w, offs, group_ids)``: ``out[rows of e] = x[rows of e] @ w[e].T`` (forward, and the
@@ -51,12 +51,12 @@ from collections import Counter
 
 import torch
 
-from ..formats import e2m1_decode
-from ..grouped_tensor import GroupColumns, GroupedWeight
 from ..kernels import decode_fp8
 from ..kernels.fused import scale_output, transpose_last
 from ..kernels.opaque import dequantize_tiles_opaque
-from ..tensor import QuantizedTensor
+from ..numerics.formats import e2m1_decode
+from ..numerics.grouped_tensor import GroupColumns, GroupedWeight
+from ..numerics.tensor import QuantizedTensor
 from .fp8 import cpu_gemm_dtype
 
 __all__ = [

@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..formats import get_format
-from ..tensor import QuantizedTensor
+from ..numerics.formats import get_format
+from ..numerics.tensor import QuantizedTensor
 from .codes import TILE_ELEMENTS, codes_mm
 from .probe import cpu_gemm_backend, cpu_int8_backend
 
 if TYPE_CHECKING:
-    from ..grouped_tensor import GroupedWeight
+    from ..numerics.grouped_tensor import GroupedWeight
 
 __all__ = [
     "COMPILE_MIN_ELEMENTS",

@@ -28,7 +28,7 @@ import torch.nn as nn
 from ..nn.convert import convert as _convert
 from ..nn.experts import FP8Experts
 from ..nn.linear import Linear
-from ..recipes import Recipe, recipe_from_name
+from ..numerics.recipes import Recipe, recipe_from_name
 
 __all__ = ["CONFIG_KEY", "convert", "fp8_state_keys", "from_pretrained"]
 

@@ -18,8 +18,8 @@ import warnings
 
 import torch
 
-from ..formats import E2M1, E4M3, E5M2, Format
-from ..scaling import nvfp4_scales
+from ..numerics.formats import E2M1, E4M3, E5M2, Format
+from ..numerics.scaling import nvfp4_scales
 from .reference import BlockSpec, scale_from_amax, tile_view
 
 _COMPILE = {"enabled": True, "strict": False}

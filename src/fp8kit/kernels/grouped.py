@@ -1,4 +1,4 @@
-"""Kernels of the MoE experts' grouped operands (``fp8kit.grouped_tensor``): casts with one scale per
+"""Kernels of the MoE experts' grouped operands (``fp8kit.numerics.grouped_tensor``): casts with one scale per
 expert (or group) and column, and row-wise quantization of each expert's transposed weight without a
 transposed copy. Each runs as one compiled loop on CPU in eager mode (``kernels.fused.run_kernel``), bit for
 bit its ``*_eager`` reference.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import Format
+from ..numerics.formats import Format
 from .fused import cast_to_format, kernel_values, register_kernel, run_kernel
 from .reference import BlockSpec, scale_from_amax
 

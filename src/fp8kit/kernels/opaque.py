@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import get_format
+from ..numerics.formats import get_format
 from .fused import dequantize_tiles as fused_dequantize_tiles
 from .fused import quantize_blocks_eager, quantize_blocks_fused
 from .reference import BlockSpec, expand_tiles, repeat_tiles_eager

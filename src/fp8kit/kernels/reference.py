@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..formats import Format, cast_reference, e2m1_encode
-from ..scaling import compute_scale, mx_scale, nvfp4_scales
+from ..numerics.formats import Format, cast_reference, e2m1_encode
+from ..numerics.scaling import compute_scale, mx_scale, nvfp4_scales
 
 
 @dataclass(frozen=True)

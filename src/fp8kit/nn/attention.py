@@ -39,10 +39,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..formats import E4M3, E5M2, Format
-from ..recipes import CurrentScaling, DelayedScaling
-from ..scaling_state import DelayedScalingState, forgive_missing_fp8_state
-from ..tensor import quantize
+from ..numerics.formats import E4M3, E5M2, Format
+from ..numerics.recipes import CurrentScaling, DelayedScaling
+from ..numerics.scaling_state import DelayedScalingState, forgive_missing_fp8_state
+from ..numerics.tensor import quantize
 
 __all__ = [
     "ATTENTION_CHOICES",
@@ -427,7 +427,7 @@ class _FP8Attention(torch.autograd.Function):
 
 
 def _mx(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` cast to MXFP8 (``tensor.quantize``, granularity ``"mx"``: E4M3, E8M0 scales, round-up rule) in
+    """``x`` cast to MXFP8 (``numerics.tensor.quantize``, granularity ``"mx"``: E4M3, E8M0 scales, round-up rule) in
     blocks of 32 along ``dim``: the codes' values (float64, ``dim`` moved last and zero-padded to a multiple of
     32) and each block's dequantization multiplier (float64, ``(..., blocks)``)."""
     xt = x.float().movedim(dim, -1)
@@ -772,7 +772,7 @@ def calibrate_fp8_attention(model: nn.Module, forward_loop: Callable[[nn.Module]
     finally:
         for n, s in states.items():
             s.train(modes[n])
-    from ..scaling import dequant_scale
+    from ..numerics.scaling import dequant_scale
 
     for name, st in states.items():
         amax = {}
@@ -876,7 +876,7 @@ def fp8_attention_to_kv_scales(model: nn.Module) -> list[str]:
     (compressed-tensors ``kv_cache_scheme``, ModelOpt ``k_proj.k_scale`` / ``v_proj.v_scale``), and
     ``fp8kit.ptq.kv_cache.enable_fp8_kv(model, "quantize")`` runs them. Returns the blocks' names; raises
     ``ValueError`` where a block recorded no K or V amax (calibrate first: ``calibrate_fp8_attention``)."""
-    from ..scaling import dequant_scale
+    from ..numerics.scaling import dequant_scale
 
     states = attention_states(model)
     if not states:

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import E4M3, E5M2, Format
+from ..numerics.formats import E4M3, E5M2, Format
 
 __all__ = [
     "reference_attention",

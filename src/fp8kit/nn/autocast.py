@@ -6,7 +6,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-from ..recipes import Recipe
+from ..numerics.recipes import Recipe
 
 _LOCAL = threading.local()
 

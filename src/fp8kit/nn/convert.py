@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from ..recipes import DelayedScaling, Recipe, recipe_from_name
+from ..numerics.recipes import DelayedScaling, Recipe, recipe_from_name
 from .class_swap import mixin_class
 from .experts import convert_experts, experts_why_not, fp8_experts_forward, is_experts_module
 from .linear import Linear

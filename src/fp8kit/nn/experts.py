@@ -69,7 +69,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..formats import E4M3
 from ..gemm.fp8 import gemm_values_dtype
 from ..gemm.grouped import (
     SCALED_GROUPED_MM_ALIGN,
@@ -80,22 +79,23 @@ from ..gemm.grouped import (
     with_values,
     with_weight_values,
 )
-from ..grouped_tensor import (
+from ..numerics.formats import E4M3
+from ..numerics.grouped_tensor import (
     GroupColumns,
     GroupedWeight,
     quantize_experts,
     quantize_experts_columns,
     quantize_group_columns,
 )
-from ..recipes import DelayedScaling, Recipe
-from ..scaling_state import (
+from ..numerics.recipes import DelayedScaling, Recipe
+from ..numerics.scaling_state import (
     DelayedScalingState,
     check_recipe_extra_state,
     forgive_missing_fp8_state,
     operand_scale,
     recipe_extra_state,
 )
-from ..tensor import QuantizedTensor, leading_amax, quantize, quantize_with_transpose, tensor_amax
+from ..numerics.tensor import QuantizedTensor, leading_amax, quantize, quantize_with_transpose, tensor_amax
 from .autocast import fp8_enabled, recipe_override
 from .backend import quantize_backend
 from .class_swap import swap_class

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..recipes import Recipe
+from ..numerics.recipes import Recipe
 from .linear import Linear
 
 __all__ = ["LayerNormLinear", "LayerNormMLP"]

@@ -40,16 +40,16 @@ import torch.nn.functional as F
 
 from ..gemm import fp8_gemm
 from ..gemm.fp8 import gemm_values_dtype
-from ..recipes import DelayedScaling, Recipe
-from ..scaling import Granularity
-from ..scaling_state import (
+from ..numerics.recipes import DelayedScaling, Recipe
+from ..numerics.scaling import Granularity
+from ..numerics.scaling_state import (
     FP8_STATE_KEYS,
     DelayedScalingState,
     check_recipe_extra_state,
     forgive_missing_fp8_state,
     recipe_extra_state,
 )
-from ..tensor import QuantizedTensor, quantize, quantize_with_transpose, tensor_amax
+from ..numerics.tensor import QuantizedTensor, quantize, quantize_with_transpose, tensor_amax
 from .autocast import fp8_enabled, recipe_override
 from .backend import quantize_backend, set_quantize_backend
 from .weight_cache import track_weight_cache
@@ -64,7 +64,7 @@ class Linear(nn.Linear):
 
     Args:
         in_features, out_features, bias, device, dtype: as ``nn.Linear``.
-        recipe: an ``fp8kit.recipes`` recipe (default ``DelayedScaling()``).
+        recipe: an ``fp8kit.numerics.recipes`` recipe (default ``DelayedScaling()``).
         save_fp8_activations: keep the input saved for backward in FP8 (default) or high precision.
         name: qualified layer name used in messages (``convert`` sets it).
     """

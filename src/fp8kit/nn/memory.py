@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ..tensor import QuantizedTensor
+from ..numerics.tensor import QuantizedTensor
 
 __all__ = ["PERSISTENT_KEYS", "persistent_bytes", "saved_activation_bytes"]
 

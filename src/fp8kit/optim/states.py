@@ -19,8 +19,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..formats import E4M3
-from ..tensor import quantize
+from ..numerics.formats import E4M3
+from ..numerics.tensor import quantize
 
 __all__ = [
     "decode_bf16",

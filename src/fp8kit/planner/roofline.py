@@ -7,7 +7,7 @@ three matmuls: forward ``Y = X W^T``, the input gradient ``dX = dY W`` and the w
 ``dY``) is read in high precision (``W`` as FP32 master weights) and written as codes plus scales once per
 layout the matmuls need; a per-tensor scale (or square weight tiles) gives the second layout by transposing
 the codes, a row/tile scale along the reduction dim needs a second quantization. A recipe the GPU has no
-native GEMM for (``fp8kit.device.native_on``) runs its matmuls at the BF16 rate on dequantized operands.
+native GEMM for (``fp8kit.runtime.device.native_on``) runs its matmuls at the BF16 rate on dequantized operands.
 Each matmul and each quantization pass may also cost a fixed time per call (dispatch, kernel launch): zero
 for the GPUs, whose published speed-ups are of compiled graphs; measured on this CPU by ``cpu_roofline``.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..recipes import Recipe, recipe_from_name
+from ..numerics.recipes import Recipe, recipe_from_name
 
 __all__ = ["GPU", "GPUS", "TARGETS", "Gemm", "cpu_roofline", "layer_seconds", "measured_seconds"]
 
@@ -116,7 +116,7 @@ def _dequant_bytes(g: Gemm) -> float:
 
 def layer_seconds(gemms: list[Gemm], candidate: str, gpu: GPU) -> float:
     """Roofline seconds of one training step of a layer (``gemms``) with ``candidate`` ("bf16" or a recipe)."""
-    from ..device import native_on
+    from ..runtime.device import native_on
 
     total = 0.0
     for g in gemms:
@@ -203,10 +203,10 @@ def cpu_roofline() -> GPU:
     1000 tokens: not a multiple of the tiles, as a step's shifted labels give. Bytes are counted as
     ``layer_seconds`` counts them (a cast reads 2 and writes 1 byte per element, a dequantization reads 1 and
     writes 2). No native FP8 GEMM."""
-    from ..formats import E4M3
     from ..gemm.codes import decode_codes
     from ..nn.backend import quantize_backend
-    from ..tensor import quantize
+    from ..numerics.formats import E4M3
+    from ..numerics.tensor import quantize
 
     tiny_bf16 = step_seconds(16, 16, "bf16")
     matmul_call = tiny_bf16 / 3

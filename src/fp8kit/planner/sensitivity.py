@@ -23,8 +23,8 @@ import torch.nn as nn
 
 from ..nn.convert import conversion_targets, convert_layer
 from ..nn.experts import convert_experts, fp8_experts_forward
+from ..numerics.recipes import Recipe
 from ..ptq.layer_error import loss_change_terms, swap_submodule
-from ..recipes import Recipe
 
 __all__ = [
     "LossPrediction",

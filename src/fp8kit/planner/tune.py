@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from ..recipes import RECIPE_NAMES, recipe_from_name
+from ..numerics.recipes import RECIPE_NAMES, recipe_from_name
 from .plan import Plan
 from .roofline import GPU, GPUS, TARGETS, Gemm, layer_seconds, measured_seconds
 from .sensitivity import layer_divergence, plannable_layers, predicted_increase, quantized_copy, spearman

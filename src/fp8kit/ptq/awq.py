@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from ..tensor import quantize as fp8_quantize
+from ..numerics.tensor import quantize as fp8_quantize
 from .calibrate import run_with_input_hooks
 from .schemes import Scheme, get_scheme
 from .smoothquant import SmoothMapping, fold_scales

@@ -21,9 +21,9 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn as nn
 
-from ..formats import Format
-from ..scaling import compute_scale
-from ..tensor import quantize
+from ..numerics.formats import Format
+from ..numerics.scaling import compute_scale
+from ..numerics.tensor import quantize
 
 __all__ = ["CALIBRATION_METHODS", "InputObserver", "choose_amax", "observe_inputs"]
 

@@ -79,17 +79,17 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..formats import E2M1
-from ..grouped_tensor import GroupedWeight, quantize_experts
 from ..kernels.reference import expand_tiles
 from ..nn.class_swap import swap_class
 from ..nn.experts import routed_experts_forward
 from ..nn.experts_interface import fallback_forward, restore_implementation, use_implementation
 from ..nn.routing import RoutingPlan, routing_plan
-from ..scaling import dequant_scale, nvfp4_tensor_scale, parse_granularity
-from ..state_dict import pack_fp4, unpack_fp4
-from ..tensor import QuantizedTensor
-from ..tensor import quantize as fp8_quantize
+from ..numerics.formats import E2M1
+from ..numerics.grouped_tensor import GroupedWeight, quantize_experts
+from ..numerics.scaling import dequant_scale, nvfp4_tensor_scale, parse_granularity
+from ..numerics.state_dict import pack_fp4, unpack_fp4
+from ..numerics.tensor import QuantizedTensor
+from ..numerics.tensor import quantize as fp8_quantize
 from .calibrate import InputObserver, choose_amax
 from .schemes import Scheme, get_scheme
 

@@ -25,11 +25,11 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 
-from ..formats import E2M1, Format, cast, e2m1_decode
 from ..kernels.reference import BlockSpec, scale_from_amax
-from ..scaling import compute_scale, dequant_scale, nvfp4_scales
-from ..tensor import QuantizedTensor
-from ..tensor import quantize as fp8_quantize
+from ..numerics.formats import E2M1, Format, cast, e2m1_decode
+from ..numerics.scaling import compute_scale, dequant_scale, nvfp4_scales
+from ..numerics.tensor import QuantizedTensor
+from ..numerics.tensor import quantize as fp8_quantize
 from .calibrate import run_with_input_hooks
 from .linear import QuantLinear
 from .schemes import Scheme, get_scheme

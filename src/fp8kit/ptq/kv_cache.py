@@ -18,9 +18,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..formats import E4M3
-from ..scaling import dequant_scale
-from ..tensor import quantize
+from ..numerics.formats import E4M3
+from ..numerics.scaling import dequant_scale
+from ..numerics.tensor import quantize
 from .calibrate import InputObserver, choose_amax
 
 __all__ = ["ATTN_NAME", "attention_modules", "enable_fp8_kv", "kv_cache_bytes"]

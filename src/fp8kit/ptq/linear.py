@@ -59,12 +59,12 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from ..formats import E2M1, Format
 from ..gemm.scaled import KERNELS, KernelChoice, block_scaled_mm, choose_kernel, scaled_mm, use_compiled
-from ..scaling import dequant_scale, nvfp4_tensor_scale, parse_granularity
-from ..state_dict import pack_fp4, unpack_fp4
-from ..tensor import QuantizedTensor
-from ..tensor import quantize as fp8_quantize
+from ..numerics.formats import E2M1, Format
+from ..numerics.scaling import dequant_scale, nvfp4_tensor_scale, parse_granularity
+from ..numerics.state_dict import pack_fp4, unpack_fp4
+from ..numerics.tensor import QuantizedTensor
+from ..numerics.tensor import quantize as fp8_quantize
 from .schemes import Scheme, get_scheme
 
 __all__ = [

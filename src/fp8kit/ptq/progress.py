@@ -2,7 +2,7 @@
 per phase once the first pass over the calibration data is timed, and one bar per phase with its ETA.
 
 Quiet unless asked for or stderr is a terminal (so tests and pipes stay clean); asked for (as the ``fp8kit``
-commands do), a log file gets each bar as a line per update (``fp8kit.progress``). Estimates are in passes over the calibration batches (``forward_loop``): a pass
+commands do), a log file gets each bar as a line per update (``fp8kit.runtime.progress``). Estimates are in passes over the calibration batches (``forward_loop``): a pass
 with gradients costs about 3 forwards, one norm-tweaking step about 4 forwards of one batch (teacher,
 student, backward).
 """
@@ -59,7 +59,7 @@ class Progress:
         """A bar for one phase; with ``model``, each call of the model advances it (one batch). Yields
         ``update(n)`` for phases that count other units (layers, steps). ``timed_pass``: this phase is
         one plain forward pass over the calibration data; its time and batches become the estimate's unit."""
-        from ..progress import bar as progress_bar
+        from ..runtime.progress import bar as progress_bar
 
         bar = progress_bar(total, f"  {desc}", unit, enabled=self.enabled)
         calls = [0]

@@ -13,8 +13,8 @@ from ..nn.attention import AttentionRecipe, attention_recipe, calibrate_fp8_atte
 from ..nn.convert import is_output_head
 from ..nn.linear import Linear as FP8Linear
 from ..nn.linear_like import as_linear, is_conv1d, linear_dims, linear_like_why_not, weights_read_outside
-from ..recipes import DelayedScaling
-from ..scaling import nvfp4_tensor_scale, parse_granularity
+from ..numerics.recipes import DelayedScaling
+from ..numerics.scaling import nvfp4_tensor_scale, parse_granularity
 from .calibrate import CALIBRATION_METHODS, InputObserver, choose_amax, observe_inputs
 from .experts import ExpertsObserver, find_experts, fp4_experts_problem, observe_experts, quantize_experts_module
 from .kv_cache import enable_fp8_kv, finish_calibration

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..formats import E2M1, E4M3, INT8, Format
+from ..numerics.formats import E2M1, E4M3, INT8, Format
 
 __all__ = ["CLI_SCHEMES", "FP4_SCHEMES", "FP8_BLOCK", "KV_SCHEMES", "PTQ_SCHEMES", "SCHEMES", "Scheme", "get_scheme"]
 

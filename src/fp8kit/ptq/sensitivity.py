@@ -27,7 +27,7 @@ __all__ = ["LayerScore", "dev_loss", "keep_filter", "layer_sensitivity", "rank_b
 
 def dev_loss(windows: torch.Tensor, batch_size: int = 8) -> Callable[[nn.Module], float]:
     """A score: mean next-token loss (nats/token) of a causal LM on ``(n, seq_len + 1)`` dev windows."""
-    from ..evaluation import window_losses
+    from ..data.evaluation import window_losses
 
     return lambda model: float(window_losses(model, windows, batch_size).mean())
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..formats import Format
-from ..scaling import compute_scale
-from ..tensor import quantize as fp8_quantize
+from ..numerics.formats import Format
+from ..numerics.scaling import compute_scale
+from ..numerics.tensor import quantize as fp8_quantize
 from .calibrate import InputObserver
 from .schemes import Scheme, get_scheme
 

@@ -23,10 +23,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..formats import E2M1
+from ..numerics.formats import E2M1
+from ..numerics.scaling import compute_scale, dequant_scale, nvfp4_tensor_scale
+from ..numerics.tensor import quantize as fp8_quantize
 from ..ptq.schemes import Scheme, get_scheme
-from ..scaling import compute_scale, dequant_scale, nvfp4_tensor_scale
-from ..tensor import quantize as fp8_quantize
 
 __all__ = ["SCALE_RANGE", "QATLinear", "group_weight_scale"]
 

@@ -22,6 +22,8 @@ import torch
 import torch.nn as nn
 
 from ..nn.convert import is_output_head
+from ..numerics.scaling import compute_scale, dequant_scale, parse_granularity
+from ..numerics.tensor import quantize as fp8_quantize
 from ..ptq.calibrate import choose_amax, observe_inputs
 from ..ptq.experts import find_experts
 from ..ptq.layer_error import swap_submodule
@@ -30,8 +32,6 @@ from ..ptq.quantize import PTQOptions
 from ..ptq.report import PTQReport
 from ..ptq.schemes import Scheme, get_scheme
 from ..ptq.smoothquant import find_mappings
-from ..scaling import compute_scale, dequant_scale, parse_granularity
-from ..tensor import quantize as fp8_quantize
 from .linear import QATLinear
 
 __all__ = ["convert", "prepare", "qat_layers"]

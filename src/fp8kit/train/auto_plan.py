@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 
 from ..data import Corpus
-from ..device import native_on
+from ..numerics.recipes import RECIPE_NAMES
 from ..planner import Plan, autotune
 from ..planner.tune import BF16, DEFAULT_CANDIDATES
-from ..recipes import RECIPE_NAMES
+from ..runtime.device import native_on
 from .config import TrainConfig
 
 __all__ = ["PLAN_BATCHES", "PLAN_FILE", "auto_candidates", "plan_for_run"]

@@ -30,7 +30,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..state_dict import tied_aliases
+from ..numerics.state_dict import tied_aliases
 
 FORMAT = "fp8kit-checkpoint-v1"
 

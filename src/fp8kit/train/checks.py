@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from ..distributed.runtime import check_parallel_settings, planned_world_size
 from ..models import ARCHS
-from ..recipes import RECIPE_NAMES, TRAINING_RECIPE_NAMES, recipe_from_name
+from ..numerics.recipes import RECIPE_NAMES, TRAINING_RECIPE_NAMES, recipe_from_name
 from .checkpoint import CheckpointError, latest_checkpoint
 
 if TYPE_CHECKING:
@@ -95,11 +95,11 @@ def check_auto(cfg: TrainConfig) -> None:
 
 
 def check_device(cfg: TrainConfig) -> None:
-    """``--device`` against this machine and the recipes (``fp8kit.device.resolve_device``); ``--nproc N``
+    """``--device`` against this machine and the recipes (``fp8kit.runtime.device.resolve_device``); ``--nproc N``
     on CUDA needs N GPUs (one process per GPU)."""
     import torch
 
-    from ..device import DeviceError, resolve_device
+    from ..runtime.device import DeviceError, resolve_device
 
     device = resolve_device(cfg.device, recipe=fixed_recipes(cfg.recipes), emulate=cfg.emulate)
     world = planned_world_size(cfg.nproc)

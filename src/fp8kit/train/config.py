@@ -38,7 +38,7 @@ class TrainConfig:
     tp: int = 1  # tensor-parallel degree: nproc = data-parallel x ep x tp (distributed/mesh.py)
     ep: int = 1  # expert-parallel degree (--arch moe)
     sp: bool = False  # sequence parallelism over the tp ranks (needs tp > 1, seq_len a multiple of tp)
-    device: str = "cpu"  # auto, cpu, cuda or cuda:N (fp8kit.device.resolve_device); torchrun: cuda:LOCAL_RANK
+    device: str = "cpu"  # auto, cpu, cuda or cuda:N (fp8kit.runtime.device.resolve_device); torchrun: cuda:LOCAL_RANK
     emulate: bool = False  # run recipes the GPU has no native GEMM for on dequantized BF16 operands
     loss_budget: float = 0.01  # --recipe auto: the plan's predicted loss increase, relative (0.01 = 1%)
     target: str = "h100"  # --recipe auto: what the plan minimises the step time of (planner.roofline.TARGETS)

@@ -14,15 +14,15 @@ from typing import Any
 import torch
 
 from ..data import ByteTokenizer, Corpus, load_corpus
-from ..device import device_report, resolve_device
+from ..data.evaluation import evaluate, loss_of
 from ..distributed.runtime import MemoryLog, context_from_env, current_context, in_torchrun, sharded_memory_bytes
-from ..evaluation import evaluate, loss_of
 from ..gemm.fp8 import native_gemm_fallbacks
 from ..models import build_demo
 from ..nn import compile as compile_fp8
 from ..nn import convert, saved_activation_bytes, to_bf16_gemms
 from ..nn.memory import persistent_bytes
-from ..recipes import recipe_from_name
+from ..numerics.recipes import recipe_from_name
+from ..runtime.device import device_report, resolve_device
 from .checkpoint import latest_checkpoint, load_run_checkpoint, save_run_checkpoint
 from .checks import AUTO, check_config, check_resumable, fixed_recipes, parse_recipes, run_names
 from .config import TrainConfig
@@ -229,7 +229,7 @@ def _step_fn(cfg: TrainConfig, run: str, train_model: torch.nn.Module) -> Any:
 
 
 def _progress_bar(cfg: TrainConfig, run: str, start: int) -> Any:
-    from ..progress import bar
+    from ..runtime.progress import bar
 
     return bar(cfg.steps, f"{run:>12}", "step", initial=start, enabled=cfg.progress)
 

@@ -1,7 +1,7 @@
 """``fp8kit compare``: the BF16 model and each PTQ scheme side by side on held-out text.
 
-An application workflow (beside ``fp8kit.train``): it quantizes with ``fp8kit.pretrained_ptq`` (the
-``fp8kit quantize`` recipe) and scores with the shared evaluation (``fp8kit.evaluation``).
+An application workflow (beside ``fp8kit.train``): it quantizes with ``fp8kit.jobs.quantize`` (the
+``fp8kit quantize`` recipe) and scores with the shared evaluation (``fp8kit.data.evaluation``).
 
 The comparison evaluates, for the BF16 model and each scheme: held-out perplexity, the KL divergence of each
 scheme's next-token distribution from the BF16 row's and their top-1 agreement (``evaluation.Divergence``, on
@@ -26,12 +26,16 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .data import windows
-from .data.splits import EVAL_SPLITS, available_windows
-from .evaluation import Divergence, window_losses, window_summary
-from .export.block_linear import BlockQuantLinear
-from .nn import to_bf16_gemms
-from .pretrained_ptq import (  # re-exported: the names `fp8kit compare` users and the CLI import from here
+from ..data import windows
+from ..data.evaluation import Divergence, window_losses, window_summary
+from ..data.splits import EVAL_SPLITS, available_windows
+from ..export.block_linear import BlockQuantLinear
+from ..nn import to_bf16_gemms
+from ..ptq.kv_cache import kv_cache_bytes
+from ..ptq.linear import QuantLinear
+from ..ptq.quantize import quantize
+from ..ptq.schemes import CLI_SCHEMES, FP8_BLOCK, KV_SCHEMES, PTQ_SCHEMES
+from .quantize import (  # re-exported: the names `fp8kit compare` users and the CLI import from here
     DEFAULT_KEEP_BF16,
     DEFAULT_NORM_TWEAK,
     calibration_for,
@@ -43,10 +47,6 @@ from .pretrained_ptq import (  # re-exported: the names `fp8kit compare` users a
     quantize_pretrained,
     settings_text,
 )
-from .ptq.kv_cache import kv_cache_bytes
-from .ptq.linear import QuantLinear
-from .ptq.quantize import quantize
-from .ptq.schemes import CLI_SCHEMES, FP8_BLOCK, KV_SCHEMES, PTQ_SCHEMES
 
 __all__ = [
     "DEFAULT_KEEP_BF16",
@@ -162,9 +162,9 @@ def compare_schemes(
     data (Fisher estimate of the loss increase, one pass with gradients); with ``sensitivity = W`` too,
     ranked instead by the dev-loss increase on W dev windows of the main text (one dev evaluation per
     layer). ``sensitivity`` alone writes that report for each scheme. Nothing ranks on the test split."""
-    from .device import work_dtype
-    from .progress import counting
-    from .train.reload import load_model
+    from ..runtime.device import work_dtype
+    from ..runtime.progress import counting
+    from .loading import load_model
 
     if split not in EVAL_SPLITS:
         raise ValueError(f"unknown split {split!r}; accepted: {', '.join(EVAL_SPLITS)}")
@@ -253,7 +253,7 @@ def _quantized_row(
 ) -> tuple[nn.Module, dict[str, Any]]:
     """A copy of ``base`` for the row ``name`` (``bf16``: BF16 GEMMs; else quantized with the scheme's
     settings, layers kept in BF16 ranked on dev windows when ``sens_windows``), and the row's settings."""
-    from .ptq.sensitivity import dev_loss, keep_filter, layer_sensitivity
+    from ..ptq.sensitivity import dev_loss, keep_filter, layer_sensitivity
 
     model = copy.deepcopy(base)
     extra: dict[str, Any] = {}
@@ -261,7 +261,7 @@ def _quantized_row(
         to_bf16_gemms(model)
         return model, extra
     if name == FP8_BLOCK.name:  # no calibration: the largest tile every reader of the fp8-block format loads
-        from .export.serve import block_size_for, quantize_block
+        from ..export.serve import block_size_for, quantize_block
 
         extra["block"] = block_size_for(model, "fp8-block")
         quantize_block(model, block=extra["block"], format="fp8-block")
@@ -468,3 +468,15 @@ def _write_compare(out: Path, result: dict[str, Any]) -> None:
     fig.tight_layout()
     fig.savefig(out / "compare.png", dpi=110)
     plt.close(fig)
+
+
+def announce_cost(args: Any, device: torch.device, schemes: list[str]) -> None:
+    """The cost line of a comparison of ``schemes`` (``args``: the command's options): the BF16 model and one quantized copy at a time; per scheme its PTQ passes over the calibration data,
+    then every model's held-out windows on two texts (in units of calibration passes)."""
+    from .announce import announce_inference, ptq_passes
+
+    calib_tokens = args.calib_batches * 4 * 128
+    per_scheme = sum(ptq_passes(args.calib_batches, args.gptq, args.awq, args.norm_tweak).values())
+    passes = {f"{s} ptq": per_scheme for s in schemes}
+    passes["eval"] = max(1, (len(schemes) + 1) * 2 * args.windows * args.seq_len // calib_tokens)
+    announce_inference(args, "compare", device, passes, calib_tokens, 8 * args.seq_len, copies=2)

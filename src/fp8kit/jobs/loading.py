@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["load_model", "load_train_checkpoint", "train_checkpoint"]
+from ..train.checkpoint import CheckpointError, latest_checkpoint
+
+__all__ = [
+    "CheckpointError",
+    "TrainRun",
+    "train_runs",
+    "load_model",
+    "load_train_checkpoint",
+    "rebuild_run",
+    "train_checkpoint",
+]
 
 
 def load_model(
@@ -29,7 +40,7 @@ def load_model(
 def train_checkpoint(path: Path) -> Path | None:
     """The checkpoint an ``fp8kit train`` folder ``path`` holds (a ``ckpt/<run>`` folder: its latest step;
     or a ``step-*`` folder itself), or ``None`` when ``path`` is not one."""
-    from .checkpoint import latest_checkpoint
+    from ..train.checkpoint import latest_checkpoint
 
     if not path.is_dir():
         return None
@@ -39,28 +50,61 @@ def train_checkpoint(path: Path) -> Path | None:
     return found
 
 
+def train_runs(path: Path) -> list[Path]:
+    """``ckpt/<run>`` folders to evaluate: ``path`` itself, or every run of a ``fp8kit train`` folder."""
+    if latest_checkpoint(path) is not None or (path / "model.safetensors").is_file():
+        return [path]
+    runs = sorted(p for p in (path / "ckpt").glob("*") if p.is_dir()) if (path / "ckpt").is_dir() else []
+    return [r for r in runs if latest_checkpoint(r) is not None]
+
+
 def load_train_checkpoint(path: Path, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, Any]:
     """``(model, byte tokenizer)`` of an ``fp8kit train`` checkpoint: the run's model rebuilt from the
     checkpoint's settings (``--arch``, ``--model-size``, seed) with its trained weights; the ``bf16`` run as
     plain ``nn.Linear`` / experts modules, FP8 runs converted with their recipe and trained scales."""
-    from .checkpoint import CheckpointError, load_checkpoint, read_info
-    from .loop import TrainConfig, build_base, make_model
+    from ..train.checkpoint import read_info
+
+    info = read_info(path)
+    if info.get("model", "demo") != "demo":
+        raise CheckpointError(f"{path} fine-tuned {info['model']!r}: give the serving export of that run instead")
+    run = rebuild_run(path, plain_bf16=True)
+    return run.model.to(dtype).eval(), run.tokenizer
+
+
+@dataclass
+class TrainRun:
+    """A train checkpoint rebuilt: its model (trained weights loaded), tokenizer, settings and step."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    config: Any  # train.loop.TrainConfig
+    run: str
+    step: int
+
+
+def rebuild_run(path: Path, text: str | None = None, plain_bf16: bool = False) -> TrainRun:
+    """The run an ``fp8kit train`` checkpoint ``path`` (a ``step-*`` folder) holds: its model rebuilt from the
+    checkpoint's settings, converted with the run's recipe (``plain_bf16``: the ``bf16`` run as plain modules,
+    else with the training run's BF16 GEMMs) and its trained weights and scales loaded; ``text`` the corpus
+    the run's tokenizer and held-out batches come from."""
+    from ..train.checkpoint import load_checkpoint, read_info
+    from ..train.loop import TrainConfig, build_base, make_model
 
     info = read_info(path)
     missing = [k for k in ("run", "model_size", "seed", "seq_len", "batch_size") if k not in info]
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing)}: not written by fp8kit train")
-    if info.get("model", "demo") != "demo":
-        raise CheckpointError(f"{path} fine-tuned {info['model']!r}: give the serving export of that run instead")
     cfg = TrainConfig(
         model_size=info["model_size"],
+        model=info.get("model", "demo"),
         arch=info.get("arch", "dense"),
         seed=info["seed"],
         seq_len=info["seq_len"],
         batch_size=info["batch_size"],
+        text=text,
         plan=info.get("plan"),
     )
     base, tokenizer = build_base(cfg)
-    model = base if info["run"] == "bf16" else make_model(base, cfg, info["run"])
-    load_checkpoint(path, model)
-    return model.to(dtype).eval(), tokenizer
+    model = base if plain_bf16 and info["run"] == "bf16" else make_model(base, cfg, info["run"])
+    step, _ = load_checkpoint(path, model)
+    return TrainRun(model, tokenizer, cfg, info["run"], step)

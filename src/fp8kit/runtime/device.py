@@ -61,7 +61,7 @@ def _kind(recipe: Any) -> str:
     name = str(recipe).strip().lower().removesuffix("+kv")
     if name in _NATIVE:
         return name
-    from .recipes import recipe_from_name
+    from ..numerics.recipes import recipe_from_name
 
     return recipe_from_name(name).kind
 
@@ -185,7 +185,7 @@ def device_report(device: torch.device | str) -> DeviceReport:
     """The ``DeviceReport`` of ``device``; the CPU runs every recipe emulated (``fp8kit.gemm.probe``)."""
     device = torch.device(device)
     if device.type != "cuda":
-        from .gemm.probe import cpu_gemm_backend
+        from ..gemm.probe import cpu_gemm_backend
 
         name = f"CPU, {torch.backends.cpu.get_cpu_capability()}, {cpu_gemm_backend()} GEMMs"
         return DeviceReport(str(device), name, None, (), tuple(_NATIVE), None)

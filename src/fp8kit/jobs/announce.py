@@ -1,5 +1,5 @@
-"""What every model-loading command does before it loads: ``--device`` / ``--emulate`` / ``--force``, the
-model's size read without its weights, and the one cost line (refused when the job will not fit).
+"""What every model-loading job does before it loads: the model's size read without its weights and the one
+cost line (refused when the job will not fit), and the device's peak memory after the job.
 
 Each step raises a one-line error (``DeviceError``, ``ModelNotFound``, ``DoesNotFit``) that ``main`` turns into
 ``fp8kit <command>: error: ...`` and exit code 2, before any model is loaded.
@@ -7,7 +7,6 @@ Each step raises a one-line error (``DeviceError``, ``ModelNotFound``, ``DoesNot
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,48 +14,22 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from ..cost import JobCost, ModelShape
+    from .cost import JobCost, ModelShape
 
 
 class UnknownSize(Exception):
     """A model whose size cannot be read without loading it (no cost line; the load reports the problem)."""
 
 
-def add_device_options(p: argparse.ArgumentParser) -> None:
-    """``--device``, ``--emulate`` and ``--force``."""
-    p.add_argument(
-        "--device",
-        default="auto",
-        help="auto (CUDA when present, else the CPU), cpu, cuda or cuda:N; on CUDA weights load in BF16 and "
-        "FP8 GEMMs run on the native kernels",
-    )
-    p.add_argument(
-        "--emulate",
-        action="store_true",
-        help="run a recipe/scheme this GPU has no native FP8 GEMM for (MXFP8 below SM100, FP8 below SM89) on "
-        "dequantized BF16 operands, with a warning, instead of refusing",
-    )
-    p.add_argument(
-        "--force", action="store_true", help="start even when the estimated peak memory exceeds the free memory"
-    )
-
-
-def job_device(args: argparse.Namespace, recipes: Any = None) -> torch.device:
-    """``--device`` resolved and checked against ``recipes`` (``fp8kit.device.resolve_device``)."""
-    from ..device import resolve_device
-
-    return resolve_device(args.device, recipe=recipes, emulate=args.emulate)
-
-
 def shape_of(spec: str, arch: str = "dense", size: str = "small", seq_len: int = 128) -> ModelShape:
     """The size of ``--model``: the demo model (built on the ``meta`` device), an ``fp8kit train``
     checkpoint (its demo model), ``smollm2`` (the GGUF's config until it is converted), a folder or a Hub
     ID (safetensors headers, resolved through ``models.resolve``). Reads no weights."""
-    from ..cost import model_shape, shape_from_config
+    from .cost import model_shape, shape_from_config
 
     if spec == "demo":
         return _demo_shape(arch, size, seq_len)
-    from ..train.reload import train_checkpoint
+    from .loading import train_checkpoint
 
     found = train_checkpoint(Path(spec))
     if found is not None:
@@ -92,15 +65,15 @@ def shape_of(spec: str, arch: str = "dense", size: str = "small", seq_len: int =
 def _demo_shape(arch: str, size: str, seq_len: int) -> ModelShape:
     import torch
 
-    from ..model_shape import module_shape
     from ..models import build_demo
+    from .model_shape import module_shape
 
     with torch.device("meta"):
         return module_shape(build_demo(arch, size, max_seq_len=max(seq_len, 64)))
 
 
 def announce_inference(
-    args: argparse.Namespace,
+    args: Any,
     what: str,
     device: torch.device,
     passes: dict[str, int],
@@ -110,14 +83,14 @@ def announce_inference(
     quantized: bool = True,
 ) -> None:
     """The cost line of a job that loads ``--model`` and runs forward passes (``cost.estimate_inference``)."""
-    from ..cost import estimate_inference
+    from .cost import estimate_inference
 
     try:
         shape = shape_of(args.model)
     except UnknownSize as err:
         print(f"fp8kit {what}: cost unknown ({err})", file=sys.stderr)
         return
-    from ..estimate import current_rates, forward_seconds, load_seconds
+    from .estimate import current_rates, forward_seconds, load_seconds
 
     rates = current_rates(device)
     one_pass = forward_seconds(shape, tokens_per_pass, rates)
@@ -125,35 +98,6 @@ def announce_inference(
     cost = estimate_inference(
         what, shape, device, passes, tokens_per_pass, micro_tokens, copies, quantized=quantized, phases=phases
     )
-    announce(cost, device, args.force)
-
-
-def ptq_cost_phases(args: argparse.Namespace, device: torch.device, scheme: str) -> dict[str, float]:
-    """Seconds of each PTQ step that will run for ``scheme`` with the parsed options (the scheme's defaults
-    filled in by ``pretrained_ptq.ptq_settings``) and of the export (``estimate.ptq_phases``), after the load."""
-    from ..estimate import current_rates, load_seconds, ptq_phases
-    from ..pretrained_ptq import ptq_settings
-
-    shape = shape_of(args.model)
-    rates = current_rates(device)
-    settings = ptq_settings(
-        scheme, args.calibration, args.alpha, args.smooth, args.gptq, args.awq, args.keep_bf16,
-        sum(1 for d in shape.gemms if d[1] != shape.vocab) or 210, args.norm_tweak,
-    )  # fmt: skip
-    return {"load": load_seconds(shape, rates)} | ptq_phases(shape, scheme, settings, args.calib_batches, rates)
-
-
-def announce_ptq(args: argparse.Namespace, device: torch.device, scheme: str) -> None:
-    """The cost line of ``quantize`` on the whole model: each PTQ step that runs for ``scheme``, priced."""
-    from ..cost import estimate_inference
-
-    try:
-        shape = shape_of(args.model)
-        phases = ptq_cost_phases(args, device, scheme)
-    except UnknownSize as err:
-        print(f"fp8kit quantize: cost unknown ({err})", file=sys.stderr)
-        return
-    cost = estimate_inference("quantize", shape, device, {}, 0, 4 * 128, phases=phases)
     announce(cost, device, args.force)
 
 
@@ -176,7 +120,7 @@ def print_device_peak(device: torch.device) -> None:
         return
     import torch
 
-    from ..device import device_report
+    from ..runtime.device import device_report
 
     peak = torch.cuda.max_memory_allocated(device) / 2**30
     print(f"device: {device_report(device).line()}; peak GPU memory allocated {peak:.2f} GiB")
@@ -185,14 +129,14 @@ def print_device_peak(device: torch.device) -> None:
 def announce(cost: JobCost, device: torch.device, force: bool) -> None:
     """Print the cost line to stderr (always: in a terminal and in a log file alike), then refuse the job if
     it will not fit (``cost.check_fits``)."""
-    from ..cost import check_fits
+    from .cost import check_fits
 
     print(cost.line(), file=sys.stderr, flush=True)
     check_fits(cost, device, force)
 
 
 def announce_layer_by_layer(
-    args: argparse.Namespace,
+    args: Any,
     device: torch.device,
     passes: dict[str, int],
     tokens_per_pass: int,
@@ -202,7 +146,7 @@ def announce_layer_by_layer(
     passes (``cost.estimate_inference``), but in memory one decoder layer (weights in the load dtype and
     their quantized codes), the embeddings, the calibration hidden states a layer reads and writes, and one
     forward's working memory."""
-    from ..cost import JobCost, estimate_inference, forward_bytes
+    from .cost import JobCost, estimate_inference, forward_bytes
 
     try:
         shape = shape_of(args.model)

@@ -10,10 +10,9 @@ from typing import Any
 import torch
 
 from ..data import load_corpus
-from ..evaluation import evaluate
-from ..progress import counting
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_info
-from .loop import TrainConfig, build_base, make_model
+from ..data.evaluation import evaluate
+from ..runtime.progress import counting
+from .loading import CheckpointError, rebuild_run, train_checkpoint
 
 __all__ = ["evaluate_checkpoint", "evaluate_pretrained"]
 
@@ -24,34 +23,17 @@ def evaluate_checkpoint(
     """Held-out loss and perplexity of a ``fp8kit train`` checkpoint (a run folder or ``ckpt/<run>``), the
     model on ``device``."""
     path = Path(checkpoint)
-    found = latest_checkpoint(path)
-    if found is None and (path / "model.safetensors").is_file():
-        found = path
+    found = train_checkpoint(path)
     if found is None:
         raise CheckpointError(f"no fp8kit checkpoint in {path} (give a run's ckpt/<run> folder)")
-    info = read_info(found)
-    missing = [k for k in ("run", "model_size", "seed", "seq_len", "batch_size") if k not in info]
-    if missing:
-        raise CheckpointError(f"checkpoint {found} lacks {', '.join(missing)}: not written by fp8kit train")
-    cfg = TrainConfig(
-        model_size=info["model_size"],
-        model=info.get("model", "demo"),
-        arch=info.get("arch", "dense"),
-        seed=info["seed"],
-        seq_len=info["seq_len"],
-        batch_size=info["batch_size"],
-        text=text,
-        plan=info.get("plan"),
-    )
-    base, tokenizer = build_base(cfg)
-    corpus = load_corpus(text, tokenizer)
-    corpus.check_fits(cfg.seq_len)
-    model = make_model(base, cfg, info["run"])
-    step, _ = load_checkpoint(found, model)
-    model.to(device)
-    with counting(model, batches * cfg.batch_size, f"  eval {info['run']}", "seq"):
-        loss = evaluate(model, corpus.val_batches(batches, cfg.batch_size, cfg.seq_len, cfg.seed))
-    return {"run": info["run"], "step": step, "val_loss": loss, "val_ppl": math.exp(loss), "corpus": corpus.name}
+    run = rebuild_run(found, text)
+    corpus = load_corpus(text, run.tokenizer)
+    corpus.check_fits(run.config.seq_len)
+    run.model.to(device)
+    cfg = run.config
+    with counting(run.model, batches * cfg.batch_size, f"  eval {run.run}", "seq"):
+        loss = evaluate(run.model, corpus.val_batches(batches, cfg.batch_size, cfg.seq_len, cfg.seed))
+    return {"run": run.run, "step": run.step, "val_loss": loss, "val_ppl": math.exp(loss), "corpus": corpus.name}
 
 
 def evaluate_pretrained(
@@ -69,9 +51,9 @@ def evaluate_pretrained(
     served (``export.load_pretrained``: quantized activations and KV cache included). With ``reference`` (a model name or folder, e.g. the BF16 model an export
     was quantized from), also ``kl`` (``KL(P_ref || P)``, nats/token) and ``top1`` (top-1 agreement) on the
     same held-out tokens (``evaluation.divergence``)."""
-    from ..device import work_dtype
-    from ..evaluation import divergence
+    from ..data.evaluation import divergence
     from ..models.pretrained import load_pretrained_lm
+    from ..runtime.device import work_dtype
 
     device = torch.device(device)
     model, tokenizer = _served(model_name, work_dtype(device), device) or load_pretrained_lm(

@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import E4M3, Format, check_float_input, e2m1_decode, e8m0_decode, e8m0_encode, get_format
-from .kernels import (
+from ..kernels import (
     BlockSpec,
     cast_values,
     quantize_blocks_eager,
@@ -16,9 +15,10 @@ from .kernels import (
     quantize_pair_eager,
     quantize_pair_fused,
 )
-from .kernels.fused import nvfp4_block_scales, quantize_values_fused
-from .kernels.opaque import dequantize_tiles, dequantize_tiles_opaque, is_ragged, quantize_tiles_opaque
-from .kernels.reference import tile_amax
+from ..kernels.fused import nvfp4_block_scales, quantize_values_fused
+from ..kernels.opaque import dequantize_tiles, dequantize_tiles_opaque, is_ragged, quantize_tiles_opaque
+from ..kernels.reference import tile_amax
+from .formats import E4M3, Format, check_float_input, e2m1_decode, e8m0_decode, e8m0_encode, get_format
 from .scaling import Granularity, named_element_bits, nvfp4_scales, parse_granularity
 
 __all__ = [

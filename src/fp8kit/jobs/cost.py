@@ -2,7 +2,7 @@
 config, never its weights), the expected peak memory on the chosen device, and the time of each phase.
 
 Estimates, not measurements: memory counts weights, gradients, optimizer state and the activations one
-micro-batch saves (Korthikanti et al.'s per-layer count). Time is priced by ``fp8kit.estimate`` from the
+micro-batch saves (Korthikanti et al.'s per-layer count). Time is priced by ``fp8kit.jobs.estimate`` from the
 device's ``Rates`` (the planner's roofline of this CPU, measured once and cached): each GEMM's FLOPs and
 bytes, each recipe's quantization passes and fixed cost per layer call, the elementwise ops, attention and
 optimizer step of every layer, and per PTQ phase what that phase runs. The progress bars refine the times
@@ -54,7 +54,7 @@ class JobCost:
 
     def line(self) -> str:
         """One line: ``fp8kit <what>: 135.0M parameters; peak ~1.2 GiB on cpu; time ~ load 2 s, ...``."""
-        from .ptq.progress import format_seconds
+        from ..ptq.progress import format_seconds
 
         host = f" (+ {self.host_bytes / GiB:.1f} GiB host RAM)" if self.host_bytes else ""
         times = ", ".join(f"{name} {format_seconds(s)}" for name, s in self.phases.items())
@@ -188,7 +188,7 @@ def estimate_inference(
     quantized codes (``quantized``), one forward's working memory, and the checkpoint's pages in host RAM
     while ``from_pretrained`` reads it (memory-mapped safetensors); ``passes``: phase -> passes over ``tokens_per_pass``
     tokens (2 FLOPs per parameter and token at ``flops``; a pass with gradients counts 3); ``phases``: the
-    seconds of each phase priced by ``fp8kit.estimate`` instead (``passes`` is then unused)."""
+    seconds of each phase priced by ``fp8kit.jobs.estimate`` instead (``passes`` is then unused)."""
     n = shape.params
     width = 2 if device.type == "cuda" else 4
     peak = int(copies * width * n) + (n if quantized else 0) + forward_bytes(shape, micro_tokens, width)

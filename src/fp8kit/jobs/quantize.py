@@ -3,7 +3,7 @@
 The recipe (``ptq_settings``: calibration, SmoothQuant, GPTQ/AWQ, layers kept in BF16, norm tweaking per
 scheme, BENCHMARKS.md), the calibration batches (``calibration_loop`` over the calibration split of the
 shipped corpus or a user's text, never the dev or test split) and ``quantize_pretrained``, which ties
-them to the model loader. ``fp8kit.compare`` scores what this makes.
+them to the model loader. ``fp8kit.jobs.compare`` scores what this makes.
 """
 
 from __future__ import annotations
@@ -16,11 +16,20 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .data import PTQSplits, load_ids, ptq_splits, reference_text, windows
-from .data.splits import available_windows
-from .evaluation import model_device
-from .ptq.quantize import quantize
-from .ptq.schemes import PTQ_SCHEMES
+from ..data import PTQSplits, load_ids, ptq_splits, reference_text, windows
+from ..data.evaluation import model_device
+from ..data.splits import available_windows
+from ..ptq.quantize import quantize
+from ..ptq.schemes import PTQ_SCHEMES
+from .announce import (
+    UnknownSize,
+    announce,
+    announce_inference,
+    announce_layer_by_layer,
+    print_device_peak,
+    ptq_passes,
+    shape_of,
+)
 
 __all__ = [
     "DEFAULT_KEEP_BF16",
@@ -42,7 +51,7 @@ __all__ = [
 
 def _quantizable(model: nn.Module) -> list[nn.Linear]:
     """The Linear layers ``quantize`` quantizes by default (the output head excluded)."""
-    from .nn.convert import is_output_head
+    from ..nn.convert import is_output_head
 
     head = is_output_head(model)
     return [m for n, m in model.named_modules() if type(m) is nn.Linear and not head(n, m)]
@@ -173,8 +182,8 @@ def quantize_pretrained(
     calibration split of the corpus (or ``text``).
     ``None`` settings take the scheme's dev-chosen defaults (``ptq_settings``). The model loads on ``device``
     (BF16 on a GPU, FP32 on the CPU: ``device.work_dtype``); ``progress`` as ``ptq.quantize``'s."""
-    from .device import work_dtype
-    from .train.reload import load_model
+    from ..runtime.device import work_dtype
+    from .loading import load_model
 
     del seed  # the calibration windows are fixed (evenly spaced over the calibration split)
     device = torch.device(device)
@@ -193,9 +202,9 @@ def sequential_source(model_name: str) -> Path | None:
     ``fp8kit train`` checkpoint), else ``None``."""
     import json
 
-    from .export.fp4_checkpoints import fp4_layout
-    from .models.pretrained import pretrained_dir
-    from .train.reload import train_checkpoint
+    from ..export.fp4_checkpoints import fp4_layout
+    from ..models.pretrained import pretrained_dir
+    from .loading import train_checkpoint
 
     if train_checkpoint(Path(model_name)) is not None:
         return None
@@ -208,7 +217,7 @@ def sequential_source(model_name: str) -> Path | None:
 def full_load_line(path: Path, options: list[str]) -> str:
     """One line before a run that ``options`` (``keep_bf16``, ``norm_tweak``) make load the whole model: what
     it takes, and how to quantize layer by layer instead."""
-    from .ptq.sequential import skeleton
+    from .layerwise import skeleton
 
     params = sum(p.numel() for p in skeleton(path).parameters())
     flags = " ".join(f"--{o.replace('_', '-')} 0" for o in options)
@@ -238,9 +247,9 @@ def quantize_pretrained_sequential(
     arguments; ``keep_bf16`` and ``norm_tweak`` must be 0; ``propagate`` as ``ptq.sequential.quantize_checkpoint``;
     ``block``: ``fp8-block``'s tile edge (default: the largest every reader of ``format`` loads).
     Returns the export, its report and the corpus."""
-    from .models.folder import load_tokenizer
-    from .models.pretrained import HFTokenizer
-    from .ptq.sequential import decoder_layers, quantize_checkpoint, skeleton
+    from ..models.folder import load_tokenizer
+    from ..models.pretrained import HFTokenizer
+    from .layerwise import decoder_layers, quantize_checkpoint, skeleton
 
     tokenizer = HFTokenizer(load_tokenizer(path))
     splits = load_splits(text, tokenizer, second_text=False)[0]
@@ -282,3 +291,158 @@ def settings_text(kw: dict[str, Any]) -> str:
     if kw.get("norm_tweak"):
         parts.append(f"norm tweaking {kw['norm_tweak']} steps")
     return "; ".join(parts)
+
+
+# ---- the cost line of `fp8kit quantize` (``args``: its options) ----
+def ptq_cost_phases(args: Any, device: torch.device, scheme: str) -> dict[str, float]:
+    """Seconds of each PTQ step that will run for ``scheme`` with the parsed options (the scheme's defaults
+    filled in by ``ptq_settings``) and of the export (``estimate.ptq_phases``), after the load."""
+    from .estimate import current_rates, load_seconds, ptq_phases
+
+    shape = shape_of(args.model)
+    rates = current_rates(device)
+    settings = ptq_settings(
+        scheme, args.calibration, args.alpha, args.smooth, args.gptq, args.awq, args.keep_bf16,
+        sum(1 for d in shape.gemms if d[1] != shape.vocab) or 210, args.norm_tweak,
+    )  # fmt: skip
+    return {"load": load_seconds(shape, rates)} | ptq_phases(shape, scheme, settings, args.calib_batches, rates)
+
+
+def announce_ptq(args: Any, device: torch.device, scheme: str) -> None:
+    """The cost line of ``quantize`` on the whole model: each PTQ step that runs for ``scheme``, priced."""
+    from .cost import estimate_inference
+
+    try:
+        shape = shape_of(args.model)
+        phases = ptq_cost_phases(args, device, scheme)
+    except UnknownSize as err:
+        print(f"fp8kit quantize: cost unknown ({err})", file=sys.stderr)
+        return
+    cost = estimate_inference("quantize", shape, device, {}, 0, 4 * 128, phases=phases)
+    announce(cost, device, args.force)
+
+
+# ---- the runs of `fp8kit quantize` (``args``: its options): block FP8, whole model, layer by layer, auto ----
+def run_block(args: Any, device: torch.device) -> int:
+    """``--scheme fp8-block``: no calibration; the weights in tiles, dynamic activations; the export written."""
+    from ..export import quantize_block, save_pretrained
+    from ..runtime.device import work_dtype
+    from .loading import load_model
+
+    announce_inference(args, "quantize", device, {}, 0)
+    model, tokenizer = load_model(args.model, work_dtype(device), device)
+    try:
+        model = quantize_block(model, block=args.block, format=args.format)
+    except ValueError as err:  # a reader of --format cannot load a layer: nothing is quantized or written
+        raise ValueError(f"--format {args.format}: {err}") from None
+    out = save_pretrained(
+        model,
+        args.out,
+        tokenizer,
+        format=args.format,
+        overwrite=args.overwrite,
+        max_shard_size=args.max_shard_size,
+    )
+    print(f"{model.ptq_report}\nwrote the {args.format} export to {out}")
+    print_device_peak(device)
+    return 0
+
+
+def run_whole(args: Any, device: torch.device, settings: dict[str, Any]) -> int:
+    """The whole model loaded, calibrated and quantized with ``settings`` (``ptq_settings``), then written."""
+    from ..export import save_pretrained
+
+    announce_ptq(args, device, args.scheme)
+    model, tokenizer, corpus = quantize_pretrained(
+        args.model, args.scheme, text=args.text, device=device, progress=True, **settings
+    )
+    out = save_pretrained(
+        model, args.out, tokenizer, format=args.format, overwrite=args.overwrite, max_shard_size=args.max_shard_size
+    )
+    print(model.ptq_report)
+    print(f"calibrated on {corpus.name}; wrote the {args.format} export to {out} (vLLM: LLM(model={str(out)!r}))")
+    print_device_peak(device)
+    return 0
+
+
+def layerwise_source(args: Any, settings: dict[str, Any]) -> Path | None:
+    """The folder to quantize layer by layer, or ``None`` (GGUF/train checkpoints, or options that need the
+    whole model: one line says so, with what the full load takes)."""
+    from .layerwise import needs_full_load, skeleton
+
+    source = sequential_source(args.model)
+    if source is None or args.scheme == "fp8-block":
+        return source
+    defaults = {k: v for k, v in settings.items() if k != "calib_batches"}
+    full = needs_full_load(ptq_settings(args.scheme, **defaults, n_layers=quantizable_layers(skeleton(source))))
+    if full:
+        print(full_load_line(source, full), flush=True)
+        return None
+    return source
+
+
+def run_layerwise(args: Any, source: Path, settings: dict[str, Any], device: torch.device) -> int:
+    """Layer by layer: each decoder layer onloaded to ``device`` in turn, the export written as it goes."""
+    if args.scheme == "fp8-block":
+        passes: dict[str, int] = {}
+    else:
+        passes = ptq_passes(args.calib_batches, args.gptq, args.awq, 0)
+    phases = None if args.scheme == "fp8-block" else ptq_cost_phases(args, device, args.scheme)
+    announce_layer_by_layer(args, device, passes, args.calib_batches * 4 * 128, phases)
+
+    out, report, corpus = quantize_pretrained_sequential(  # fp8-block: the tile check runs before any layer is read
+        source,
+        args.scheme,
+        args.out,
+        format=args.format,
+        text=args.text,
+        overwrite=args.overwrite,
+        max_shard_size=args.max_shard_size,
+        device=device,
+        progress=True,
+        propagate=args.propagate,
+        block=args.block,
+        **settings,
+    )
+    print(report)
+    where = "" if args.scheme == "fp8-block" else f"calibrated on {corpus.name}; "
+    print(f"quantized layer by layer; {where}wrote the {args.format} export to {out} (vLLM: LLM(model={str(out)!r}))")
+    print_device_peak(device)
+    return 0
+
+
+def run_auto(args: Any, device: torch.device) -> int:
+    """A scheme per layer (``ptq.quantize(..., "auto")``) on the whole model, its plan printed and the export
+    written, each layer in its scheme (a mix: one compressed-tensors config group per scheme)."""
+    from ..export import save_pretrained
+    from ..ptq import quantize as quantize_model
+    from ..runtime.device import work_dtype
+    from .loading import load_model
+
+    candidates = None if args.candidates is None else [c for c in args.candidates.split(",") if c.strip()]
+    print("--scheme auto scores every layer in one pass with gradients: the whole model is loaded", flush=True)
+    passes = ptq_passes(args.calib_batches, args.gptq, False, 0) | {"score": 3}
+    announce_inference(args, "quantize", device, passes, args.calib_batches * 4 * 128)
+    model, tokenizer = load_model(args.model, work_dtype(device), device)
+    model.eval()
+    splits = load_splits(args.text, tokenizer, second_text=False)[0]
+    loop = calibration_loop(splits, args.calib_batches)
+    quantize_model(
+        model, "auto", loop, budget=args.budget, candidates=candidates, calibration=args.calibration or "max",
+        gptq=args.gptq, progress=True,
+    )  # fmt: skip
+    report = model.ptq_report
+    print(report)
+    if not report.schemes:
+        raise ValueError(f"the plan keeps every layer in BF16 ({args.budget:g} bits allow it): give a lower --budget")
+    try:
+        out = save_pretrained(
+            model, args.out, tokenizer, format=args.format, overwrite=args.overwrite, max_shard_size=args.max_shard_size
+        )
+    except ValueError as err:
+        raise ValueError(f"--format: {err}") from None
+    counts = report.plan.counts()
+    layers = ", ".join(f"{c} {k}" for c, k in counts.items())
+    print(f"calibrated on {splits.name}; wrote the {args.format} export (layers: {layers}) to {out}")
+    print_device_peak(device)
+    return 0

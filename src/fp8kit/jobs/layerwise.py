@@ -29,14 +29,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .experts import QuantExperts, find_experts
-from .layer_error import swap_submodule
-from .linear import QuantLinear
-from .quantize import quantize as quantize_module
-from .report import PTQReport
-from .schemes import FP8_BLOCK, get_scheme
+from ..ptq.experts import QuantExperts, find_experts
+from ..ptq.layer_error import swap_submodule
+from ..ptq.linear import QuantLinear
+from ..ptq.quantize import quantize as quantize_module
+from ..ptq.report import PTQReport
+from ..ptq.schemes import FP8_BLOCK, get_scheme
 
-__all__ = ["Checkpoint", "is_on_meta", "needs_full_load", "quantize", "quantize_checkpoint", "skeleton"]
+__all__ = ["Checkpoint", "is_on_meta", "needs_full_load", "quantize_checkpoint", "skeleton"]
 
 FULL_LOAD_OPTIONS = ("keep_bf16", "norm_tweak")  # options that rank or tune the whole model at once
 PROPAGATE = ("float", "quantized")  # what gives the next layer its calibration inputs
@@ -235,7 +235,7 @@ def _layer_tensors(
     from ..export.checkpoint import format_tensors
     from ..export.common import kept_tensors
     from ..export.experts import checkpoint_key
-    from .kv_cache import attention_modules
+    from ..ptq.kv_cache import attention_modules
 
     full = f"{prefix}."
     qlayers = {full + n: m for n, m in layer.named_modules() if isinstance(m, (QuantLinear, BlockQuantLinear))}
@@ -295,7 +295,7 @@ def _quantize_layer(
 
 
 def quantize_checkpoint(
-    path: str | Path,
+    path: str | Path | nn.Module,
     scheme: str,
     out: str | Path,
     forward_loop: Callable[[nn.Module], object] | None = None,
@@ -311,7 +311,8 @@ def quantize_checkpoint(
     propagate: str = "float",
     **options: Any,
 ) -> tuple[Path, PTQReport]:
-    """Quantize the causal LM in the Hugging Face folder ``path`` (safetensors) layer by layer with
+    """Quantize the causal LM in the Hugging Face folder ``path`` (safetensors; or a model built on the ``meta``
+    device from that folder's config, its ``config._name_or_path``) layer by layer with
     ``scheme`` (a ``ptq.schemes`` name, or ``"fp8-block"``) and write the export in ``format`` to ``out``
     (shards of at most ``max_shard_size``, default 5GB). ``forward_loop(model)`` runs the calibration
     batches through the model (its outputs are not meaningful during the capture). ``options`` are
@@ -325,8 +326,20 @@ def quantize_checkpoint(
     from ..export.experts import checkpoint_key
     from ..export.shards import DEFAULT_MAX_SHARD_SIZE, ShardWriter
     from ..export.support import check_scheme_format
-    from .kv_cache import enable_fp8_kv
+    from ..ptq.kv_cache import enable_fp8_kv
 
+    if isinstance(path, nn.Module):
+        model, path = path, getattr(path.config, "_name_or_path", "")
+        if not path or not Path(path, "config.json").is_file():
+            raise ValueError(
+                f"a meta-device model is quantized from its folder's weights, and {path!r} is not one: "
+                "build it with from_config on the folder's config, or pass the folder"
+            )
+    if str(scheme).strip().lower() == "auto":
+        raise ValueError(
+            "scheme 'auto' scores every layer in one pass over the whole model: load it and pass the model to "
+            "fp8kit.ptq.quantize"
+        )
     if propagate not in PROPAGATE:
         raise ValueError(f"propagate must be one of {', '.join(PROPAGATE)}, got {propagate!r}")
     full_load = needs_full_load(options)
@@ -360,7 +373,7 @@ def quantize_checkpoint(
     captured = capture_inputs(model, ckpt, forward_loop, device) if forward_loop is not None else None
     inputs = captured[0] if captured is not None else []
     config_args: tuple | None = None
-    from ..progress import bar
+    from ..runtime.progress import bar
 
     layer_bar = bar(len(layers), "  layers", "layer", enabled=sys.stderr.isatty() if progress is None else progress)
     with export_folder(out_path) as tmp:
@@ -417,7 +430,7 @@ def _outside_keys(model: nn.Module, ckpt: Checkpoint, layers_prefix: str) -> lis
 
 
 def _needs_data(scheme: str, options: dict[str, Any]) -> bool:
-    from .quantize import PTQOptions
+    from ..ptq.quantize import PTQOptions
 
     known = {k: v for k, v in options.items() if k in PTQOptions.__dataclass_fields__}
     return PTQOptions(**known).needs_data(get_scheme(scheme))
@@ -486,60 +499,3 @@ def _read_generation_config(model: nn.Module, path: Path) -> None:
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(path)
-
-
-def quantize(
-    model: nn.Module | str | Path,
-    scheme: str,
-    forward_loop: Callable[[nn.Module], object] | None = None,
-    *,
-    out: str | Path | None = None,
-    format: str = "compressed-tensors",  # noqa: A002 - the name users know from the CLI (--format)
-    max_shard_size: int | str | None = None,
-    device: str | torch.device = "cpu",
-    tokenizer: Any = None,
-    overwrite: bool = False,
-    **options: Any,
-) -> nn.Module | Path:
-    """``ptq.quantize.quantize`` on a loaded model (returns it, quantized in place; scheme ``"auto"`` with
-    ``budget=BITS``: ``ptq.auto.quantize_auto``, a scheme per layer); given a Hugging Face
-    folder or a model on the ``meta`` device (its ``config._name_or_path`` the folder), the sequential
-    ``quantize_checkpoint`` into ``out`` on ``device`` (returns the export's path; the report is the
-    skeleton's ``ptq_report``)."""
-    auto = isinstance(scheme, str) and scheme.strip().lower() == "auto"
-    if not auto and ("budget" in options or "candidates" in options):
-        raise ValueError("budget and candidates go with scheme='auto' (a scheme per layer)")
-    if isinstance(model, nn.Module) and not is_on_meta(model):
-        if out is not None:
-            raise ValueError("quantize(model) returns the quantized model: write it with fp8kit.export.save_pretrained")
-        if auto:
-            from .auto import quantize_auto
-
-            return quantize_auto(model, forward_loop, **options)
-        return quantize_module(model, scheme, forward_loop, **options)
-    if auto:
-        raise ValueError(
-            "scheme 'auto' scores every layer in one pass over the whole model: load it and pass the model"
-        )
-    skeleton_model = model if isinstance(model, nn.Module) else None
-    path = getattr(model.config, "_name_or_path", "") if skeleton_model is not None else model
-    if not path or not Path(path, "config.json").is_file():
-        raise ValueError(
-            f"quantize() on a meta-device model reads its weights from its folder, and {path!r} is not one: "
-            "build it with from_config on the folder's config, or pass the folder"
-        )
-    if out is None:
-        raise ValueError("a model quantized layer by layer is written as it goes: pass out=FOLDER (and format=...)")
-    return quantize_checkpoint(
-        path,
-        scheme,
-        out,
-        forward_loop,
-        format=format,
-        max_shard_size=max_shard_size,
-        device=device,
-        tokenizer=tokenizer,
-        overwrite=overwrite,
-        model=skeleton_model,
-        **options,
-    )[0]

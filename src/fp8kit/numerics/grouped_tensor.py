@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.grouped import cast_scaled, quantize_columns_values, scaled_values
+from ..kernels.opaque import dequantize_tiles, repeat_tiles
+from ..kernels.reference import BlockSpec
 from .formats import Format, e2m1_decode, e8m0_decode
-from .kernels.grouped import cast_scaled, quantize_columns_values, scaled_values
-from .kernels.opaque import dequantize_tiles, repeat_tiles
-from .kernels.reference import BlockSpec
 from .scaling import Granularity, compute_scale
 from .tensor import CodesFromValues, quantize
 

@@ -17,12 +17,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..cost import JobCost, ModelShape, activation_bytes, device_flops
 from ..data import PTQSplits, windows
+from ..data.evaluation import window_losses
 from ..data.splits import available_windows
-from ..evaluation import window_losses
-from .distill import DistillResult, distill
-from .prepare import convert, prepare
+from ..qat.distill import DistillResult, distill
+from ..qat.prepare import convert, prepare
+from .cost import JobCost, ModelShape, activation_bytes, device_flops
 
 __all__ = ["QADRun", "qad_cost", "qad_pretrained"]
 

@@ -1,4 +1,4 @@
-"""Seconds per phase of a job, priced from the device's measured ``Rates`` (used by ``fp8kit.cost``).
+"""Seconds per phase of a job, priced from the device's measured ``Rates`` (used by ``fp8kit.jobs.cost``).
 
 A training step sums, per ``nn.Linear`` of the model, the planner's roofline of its three matmuls with the
 run's recipe (``planner.roofline.layer_seconds``: FLOPs, bytes and the recipe's quantization passes) plus
@@ -31,7 +31,7 @@ import torch
 from .model_shape import ModelShape
 
 if TYPE_CHECKING:
-    from .planner.roofline import GPU
+    from ..planner.roofline import GPU
 
 __all__ = [
     "Rates",
@@ -96,7 +96,7 @@ def set_rates(rates: Rates | None) -> None:
 
 
 def _cache_file(device: torch.device) -> Path:
-    from .models.pretrained import cache_dir
+    from ..models.pretrained import cache_dir
 
     key = f"{device.type}-{platform.machine()}-{os.cpu_count()}cpu-{torch.get_num_threads()}t-torch{torch.__version__}"
     if device.type == "cuda":
@@ -107,7 +107,7 @@ def _cache_file(device: torch.device) -> Path:
 def current_rates(device: torch.device, recipes: list[str] | tuple[str, ...] = ()) -> Rates:
     """This machine's ``Rates`` for ``device``: from the cache file, else measured now and cached; each of
     ``recipes`` missing from it gets its per-call cost measured (CPU) and cached too."""
-    from .planner.roofline import GPU
+    from ..planner.roofline import GPU
 
     if _FIXED:
         return _FIXED[0]
@@ -127,7 +127,7 @@ def current_rates(device: torch.device, recipes: list[str] | tuple[str, ...] = (
     missing = [r for r in recipes if r not in rates.step_scale and device.type == "cpu"]
     if missing or str(path) not in _MEMO:
         if missing:
-            from .planner.roofline import step_seconds
+            from ..planner.roofline import step_seconds
 
             calls = rates.recipe_call_s | {r: step_seconds(16, 16, r) for r in missing}
             rates = replace(rates, recipe_call_s=calls)
@@ -137,7 +137,7 @@ def current_rates(device: torch.device, recipes: list[str] | tuple[str, ...] = (
 
 
 def _measure(device: torch.device) -> Rates:
-    from .planner.roofline import GPU, cpu_roofline
+    from ..planner.roofline import GPU, cpu_roofline
 
     if device.type == "cpu":
         roofline = cpu_roofline()
@@ -155,9 +155,9 @@ def _measure(device: torch.device) -> Rates:
 
 
 def _demo(recipe: str | None = None) -> tuple[torch.nn.Module, ModelShape]:
+    from ..models import build_demo
+    from ..nn import convert, to_bf16_gemms
     from .model_shape import module_shape
-    from .models import build_demo
-    from .nn import convert, to_bf16_gemms
 
     model = build_demo("dense", "small", max_seq_len=128)
     shape = module_shape(model)
@@ -199,9 +199,9 @@ def doctor_rates(device: torch.device, recipe: str) -> tuple[float, float]:
     rates = current_rates(device, [recipe])
     if recipe in rates.doctor or device.type != "cpu" or _FIXED:
         return rates.doctor.get(recipe, (1.0, 0.0))
-    from .debug import doctor
+    from ..debug import doctor
+    from ..models import build_demo
     from .model_shape import module_shape
-    from .models import build_demo
 
     model = build_demo("dense", "small", max_seq_len=128)
     shape = module_shape(model)
@@ -343,7 +343,7 @@ def step_model(
     shape: ModelShape, recipe: str, tokens_per_step: int, micro_tokens: int, rates: Rates, seq_len: int = 128
 ) -> float:
     """Modelled seconds of one optimizer step (before ``step_scale``)."""
-    from .planner.roofline import Gemm, layer_seconds
+    from ..planner.roofline import Gemm, layer_seconds
 
     free = replace(rates.roofline, matmul_call_s=0.0, cast_call_s=0.0)  # the fixed costs: layer_call_s
     micro = max(micro_tokens, 1)
@@ -359,7 +359,7 @@ def step_model(
 
 
 def _is_recipe(name: str) -> bool:
-    from .recipes import recipe_from_name
+    from ..numerics.recipes import recipe_from_name
 
     if name == "bf16":
         return True
@@ -379,12 +379,12 @@ def ptq_phases(
     tokens_per_batch: int = 4 * 128,
     export: bool = True,
 ) -> dict[str, float]:
-    """Seconds of each step ``ptq.quantize`` will run for ``scheme`` with ``settings`` (``pretrained_ptq.
+    """Seconds of each step ``ptq.quantize`` will run for ``scheme`` with ``settings`` (``jobs.quantize.
     ptq_settings``' keywords), decided by the pipeline's own rule (``PIPELINE``'s ``runs``), and of the export."""
-    from .ptq.awq import AWQ_GRID
-    from .ptq.calibrate import MSE_GRID
-    from .ptq.quantize import PIPELINE, PTQOptions
-    from .ptq.schemes import get_scheme
+    from ..ptq.awq import AWQ_GRID
+    from ..ptq.calibrate import MSE_GRID
+    from ..ptq.quantize import PIPELINE, PTQOptions
+    from ..ptq.schemes import get_scheme
 
     scheme_obj = get_scheme(scheme.removesuffix("+kv"))
     keys = ("calibration", "alpha", "smooth", "kv_cache", "gptq", "awq", "keep_bf16", "norm_tweak")
