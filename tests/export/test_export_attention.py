@@ -13,8 +13,8 @@ from safetensors import safe_open
 
 from fp8kit import ptq
 from fp8kit.export import ExportError, load_pretrained, save_pretrained
-from fp8kit.numerics.formats import E4M3
 from fp8kit.nn.attention import STATE_NAME, attention_states, static_scales
+from fp8kit.numerics.formats import E4M3
 from tests.helpers.models import calib, tiny_llama
 
 HEADS, KV_HEADS = 4, 2
