@@ -149,3 +149,15 @@ def test_convert_with_mxfp8_attention_trains() -> None:
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     states = A.attention_states(model)
     assert states and all(bool((s.fp8_seen[s.index(n)] > 0).all()) for s in states.values() for n in ("q", "p", "ds"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mx_cuda_matches_the_reference_on_cuda() -> None:
+    q, k, v, d_out, _ = (t.cuda() if t is not None else None for t in _inputs())
+    state = FP8AttentionState(AttentionRecipe("current", "mx", block=32), HQ, HKV).cuda().train()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = fp8_attention(*leaves, state, causal=True)
+    out.backward(d_out)
+    kw = {"scaling": D**-0.5, "causal": True}
+    ref = (reference_mx_attention(q, k, v, **kw), *reference_mx_attention_backward(q, k, v, d_out, **kw)[:3])
+    assert all(_equal((out, *(t.grad for t in leaves)), ref))
