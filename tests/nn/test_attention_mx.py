@@ -4,6 +4,8 @@ GEMM's contraction dimension."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ import fp8kit.nn.attention as A
 from fp8kit.nn.attention import AttentionRecipe, FP8AttentionState, attention_recipe, fp8_attention
 from fp8kit.nn.attention_reference import reference_mx_attention, reference_mx_attention_backward
 
+SLOW = bool(os.environ.get("FP8KIT_SLOW_TESTS"))
 # 70 keys: three MX blocks along the keys (the last ragged); D = 48: two along the head dim (the last ragged)
 B, HQ, HKV, S, D = 2, 4, 2, 70, 48
 
@@ -116,11 +119,19 @@ class _Attention(torch.nn.Module):
         return fp8_attention(q, k, v, self.state, causal=True, sliding_window=40)
 
 
-def test_mx_compiled_equals_eager() -> None:
+@pytest.mark.parametrize(
+    "backend",
+    ["aot_eager", pytest.param("fp8kit", marks=pytest.mark.skipif(not SLOW, reason="inductor: FP8KIT_SLOW_TESTS"))],
+)
+def test_mx_compiled_equals_eager(backend: str) -> None:
     """Whole graph (``fullgraph=True``: no graph break), forward and backward."""
     q, k, v, d_out, _ = _inputs(s=40, d=16)
     eager, compiled = _Attention().train(), _Attention().train()
-    fn = torch.compile(compiled, backend="aot_eager", fullgraph=True)
+    fn = (
+        fp8kit.compile(compiled, fullgraph=True)
+        if backend == "fp8kit"
+        else torch.compile(compiled, backend=backend, fullgraph=True)
+    )
     results = []
     for m in (eager, fn):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
