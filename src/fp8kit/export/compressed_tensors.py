@@ -466,8 +466,8 @@ def _group_of(name: str, module: nn.Module, groups: list[tuple[list[str], Scheme
 def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module, str, list[str], dict, bool]:
     """A compressed-tensors directory (fp8kit's or another tool's) in ``QuantLinear``s, each layer in the scheme of
     the config group that targets it: returns the model, the scheme name (``"auto"`` when the layers' schemes
-    differ), the quantized layer names, the k/v scales by attention block and whether the export has an FP8 KV
-    cache."""
+    differ), the quantized layer names, the k/v (and static attention's q) scales by attention block and whether
+    the export has an FP8 KV cache."""
     qc = raw["quantization_config"]
     top = qc.get("format")
     groups = []

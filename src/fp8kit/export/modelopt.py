@@ -291,7 +291,7 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
     """A ModelOpt checkpoint (ModelOpt's own or fp8kit's) in ``QuantLinear`` / ``BlockQuantLinear``
     layers, with the producer's semantics (``fp8_pb_wo`` is weight-only; ``MIXED_PRECISION``: each layer in its
     ``quantized_layers`` entry's scheme). Returns the model, the scheme name (``"auto"`` for a mix), the quantized
-    layer names, the k/v scale tensors and whether it has an FP8 KV cache."""
+    layer names, the k/v (and static attention's q) scale tensors and whether it has an FP8 KV cache."""
     q = _quant_section(path, raw)
     algo = q.get("quant_algo")
     per_layer = _layer_schemes(path, q)
