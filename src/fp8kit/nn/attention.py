@@ -66,7 +66,7 @@ __all__ = [
 log = logging.getLogger("fp8kit")
 ATTN_NAME = "fp8kit_fp8_attention"
 # the names attention_recipe accepts (help texts and errors read them from here)
-ATTENTION_CHOICES = ("fp8", "delayed", "current", "delayed-head", "current-head", "mxfp8")
+ATTENTION_CHOICES = ("fp8", "fp8-head", "delayed", "current", "delayed-head", "current-head", "mxfp8")
 ATTENTION_SPELLINGS = ", ".join(repr(c) for c in ATTENTION_CHOICES)
 STATE_NAME = "fp8_attention"  # the child module of an attention block that holds its scaling state
 _SCALINGS = ("delayed", "current")
