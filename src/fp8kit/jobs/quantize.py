@@ -176,9 +176,11 @@ def quantize_pretrained(
     norm_tweak: int | None = None,
     device: str | torch.device = "cpu",
     progress: bool | None = None,
+    attention: str | None = None,
 ) -> tuple[nn.Module, Any, PTQSplits]:
     """Load ``model_name`` (``smollm2`` or a local directory) and quantize it with ``scheme``
-    (``+kv`` suffix: FP8 KV cache), calibrating on the calibration split of the corpus (or ``text``).
+    (``+kv`` suffix: FP8 KV cache; ``attention``: FP8 attention, ``ptq.quantize``'s), calibrating on the
+    calibration split of the corpus (or ``text``).
     ``None`` settings take the scheme's dev-chosen defaults (``ptq_settings``). The model loads on ``device``
     (BF16 on a GPU, FP32 on the CPU: ``device.work_dtype``); ``progress`` as ``ptq.quantize``'s."""
     from ..runtime.device import work_dtype
@@ -191,7 +193,7 @@ def quantize_pretrained(
     splits = load_splits(text, tokenizer, second_text=False)[0]
     loop = calibration_loop(splits, calib_batches, batch_size, seq_len)
     kw = ptq_settings(scheme, calibration, alpha, smooth, gptq, awq, keep_bf16, quantizable_layers(model), norm_tweak)
-    quantize(model, scheme.removesuffix("+kv"), loop, progress=progress, **kw)
+    quantize(model, scheme.removesuffix("+kv"), loop, progress=progress, attention=attention, **kw)
     return model, tokenizer, splits
 
 
