@@ -1,7 +1,8 @@
 """``QATLinear``: a trainable ``nn.Linear`` whose forward runs a PTQ scheme's exact quantizers.
 
 Each forward quantizes the float master weight with the quantizer ``QuantLinear.from_linear`` uses
-(``fp8kit.quantize`` with the scheme's format and granularity; NVFP4's per-tensor weight scale shared by
+(``fp8kit.quantize`` with the scheme's format and granularity, NVFP4 through ``nvfp4_fake_quant``, its
+dequantized values bit for bit; NVFP4's per-tensor weight scale shared by
 the layers that read one input, as ``ptq.quantize.shared_weight_scales`` does) and the input as
 ``QuantLinear`` does (static calibrated scale, per token at run time, NVFP4 blocks under a static
 per-tensor scale, or not at all), then computes ``QuantLinear._forward_reference``'s math on those values:
@@ -23,10 +24,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..numerics.formats import E2M1
 from ..numerics.scaling import compute_scale, dequant_scale, nvfp4_tensor_scale
 from ..numerics.tensor import quantize as fp8_quantize
 from ..ptq.schemes import Scheme, get_scheme
+from .fakequant import nvfp4_fake_quant
 
 __all__ = ["SCALE_RANGE", "QATLinear", "group_weight_scale"]
 
@@ -172,9 +173,11 @@ class QATLinear(nn.Module):
         if self.scheme.is_fp4:
             shared = self.weight_global_scale()
             with torch.no_grad():
-                kw = {"global_scale": shared} if shared is not None else {}
-                qt = fp8_quantize(w.detach(), fmt, self.scheme.weight_granularity, **kw)
-                deq = qt.dequantize(torch.float32)
+                if self.scheme.weight_granularity == "nvfp4":
+                    deq = nvfp4_fake_quant(w.detach(), shared)
+                else:
+                    kw = {"global_scale": shared} if shared is not None else {}
+                    deq = fp8_quantize(w.detach(), fmt, self.scheme.weight_granularity, **kw).dequantize(torch.float32)
             return _straight(w, deq), None
         if self.weight_amax is not None:
             amax = self._checked(self.weight_amax, "weight")
@@ -201,9 +204,7 @@ class QATLinear(nn.Module):
         if self.scheme.is_fp4:
             gs = self.input_scale()
             with torch.no_grad():
-                xd = fp8_quantize(x2.detach(), E2M1, "nvfp4", global_scale=gs, check_scale=False).dequantize(
-                    torch.float32
-                )
+                xd = nvfp4_fake_quant(x2.detach(), gs)
             return _straight(x2, xd), None
         if self.scheme.act_strategy == "tensor":
             s = self.input_scale()
