@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..kernels.reference import repeat_tiles_eager
 from ..numerics.formats import E4M3, E5M2, Format
 from ..numerics.recipes import CurrentScaling, DelayedScaling
 from ..numerics.scaling_state import DelayedScalingState, forgive_missing_fp8_state
@@ -452,13 +453,13 @@ def _mx_gemm(
 
 def _mx_values(codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
     """The dequantized values (float64) of the first ``n`` elements along the blocked (last) dimension."""
-    return (codes * scales.repeat_interleave(MX_BLOCK, -1))[..., :n]
+    return codes[..., :n] * repeat_tiles_eager(scales, MX_BLOCK, -1, n)
 
 
 def _mx_sums(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> list:
     """``_observe_block``'s sums for ``x`` (float, blocked dimension last) cast to MX ``codes`` / ``scales``."""
     n = x.shape[-1]
-    step = scales.repeat_interleave(MX_BLOCK, -1)[..., :n]
+    step = repeat_tiles_eager(scales, MX_BLOCK, -1, n)
     c = codes[..., :n]
     x64 = x.double()
     return [
@@ -807,8 +808,7 @@ def set_static_scales(state: FP8AttentionState, dequant: dict[str, torch.Tensor]
         d = d.detach().float().to(state.fp8_scale.device).reshape(state.fp8_scale[index].shape)
         if not bool((torch.isfinite(d) & (d > 0)).all()):
             raise ValueError(f"static {op.upper()} scale must be finite and positive, got {d.tolist()}")
-        state.fp8_scale[index] = 1.0 / d
-        state.fp8_seen[index] = state.fp8_seen[index].clamp_min(1)
+        state.fp8_state.set_static(index, 1.0 / d)
         kept[op] = d.clone()
     state.static_dequant = kept
     state.fp8_state.forget_reads()

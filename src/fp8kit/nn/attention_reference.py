@@ -232,6 +232,12 @@ def _mx_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tenso
     return out
 
 
+def _blocks_times(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Each block of ``MX_BLOCK`` codes along the last dimension times its block's scale (codes padded to whole
+    blocks)."""
+    return (codes.unflatten(-1, (-1, MX_BLOCK)) * scales[..., None]).flatten(-2)
+
+
 def _mx_forward(q, k, v, scaling, mask, causal, window, sinks, softcap):
     b, hkv, skv, d = k.shape
     rep = q.shape[1] // hkv
@@ -259,7 +265,7 @@ def _mx_forward(q, k, v, scaling, mask, causal, window, sinks, softcap):
         total = total + p_sink
     safe = torch.where(total > 0, total, 1.0)
     out = torch.where(total > 0, _mx_gemm(pc, sp, vk, svk) / safe, 0.0).float()
-    p = (pc * sp.repeat_interleave(MX_BLOCK, -1))[..., :skv]
+    p = _blocks_times(pc, sp)[..., :skv]
     return out, raw, p, safe, p_sink
 
 
@@ -299,7 +305,7 @@ def reference_mx_attention_backward(
     out, raw, pdeq, safe, p_sink = _mx_forward(q, k, v, scaling, mask, causal, sliding_window, sinks, softcap)
     dod, sdod = _mx(d_out, -1)
     vd, svd = (_repeat_kv(t, rep) for t in _mx(v, -1))
-    big_d = ((dod * sdod.repeat_interleave(MX_BLOCK, -1))[..., :d] * out.double()).sum(-1, keepdim=True)
+    big_d = (_blocks_times(dod, sdod)[..., :d] * out.double()).sum(-1, keepdim=True)
     p = (pdeq / safe).float()
     dp = _mx_gemm(dod, sdod, vd, svd).float()
     ds = p * (dp - big_d.float())
