@@ -659,6 +659,11 @@ def _fp8_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """``transformers``' attention-function signature over ``fp8_attention`` (output ``(B, Sq, H, D)``)."""
     state = getattr(module, STATE_NAME, None)
+    if state is None and getattr(module, "fp8kit_high_precision_attention", False):  # left out by a block filter
+        kw = {"dropout": dropout, "scaling": scaling, "is_causal": is_causal, "sliding_window": sliding_window,
+              "softcap": softcap, "s_aux": s_aux, **kwargs}  # fmt: skip
+        kw = {k: v for k, v in kw.items() if v is not None}
+        return _previous_attention(module)(module, query, key, value, attention_mask, **kw)
     if state is None:
         raise ValueError(
             f"{type(module).__name__} has no FP8 attention state: enable it with fp8kit.convert(model, ..., "
@@ -692,6 +697,22 @@ def _fp8_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+def _previous_attention(module: nn.Module) -> Callable[..., Any]:
+    """The attention function ``module``'s config named before FP8 attention: a registered one (``sdpa``, ...),
+    else the model's own ``eager_attention_forward``."""
+    import sys
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    previous = getattr(module.config, "_fp8kit_previous_attn", None) or "eager"
+    if previous in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[previous]
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise ValueError(f"{type(module).__name__}: no high-precision attention function to fall back to")
+    return eager
+
+
 def _register() -> None:
     try:
         from transformers import AttentionInterface
@@ -714,18 +735,29 @@ def attention_blocks(model: nn.Module) -> dict[str, nn.Module]:
     }
 
 
-def enable_fp8_attention(model: nn.Module, recipe: AttentionRecipe | str | bool = "fp8") -> list[str]:
-    """Run the attention of every block of ``model`` in FP8 (``recipe``: ``attention_recipe``'s spellings):
+def enable_fp8_attention(
+    model: nn.Module,
+    recipe: AttentionRecipe | str | bool = "fp8",
+    block_filter: Callable[[str, nn.Module], bool] | None = None,
+) -> list[str]:
+    """Run the attention of the blocks of ``model`` in FP8 (``recipe``: ``attention_recipe``'s spellings):
     adds an ``FP8AttentionState`` child to each block and points the config at fp8kit's attention function.
-    Returns the blocks' names; raises ``ValueError`` where the model has none."""
+    ``block_filter(name, block) -> bool`` picks the blocks (default all); the others keep the model's previous
+    attention implementation (high precision). Returns the FP8 blocks' names; raises ``ValueError`` where the
+    model has none."""
     recipe = attention_recipe(recipe)
-    blocks = attention_blocks(model)
-    if not blocks:
+    found = attention_blocks(model)
+    if not found:
         raise ValueError(
             "FP8 attention: the model has no transformers attention blocks (modules with config, layer_idx and "
             "k_proj/v_proj); fp8kit's FP8 attention plugs into transformers' AttentionInterface"
         )
+    blocks = {n: m for n, m in found.items() if block_filter is None or block_filter(n, m)}
+    if not blocks:
+        raise ValueError("FP8 attention: the block filter kept no attention block")
     _register()
+    for m in found.values():
+        m.fp8kit_high_precision_attention = not any(m is b for b in blocks.values())
     for m in blocks.values():
         cfg = m.config
         heads = cfg.num_attention_heads

@@ -360,6 +360,7 @@ def convert(
     smooth_swiglu: bool = False,
     swiglu_limit: float | None = None,
     attention: AttentionRecipe | str | bool | None = None,
+    attention_filter: Callable[[str, nn.Module], bool] | None = None,
     towers: bool = False,
 ) -> nn.Module:
     """Turn eligible ``nn.Linear`` layers of ``model`` into ``fp8kit.nn.Linear`` in place.
@@ -376,7 +377,8 @@ def convert(
     ``model.fp8_conversion_report`` and logged (printed with ``verbose=True``). ``smooth_swiglu=True`` and
     ``swiglu_limit=L`` give every SwiGLU MLP Smooth-SwiGLU and clamped SwiGLU (``fp8kit.nn.swiglu``). ``attention`` (an
     ``nn.attention.AttentionRecipe`` or its name, e.g. ``"fp8"``; default None: high precision) runs the
-    attention blocks in FP8 too (``nn.attention.enable_fp8_attention``), whatever the Linear recipe.
+    attention blocks in FP8 too (``nn.attention.enable_fp8_attention``), whatever the Linear recipe;
+    ``attention_filter(name, block) -> bool`` picks those blocks (the others keep high-precision attention).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}")
@@ -389,6 +391,8 @@ def convert(
         from .swiglu import apply_swiglu_options
 
         apply_swiglu_options(model, smooth=smooth_swiglu, limit=swiglu_limit)
+    if attention_filter is not None and attention is None:
+        raise ValueError("attention_filter picks the blocks of FP8 attention: give attention= too")
     if towers and module_filter is not None:
         raise ValueError(
             "towers=True changes the default layer choice, which module_filter replaces: give one of them "
@@ -420,7 +424,7 @@ def convert(
     if attention is not None:
         from .attention import enable_fp8_attention
 
-        enable_fp8_attention(model, attention)
+        enable_fp8_attention(model, attention, attention_filter)
     object.__setattr__(model, "fp8_conversion_report", report)
     (print if verbose else log.info)(str(report))
     return model
