@@ -22,7 +22,7 @@ SHAPE = ModelShape(100_000, 400_000, HIDDEN, LAYERS, VOCAB, GEMMS * LAYERS + ((H
 def rates(**call: float) -> Rates:
     gpu = GPU("cpu", 1e10, 1e10, 1e10, (0, 0), emulated_flops=5e9, cast_bytes_per_s=1e9,
               dequant_bytes_per_s=2e9, tile_dequant_bytes_per_s=1e8, matmul_call_s=1e-5, cast_call_s=2e-5)  # fmt: skip
-    return Rates(gpu, 1e9, dict(call))
+    return Rates(gpu, 1e9, dict(call), tokenize_bytes_per_s=1e6, import_s=2.0)
 
 
 def phases(scheme: str, calib_batches: int = 4, **options) -> dict[str, float]:
@@ -119,3 +119,52 @@ def test_doctor_cost_grows_with_steps_and_names_its_report(monkeypatch):
     short, long = seen
     assert {"bf16 + fp8", "bf16 one ulp off", "report"} <= set(short.phases)
     assert long.phases["bf16 + fp8"] > short.phases["bf16 + fp8"] > 0
+
+
+def test_a_job_on_an_export_prices_its_tokenizer_and_first_quantized_forward(tmp_path):
+    """Beyond the weights and the forwards: transformers' import, the text encoded with the model's tokenizer
+    (sampled: a byte-level one makes a token per byte) and, for a quantized export, the first forward through
+    PTQ's layers (their kernels compile); the process's memory with them."""
+    import dataclasses
+    import json
+
+    from fp8kit.data import ByteTokenizer
+    from fp8kit.jobs.announce import process_cost
+
+    r = dataclasses.replace(
+        rates(), first_quantized_s=5.0, tokenize_bytes_per_token=100.0, process_bytes=1000, quantized_process_bytes=3000
+    )
+    export, plain = tmp_path / "q", tmp_path / "p"
+    for folder, config in ((export, {"quantization_config": {"quant_method": "compressed-tensors"}}), (plain, {})):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+    text = tmp_path / "t.txt"
+    text.write_text("x" * 2_000_000)
+    phases, floor = process_cost(str(export), str(text), r)  # no tokenizer file: as the 1 MB/s byte-level one
+    assert phases["compile"] == 5.0 and phases["tokenize"] == pytest.approx(2.0) and "import" in phases
+    assert floor == 3000 + 100 * 2_000_000
+    phases, floor = process_cost(str(plain), str(text), r)
+    assert "compile" not in phases and floor == 1000 + 100 * 2_000_000
+    assert process_cost(str(plain), str(text), r, quantized_forward=True)[0]["compile"] == 5.0
+    assert process_cost(str(plain), str(text), r, encodes_text=False) == ({"import": phases["import"]}, 1000)
+    assert process_cost("demo", None, r) == ({}, 1000)
+    ByteTokenizer().save_pretrained(plain)  # a tokenizer to sample: its own rate, a token per byte
+    phases, floor = process_cost(str(plain), str(text), r)
+    assert phases["tokenize"] != pytest.approx(2.0) and floor == 1000 + 100 * 2_000_000
+
+
+def test_the_cost_line_counts_the_process_itself_in_the_host_peak(monkeypatch, capsys):
+    import dataclasses
+
+    from fp8kit.jobs.announce import announce
+    from fp8kit.jobs.cost import JobCost
+
+    monkeypatch.setattr(
+        estimate, "current_rates", lambda device, recipes=(): dataclasses.replace(rates(), process_bytes=2**30)
+    )
+    cpu = JobCost("eval", 10**6, "cpu", 2**29)
+    announce(cpu, torch.device("cpu"), force=True)
+    assert cpu.device_bytes == 3 * 2**29 and "peak ~1.50 GiB on cpu" in capsys.readouterr().err
+    gpu = JobCost("eval", 10**6, "cuda:0", 2**29, host_bytes=2**29)
+    announce(gpu, torch.device("cuda", 0), force=True)
+    assert gpu.device_bytes == 2**29 and gpu.host_bytes == 3 * 2**29

@@ -81,8 +81,13 @@ def announce_inference(
     micro_tokens: int = 4 * 128,
     copies: float = 1.0,
     quantized: bool = True,
+    second_text: bool = False,
+    quantized_forward: bool | None = None,
+    encodes_text: bool = True,
 ) -> None:
-    """The cost line of a job that loads ``--model`` and runs forward passes (``cost.estimate_inference``)."""
+    """The cost line of a job that loads ``--model`` and runs forward passes (``cost.estimate_inference``);
+    ``second_text``: the job encodes the second text too; ``quantized_forward``: it runs PTQ's layers (default:
+    ``--model`` is a quantized export)."""
     from .cost import estimate_inference
 
     try:
@@ -95,10 +100,89 @@ def announce_inference(
     rates = current_rates(device)
     one_pass = forward_seconds(shape, tokens_per_pass, rates)
     phases = {"load": copies * load_seconds(shape, rates)} | {k: p * one_pass for k, p in passes.items()}
+    text = getattr(args, "text", None)
+    process, floor = process_cost(args.model, text, rates, second_text, quantized_forward, encodes_text)
+    phases = process | phases
     cost = estimate_inference(
         what, shape, device, passes, tokens_per_pass, micro_tokens, copies, quantized=quantized, phases=phases
     )
-    announce(cost, device, args.force)
+    announce(cost, device, args.force, floor)
+
+
+def process_cost(
+    spec: str,
+    text: str | None,
+    rates: Any,
+    second_text: bool = False,
+    quantized_forward: bool | None = None,
+    encodes_text: bool = True,
+) -> tuple[dict[str, float], int]:
+    """``(phases, bytes)``: what a job on the model ``spec`` spends besides its weights and forward passes.
+    Phases: importing transformers' model classes (``import``; nothing when this process has them already),
+    encoding the text (``--text`` or the shipped corpus; with ``second_text`` the second text too) with the
+    model's Hugging Face tokenizer (``tokenize``, sampled on the text's first 64 KiB), and with
+    ``quantized_forward`` (default: ``spec`` is a quantized export) the first forward through PTQ's layers,
+    whose kernels compile (``compile``). Bytes: the process itself (torch and transformers imported, the
+    compiler loaded for a quantized forward) and the encoding's peak. A train run's model and byte tokenizer
+    need neither import nor tokenizer; a job that reads no text (``encodes_text`` false) no tokenizer."""
+    from .estimate import tokenize_cost
+    from .loading import train_checkpoint
+
+    if quantized_forward is None:
+        quantized_forward = _is_quantized_export(spec)
+    floor = max(rates.process_bytes, rates.quantized_process_bytes if quantized_forward else 0)
+    phases = {"compile": rates.first_quantized_s} if quantized_forward and rates.first_quantized_s else {}
+    if spec == "demo" or (Path(spec).is_dir() and train_checkpoint(Path(spec)) is not None):
+        return phases, floor
+    texts = _texts(text, second_text) if encodes_text else []
+    sample = _tokenizer_sample(spec, texts[0][: 1 << 16] if texts else "")
+    seconds, nbytes = tokenize_cost(sum(len(t.encode()) for t in texts), rates, sample)
+    loaded = "transformers.models.auto.modeling_auto" in sys.modules
+    before = {"import": 0.0 if loaded else rates.import_s} | ({"tokenize": seconds} if texts else {})
+    return before | phases, floor + nbytes
+
+
+def _texts(text: str | None, second_text: bool) -> list[str]:
+    """The texts a job encodes; none when one cannot be read (the job itself then says why)."""
+    from ..data.corpus import kjv_text
+    from ..data.splits import reference_text
+
+    try:
+        texts = [Path(text).read_text(encoding="utf-8") if text else kjv_text()]
+        return texts + ([reference_text()] if second_text else [])
+    except (OSError, UnicodeDecodeError):
+        return []
+
+
+def _tokenizer_sample(spec: str, sample: str) -> tuple[float, float] | None:
+    """``estimate.tokenizer_sample`` with the tokenizer of the local folder ``spec`` (or of the converted
+    ``smollm2``, or a Hub ID's cached snapshot); ``None`` when there is none yet."""
+    from ..models.pretrained import PRETRAINED, cache_dir
+    from .estimate import tokenizer_sample
+
+    if spec in PRETRAINED:
+        folder = cache_dir() / "smollm2-135m-instruct"
+    elif Path(spec).is_dir():
+        folder = Path(spec)
+    else:
+        try:
+            from ..models.pretrained import pretrained_dir
+
+            folder = pretrained_dir(spec)
+        except (OSError, ValueError):
+            return None
+    return tokenizer_sample(folder, sample)
+
+
+def _is_quantized_export(spec: str) -> bool:
+    """Whether the folder ``spec`` holds a quantized checkpoint (a ``quantization_config`` in its config)."""
+    import json
+
+    try:
+        config = json.loads((Path(spec) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("quantization_config"), dict)
 
 
 def ptq_passes(calib_batches: int, gptq: bool, awq: bool, norm_tweak: int | None) -> dict[str, int]:
@@ -126,11 +210,19 @@ def print_device_peak(device: torch.device) -> None:
     print(f"device: {device_report(device).line()}; peak GPU memory allocated {peak:.2f} GiB")
 
 
-def announce(cost: JobCost, device: torch.device, force: bool) -> None:
+def announce(cost: JobCost, device: torch.device, force: bool, floor: int | None = None) -> None:
     """Print the cost line to stderr (always: in a terminal and in a log file alike), then refuse the job if
-    it will not fit (``cost.check_fits``)."""
+    it will not fit (``cost.check_fits``). The host's part of the peak includes the process itself: ``floor``
+    bytes (``process_cost``), by default a process that imported torch and transformers
+    (``estimate.Rates.process_bytes``)."""
     from .cost import check_fits
+    from .estimate import current_rates
 
+    floor = current_rates(device).process_bytes if floor is None else floor
+    if device.type == "cuda":
+        cost.host_bytes += floor
+    else:
+        cost.device_bytes += floor
     print(cost.line(), file=sys.stderr, flush=True)
     check_fits(cost, device, force)
 
@@ -161,4 +253,8 @@ def announce_layer_by_layer(
     peak = width * (layer + embed) + layer + hidden_states + forward_bytes(shape, 4 * 128, width)
     what = "quantize (layer by layer)"
     cost = JobCost(what, shape.params, str(device), peak, phases=whole.phases)
-    announce(cost, device, args.force)
+    from .estimate import current_rates
+
+    rates = current_rates(device)
+    _, floor = process_cost(args.model, getattr(args, "text", None), rates, encodes_text=phases is not None)
+    announce(cost, device, args.force, floor)

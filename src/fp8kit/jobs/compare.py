@@ -479,4 +479,7 @@ def announce_cost(args: Any, device: torch.device, schemes: list[str]) -> None:
     per_scheme = sum(ptq_passes(args.calib_batches, args.gptq, args.awq, args.norm_tweak).values())
     passes = {f"{s} ptq": per_scheme for s in schemes}
     passes["eval"] = max(1, (len(schemes) + 1) * 2 * args.windows * args.seq_len // calib_tokens)
-    announce_inference(args, "compare", device, passes, calib_tokens, 8 * args.seq_len, copies=2)
+    announce_inference(
+        args, "compare", device, passes, calib_tokens, 8 * args.seq_len, copies=2, second_text=not args.no_second_text,
+        quantized_forward=True,
+    )  # fmt: skip

@@ -70,6 +70,13 @@ class Rates:
     step_scale: dict[str, float] = field(default_factory=dict)  # the same for a training step, per recipe
     figure_s: float = 0.0  # one report figure rendered and written (matplotlib)
     doctor: dict[str, tuple[float, float]] = field(default_factory=dict)  # recipe -> (step scale, fixed seconds)
+    # the process around the model (``_process_rates``; 0: not measured)
+    import_s: float = 0.0  # importing transformers' causal-LM classes in a fresh process
+    process_bytes: int = 0  # resident memory of a process that imported torch and those classes
+    tokenize_bytes_per_s: float = 0.0  # a byte-level Hugging Face fast tokenizer encoding text into a tensor
+    tokenize_bytes_per_token: float = 0.0  # the resident memory that encoding takes per token
+    first_quantized_s: float = 0.0  # a process's first forward through PTQ's layers (their kernels compile)
+    quantized_process_bytes: int = 0  # resident memory of a process after that forward (the compiler loaded)
 
     def layer_call_s(self, recipe: str) -> float:
         """Fixed seconds per Linear and training step with ``recipe``: measured, else the roofline's
@@ -124,6 +131,9 @@ def current_rates(device: torch.device, recipes: list[str] | tuple[str, ...] = (
     if rates is None:
         print(f"fp8kit: measuring this machine's rates for the estimates, once (cached in {path})", file=sys.stderr)
         rates = _measure(device)
+    if not rates.tokenize_bytes_per_s:  # a cache written before these were measured
+        rates = replace(rates, **_process_rates())
+        _MEMO.pop(str(path), None)
     missing = [r for r in recipes if r not in rates.step_scale and device.type == "cpu"]
     if missing or str(path) not in _MEMO:
         if missing:
@@ -147,7 +157,7 @@ def _measure(device: torch.device) -> Rates:
         dst = torch.empty_like(src)
         roofline = GPU("cuda", flops, flops, 2 * src.numel() * 4 / _timed(lambda: dst.copy_(src), device), (0, 0),
                        matmul_call_s=_timed(lambda: dst[:16].add_(1), device))  # fmt: skip
-    rates = Rates(roofline, _load_rate())
+    rates = Rates(roofline, _load_rate(), **_process_rates())
     if device.type != "cpu":
         return rates
     rates = replace(rates, forward_scale=_forward_scale(rates), figure_s=_figure_seconds())
@@ -249,6 +259,75 @@ def _figure_seconds() -> float:
         return time.perf_counter() - t0
 
 
+# What a job's process costs besides its model, each measured in a fresh process: ``python -c PROBE ARG``
+# prints its seconds and its peak resident bytes (``ru_maxrss``).
+_PROBE = """
+import resource, sys, time
+def rss():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+import torch
+t0 = time.perf_counter()
+if sys.argv[1] == "transformers":
+    from transformers import AutoModelForCausalLM
+elif sys.argv[1] == "tokenize":
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    tok = Tokenizer(models.BPE(vocab={c: b for b, c in bytes_to_unicode().items()}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tok)
+    text = ("In the beginning God created the heaven and the earth. " * 40000)[: 2**21]
+    before = rss()
+    t0 = time.perf_counter()
+    ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
+    print(time.perf_counter() - t0, (rss() - before) / len(text.encode()) * 2**21)
+    sys.exit()
+elif sys.argv[1] == "quantized":
+    from fp8kit import ptq
+    model = ptq.quantize(torch.nn.Sequential(torch.nn.Linear(64, 64)), "fp8-dynamic")
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        model(x)
+        t1 = time.perf_counter()
+        model(x)
+        t0 += time.perf_counter() - t1  # the first forward beyond a later one
+print(time.perf_counter() - t0, rss())
+"""
+
+
+def _probe(what: str) -> tuple[float, float]:
+    """``(seconds, bytes)`` of ``_PROBE`` run for ``what``: ``torch`` (the floor), ``transformers`` (importing its
+    causal-LM classes after torch; the process's peak), ``tokenize`` (2 MiB of text encoded by a Hugging Face
+    fast tokenizer into a tensor; the peak's growth), ``quantized`` (a process's first forward through a PTQ
+    layer beyond a later one, whose kernels compile or come from the compiler's cache; the process's peak);
+    ``(0, 0)`` when it cannot run."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _PROBE, what], capture_output=True, text=True, timeout=600, check=True
+        )
+        seconds, nbytes = out.stdout.split()[-2:]
+        return max(float(seconds), 0.0), max(float(nbytes), 0.0)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return 0.0, 0.0
+
+
+def _process_rates() -> dict[str, float]:
+    """The ``Rates`` fields a job's process adds to its model: imports, tokenizing, the first quantized forward."""
+    imports, process = _probe("transformers")
+    tokenize, tokenize_bytes = _probe("tokenize")
+    first_quantized, quantized_process = _probe("quantized")
+    return {
+        "import_s": imports,
+        "process_bytes": int(process),
+        "tokenize_bytes_per_s": 2**21 / tokenize if tokenize else 0.0,
+        "tokenize_bytes_per_token": tokenize_bytes / 2**21,  # one token per byte
+        "first_quantized_s": first_quantized,
+        "quantized_process_bytes": int(quantized_process),
+    }
+
+
 def _timed(fn: Any, device: torch.device, reps: int = 5) -> float:
     fn()
     best = float("inf")
@@ -291,6 +370,33 @@ def _gemms(shape: ModelShape) -> tuple[tuple[int, int], ...]:
 
 def _is_head(shape: ModelShape, dims: tuple[int, int]) -> bool:
     return shape.vocab > 0 and dims[1] == shape.vocab
+
+
+def tokenizer_sample(folder: Path | None, sample: str) -> tuple[float, float] | None:
+    """``(bytes/s, tokens per byte)`` of the Hugging Face tokenizer in ``folder`` (its ``tokenizer.json``, read
+    by ``tokenizers`` alone) encoding ``sample``; ``None`` when there is none to read."""
+    if folder is None or not (Path(folder) / "tokenizer.json").is_file() or not sample:
+        return None
+    try:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
+        t0 = time.perf_counter()
+        tokens = len(tok.encode(sample, add_special_tokens=False).ids)
+        seconds = time.perf_counter() - t0
+    except Exception:  # noqa: BLE001 - any tokenizer this library cannot read: priced as the byte-level one
+        return None
+    size = len(sample.encode())
+    return size / max(seconds, 1e-9), tokens / size
+
+
+def tokenize_cost(text_bytes: int, rates: Rates, sample: tuple[float, float] | None = None) -> tuple[float, int]:
+    """``(seconds, bytes)`` of encoding ``text_bytes`` of text into a tensor of token ids: at the rate and tokens
+    per byte of ``sample`` (``tokenizer_sample``), else as the measured byte-level tokenizer (a token per byte);
+    the memory, the measured bytes per token."""
+    rate, per_byte = sample or (rates.tokenize_bytes_per_s, 1.0)
+    seconds = text_bytes / rate if rate > 0 else 0.0
+    return seconds, int(text_bytes * per_byte * rates.tokenize_bytes_per_token)
 
 
 def load_seconds(shape: ModelShape, rates: Rates) -> float:

@@ -27,6 +27,7 @@ from .announce import (
     announce_inference,
     announce_layer_by_layer,
     print_device_peak,
+    process_cost,
     ptq_passes,
     shape_of,
 )
@@ -303,7 +304,22 @@ def ptq_cost_phases(args: Any, device: torch.device, scheme: str) -> dict[str, f
         scheme, args.calibration, args.alpha, args.smooth, args.gptq, args.awq, args.keep_bf16,
         sum(1 for d in shape.gemms if d[1] != shape.vocab) or 210, args.norm_tweak,
     )  # fmt: skip
-    return {"load": load_seconds(shape, rates)} | ptq_phases(shape, scheme, settings, args.calib_batches, rates)
+    steps = ptq_phases(shape, scheme, settings, args.calib_batches, rates)
+    before, _ = process_cost(args.model, getattr(args, "text", None), rates, quantized_forward=_quantized_pass(steps))
+    return before | {"load": load_seconds(shape, rates)} | steps
+
+
+def _quantized_pass(steps: dict[str, float]) -> bool:
+    """Whether a PTQ run with these steps runs the quantized model (ranking layers, norm tweaking)."""
+    return "rank" in steps or "norm tweak" in steps
+
+
+def ptq_floor(args: Any, device: torch.device, phases: dict[str, float]) -> int:
+    """The bytes of a quantize run's process besides its model (``announce.process_cost``)."""
+    from .estimate import current_rates
+
+    rates = current_rates(device)
+    return process_cost(args.model, getattr(args, "text", None), rates, quantized_forward=_quantized_pass(phases))[1]
 
 
 def announce_ptq(args: Any, device: torch.device, scheme: str) -> None:
@@ -317,7 +333,7 @@ def announce_ptq(args: Any, device: torch.device, scheme: str) -> None:
         print(f"fp8kit quantize: cost unknown ({err})", file=sys.stderr)
         return
     cost = estimate_inference("quantize", shape, device, {}, 0, 4 * 128, phases=phases)
-    announce(cost, device, args.force)
+    announce(cost, device, args.force, ptq_floor(args, device, phases))
 
 
 # ---- the runs of `fp8kit quantize` (``args``: its options): block FP8, whole model, layer by layer, auto ----
@@ -327,7 +343,7 @@ def run_block(args: Any, device: torch.device) -> int:
     from ..runtime.device import work_dtype
     from .loading import load_model
 
-    announce_inference(args, "quantize", device, {}, 0)
+    announce_inference(args, "quantize", device, {}, 0, encodes_text=False)
     model, tokenizer = load_model(args.model, work_dtype(device), device)
     try:
         model = quantize_block(model, block=args.block, format=args.format)
