@@ -8,7 +8,7 @@ transformers' image-text-to-text and speech-seq2seq auto mappings, configs shrun
 weights exactly as they were) and by fp8kit (both formats). Prints one row per type and the types transformers
 does not build tiny.
 
-    OMP_NUM_THREADS=2 python benchmarks/multimodal.py [--all] [--only llava,whisper]
+    OMP_NUM_THREADS=2 python benchmarks/multimodal.py [--all] [--only llava,whisper] [--skip vibevoice]
 """
 
 from __future__ import annotations
@@ -113,8 +113,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--all", action="store_true", help="every image-text-to-text and speech-seq2seq type")
     parser.add_argument("--only", default="", help="comma-separated model types")
+    parser.add_argument("--skip", default="", help="comma-separated model types left out")
     args = parser.parse_args()
     types = [t for t in args.only.split(",") if t] or (all_types() if args.all else list(MODELS))
+    types = [t for t in types if t not in args.skip.split(",")]
     start, rows = time.perf_counter(), []
     with tempfile.TemporaryDirectory() as tmp, quiet():
         for t in types:

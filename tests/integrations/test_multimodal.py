@@ -216,3 +216,14 @@ def test_a_tower_named_like_a_quantized_layer_is_ignored_by_its_full_name():
     ]
     assert ignore_patterns(model, clash, "compressed-tensors") == [r"re:model\.encoder($|\..*)"]
     assert ignore_patterns(model, clash, "modelopt") == ["model.encoder", "model.encoder.*"]
+
+
+def test_fp8kit_reloads_a_model_whose_class_transformers_shares_with_another_config(tmp_path):
+    """ShieldGemma 2's config is its own class, its model Gemma 3's (``Gemma3ForConditionalGeneration``, as
+    transformers' Auto mapping gives it): ``load_pretrained`` builds the class ``config.json`` names."""
+    model, q, kw, ours, _ = _ptq("shieldgemma2")
+    out = save_pretrained(q, tmp_path / "ct")
+    reloaded = load_pretrained(out)
+    assert type(reloaded) is type(model)
+    with torch.no_grad():
+        assert rel(reloaded(**kw).logits, ours) <= 1e-6

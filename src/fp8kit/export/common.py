@@ -277,15 +277,20 @@ def model_from_config(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> nn
     from transformers.models.auto import modeling_auto as auto
 
     # the class that wrote it, else the Auto class, else a causal LM class of this config class (Emu3's text
-    # config), else a multimodal one (Llava, Whisper)
+    # config), else a multimodal one (Llava, Whisper); a class of another config class where transformers' Auto
+    # mappings give it this model type (ShieldGemma 2's Gemma3ForConditionalGeneration)
+    mappings = (
+        auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+        auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
+    )
+    mapped = {m.get(getattr(config, "model_type", None)) for m in mappings}
     names = list(clean.get("architectures") or [])
     if type(config) not in auto.MODEL_FOR_CAUSAL_LM_MAPPING:
-        names += auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
-        names += auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.values()
-        names += auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES.values()
+        names += [n for m in mappings for n in m.values()]
     for name in names:
         cls = getattr(transformers, name, None) if isinstance(name, str) else None
-        if cls is not None and type(config) is getattr(cls, "config_class", None):
+        if cls is not None and (type(config) is getattr(cls, "config_class", None) or name in mapped):
             return cls._from_config(config, dtype=dtype)
     return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
