@@ -35,3 +35,22 @@ def test_qad_refuses_what_it_does_not_train_and_jobs_that_do_not_fit(tmp_path, c
     err = capsys.readouterr().err
     assert "quantize --qad-steps 2 (teacher + student" in err and "GiB" in err
     assert not (tmp_path / "q").exists()
+
+
+def test_the_command_line_and_the_python_api_share_the_dev_chosen_defaults():
+    import inspect
+
+    from fp8kit import qat
+    from fp8kit.cli import build_parser
+    from fp8kit.jobs.qad import qad_pretrained
+
+    args = build_parser().parse_args(
+        ["quantize", "--model", "smollm2", "--out", "o", "--scheme", "nvfp4", "--qad-steps", "2"]
+    )
+    assert args.qad_lr == qat.QAD_LR == inspect.signature(qat.distill).parameters["lr"].default
+    job = inspect.signature(qad_pretrained).parameters
+    assert (job["lr"].default, job["batch_size"].default, job["seq_len"].default) == (
+        qat.QAD_LR,
+        qat.QAD_BATCH_SIZE,
+        qat.QAD_SEQ_LEN,
+    )

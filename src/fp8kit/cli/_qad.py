@@ -11,9 +11,10 @@ import argparse
 import sys
 
 from ..jobs.announce import UnknownSize, announce, print_device_peak, shape_of
+from ..qat.distill import QAD_BATCH_SIZE, QAD_LR, QAD_SEQ_LEN
 from ._common import UsageError
 
-QAD_BATCH, QAD_SEQ = 4, 128  # tokens per distillation step: one calibration batch
+QAD_BATCH, QAD_SEQ = QAD_BATCH_SIZE, QAD_SEQ_LEN  # tokens per distillation step
 
 
 def add_qad_arguments(q: argparse.ArgumentParser) -> None:
@@ -26,7 +27,12 @@ def add_qad_arguments(q: argparse.ArgumentParser) -> None:
         help="quantization-aware distillation: train the quantized model N steps towards the input model on the "
         "calibration text before writing it (0: post-training quantization only)",
     )
-    q.add_argument("--qad-lr", type=float, default=1e-5, help="--qad-steps: AdamW's peak learning rate (default 1e-5)")
+    q.add_argument(
+        "--qad-lr",
+        type=float,
+        default=QAD_LR,
+        help=f"--qad-steps: AdamW's peak learning rate (default {QAD_LR:g}, chosen on the dev split: docs/qat.md)",
+    )
 
 
 def run_qad(args: argparse.Namespace, device) -> int:

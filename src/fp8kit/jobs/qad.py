@@ -20,7 +20,7 @@ import torch.nn as nn
 from ..data import PTQSplits, windows
 from ..data.evaluation import window_losses
 from ..data.splits import available_windows
-from ..qat.distill import DistillResult, distill
+from ..qat.distill import QAD_BATCH_SIZE, QAD_LR, QAD_SEQ_LEN, DistillResult, distill
 from ..qat.prepare import convert, prepare
 from .cost import JobCost, ModelShape, activation_bytes, device_flops
 
@@ -89,10 +89,10 @@ def qad_pretrained(
     steps: int,
     forward_loop: Any = None,
     *,
-    lr: float = 1e-5,
+    lr: float = QAD_LR,
     calibration: str = "max",
-    batch_size: int = 4,
-    seq_len: int = 128,
+    batch_size: int = QAD_BATCH_SIZE,
+    seq_len: int = QAD_SEQ_LEN,
     eval_windows: int = 8,
     eval_seq_len: int = 512,
     progress: bool | None = None,

@@ -3,12 +3,15 @@ in the forward pass, straight-through gradients), ``distill`` (KL to a high-prec
 ``convert`` (PTQ's inference modules, for every export); LoRA adapters (peft) on a quantized base
 (``lora_config``, ``merge_lora``)."""
 
-from .distill import DistillResult, distill, distill_loss, kl_to_teacher
+from .distill import QAD_BATCH_SIZE, QAD_LR, QAD_SEQ_LEN, DistillResult, distill, distill_loss, kl_to_teacher
 from .linear import QATLinear
 from .lora import lora_config, merge_lora
 from .prepare import convert, prepare, qat_layers
 
 __all__ = [
+    "QAD_BATCH_SIZE",
+    "QAD_LR",
+    "QAD_SEQ_LEN",
     "DistillResult",
     "QATLinear",
     "convert",

@@ -22,7 +22,13 @@ import torch.nn.functional as F
 
 from .prepare import qat_layers
 
-__all__ = ["DistillResult", "distill", "distill_loss", "kl_to_teacher"]
+__all__ = ["QAD_BATCH_SIZE", "QAD_LR", "QAD_SEQ_LEN", "DistillResult", "distill", "distill_loss", "kl_to_teacher"]
+
+# The defaults of ``distill`` and ``fp8kit quantize --qad-steps``, chosen on the dev split for runs of tens
+# to a few hundred steps on a CPU (docs/qat.md, "Defaults"): AdamW's peak learning rate, and the token-id
+# windows of one step.
+QAD_LR = 1e-4
+QAD_BATCH_SIZE, QAD_SEQ_LEN = 4, 128
 
 
 @dataclass
@@ -87,7 +93,7 @@ def distill(
     teacher: nn.Module,
     batches: Sequence[torch.Tensor],
     steps: int,
-    lr: float = 1e-5,
+    lr: float = QAD_LR,
     *,
     scale_lr: float | None = None,
     weight_decay: float = 0.0,
@@ -104,7 +110,7 @@ def distill(
         teacher: the high-precision model (never changed; run without gradients).
         batches: ``(batch, seq)`` token-id tensors; step ``i`` takes ``batches[i % len(batches)]``.
         steps: optimizer steps (0: nothing changes).
-        lr: AdamW's peak learning rate for the weights.
+        lr: AdamW's peak learning rate for the weights (``QAD_LR``).
         scale_lr: the learned clipping values' learning rate (default ``lr``).
         weight_decay: AdamW's decoupled weight decay on the weights.
         temperature: the distillation temperature.
