@@ -227,3 +227,30 @@ def test_fp8kit_reloads_a_model_whose_class_transformers_shares_with_another_con
     assert type(reloaded) is type(model)
     with torch.no_grad():
         assert rel(reloaded(**kw).logits, ours) <= 1e-6
+
+
+def test_fp8kit_quantize_a_multimodal_folder_keeps_its_towers_unless_asked(tmp_path):
+    """``fp8kit quantize --model DIR`` of an image-text-to-text folder: loaded whole with its own class (not layer
+    by layer as a causal LM), the language model calibrated on text, the towers in the export's ignore list;
+    ``--towers`` quantizes them too. transformers reloads both exports."""
+    import json
+
+    from transformers import AutoModelForImageTextToText
+
+    from fp8kit.cli import main
+    from fp8kit.data import ByteTokenizer
+    from tests.helpers.arch_sweep import quiet
+
+    folder = tmp_path / "llava"
+    tiny_multimodal("llava").save_pretrained(folder)
+    ByteTokenizer().save_pretrained(folder)
+    text = tmp_path / "text.txt"
+    text.write_text("In the beginning God created the heaven and the earth. " * 200)
+    common = ["--scheme", "fp8-dynamic", "--text", str(text), "--calib-batches", "1", "--device", "cpu"]
+    assert main(["quantize", "--model", str(folder), *common, "--out", str(tmp_path / "no"), "--towers"]) == 2
+    for out, extra in ((tmp_path / "q", []), (tmp_path / "qt", ["--towers", "--no-gptq"])):
+        assert main(["quantize", "--model", str(folder), *common, "--out", str(out), *extra]) == 0
+        ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+        assert any("vision_tower" in i for i in ignore) == (not extra), ignore
+        with quiet():
+            AutoModelForImageTextToText.from_pretrained(out)

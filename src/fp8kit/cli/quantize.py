@@ -116,6 +116,12 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
         "--text", type=text_file, default=None, help="calibrate on this UTF-8 text instead of the shipped corpus"
     )
     q.add_argument("--attention", type=attention_choice, default=None, help=_attention_help())
+    q.add_argument(
+        "--towers",
+        action="store_true",
+        help="a multimodal model (image-text-to-text): quantize its vision towers and projectors too (by default they "
+        "stay in high precision and the export's ignore list names them, as llm-compressor's and vLLM's recipes do)",
+    )
     add_calibration_options(q)
     add_ptq_switches(q, "the N layers whose quantization alone worsens the model most on calibration data")
     q.add_argument(
@@ -149,6 +155,10 @@ def run(args: argparse.Namespace) -> int:
             "--attention goes with one calibrated PTQ scheme without +kv (FP8 attention's K and V scales are the KV "
             "cache's), not with --scheme auto, fp8-block or --qad-steps"
         )
+    if args.towers and (args.scheme in ("auto", "fp8-block") or args.qad_steps):
+        raise UsageError(
+            "--towers goes with one calibrated PTQ scheme, not with --scheme auto, fp8-block or --qad-steps"
+        )
     check_out_outside_model(args.out, args.model)
     if args.scheme == "auto":
         return _run_auto(args)
@@ -164,8 +174,8 @@ def run(args: argparse.Namespace) -> int:
     if args.qad_steps:
         return run_qad(args, device)
     settings = ptq_settings(args)
-    if args.attention:  # FP8 attention calibrates on the whole model
-        return quantize_job.run_whole(args, device, {**settings, "attention": args.attention})
+    if args.attention or args.towers:  # FP8 attention calibrates on the whole model; towers live in multimodal ones
+        return quantize_job.run_whole(args, device, {**settings, "attention": args.attention, "towers": args.towers})
     source = quantize_job.layerwise_source(args, settings)
     if source is not None:
         return quantize_job.run_layerwise(args, source, settings, device)
