@@ -3,7 +3,7 @@ r"""FP8 attention on SmolLM2-135M: held-out perplexity of ``fp8-dynamic`` with a
 Scores, on the same KJV test windows: the BF16 model, ``fp8-dynamic`` (round to nearest, no GPTQ), and
 ``fp8-dynamic`` + FP8 attention (``fp8kit.nn.attention``: Q, K, V, P in E4M3), per tensor and per head, with
 each call's own scales (dynamic) or with static scales calibrated on the calibration split
-(``calibrate_fp8_attention``, max over ``--calib-batches`` x 4 x 128 tokens). Prints each perplexity and the
+(``calibrate_fp8_attention``, max over ``--calib-batches`` x 4 x 128 tokens), and in MXFP8 blocks. Prints each perplexity and the
 paired change vs ``fp8-dynamic`` alone and vs BF16.
 
     python benchmarks/attention_ppl.py --windows 16
@@ -30,6 +30,7 @@ def main() -> None:
     p.add_argument("--windows", type=int, default=16, help="KJV test windows")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--calib-batches", type=int, default=8)
+    p.add_argument("--only", default=None, help="score only the FP8 attention settings whose name contains this")
     args = p.parse_args()
     torch.manual_seed(0)
     base, tok = load_pretrained_lm("smollm2")
@@ -46,6 +47,11 @@ def main() -> None:
             if scaling == "delayed":
                 calibrate_fp8_attention(model, calibration_loop(kjv, args.calib_batches))
             settings[f"+ FP8 attention, {scales}, per {gran}"] = model
+    mx = copy.deepcopy(dyn)
+    enable_fp8_attention(mx, "mxfp8")
+    settings["+ FP8 attention, MXFP8 blocks"] = mx
+    if args.only:
+        settings = {k: v for k, v in settings.items() if k in ("bf16", "fp8-dynamic") or args.only in k}
     losses = {}
     for name, model in settings.items():
         t = time.perf_counter()

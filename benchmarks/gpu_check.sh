@@ -23,7 +23,7 @@ timeout 150 $py -m pytest -q -p no:cacheprovider tests/kernels/test_cuda.py test
     -k cuda 2>&1 | tee "$out/tests.log"
 # FP8 attention on CUDA: emulated (torch has no FP8 attention kernel with a backward; the log says so), bit-exact
 # with the reference run on the GPU
-timeout 60 $py -m pytest -q -p no:cacheprovider tests/nn/test_attention.py -k cuda 2>&1 | tee "$out/attention.log"
+timeout 60 $py -m pytest -q -p no:cacheprovider tests/nn/test_attention.py tests/nn/test_attention_mx.py -k cuda 2>&1 | tee "$out/attention.log"
 timeout 30 $py benchmarks/quantize.py --device cuda --sizes 4,64 2>&1 | tee "$out/quantize.log"
 timeout 150 $py benchmarks/linear.py --shapes 4096x8192,8192x8192 --no-eager --recipes current,rowwise,block,delayed \
     --reps 10 2>&1 | tee "$out/linear.log"

@@ -66,6 +66,24 @@ _SIZES: dict[str, int] = {
 _TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id")
 
 
+def widen_heads(head_dim: int) -> None:
+    """Build later tiny configs with ``head_dim`` (hidden ``HEADS * head_dim``, the MLPs in proportion): serving
+    engines' attention kernels take only some head sizes (vLLM's CPU build: not 16)."""
+    hidden = HEADS * head_dim
+    lengths = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length", "sliding_window")
+    for key, value in list(_SIZES.items()):
+        if key in lengths or key == "attention_window":
+            continue
+        if value == HEAD_DIM:
+            _SIZES[key] = head_dim
+        elif value == HEAD_DIM // 2:
+            _SIZES[key] = head_dim // 2
+        elif value == HIDDEN:
+            _SIZES[key] = hidden
+        elif value == 2 * HIDDEN:
+            _SIZES[key] = 2 * hidden
+
+
 def causal_lm_types() -> list[str]:
     """Every model type in transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, sorted."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES

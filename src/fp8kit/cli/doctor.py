@@ -41,6 +41,17 @@ def recipe_name(text: str) -> str:
     return text
 
 
+def attention_name(text: str) -> str:
+    """An attention recipe name (``nn.attention.attention_recipe``'s spellings)."""
+    from ..nn.attention import attention_recipe
+
+    try:
+        attention_recipe(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
 def add_arguments(d: argparse.ArgumentParser) -> None:
     from ..debug.doctor import DEFAULT_LR, DEFAULT_STEPS
 
@@ -65,6 +76,13 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
     d.add_argument("--lr", type=positive_float, default=DEFAULT_LR, help="learning rate (AdamW), as fp8kit train's")
     d.add_argument("--seed", type=int, default=0, help="seed of the weights and batches")
     d.add_argument("--text", type=text_file, default=None, help="use this UTF-8 text instead of the shipped corpus")
+    d.add_argument(
+        "--attention",
+        type=attention_name,
+        default=None,
+        help="FP8 attention in the FP8 copy too (fp8kit.convert's attention=: fp8, fp8-head, current, mxfp8, ...); "
+        "a departure there is fixed by BF16 attention in the blocks named",
+    )
     d.add_argument(
         "--apply",
         action="store_true",

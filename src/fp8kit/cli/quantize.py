@@ -56,6 +56,26 @@ def bits_budget(text: str) -> float:
     return value
 
 
+def attention_choice(text: str) -> str:
+    """``--attention``: a static FP8 attention recipe (``nn.attention.STATIC_ATTENTION_CHOICES``)."""
+    from ..nn.attention import STATIC_ATTENTION_CHOICES
+
+    key = text.strip().lower()
+    if key not in STATIC_ATTENTION_CHOICES:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(STATIC_ATTENTION_CHOICES)}, got {text!r}")
+    return key
+
+
+def _attention_help() -> str:
+    from ..nn.attention import STATIC_ATTENTION_CHOICES
+
+    kinds = "; ".join(f"{k}: {v}" for k, v in STATIC_ATTENTION_CHOICES.items())
+    return (
+        f"FP8 attention (Q, K, V, P in E4M3) with static scales calibrated on the calibration batches ({kinds}), "
+        "written as the format's attention and KV-cache scales (implies the FP8 KV cache)"
+    )
+
+
 def add_arguments(q: argparse.ArgumentParser) -> None:
     q.add_argument("--model", type=model(allow_demo=False), default="smollm2", help=MODEL_HELP)
     q.add_argument(
@@ -95,6 +115,13 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
     q.add_argument(
         "--text", type=text_file, default=None, help="calibrate on this UTF-8 text instead of the shipped corpus"
     )
+    q.add_argument("--attention", type=attention_choice, default=None, help=_attention_help())
+    q.add_argument(
+        "--towers",
+        action="store_true",
+        help="a multimodal model (image-text-to-text): quantize its vision towers and projectors too (by default they "
+        "stay in high precision and the export's ignore list names them, as llm-compressor's and vLLM's recipes do)",
+    )
     add_calibration_options(q)
     add_ptq_switches(q, "the N layers whose quantization alone worsens the model most on calibration data")
     q.add_argument(
@@ -123,6 +150,15 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--candidates goes with --scheme auto")
     if args.block is not None and args.scheme != "fp8-block":
         raise UsageError("--block goes with --scheme fp8-block (the weight tile edge)")
+    if args.attention and (args.scheme in ("auto", "fp8-block") or args.scheme.endswith("+kv") or args.qad_steps):
+        raise UsageError(
+            "--attention goes with one calibrated PTQ scheme without +kv (FP8 attention's K and V scales are the KV "
+            "cache's), not with --scheme auto, fp8-block or --qad-steps"
+        )
+    if args.towers and (args.scheme in ("auto", "fp8-block") or args.qad_steps):
+        raise UsageError(
+            "--towers goes with one calibrated PTQ scheme, not with --scheme auto, fp8-block or --qad-steps"
+        )
     check_out_outside_model(args.out, args.model)
     if args.scheme == "auto":
         return _run_auto(args)
@@ -138,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
     if args.qad_steps:
         return run_qad(args, device)
     settings = ptq_settings(args)
+    if args.attention or args.towers:  # FP8 attention calibrates on the whole model; towers live in multimodal ones
+        return quantize_job.run_whole(args, device, {**settings, "attention": args.attention, "towers": args.towers})
     source = quantize_job.layerwise_source(args, settings)
     if source is not None:
         return quantize_job.run_layerwise(args, source, settings, device)

@@ -361,16 +361,47 @@ def diagnose(
     return Diagnosis(kind, summary, spikes, culprits, notes, trends)
 
 
+def _outside(
+    culprits: list[Culprit], fp8_layers: list[str], fp8_attention: list[str] | tuple[str, ...]
+) -> list[Culprit]:
+    """The culprits in neither an FP8 layer nor an FP8 attention block."""
+    return [c for c in culprits if module_of(c.layer) not in fp8_layers and c.layer not in fp8_attention]
+
+
 def _latent_what(c: Culprit) -> str:
     if c.projected_step is not None:
         return f"grows from step {c.step}, projected to saturate at step {c.projected_step}"
     return f"past a threshold in {c.steps} of the {c.span} steps since step {c.step}"
 
 
-def recommend(culprits: list[Culprit], recipe: Recipe, fp8_layers: list[str]) -> list[Recommendation]:
-    """Ranked fixes for the top culprits (a culprit outside ``fp8_layers`` gets a manual look first)."""
+ATTENTION_OPERANDS = ("attn_q", "attn_k", "attn_v", "attn_p")  # FP8 attention's operands, as the inspector names them
+
+
+def recommend(
+    culprits: list[Culprit], recipe: Recipe, fp8_layers: list[str], fp8_attention: list[str] | tuple[str, ...] = ()
+) -> list[Recommendation]:
+    """Ranked fixes for the top culprits (a culprit outside ``fp8_layers`` and the FP8 attention blocks
+    ``fp8_attention`` gets a manual look first). When the top FP8 culprit is an attention operand, the first fix
+    runs the attention of the blocks named in the top culprits in high precision (BF16)."""
     recs: list[Recommendation] = []
-    outside = [c for c in culprits if module_of(c.layer) not in fp8_layers]
+    in_attention = [c for c in culprits if c.operand in ATTENTION_OPERANDS and c.layer in fp8_attention]
+    attention_fix = []
+    if in_attention:
+        top = in_attention[0]
+        blocks = list(dict.fromkeys(c.layer for c in in_attention[:3]))
+        attention_fix.append(
+            Recommendation(
+                f"run the attention of {', '.join(blocks)} in BF16: fp8kit.convert(model, recipe, attention=..., "
+                f"attention_filter=lambda n, m: n not in {blocks!r})",
+                {"type": "bf16_attention", "blocks": blocks},
+                f"{top.layer} {top.operand.removeprefix('attn_').upper()}: {top.reason}",
+            )
+        )
+    inside = [c for c in culprits if c not in _outside(culprits, fp8_layers, fp8_attention)]
+    if attention_fix and inside[0] is in_attention[0]:  # FP8 attention is where it starts
+        recs, attention_fix = attention_fix, []
+    culprits = [c for c in culprits if c not in in_attention]
+    outside = _outside(culprits, fp8_layers, fp8_attention)
     if outside:
         c = outside[0]
         recs.append(
@@ -383,7 +414,7 @@ def recommend(culprits: list[Culprit], recipe: Recipe, fp8_layers: list[str]) ->
         )
     culprits = [c for c in culprits if module_of(c.layer) in fp8_layers]
     if not culprits:
-        return recs
+        return recs + attention_fix
     top = culprits[0]
     layers = list(dict.fromkeys(module_of(c.layer) for c in culprits[:3]))  # an expert: its experts module
     recs.append(
@@ -433,4 +464,4 @@ def recommend(culprits: list[Culprit], recipe: Recipe, fp8_layers: list[str]) ->
                 "a shorter window adapts faster; a margin leaves headroom above the amax",
             )
         )
-    return recs
+    return recs + attention_fix

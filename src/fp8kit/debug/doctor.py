@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 
 from ..nn import convert, to_bf16_gemms
+from ..nn.attention import STATE_NAME, attention_states
 from ..nn.experts import FP8Experts
 from ..nn.linear import Linear as FP8Linear
 from ..numerics.recipes import CurrentScaling, DelayedScaling, Recipe, recipe_from_name
@@ -229,6 +230,7 @@ def _train_pair(
         "first_nonfinite": first_nonfinite,
         "stopped": stopped,
         "names": names,
+        "attention": [n.removesuffix(f".{STATE_NAME}") for n in attention_states(fp8)],
         "model": fp8,
         "last_batch": batches[min(len(losses["fp8"]), len(batches)) - 1],
     }
@@ -310,6 +312,9 @@ def _fix_kwargs(fix: dict[str, Any], recipe: Recipe, module_filter, names: list[
         return plan, module_filter, {}
     if fix["type"] == "smooth_swiglu":
         return recipe, module_filter, {"smooth_swiglu": True}
+    if fix["type"] == "bf16_attention":
+        kept = set(fix["blocks"])
+        return recipe, module_filter, {"attention_filter": lambda name, m: name not in kept}
     raise ValueError(f"doctor cannot apply a {fix['type']!r} fix automatically")
 
 
@@ -350,7 +355,7 @@ def _latent_recommendations(
             clean = _clean_channel_sqnr(run["stats"], layer, c.step)
             return latent_fixes(c, layer, x, run["model"], recipe, clean)
     departures = [c for c in culprits if c.projected_step is None]
-    return recommend(departures, recipe, run["names"]) if departures else []
+    return recommend(departures, recipe, run["names"], run["attention"]) if departures else []
 
 
 def saturation_levels(recipe: Recipe) -> dict[str, float]:
@@ -384,6 +389,7 @@ def doctor(
     device: str | torch.device | None = None,
     noise_floor: bool = False,
     progress: bool = False,
+    attention: Any = None,
 ) -> DoctorReport:
     """Diagnose FP8 training of ``model`` (a high-precision module; copied, never modified).
 
@@ -404,6 +410,9 @@ def doctor(
         noise_floor: also train a BF16 copy with one layer's weights one ulp off (``losses["bf16_nudged"]``): a gap
             within ``NOISE_FACTOR`` times its final gap is the run-to-run spread, not FP8's (a third run).
         progress: a bar over the steps of each run, on stderr (``fp8kit.runtime.progress``).
+        attention: FP8 attention in the FP8 copy too (``fp8kit.convert``'s ``attention``: ``"fp8"``, ...); its
+            operands are watched as the layers' are, and a departure there is fixed by BF16 attention in the
+            blocks named.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
@@ -425,7 +434,10 @@ def doctor(
         "marginal_db": marginal_db,
         "saturation": saturation_levels(recipe),
     }
-    run = _train_pair(model, data, recipe, loss_fn, lr, module_filter, prepare_fp8, seed, progress)
+    base_kwargs = {"attention": attention} if attention is not None else {}
+    run = _train_pair(
+        model, data, recipe, loss_fn, lr, module_filter, prepare_fp8, seed, progress, "bf16 + fp8", base_kwargs
+    )
     if noise_floor:
         run["losses"]["bf16_nudged"] = _nudged_losses(model, data, loss_fn, lr, run["names"][0], seed, progress)
     found = diagnose(run, **limits)
@@ -435,7 +447,7 @@ def doctor(
     if found.kind == "latent":
         recs = _latent_recommendations(found.culprits, run, recipe, loss_fn)
     else:
-        recs = recommend(found.culprits, recipe, run["names"]) if found.kind != "none" else []
+        recs = recommend(found.culprits, recipe, run["names"], run["attention"]) if found.kind != "none" else []
     report = DoctorReport(
         healthy=found.kind == "none",
         kind=found.kind,
@@ -457,6 +469,7 @@ def doctor(
         top = next((r for r in recs if r.fix["type"] != "manual"), None)
         if top is not None:
             new_recipe, new_filter, kwargs = _fix_kwargs(top.fix, recipe, module_filter, run["names"])
+            kwargs = base_kwargs | kwargs
             rerun = _train_pair(
                 model, data, new_recipe, loss_fn, lr, new_filter, prepare_fp8, seed, progress, "fix", kwargs
             )

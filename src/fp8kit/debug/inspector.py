@@ -15,6 +15,11 @@ on the steps where ``step % every == 0``, it records the figures of ``fp8kit.deb
 ``what_if`` recipe on the same tensors (training is unchanged). Hooks exist only inside the ``with``
 block: outside it the model runs exactly as without the inspector (no overhead).
 
+FP8 attention (``fp8kit.convert(..., attention=...)``): for each attention block, as layer ``"{block}"``, the
+four forward FP8 operands ``attn_q``, ``attn_k``, ``attn_v``, ``attn_p`` (the probabilities), each call's worst
+``sqnr_db``, ``underflow_pct`` (nonzero values flushed to zero: P's small probabilities), ``saturation_pct``,
+``amax`` and ``amax_per_head`` (``nn.attention.observe_fp8_attention``'s figures; eager mode).
+
 GEMM inputs carry the channel figures too (``channel_sqnr_db``, ``outlier_ratio``, ``kurtosis``). With
 ``trends=True`` (the default) it also records, as ``recipe: "trend"`` records (``value``), the signals
 ``fp8kit.debug.trends`` reads for early warning: ``gate_up_alignment`` of every SwiGLU MLP (before its
@@ -31,6 +36,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..nn.attention import STATE_NAME, attention_states, attention_stats
 from ..nn.experts import FP8Experts
 from ..nn.linear import Linear as FP8Linear
 from ..nn.routing import gather, permute
@@ -68,7 +74,12 @@ class Inspector:
         self.experts = {
             n: m for n, m in model.named_modules() if isinstance(m, FP8Experts) and (wanted is None or n in wanted)
         }
-        if not self.layers and not self.experts:
+        self.attention = {
+            block: st
+            for n, st in attention_states(model).items()
+            if (block := n.removesuffix(f".{STATE_NAME}")) and (wanted is None or block in wanted)
+        }
+        if not self.layers and not self.experts and not self.attention:
             raise ValueError(
                 "the model has no FP8 layers to inspect: convert it first (fp8kit.convert(model, recipe))"
                 + (" or fix the layer names given" if layers is not None else "")
@@ -103,6 +114,10 @@ class Inspector:
         for name, m in self.experts.items():
             self._hooks.append(m.register_forward_pre_hook(self._on_experts(name)))
             m.fp8_operand_tap = self._experts_tap(name, m)
+        for block, st in self.attention.items():
+            attn = self.model.get_submodule(block)
+            self._hooks.append(attn.register_forward_pre_hook(self._on_attention(st)))
+            self._hooks.append(attn.register_forward_hook(self._after_attention(block, st)))
         if self.trends:
             self._hook_trends()
         return self
@@ -131,6 +146,41 @@ class Inspector:
 
             self._hooks.append(block.register_forward_hook(rms))
 
+    def _on_attention(self, st: nn.Module):
+        def hook(_m: nn.Module, _args: Any) -> None:
+            st.observed, st.observing = [], self.active and not torch.compiler.is_compiling()
+
+        return hook
+
+    def _after_attention(self, block: str, st: nn.Module):
+        """After an attention block's forward: its FP8 operands' figures (``attention_stats``) as records."""
+
+        def hook(_m: nn.Module, _args: Any, _out: Any) -> None:
+            rows = attention_stats({block: st}) if st.observing else []
+            st.observed, st.observing = [], False
+            for row in rows:
+                amax = [float(a) for a in row["amax"]]
+                stats = {
+                    "amax": max(amax, default=0.0),
+                    "amax_per_head": amax,
+                    "sqnr_db": row["sqnr_db"],
+                    "underflow_pct": 100.0 * row["underflow"],
+                    "saturation_pct": 100.0 * row["saturated"],
+                }
+                operand = f"attn_{row['operand'].lower()}"
+                kind = f"attention-{st.attention_recipe.scaling}-{st.attention_recipe.granularity}"
+                rec = {"step": self.current_step, "layer": block, "operand": operand, "recipe": "actual"}
+                rec.update(recipe_kind=kind, **stats)
+                self.records.append(rec)
+                if self._jsonl is not None:
+                    self._jsonl.write(json.dumps(rec) + "\n")
+                if self._tb is not None:
+                    for key in ("amax", "underflow_pct", "saturation_pct", "sqnr_db"):
+                        if stats[key] == stats[key] and abs(stats[key]) != float("inf"):
+                            self._tb.add_scalar(f"{block}/{operand}/{key}", stats[key], self.current_step)
+
+        return hook
+
     def _record_trend(self, layer: str, signal: str, value: float, **extra: Any) -> None:
         rec = {"step": self.current_step, "layer": layer, "operand": signal, "recipe": "trend", "value": value}
         rec.update(extra)
@@ -149,6 +199,8 @@ class Inspector:
         self._hooks.clear()
         for m in self.experts.values():
             m.fp8_operand_tap = None
+        for st in self.attention.values():
+            st.observed, st.observing = [], False
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None

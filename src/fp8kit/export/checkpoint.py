@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from ..nn.convert import CHECKPOINT_TILES
 from ..nn.linear import Linear as FP8Linear
+from ..nn.towers import ignore_patterns
 from ..ptq.quantized import QuantExperts, QuantLinear, dequantize_experts_module
 from .block_linear import BlockQuantLinear
 from .common import (
@@ -49,6 +50,24 @@ def _kv_blocks(model: nn.Module) -> dict[str, nn.Module]:
     }
 
 
+def _attention_blocks(model: nn.Module) -> dict[str, nn.Module]:
+    """The attention blocks with static FP8 attention (``nn.attention.set_static_scales``), whose Q, K, V
+    scales the formats write; raises ``ExportError`` where a block's FP8 attention has no static scales."""
+    from ..nn.attention import STATE_NAME, attention_states, static_scales
+
+    blocks = {}
+    for name, state in attention_states(model).items():
+        if static_scales(state) is None:
+            raise ExportError(
+                f"{name}: FP8 attention without static scales (current scaling or MXFP8, or never calibrated) has "
+                "none for a serving engine: quantize with attention='fp8' or 'fp8-head' (calibrated), or leave "
+                "attention in high precision"
+            )
+        block = name.removesuffix(f".{STATE_NAME}")
+        blocks[block] = model.get_submodule(block)
+    return blocks
+
+
 def save_pretrained(
     model: nn.Module,
     out_dir: str | Path,
@@ -74,6 +93,7 @@ def save_pretrained(
     if (qlayers or experts) and report is not None:
         scheme, ignore = report.scheme, list(report.skipped)
         kv = _kv_blocks(model) if report.kv_cache else {}
+        kv.update(_attention_blocks(model))  # static FP8 attention: its K/V scales are the KV cache's
     elif any(isinstance(m, FP8Linear) for m in model.modules()):
         scheme, qlayers, ignore = serving_layers(model, format)
         experts = {n: m for n, m in qlayers.items() if isinstance(m, QuantExperts)}  # block recipe's FP8Experts
@@ -106,12 +126,16 @@ def save_pretrained(
     block = experts_naming(model, format)[1] if experts else "mlp"  # the MoE block's name on disk (Mixtral's differs)
     # the checkpoint's names (vLLM's modules) and, where they differ, the model's (transformers matches those)
     ignore = list(dict.fromkeys(k for n in ignore for k in (checkpoint_key(n, block), n)))
+    ignore += ignore_patterns(model, [*qlayers, *experts], format)  # the towers kept whole, under any prefix
     cfg = hf_config_dict(model)
     out = check_export_dir(out_dir, overwrite)
     tensors = kept_tensors(model, [*qlayers, *experts])
     for name in kv:  # each format names the k/v scales its own way
         tensors.pop(f"{name}.k_scale", None)
         tensors.pop(f"{name}.v_scale", None)
+    from ..nn.attention import STATE_NAME
+
+    tensors = {k: v for k, v in tensors.items() if f".{STATE_NAME}." not in k}  # FP8 attention's scaling state
     tensors = {checkpoint_key(k, block): v for k, v in tensors.items()}
     if format == "compressed-tensors":  # experts transformers replaces by per-expert linears to load this format
         ignore += unfuse_patched_experts(model, tensors, format)
@@ -178,7 +202,9 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.
             f"{path} is not a compressed-tensors, modelopt or fp8-block checkpoint (quant_method {method!r}){hint}"
         )
     model, scheme, names, kv_scales, kv = _READERS[method](path, raw, dtype)
-    if kv:
+    if any(k.endswith(".q_scale") for k in kv_scales):
+        _load_static_attention(model, path, kv_scales)
+    elif kv:
         from ..ptq.quantized import enable_fp8_kv
 
         for name, m in enable_fp8_kv(model, "quantize").items():
@@ -201,6 +227,23 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.
     }
     object.__setattr__(model, "ptq_report", report)
     return model.eval()
+
+
+def _load_static_attention(model: nn.Module, path: Path, scales: dict[str, torch.Tensor]) -> None:
+    """Static FP8 attention (``nn.attention``) on every attention block, with the checkpoint's Q, K, V scales
+    (one element per tensor, or one per head) and P's from its bound (``calibrate_fp8_attention``)."""
+    from ..nn.attention import STATE_NAME, AttentionRecipe, enable_fp8_attention, set_static_scales
+
+    head = any(v.numel() > 1 for k, v in scales.items() if k.endswith(".q_scale"))
+    for name in enable_fp8_attention(model, AttentionRecipe("delayed", "head" if head else "tensor")):
+        found = {}
+        for op in ("q", "k", "v"):
+            key = next((k for k in (f"{name}.{op}_scale", f"{name}.{op}_proj.{op}_scale") if k in scales), None)
+            if key is None:
+                raise ExportError(f"{path}: the checkpoint has static FP8 attention but {name}.{op}_scale is missing")
+            found[op] = scales[key].float().reshape(-1)
+        found["p"] = torch.full_like(found["q"], 1 / 448)
+        set_static_scales(model.get_submodule(f"{name}.{STATE_NAME}").eval(), found)
 
 
 def dequantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:

@@ -13,6 +13,7 @@ import json
 import os
 import secrets
 import shutil
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -115,11 +116,16 @@ def check_export_dir(out_dir: str | Path, overwrite: bool = False) -> Path:
 
 
 def hf_config_dict(model: nn.Module) -> dict[str, Any]:
-    """``model.config`` as the ``config.json`` dict, without fp8kit's run-time attention settings."""
+    """``model.config`` as the ``config.json`` dict, without fp8kit's run-time attention settings; its
+    ``architectures`` names the model's class where it is a ``transformers`` class (as transformers'
+    ``save_pretrained`` writes it: readers build that class, a Llava rather than a causal LM)."""
     config = getattr(model, "config", None)
     if config is None:
         raise ExportError("save_pretrained needs a Hugging Face model (with .config) to write config.json")
     cfg = config.to_dict()
+    hf = sys.modules.get("transformers")
+    if hf is not None and isinstance(getattr(hf, type(model).__name__, None), type):
+        cfg["architectures"] = [type(model).__name__]
     cfg.pop("_attn_implementation_autoset", None)
     cfg.pop("_fp8kit_inner_attn", None)
     if cfg.get("_attn_implementation") == "fp8kit_fp8_kv":
@@ -257,7 +263,9 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def model_from_config(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> nn.Module:
-    """The causal LM ``config.json`` (``raw``, its ``quantization_config`` dropped) describes, with fresh weights."""
+    """The model ``config.json`` (``raw``, its ``quantization_config`` dropped) describes, with fresh weights: the
+    class its ``architectures`` names, else a causal LM, image-text-to-text or speech-to-text class of its
+    config class."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     clean = {k: v for k, v in raw.items() if k != "quantization_config"}
@@ -266,15 +274,23 @@ def model_from_config(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> nn
     except (ValueError, KeyError) as err:
         raise ExportError(f"{path}/config.json: unknown model config ({err})") from err
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto import modeling_auto as auto
 
-    # the class that wrote it, else the Auto class, else a causal LM class of this config class (Emu3's text config)
+    # the class that wrote it, else the Auto class, else a causal LM class of this config class (Emu3's text
+    # config), else a multimodal one (Llava, Whisper); a class of another config class where transformers' Auto
+    # mappings give it this model type (ShieldGemma 2's Gemma3ForConditionalGeneration)
+    mappings = (
+        auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+        auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
+    )
+    mapped = {m.get(getattr(config, "model_type", None)) for m in mappings}
     names = list(clean.get("architectures") or [])
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        names += MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+    if type(config) not in auto.MODEL_FOR_CAUSAL_LM_MAPPING:
+        names += [n for m in mappings for n in m.values()]
     for name in names:
         cls = getattr(transformers, name, None) if isinstance(name, str) else None
-        if cls is not None and type(config) is getattr(cls, "config_class", None):
+        if cls is not None and (type(config) is getattr(cls, "config_class", None) or name in mapped):
             return cls._from_config(config, dtype=dtype)
     return AutoModelForCausalLM.from_config(config, dtype=dtype)
 

@@ -29,8 +29,13 @@ Reading one back takes the float32 reciprocal again, which returns fp8kit's valu
 itself a float32 reciprocal (about 87% of values) and one ulp away otherwise.
 
 Scales are dequant multipliers (``amax / 448`` for E4M3, ``amax / 127`` for INT8). An FP8 KV cache adds
-``kv_cache_scheme`` and per-layer ``self_attn.k_scale`` / ``self_attn.v_scale``. Loading reads JSON and
-safetensors only (nothing is unpickled).
+``kv_cache_scheme`` and per-layer ``self_attn.k_scale`` / ``self_attn.v_scale``. Static FP8 attention
+(``ptq.quantize(..., attention="fp8")``) is written as llm-compressor writes its attention scheme: a config group
+``"attention"`` targeting the attention class (e.g. ``LlamaAttention``) with no weights and FP8 static
+``input_activations`` (strategy ``tensor`` or ``attn_head``), the same arguments as ``kv_cache_scheme``, and
+``self_attn.q_scale`` / ``k_scale`` / ``v_scale`` (``(1,)`` per tensor, ``(heads, 1, 1)`` per head: Q per query
+head, K and V per key/value head), what vLLM's ``CompressedTensorsKVCacheMethod`` loads. The format has no P
+scale. Loading reads JSON and safetensors only (nothing is unpickled).
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ from .experts import (
     model_key,
     transformers_refusal,
 )
+
+ATTENTION_GROUP = "attention"  # llm-compressor's name for the config group of its attention scheme
 
 __all__ = [
     "MIXED_PRECISION",
@@ -139,6 +146,7 @@ def quantization_config(
     classes: tuple[str, ...] = ("Linear",),
     dequantize: bool = False,
     refusal: str | None = None,
+    attention: tuple[list[str], str] | None = None,
 ) -> dict[str, Any]:
     """The ``quantization_config`` entry of ``config.json``: for one ``scheme`` (or a ``{layer: scheme}`` map whose
     layers share one group entry) one group targeting every layer of the ``classes`` (``Linear``, and ``Conv1D``
@@ -157,10 +165,15 @@ def quantization_config(
     ``TRANSFORMERS_REFUSAL``, with the readers that can in the same field of every config group. compressed-tensors' ``QuantizationScheme`` forbids fields it does not know, so
     transformers (and any reader that validates the groups with compressed-tensors) stops with an error that
     quotes the reason, where it would otherwise load the weights wrong without a word; fp8kit's reader and
-    readers that take a group's ``weights`` / ``input_activations`` field by field are unaffected."""
+    readers that take a group's ``weights`` / ``input_activations`` field by field are unaffected.
+
+    ``attention``: ``(attention classes, strategy)`` of static FP8 attention: adds llm-compressor's
+    ``"attention"`` group (no weights, FP8 static input activations with ``strategy``), which ``kv_cache_scheme``
+    repeats."""
     kv = None
-    if kv_cache:
-        kv = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}
+    if kv_cache or attention:
+        strategy = attention[1] if attention else "tensor"
+        kv = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": False}
     layers = {"": scheme} if isinstance(scheme, Scheme) else dict(scheme)
     by_entry: dict[str, tuple[Scheme, list[str]]] = {}
     for name, s in layers.items():
@@ -175,11 +188,19 @@ def quantization_config(
         groups = [{**g, TRANSFORMERS_REFUSAL: "use fp8kit load_pretrained or vLLM"} for g in groups]
     formats = {g["format"] for g in groups}
     flags = {"dequantize": True} if dequantize else {}
+    config_groups: dict[str, Any] = {f"group_{i}": g for i, g in enumerate(groups)}
+    if attention:
+        config_groups[ATTENTION_GROUP] = {
+            "targets": sorted(attention[0]),
+            "weights": None,
+            "input_activations": dict(kv),  # type: ignore[arg-type]
+            "output_activations": None,
+        }
     return {
         "quant_method": QUANT_METHOD,
         "format": formats.pop() if len(formats) == 1 else MIXED_PRECISION,
         "quantization_status": "compressed",
-        "config_groups": {f"group_{i}": g for i, g in enumerate(groups)},
+        "config_groups": config_groups,
         "ignore": sorted(ignore),
         "kv_cache_scheme": kv,
         "sparsity_config": {},
@@ -371,13 +392,38 @@ def export_tensors(
             tensors.update(fp4_expert_tensors(model, name, m, partial(_write_fp4, tensors), QUANT_METHOD))
         else:
             tensors.update(expert_tensors(model, name, m, partial(_write_linear, tensors, m.scheme), QUANT_METHOD))
+    attention = _attention_tensors(tensors, kv)
     for name, m in kv.items():
-        tensors[f"{name}.k_scale"] = m.k_scale.float().reshape(1).contiguous()
-        tensors[f"{name}.v_scale"] = m.v_scale.float().reshape(1).contiguous()
+        if attention is None:
+            tensors[f"{name}.k_scale"] = m.k_scale.float().reshape(1).contiguous()
+            tensors[f"{name}.v_scale"] = m.v_scale.float().reshape(1).contiguous()
     conv1d = any(getattr(q, "checkpoint_transposed", False) for q in qlayers.values())
     classes = ("Linear", "Conv1D") if conv1d else ("Linear",)
     refusal = transformers_refusal(model) if experts else None
-    return tensors, quantization_config(schemes, ignore, bool(kv), classes, dequantize=conv1d, refusal=refusal)
+    return tensors, quantization_config(
+        schemes, ignore, bool(kv), classes, dequantize=conv1d, refusal=refusal, attention=attention
+    )
+
+
+def _attention_tensors(tensors: dict[str, torch.Tensor], kv: dict[str, nn.Module]) -> tuple[list[str], str] | None:
+    """Write the static FP8 attention blocks' ``q_scale`` / ``k_scale`` / ``v_scale`` into ``tensors``; return
+    ``(attention classes, strategy)``, or None where no block of ``kv`` has static FP8 attention."""
+    from ..nn.attention import block_static_scales
+
+    static = {name: block_static_scales(m) for name, m in kv.items()}
+    if not any(v is not None for v in static.values()):
+        return None
+    if any(v is None for v in static.values()):
+        raise ExportError("some attention blocks have static FP8 attention and others an FP8 KV cache only: use one")
+    strategies = {"attn_head" if v["q"].numel() > 1 else "tensor" for v in static.values() if v is not None}
+    if len(strategies) > 1:
+        raise ExportError("the attention blocks mix per-tensor and per-head scales: compressed-tensors takes one")
+    strategy = strategies.pop()
+    for name, scales in static.items():
+        for op in ("q", "k", "v"):
+            d = scales[op].float()  # type: ignore[index]
+            tensors[f"{name}.{op}_scale"] = d.reshape((-1, 1, 1) if strategy == "attn_head" else (1,)).contiguous()
+    return sorted({type(m).__name__ for m in kv.values()}), strategy
 
 
 def _rank(name: str, module: nn.Module, target: str) -> int | None:
@@ -420,12 +466,14 @@ def _group_of(name: str, module: nn.Module, groups: list[tuple[list[str], Scheme
 def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module, str, list[str], dict, bool]:
     """A compressed-tensors directory (fp8kit's or another tool's) in ``QuantLinear``s, each layer in the scheme of
     the config group that targets it: returns the model, the scheme name (``"auto"`` when the layers' schemes
-    differ), the quantized layer names, the k/v scales by attention block and whether the export has an FP8 KV
-    cache."""
+    differ), the quantized layer names, the k/v (and static attention's q) scales by attention block and whether
+    the export has an FP8 KV cache."""
     qc = raw["quantization_config"]
     top = qc.get("format")
     groups = []
     for key, g in (qc.get("config_groups") or {}).items():
+        if g.get("weights") is None and g.get("input_activations") is not None:
+            continue  # an attention group (llm-compressor's): its q/k/v scales load as FP8 attention
         fmt = g.get("format") or top
         if fmt == MIXED_PRECISION:
             raise ExportError(f"{path}: config group {key} has no format of its own under the {MIXED_PRECISION} format")
@@ -476,7 +524,9 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
     if experts:
         _, block = experts_naming(model)
         tensors = {model_key(k, block): v for k, v in tensors.items()}
-    kv_scales = {k: tensors.pop(k) for k in list(tensors) if k.endswith((".k_scale", ".v_scale"))}
+    kv_scales = {k: tensors.pop(k) for k in list(tensors) if k.endswith((".k_scale", ".v_scale", ".q_scale"))}
+    for k in [k for k in tensors if k.endswith((".k_zero_point", ".v_zero_point", ".q_zero_point"))]:
+        del tensors[k]  # symmetric scales: llm-compressor may write zeros
     fuse_patched_experts(model, tensors, QUANT_METHOD)
     load_rest(model, path, tensors, names, dtype)
     return model, used.pop() if len(used) == 1 else "auto", names, kv_scales, bool(qc.get("kv_cache_scheme"))

@@ -27,7 +27,10 @@ run time); ``hf_quant_config.json`` adds ``"group_size": 16``. MXFP4 is not writ
 also quantizes the activations, which ``mxfp4-weight-only`` does not. ``pre_quant_scale`` multiplies the input before it is quantized:
 fp8kit folds SmoothQuant into the preceding layer, so it writes ones. ``fp8_pb_wo`` is ModelOpt's only
 128x128-block FP8 format and is weight-only: serving keeps the activations in high precision. An FP8 KV
-cache adds ``ATTN.k_proj.k_scale`` and ``ATTN.v_proj.v_scale`` (``()``, ``amax / 448``). MoE experts get
+cache adds ``ATTN.k_proj.k_scale`` and ``ATTN.v_proj.v_scale`` (``()``, ``amax / 448``); static FP8 attention
+(per tensor) adds ``ATTN.q_scale`` (``()``): ModelOpt's own export drops its ``q_bmm_quantizer`` amax (only the K
+and V quantizers' become ``k_scale`` / ``v_scale``), and vLLM maps ``self_attn.q_scale`` to its attention
+layer's ``q_scale`` under any quantization method. MoE experts get
 the same tensors per expert (``export.experts``), NVFP4 included.
 
 ``hf_quant_config.json`` holds ``{"producer", "quantization": {"quant_algo", "kv_cache_quant_algo",
@@ -51,6 +54,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..nn.attention import block_static_scales
 from ..ptq.quantized import SCHEMES, QuantLinear, get_scheme
 from .block_linear import BlockQuantLinear
 from .common import ExportError, load_layer, load_rest, model_from_config, producer, read_tensors, stored_codes
@@ -218,8 +222,18 @@ def export_tensors(
         else:
             tensors.update(expert_tensors(model, name, m, partial(_write_linear, tensors, scheme), QUANT_METHOD))
     for name, m in kv.items():
-        tensors[f"{name}.k_proj.k_scale"] = m.k_scale.float().reshape(()).contiguous()
-        tensors[f"{name}.v_proj.v_scale"] = m.v_scale.float().reshape(()).contiguous()
+        k_scale, v_scale = getattr(m, "k_scale", None), getattr(m, "v_scale", None)
+        static = block_static_scales(m)
+        if static is not None:
+            if static["q"].numel() > 1:
+                raise ExportError(
+                    f"{name}: the modelopt format carries per-tensor attention scales (k_scale, v_scale, q_scale are "
+                    "scalars): calibrate with attention='fp8', or write per-head scales as --format compressed-tensors"
+                )
+            tensors[f"{name}.q_scale"] = static["q"].float().reshape(()).contiguous()
+            k_scale, v_scale = static["k"], static["v"]
+        tensors[f"{name}.k_proj.k_scale"] = k_scale.float().reshape(()).contiguous()
+        tensors[f"{name}.v_proj.v_scale"] = v_scale.float().reshape(()).contiguous()
     embeddings = [n for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
     one = len(set(layers.values())) <= 1
     hf_quant = hf_quant_config(scheme if one else layers, sorted(set(ignore) | set(embeddings)), bool(kv))
@@ -277,7 +291,7 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
     """A ModelOpt checkpoint (ModelOpt's own or fp8kit's) in ``QuantLinear`` / ``BlockQuantLinear``
     layers, with the producer's semantics (``fp8_pb_wo`` is weight-only; ``MIXED_PRECISION``: each layer in its
     ``quantized_layers`` entry's scheme). Returns the model, the scheme name (``"auto"`` for a mix), the quantized
-    layer names, the k/v scale tensors and whether it has an FP8 KV cache."""
+    layer names, the k/v (and static attention's q) scale tensors and whether it has an FP8 KV cache."""
     q = _quant_section(path, raw)
     algo = q.get("quant_algo")
     per_layer = _layer_schemes(path, q)
@@ -346,7 +360,9 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
         if experts:
             block = experts_naming(model)[1]
             tensors = {model_key(k, block): v for k, v in tensors.items()}
-    kv_scales = {k: tensors.pop(k) for k in list(tensors) if k.endswith((".k_proj.k_scale", ".v_proj.v_scale"))}
+    kv_scales = {
+        k: tensors.pop(k) for k in list(tensors) if k.endswith((".k_proj.k_scale", ".v_proj.v_scale", ".q_scale"))
+    }
     load_rest(model, path, tensors, names, dtype)
     return model, scheme, names, kv_scales, kv_algo == "FP8"
 

@@ -37,11 +37,12 @@ def run(args: Any, recipe: Any, device: torch.device, out: Path) -> None:
         batches.append({"input_ids": x, "labels": x})
     report = doctor(
         model, batches, recipe=recipe, steps=args.steps, lr=args.lr, apply=args.apply, seed=args.seed, device=device,
-        noise_floor=args.noise_floor, progress=True,
+        noise_floor=args.noise_floor, progress=True, attention=getattr(args, "attention", None),
     )  # fmt: skip
     path = report.save(out)
+    attention = f" + {args.attention} attention" if getattr(args, "attention", None) else ""
     print(
-        f"fp8kit doctor ({recipe.kind} vs bf16, {report.steps} steps): "
+        f"fp8kit doctor ({recipe.kind}{attention} vs bf16, {report.steps} steps): "
         f"{'healthy' if report.healthy else report.kind} - {report.summary}"
     )
     label = "latent" if report.kind == "latent" else "culprit"

@@ -54,9 +54,10 @@ def evaluate_pretrained(
     from ..data.evaluation import divergence
     from ..models.pretrained import load_pretrained_lm
     from ..runtime.device import work_dtype
+    from .loading import load_served
 
     device = torch.device(device)
-    model, tokenizer = _served(model_name, work_dtype(device), device) or load_pretrained_lm(
+    model, tokenizer = load_served(model_name, work_dtype(device), device) or load_pretrained_lm(
         model_name, work_dtype(device), device
     )
     corpus = load_corpus(text, tokenizer)
@@ -75,25 +76,3 @@ def evaluate_pretrained(
             )
         out |= {"reference": reference, **divergence(model, ref, held_out)}
     return out
-
-
-def _served(name: str, dtype: torch.dtype, device: torch.device) -> tuple[torch.nn.Module, Any] | None:
-    """``(model, tokenizer)`` of a local export in a format ``export.load_pretrained`` reads, in its inference
-    layers; ``None`` for anything else (a plain model, a Hub ID, a layout it does not read)."""
-    import json
-
-    from ..export import ExportError, load_pretrained
-    from ..models.pretrained import HFTokenizer
-
-    path = Path(name)
-    config = path / "config.json"
-    qc = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
-    if not isinstance(qc, dict) or qc.get("quant_method") not in ("compressed-tensors", "modelopt", "fp8"):
-        return None
-    try:
-        model = load_pretrained(path, dtype)
-    except ExportError:
-        return None  # e.g. an FP4 layout fp8kit reads only dequantized: load_pretrained_lm does
-    from transformers import AutoTokenizer
-
-    return model.to(device), HFTokenizer(AutoTokenizer.from_pretrained(path))

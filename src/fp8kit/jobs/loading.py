@@ -1,4 +1,6 @@
-"""Models that ``fp8kit train`` wrote, read back as the starting point of PTQ, export and evaluation."""
+"""Which model a job starts from, loaded: a run folder ``fp8kit train`` wrote (its runs rebuilt with their trained
+weights), a pretrained causal LM (``smollm2``, a local folder, a Hub ID, an FP8/INT8/FP4 checkpoint dequantized:
+``models.pretrained.load_pretrained_lm``), or a quantized export in fp8kit's inference layers, as it is served."""
 
 from __future__ import annotations
 
@@ -108,3 +110,25 @@ def rebuild_run(path: Path, text: str | None = None, plain_bf16: bool = False) -
     model = base if plain_bf16 and info["run"] == "bf16" else make_model(base, cfg, info["run"])
     step, _ = load_checkpoint(path, model)
     return TrainRun(model, tokenizer, cfg, info["run"], step)
+
+
+def load_served(name: str, dtype: torch.dtype, device: torch.device) -> tuple[torch.nn.Module, Any] | None:
+    """``(model, tokenizer)`` of a local export in a format ``export.load_pretrained`` reads, in its inference
+    layers; ``None`` for anything else (a plain model, a Hub ID, a layout it does not read)."""
+    import json
+
+    from ..export import ExportError, load_pretrained
+    from ..models.pretrained import HFTokenizer
+
+    path = Path(name)
+    config = path / "config.json"
+    qc = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+    if not isinstance(qc, dict) or qc.get("quant_method") not in ("compressed-tensors", "modelopt", "fp8"):
+        return None
+    try:
+        model = load_pretrained(path, dtype)
+    except ExportError:
+        return None  # e.g. an FP4 layout fp8kit reads only dequantized: load_pretrained_lm does
+    from transformers import AutoTokenizer
+
+    return model.to(device), HFTokenizer(AutoTokenizer.from_pretrained(path))

@@ -176,9 +176,13 @@ def quantize_pretrained(
     norm_tweak: int | None = None,
     device: str | torch.device = "cpu",
     progress: bool | None = None,
+    attention: str | None = None,
+    towers: bool = False,
 ) -> tuple[nn.Module, Any, PTQSplits]:
     """Load ``model_name`` (``smollm2`` or a local directory) and quantize it with ``scheme``
-    (``+kv`` suffix: FP8 KV cache), calibrating on the calibration split of the corpus (or ``text``).
+    (``+kv`` suffix: FP8 KV cache; ``attention``: FP8 attention, ``towers``: a multimodal model's towers too,
+    ``ptq.quantize``'s), calibrating on the
+    calibration split of the corpus (or ``text``).
     ``None`` settings take the scheme's dev-chosen defaults (``ptq_settings``). The model loads on ``device``
     (BF16 on a GPU, FP32 on the CPU: ``device.work_dtype``); ``progress`` as ``ptq.quantize``'s."""
     from ..runtime.device import work_dtype
@@ -191,8 +195,25 @@ def quantize_pretrained(
     splits = load_splits(text, tokenizer, second_text=False)[0]
     loop = calibration_loop(splits, calib_batches, batch_size, seq_len)
     kw = ptq_settings(scheme, calibration, alpha, smooth, gptq, awq, keep_bf16, quantizable_layers(model), norm_tweak)
-    quantize(model, scheme.removesuffix("+kv"), loop, progress=progress, **kw)
+    if towers:
+        _check_towers_calibrate(scheme, kw)
+    quantize(model, scheme.removesuffix("+kv"), loop, progress=progress, attention=attention, towers=towers, **kw)
     return model, tokenizer, splits
+
+
+def _check_towers_calibrate(scheme: str, settings: dict[str, Any]) -> None:
+    """Calibration text does not reach a multimodal model's towers: refuse what needs their activations."""
+    from ..ptq.schemes import get_scheme
+
+    needs = [k for k in ("gptq", "awq", "smooth") if settings.get(k)]
+    if get_scheme(scheme.removesuffix("+kv")).act_strategy in ("tensor", "nvfp4"):
+        needs.append(f"{scheme}'s static activation scales")
+    if needs:
+        raise ValueError(
+            f"--towers: the calibration text does not reach the vision towers, so {', '.join(needs)} cannot be set "
+            "for them: quantize them with a dynamic scheme (fp8-dynamic, int8-weight-only) and --no-gptq --no-awq, "
+            "or calibrate with images through fp8kit.ptq.quantize(model, scheme, forward_loop, towers=True)"
+        )
 
 
 def sequential_source(model_name: str) -> Path | None:
@@ -202,13 +223,15 @@ def sequential_source(model_name: str) -> Path | None:
     import json
 
     from ..export.fp4_checkpoints import fp4_layout
-    from ..models.pretrained import pretrained_dir
+    from ..models.pretrained import is_multimodal_config, pretrained_dir
     from .loading import train_checkpoint
 
     if train_checkpoint(Path(model_name)) is not None:
         return None
     path = pretrained_dir(model_name)
     raw = json.loads((path / "config.json").read_text())
+    if is_multimodal_config(raw):  # a skeleton is built as a causal LM: a multimodal model loads whole
+        return None
     readable = raw.get("quantization_config") is None or fp4_layout(path, raw) is not None
     return path if readable and any(path.glob("*.safetensors")) else None
 

@@ -124,8 +124,20 @@ def load_pretrained_lm(
         from ..export import dequantized_model  # an FP8/INT8/FP4 checkpoint: its weights, dequantized exactly
 
         return dequantized_model(path, dtype).to(device), HFTokenizer(tok)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=_device_map(device))
+    cls = AutoModelForCausalLM
+    if is_multimodal_config(raw):  # its language model is calibrated and scored on text; towers stay as they are
+        from transformers import AutoModelForImageTextToText as cls
+    model = cls.from_pretrained(path, dtype=dtype, device_map=_device_map(device))
     return model, HFTokenizer(tok)
+
+
+def is_multimodal_config(config: dict[str, Any]) -> bool:
+    """Whether a ``config.json`` describes an image-text-to-text model (a text model with a vision tower):
+    a ``vision_config`` beside a ``text_config``, and a model type in transformers' image-text-to-text
+    mapping."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return "vision_config" in config and config.get("model_type") in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 
 def _device_map(device: str | torch.device) -> str | None:

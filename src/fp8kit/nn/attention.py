@@ -39,12 +39,16 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..kernels.reference import repeat_tiles_eager
 from ..numerics.formats import E4M3, E5M2, Format
 from ..numerics.recipes import CurrentScaling, DelayedScaling
 from ..numerics.scaling_state import DelayedScalingState, forgive_missing_fp8_state
+from ..numerics.tensor import quantize
 
 __all__ = [
+    "ATTENTION_CHOICES",
     "ATTN_NAME",
+    "STATIC_ATTENTION_CHOICES",
     "AttentionRecipe",
     "FP8AttentionState",
     "attention_recipe",
@@ -55,13 +59,21 @@ __all__ = [
     "fp8_attention",
     "fp8_attention_to_kv_scales",
     "observe_fp8_attention",
+    "block_static_scales",
+    "set_static_scales",
+    "static_scales",
 ]
 
 log = logging.getLogger("fp8kit")
 ATTN_NAME = "fp8kit_fp8_attention"
+# the names attention_recipe accepts (help texts and errors read them from here)
+ATTENTION_CHOICES = ("fp8", "fp8-head", "delayed", "current", "delayed-head", "current-head", "mxfp8")
+ATTENTION_SPELLINGS = ", ".join(repr(c) for c in ATTENTION_CHOICES)
 STATE_NAME = "fp8_attention"  # the child module of an attention block that holds its scaling state
 _SCALINGS = ("delayed", "current")
-_GRANULARITIES = ("tensor", "head")
+_GRANULARITIES = ("tensor", "head", "mx")
+MX_BLOCK = 32  # MXFP8: elements per E8M0-scaled block, along each GEMM's contraction dimension
+MX_FORMAT = E4M3  # every MXFP8 operand, gradients too (OCP MXFP8 training, Transformer Engine's MXFP8BlockScaling)
 # the formats of the operands (Transformer Engine's hybrid choice): E4M3 forward, E5M2 gradients
 QKVP_FORMAT, DO_FORMAT, DS_FORMAT = E4M3, E5M2, E5M2
 # operand -> (row, column) of the state's slots; column 1 is the gradient role (E5M2 scales)
@@ -74,8 +86,11 @@ class AttentionRecipe:
 
     ``scaling``: ``"delayed"`` (amax history, Transformer Engine's ``DelayedScaling``) or ``"current"`` (this
     call's amax) for Q, K, V and dO; P and dS use delayed scaling in both (as Transformer Engine's fused FP8
-    attention). ``granularity``: ``"tensor"`` (one scale per operand) or ``"head"`` (one per head).
-    ``block``: keys per block of the computation (memory ``O(Sq * block)``; the result does not depend on it).
+    attention). ``granularity``: ``"tensor"`` (one scale per operand), ``"head"`` (one per head) or ``"mx"``
+    (MXFP8: every operand of every GEMM in E4M3 blocks of 32 along that GEMM's contraction dimension, each with
+    its own E8M0 scale from its own amax; needs ``scaling="current"``).
+    ``block``: keys per block of the computation (memory ``O(Sq * block)``; the result does not depend on it;
+    a multiple of 32 under ``"mx"``).
     """
 
     scaling: str = "delayed"
@@ -92,6 +107,13 @@ class AttentionRecipe:
             raise ValueError(f"attention granularity must be one of {_GRANULARITIES}, got {self.granularity!r}")
         if self.block < 1:
             raise ValueError(f"attention block must be >= 1 key, got {self.block}")
+        if self.granularity == "mx" and self.scaling != "current":
+            raise ValueError(
+                "MXFP8 attention scales each 32-element block from its own amax (no history): use "
+                "AttentionRecipe(scaling='current', granularity='mx'), spelled 'mxfp8'"
+            )
+        if self.granularity == "mx" and self.block % MX_BLOCK:
+            raise ValueError(f"MXFP8 attention takes key blocks of a multiple of {MX_BLOCK}, got block={self.block}")
         self.delayed  # noqa: B018 - validates the history knobs
 
     @property
@@ -108,21 +130,19 @@ class AttentionRecipe:
 
 def attention_recipe(spec: AttentionRecipe | str | bool) -> AttentionRecipe:
     """An ``AttentionRecipe`` from itself, ``True``/``"fp8"`` (delayed, per tensor), ``"delayed"``, ``"current"``,
-    or those with ``"-head"`` (``"current-head"``: per-head scales)."""
+    those with ``"-head"`` (``"current-head"``: per-head scales), or ``"mxfp8"`` (``"current-mx"``)."""
     if isinstance(spec, AttentionRecipe):
         return spec
     if spec is True:
         return AttentionRecipe()
     if isinstance(spec, str):
         key = spec.lower().replace("_", "-")
+        key = {"mxfp8": "current-mx", "mx": "current-mx"}.get(key, key)
         scaling, _, gran = key.partition("-")
         scaling = "delayed" if scaling == "fp8" else scaling
-        if scaling in _SCALINGS and gran in ("", "tensor", "head"):
+        if scaling in _SCALINGS and gran in ("", *_GRANULARITIES):
             return AttentionRecipe(scaling, gran or "tensor")
-    raise ValueError(
-        f"unknown attention recipe {spec!r}; accepted: an AttentionRecipe, 'fp8', 'delayed', 'current', "
-        "'delayed-head', 'current-head'"
-    )
+    raise ValueError(f"unknown attention recipe {spec!r}; accepted: an AttentionRecipe, {ATTENTION_SPELLINGS}")
 
 
 class FP8AttentionState(nn.Module):
@@ -145,7 +165,7 @@ class FP8AttentionState(nn.Module):
     def index(self, operand: str) -> tuple[int, slice, int]:
         """The state's slots of ``operand`` (``"q"``, ``"k"``, ``"v"``, ``"p"``, ``"do"``, ``"ds"``)."""
         row, col = _SLOTS[operand]
-        if self.attention_recipe.granularity == "tensor":
+        if self.attention_recipe.granularity != "head":
             return row, slice(0, 1), col
         return row, slice(0, self.num_kv_heads if operand in ("k", "v") else self.num_heads), col
 
@@ -224,12 +244,16 @@ class _Masking:
     def scores(self, qc: torch.Tensor, kc: torch.Tensor, factor: torch.Tensor, j0: int, sq: int, skv: int):
         """``(raw, masked)`` FP32 scores of the keys ``j0 : j0 + kc.shape[2]``."""
         raw = (qc.double() @ kc.double().transpose(-1, -2)).float() * factor
+        return raw, self.masked(raw, j0, sq, skv)
+
+    def masked(self, raw: torch.Tensor, j0: int, sq: int, skv: int) -> torch.Tensor:
+        """The raw FP32 scores of the keys ``j0 : j0 + raw.shape[-1]``, softcapped and masked (``-inf``)."""
         s = torch.tanh(raw / self.softcap) * self.softcap if self.softcap is not None else raw
-        j1 = j0 + kc.shape[2]
+        j1 = j0 + raw.shape[-1]
         if self.causal or self.window is not None:
-            i = torch.arange(sq, device=qc.device)[:, None] + (skv - sq)
-            j = torch.arange(j0, j1, device=qc.device)[None, :]
-            ok = torch.ones(sq, j1 - j0, dtype=torch.bool, device=qc.device)
+            i = torch.arange(sq, device=raw.device)[:, None] + (skv - sq)
+            j = torch.arange(j0, j1, device=raw.device)[None, :]
+            ok = torch.ones(sq, j1 - j0, dtype=torch.bool, device=raw.device)
             if self.causal:
                 ok = ok & (j <= i)
             if self.window is not None:
@@ -238,7 +262,7 @@ class _Masking:
         if self.mask is not None:
             blk = self.mask[..., j0:j1]
             s = s.masked_fill(~blk, float("-inf")) if blk.dtype == torch.bool else s + blk.float()
-        return raw, s
+        return s
 
 
 def _blocks(n: int, size: int) -> list[tuple[int, int]]:
@@ -400,6 +424,177 @@ class _FP8Attention(torch.autograd.Function):
         return dq.to(dt_q), dk.to(dt_k), dv.to(dt_v), d_sinks, None, None, None, None
 
 
+# ---- MXFP8 ------------------------------------------------------------------------------------------
+
+
+def _mx(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` cast to MXFP8 (``numerics.tensor.quantize``, granularity ``"mx"``: E4M3, E8M0 scales, round-up rule) in
+    blocks of 32 along ``dim``: the codes' values (float64, ``dim`` moved last and zero-padded to a multiple of
+    32) and each block's dequantization multiplier (float64, ``(..., blocks)``)."""
+    xt = x.float().movedim(dim, -1)
+    xt = torch.nn.functional.pad(xt, (0, -xt.shape[-1] % MX_BLOCK))
+    qt = quantize(xt.reshape(-1, xt.shape[-1]), MX_FORMAT, "mx", nonfinite="propagate")
+    return qt.data.reshape(xt.shape).double(), qt.scale_inv.reshape(*xt.shape[:-1], -1).double()
+
+
+def _mx_gemm(
+    a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, acc: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``acc + A @ B^T`` (float64) for MX operands blocked along the contraction dimension, last in both:
+    ``a`` ``(..., M, K)``, ``b`` ``(..., N, K)``, scales ``(..., M, K/32)``, ``(..., N, K/32)``. Each block's
+    code products sum exactly (32 products of E4M3 values), the sum takes its two power-of-two scales
+    (exact), and the blocks are added to ``acc`` one by one in order."""
+    out = torch.zeros(*a.shape[:-1], b.shape[-2], dtype=torch.float64, device=a.device) if acc is None else acc
+    for i in range(sa.shape[-1]):
+        blk = slice(i * MX_BLOCK, (i + 1) * MX_BLOCK)
+        out = out + (a[..., blk] @ b[..., blk].transpose(-1, -2)) * sa[..., i, None] * sb[..., None, :, i]
+    return out
+
+
+def _mx_values(codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    """The dequantized values (float64) of the first ``n`` elements along the blocked (last) dimension."""
+    return codes[..., :n] * repeat_tiles_eager(scales, MX_BLOCK, -1, n)
+
+
+def _mx_sums(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> list:
+    """``_observe_block``'s sums for ``x`` (float, blocked dimension last) cast to MX ``codes`` / ``scales``."""
+    n = x.shape[-1]
+    step = repeat_tiles_eager(scales, MX_BLOCK, -1, n)
+    c = codes[..., :n]
+    x64 = x.double()
+    return [
+        float(x64.pow(2).sum()),
+        float((x64 - c * step).pow(2).sum()),
+        int((x != 0).sum()),
+        int(((x != 0) & (c == 0)).sum()),
+        int((x64.abs() > MX_FORMAT.max * step).sum()),
+    ]
+
+
+def _mx_observe(q, k, v, p_sums: list) -> dict[str, dict[str, Any]]:
+    """The statistics of one MXFP8 attention call: Q and K in blocks along D, V along the keys, P (``p_sums``)."""
+    rows = {}
+    for op, x, dim in (("q", q, -1), ("k", k, -1), ("v", v, 2)):
+        codes, scales = _mx(x, dim)
+        xt = x.detach().float().movedim(dim, -1)
+        rows[op] = {
+            "amax": x.detach().float().abs().amax(dim=(0, 2, 3)).tolist(),
+            **_summary(_mx_sums(xt, codes, scales)),
+        }
+    rows["p"] = {"amax": [], **_summary(p_sums)}
+    return rows
+
+
+class _MXFP8Attention(torch.autograd.Function):
+    """MXFP8 attention (``attention_reference.reference_mx_attention``), blocked over keys like ``_FP8Attention``;
+    key blocks start at multiples of 32, so every MX block of P, V, K and dS lies within one key block."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, masking: _Masking, state: FP8AttentionState, block: int, record: bool):  # type: ignore[override]
+        b, hq, sq, d = q.shape
+        hkv, skv = k.shape[1], k.shape[2]
+        rep = hq // hkv
+        fold = not state.defer_scaling_update
+        if record:  # amaxes for statistics and the distributed sync; MX scales come from the blocks
+            for n, x in (("q", q), ("k", k), ("v", v)):
+                state.fp8_state.record(state.index(n), state.amax(x), fold=fold)
+        qd, sqd = _mx(q, -1)
+        kd, skd = (_repeat_kv(t, rep) for t in _mx(k, -1))
+        vk, svk = (_repeat_kv(t, rep) for t in _mx(v, 2))  # (B, H, D, Skv): blocks along the keys
+        spans = _blocks(skv, block)
+
+        def scores(j0: int, j1: int) -> torch.Tensor:
+            raw = _mx_gemm(qd, sqd, kd[:, :, j0:j1], skd[:, :, j0:j1]).float() * masking.scaling
+            return masking.masked(raw, j0, sq, skv)
+
+        m = torch.full((b, hq, sq, 1), float("-inf"), device=q.device)
+        for j0, j1 in spans:
+            m = torch.maximum(m, scores(j0, j1).amax(-1, keepdim=True))
+        row_max = m
+        sink = sinks.detach().float().reshape(1, -1, 1, 1) if sinks is not None else None
+        if sink is not None:
+            m = torch.maximum(m, sink)
+        m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+        total = torch.zeros(b, hq, sq, 1, dtype=torch.float64, device=q.device)
+        acc = torch.zeros(b, hq, sq, d, dtype=torch.float64, device=q.device)
+        p_sums = [0.0, 0.0, 0, 0, 0]
+        p_amax = torch.zeros(hq, device=q.device)
+        for j0, j1 in spans:
+            pt = torch.exp(scores(j0, j1) - m)
+            pc, sp = _mx(pt, -1)
+            if state.observing:
+                p_sums = [a + b for a, b in zip(p_sums, _mx_sums(pt, pc, sp), strict=True)]
+                p_amax = torch.maximum(p_amax, pt.amax(dim=(0, 2, 3)))
+            for i in range(sp.shape[-1]):
+                total = total + pc[..., i * MX_BLOCK : (i + 1) * MX_BLOCK].sum(-1, keepdim=True) * sp[..., i, None]
+            b0, b1 = j0 // MX_BLOCK, j0 // MX_BLOCK + sp.shape[-1]
+            acc = _mx_gemm(pc, sp, vk[..., j0 : j0 + pc.shape[-1]], svk[..., b0:b1], acc)
+        if sink is not None:
+            total = total + torch.exp(sink - m).double()
+        safe = torch.where(total > 0, total, 1.0)
+        out = torch.where(total > 0, acc / safe, 0.0).float()
+        if state.observing:
+            observed = _mx_observe(q, k, v, p_sums)
+            observed["p"]["amax"] = p_amax.tolist()
+            state.observed.append(observed)
+        if record:
+            p_amax = torch.exp(row_max - m).amax().reshape(1)
+            state.fp8_state.record(state.index("p"), p_amax, fold=fold)
+        ctx.save_for_backward(q, k, v, m, safe, out, sinks)
+        ctx.masking, ctx.state, ctx.block, ctx.record = masking, state, block, record
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, d_out):  # type: ignore[override]
+        q, k, v, m, safe, out, sinks = ctx.saved_tensors
+        masking, state = ctx.masking, ctx.state
+        b, hq, sq, d = q.shape
+        hkv, skv = k.shape[1], k.shape[2]
+        rep = hq // hkv
+        fold = not state.defer_scaling_update
+        if ctx.record:
+            state.fp8_state.record(state.index("do"), state.amax(d_out), fold=fold)
+        qd, sqd = _mx(q, -1)
+        kd, skd = (_repeat_kv(t, rep) for t in _mx(k, -1))
+        vd, svd = (_repeat_kv(t, rep) for t in _mx(v, -1))  # dP = dO V^T: blocks along D
+        kk, skk = (_repeat_kv(t, rep) for t in _mx(k, 2))  # dQ = dS K: (B, H, D, Skv), along the keys
+        qq, sqq = _mx(q, 2)  # dK = dS^T Q: (B, H, D, Sq), along the queries
+        dod, sdod = _mx(d_out, -1)  # dP: along D
+        doq, sdoq = _mx(d_out, 2)  # dV = P^T dO: (B, H, D, Sq), along the queries
+        big_d64 = (_mx_values(dod, sdod, d) * out.double()).sum(-1, keepdim=True)
+        big_d = big_d64.float()
+        dq_acc = torch.zeros(b, hq, sq, d, dtype=torch.float64, device=q.device)
+        dk = torch.empty(b, hkv, skv, d, device=q.device)
+        dv = torch.empty(b, hkv, skv, d, device=q.device)
+        ds_amax = torch.zeros(1, device=q.device)
+        for j0, j1 in _blocks(skv, ctx.block):
+            raw = _mx_gemm(qd, sqd, kd[:, :, j0:j1], skd[:, :, j0:j1]).float() * masking.scaling
+            pc, sp = _mx(torch.exp(masking.masked(raw, j0, sq, skv) - m), -1)
+            p = (_mx_values(pc, sp, j1 - j0) / safe).float()
+            dp = _mx_gemm(dod, sdod, vd[:, :, j0:j1], svd[:, :, j0:j1]).float()
+            ds = p * (dp - big_d)
+            if masking.softcap is not None:
+                t = torch.tanh(raw / masking.softcap)
+                ds = ds * (1 - t * t)
+            ds_amax = torch.maximum(ds_amax, ds.abs().amax().reshape(1))
+            pq, spq = _mx(p, 2)
+            dv[:, :, j0:j1] = _mx_gemm(pq, spq, doq, sdoq).reshape(b, hkv, rep, j1 - j0, d).sum(2).float()
+            dsk, sdsk = _mx(ds, -1)
+            b0, b1 = j0 // MX_BLOCK, j0 // MX_BLOCK + sdsk.shape[-1]
+            dq_acc = _mx_gemm(dsk, sdsk, kk[..., j0 : j0 + dsk.shape[-1]], skk[..., b0:b1], dq_acc)
+            dsq, sdsq = _mx(ds, 2)
+            dk_h = _mx_gemm(dsq, sdsq, qq, sqq) * masking.scaling
+            dk[:, :, j0:j1] = dk_h.reshape(b, hkv, rep, j1 - j0, d).sum(2).float()
+        if ctx.record:
+            state.fp8_state.record(state.index("ds"), ds_amax, fold=fold)
+        dq = (dq_acc * masking.scaling).float()
+        d_sinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            p_sink = torch.exp(sinks.detach().float().reshape(1, -1, 1, 1) - m).double() / safe
+            d_sinks = (-(p_sink * big_d64).sum(dim=(0, 2, 3)).float()).to(sinks.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_sinks, None, None, None, None
+
+
 _FALLBACK_LOGGED: set[str] = set()
 
 
@@ -441,7 +636,8 @@ def fp8_attention(
     )
     record = state.training if record is None else record
     block = state.attention_recipe.block
-    return _FP8Attention.apply(q, k, v, sinks, masking, state, block, record)
+    kernel = _MXFP8Attention if state.attention_recipe.granularity == "mx" else _FP8Attention
+    return kernel.apply(q, k, v, sinks, masking, state, block, record)
 
 
 # ---- transformers integration -----------------------------------------------------------------------
@@ -463,6 +659,11 @@ def _fp8_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """``transformers``' attention-function signature over ``fp8_attention`` (output ``(B, Sq, H, D)``)."""
     state = getattr(module, STATE_NAME, None)
+    if state is None and getattr(module, "fp8kit_high_precision_attention", False):  # left out by a block filter
+        kw = {"dropout": dropout, "scaling": scaling, "is_causal": is_causal, "sliding_window": sliding_window,
+              "softcap": softcap, "s_aux": s_aux, **kwargs}  # fmt: skip
+        kw = {k: v for k, v in kw.items() if v is not None}
+        return _previous_attention(module)(module, query, key, value, attention_mask, **kw)
     if state is None:
         raise ValueError(
             f"{type(module).__name__} has no FP8 attention state: enable it with fp8kit.convert(model, ..., "
@@ -496,6 +697,22 @@ def _fp8_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+def _previous_attention(module: nn.Module) -> Callable[..., Any]:
+    """The attention function ``module``'s config named before FP8 attention: a registered one (``sdpa``, ...),
+    else the model's own ``eager_attention_forward``."""
+    import sys
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    previous = getattr(module.config, "_fp8kit_previous_attn", None) or "eager"
+    if previous in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[previous]
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise ValueError(f"{type(module).__name__}: no high-precision attention function to fall back to")
+    return eager
+
+
 def _register() -> None:
     try:
         from transformers import AttentionInterface
@@ -518,18 +735,29 @@ def attention_blocks(model: nn.Module) -> dict[str, nn.Module]:
     }
 
 
-def enable_fp8_attention(model: nn.Module, recipe: AttentionRecipe | str | bool = "fp8") -> list[str]:
-    """Run the attention of every block of ``model`` in FP8 (``recipe``: ``attention_recipe``'s spellings):
+def enable_fp8_attention(
+    model: nn.Module,
+    recipe: AttentionRecipe | str | bool = "fp8",
+    block_filter: Callable[[str, nn.Module], bool] | None = None,
+) -> list[str]:
+    """Run the attention of the blocks of ``model`` in FP8 (``recipe``: ``attention_recipe``'s spellings):
     adds an ``FP8AttentionState`` child to each block and points the config at fp8kit's attention function.
-    Returns the blocks' names; raises ``ValueError`` where the model has none."""
+    ``block_filter(name, block) -> bool`` picks the blocks (default all); the others keep the model's previous
+    attention implementation (high precision). Returns the FP8 blocks' names; raises ``ValueError`` where the
+    model has none."""
     recipe = attention_recipe(recipe)
-    blocks = attention_blocks(model)
-    if not blocks:
+    found = attention_blocks(model)
+    if not found:
         raise ValueError(
             "FP8 attention: the model has no transformers attention blocks (modules with config, layer_idx and "
             "k_proj/v_proj); fp8kit's FP8 attention plugs into transformers' AttentionInterface"
         )
+    blocks = {n: m for n, m in found.items() if block_filter is None or block_filter(n, m)}
+    if not blocks:
+        raise ValueError("FP8 attention: the block filter kept no attention block")
     _register()
+    for m in found.values():
+        m.fp8kit_high_precision_attention = not any(m is b for b in blocks.values())
     for m in blocks.values():
         cfg = m.config
         heads = cfg.num_attention_heads
@@ -554,10 +782,12 @@ def attention_states(model: nn.Module) -> dict[str, FP8AttentionState]:
 @torch.no_grad()
 def calibrate_fp8_attention(model: nn.Module, forward_loop: Callable[[nn.Module], object]) -> None:
     """Static attention scales: run ``forward_loop(model)`` with the FP8 attention states recording (the rest of
-    the model keeps its mode), so that afterwards, in evaluation mode, Q, K, V and P are quantized with the
-    delayed scales of the amaxes seen (per tensor or per head, as the states' recipe says; the max over the
-    calibration, ``amax_compute_algo="max"``). Needs delayed attention scaling (current scaling has no static
-    scales); raises ``ValueError`` otherwise or where ``model`` has no FP8 attention."""
+    the model keeps its mode), then fix each state's static scales (``set_static_scales``): Q, K and V from the
+    largest amax seen (per tensor or per head, as the states' recipe says), ``amax / 448``; P from its bound 1
+    (``exp(S - rowmax) <= 1``; no format but vLLM's ``fp8`` method has a place for a calibrated P scale). In
+    evaluation mode they quantize with those, as a serving engine does with the exported scales. Needs delayed
+    attention scaling (current scaling has no static scales); raises ``ValueError`` otherwise or where
+    ``model`` has no FP8 attention."""
     states = attention_states(model)
     if not states:
         raise ValueError("calibrate_fp8_attention: the model has no FP8 attention (fp8kit.convert(..., attention=))")
@@ -575,6 +805,55 @@ def calibrate_fp8_attention(model: nn.Module, forward_loop: Callable[[nn.Module]
     finally:
         for n, s in states.items():
             s.train(modes[n])
+    from ..numerics.scaling import dequant_scale
+
+    for name, st in states.items():
+        amax = {}
+        for op in ("q", "k", "v"):
+            index = st.index(op)
+            if not bool((st.fp8_seen[index] > 0).all()):
+                raise ValueError(f"{name}: the calibration loop never ran its attention; give forward_loop batches")
+            amax[op] = st.fp8_amax_history[index].amax(-1)
+        amax["p"] = torch.ones_like(amax["q"])  # the bound of exp(S - rowmax): P's static scale (see the docs)
+        set_static_scales(st, {op: dequant_scale(a, QKVP_FORMAT) for op, a in amax.items()})
+
+
+STATIC_OPERANDS = ("q", "k", "v", "p")
+# the attention recipes that calibrate static scales (``fp8kit quantize --attention``, ``ptq.quantize``)
+STATIC_ATTENTION_CHOICES = {"fp8": "Q, K, V, P scales per tensor", "fp8-head": "Q, K, V, P scales per head"}
+
+
+@torch.no_grad()
+def set_static_scales(state: FP8AttentionState, dequant: dict[str, torch.Tensor]) -> None:
+    """Quantize Q, K, V and P with static dequantization multipliers ``dequant`` (``amax / 448``: one element
+    per tensor, or one per query head for Q and P and per key/value head for K and V), as a serving engine
+    does: multiplier ``fl(1 / d)``. The slots count as seen, so evaluation uses them; ``static_scales`` gives
+    the multipliers back for export."""
+    if set(dequant) != set(STATIC_OPERANDS) or state.attention_recipe.scaling != "delayed":
+        raise ValueError(
+            f"static attention scales are the {STATIC_OPERANDS} of a delayed-scaling state; got {sorted(dequant)} "
+            f"for {state.attention_recipe.scaling} scaling"
+        )
+    kept = {}
+    for op, d in dequant.items():
+        index = state.index(op)
+        d = d.detach().float().to(state.fp8_scale.device).reshape(state.fp8_scale[index].shape)
+        if not bool((torch.isfinite(d) & (d > 0)).all()):
+            raise ValueError(f"static {op.upper()} scale must be finite and positive, got {d.tolist()}")
+        state.fp8_state.set_static(index, 1.0 / d)
+        kept[op] = d.clone()
+    state.static_dequant = kept
+    state.fp8_state.forget_reads()
+
+
+def static_scales(state: FP8AttentionState | None) -> dict[str, torch.Tensor] | None:
+    """The static dequantization multipliers (``set_static_scales``) of ``state``, or None where it has none."""
+    return getattr(state, "static_dequant", None)
+
+
+def block_static_scales(block: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The static Q, K, V, P dequantization multipliers of an attention block's FP8 attention, or None."""
+    return static_scales(getattr(block, STATE_NAME, None))
 
 
 @contextmanager

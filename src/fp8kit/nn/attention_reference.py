@@ -28,6 +28,22 @@ Backward (``reference_attention_backward``), from the forward's ``Pc`` and ``L``
 Masks: ``mask`` (bool, True where a key is attended; or additive float), or ``causal`` / ``sliding_window``
 aligned at the bottom right (query ``i`` of ``Sq`` sees key ``j`` iff ``j <= i + Skv - Sq`` and, with a window
 ``W``, ``i + Skv - Sq - j < W``).
+
+MXFP8 (``reference_mx_attention`` / ``reference_mx_attention_backward``): every operand of every GEMM is cast
+to E4M3 in blocks of 32 along that GEMM's contraction dimension (zero-padded to a multiple of 32), each block
+with its own power-of-two scale ``2^e``, ``e`` the least integer with ``amax <= 448 * 2^e`` (the E8M0 scale
+of OCP MX with NVIDIA's round-up rule: no value clips; an all-zero block gets ``2^0``). A GEMM sums each
+block's code products exactly, multiplies the block's sum by its two scales (exact: powers of two), and adds
+the blocks in float64 in the order of the contraction dimension, rounding once at the end.
+
+Forward: ``S`` from Q and K in blocks along ``D``; the mask, ``m`` and ``Pt = exp(S - m)`` as above; ``Pt`` in
+blocks along the keys (its own block scales, no state), ``V`` in blocks along the keys; ``L`` the sum of the
+dequantized ``P`` blocks (in key order) plus ``exp(sink - m)``; ``O = (P V) / L``.
+Backward: ``dO`` in blocks along ``D`` and ``V`` along ``D`` for ``dP = dO V^T``; ``D = rowsum(dO * O)`` from
+that ``dO``; ``P = Pdeq / L`` in blocks along the queries and ``dO`` along the queries for ``dV = P^T dO``;
+``dS = P * (dP - D)`` (softcapping as above) in blocks along the keys with ``K`` along the keys for
+``dQ = dS K * scaling``, and along the queries with ``Q`` along the queries for ``dK = dS^T Q * scaling``.
+All MX operands are E4M3 (the OCP MXFP8 training recipe, as Transformer Engine's ``MXFP8BlockScaling``).
 """
 
 from __future__ import annotations
@@ -36,7 +52,14 @@ import torch
 
 from ..numerics.formats import E4M3, E5M2, Format
 
-__all__ = ["reference_attention", "reference_attention_backward"]
+__all__ = [
+    "reference_attention",
+    "reference_attention_backward",
+    "reference_mx_attention",
+    "reference_mx_attention_backward",
+]
+
+MX_BLOCK = 32
 
 
 def _codes(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
@@ -179,4 +202,126 @@ def reference_attention_backward(
     d_sinks = None
     if sinks is not None:
         d_sinks = -((sink_c / safe) * big_d).sum(dim=(0, 2, 3)).float()
+    return dq, dk, dv, d_sinks
+
+
+# ---- MXFP8 -----------------------------------------------------------------------------------------------
+
+
+def _mx(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 values (float64) of ``x`` in blocks of 32 along ``dim``, moved last and zero-padded to a multiple
+    of 32, and each block's scale ``2^e`` (float64, ``(..., blocks)``)."""
+    xt = x.float().movedim(dim, -1)
+    xt = torch.nn.functional.pad(xt, (0, -xt.shape[-1] % MX_BLOCK))
+    blocks = xt.unflatten(-1, (-1, MX_BLOCK))
+    amax = blocks.abs().amax(-1, keepdim=True).double()
+    mant, e = torch.frexp(amax / E4M3.max)
+    e = torch.where(mant == 0.5, e - 1, e).clamp(-127, 127)
+    step = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), e), 1.0)
+    codes = (blocks.double() / step).clamp(-E4M3.max, E4M3.max).float().to(E4M3.dtype).double()
+    return codes.flatten(-2), step.squeeze(-1)
+
+
+def _mx_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+    """``A @ B^T`` for ``a`` ``(..., M, K)`` and ``b`` ``(..., N, K)``, both in blocks along ``K`` (scales
+    ``(..., M, K/32)``, ``(..., N, K/32)``): exact block sums, scaled, added in block order (float64)."""
+    out = torch.zeros(*a.shape[:-1], b.shape[-2], dtype=torch.float64, device=a.device)
+    for i in range(sa.shape[-1]):
+        blk = slice(i * MX_BLOCK, (i + 1) * MX_BLOCK)
+        out = out + (a[..., blk] @ b[..., blk].transpose(-1, -2)) * sa[..., i, None] * sb[..., None, :, i]
+    return out
+
+
+def _blocks_times(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Each block of ``MX_BLOCK`` codes along the last dimension times its block's scale (codes padded to whole
+    blocks)."""
+    return (codes.unflatten(-1, (-1, MX_BLOCK)) * scales[..., None]).flatten(-2)
+
+
+def _mx_forward(q, k, v, scaling, mask, causal, window, sinks, softcap):
+    b, hkv, skv, d = k.shape
+    rep = q.shape[1] // hkv
+    qd, sqd = _mx(q, -1)
+    kd, skd = (_repeat_kv(t, rep) for t in _mx(k, -1))
+    raw = _mx_gemm(qd, sqd, kd, skd).float() * scaling
+    s = torch.tanh(raw / softcap) * softcap if softcap is not None else raw
+    ok = _allowed(q.shape[2], skv, causal, window, q.device)
+    if ok is not None:
+        s = s.masked_fill(~ok, float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
+    m = s.amax(-1, keepdim=True)
+    if sinks is not None:
+        m = torch.maximum(m, sinks.float().reshape(1, -1, 1, 1))
+    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    pc, sp = _mx(torch.exp(s - m), -1)
+    vk, svk = (_repeat_kv(t, rep) for t in _mx(v, 2))  # (B, H, D, Skv) in blocks along the keys
+    total = torch.zeros_like(m, dtype=torch.float64)
+    for i in range(sp.shape[-1]):
+        total = total + pc[..., i * MX_BLOCK : (i + 1) * MX_BLOCK].sum(-1, keepdim=True) * sp[..., i, None]
+    p_sink = None
+    if sinks is not None:
+        p_sink = torch.exp(sinks.float().reshape(1, -1, 1, 1) - m).double()
+        total = total + p_sink
+    safe = torch.where(total > 0, total, 1.0)
+    out = torch.where(total > 0, _mx_gemm(pc, sp, vk, svk) / safe, 0.0).float()
+    p = _blocks_times(pc, sp)[..., :skv]
+    return out, raw, p, safe, p_sink
+
+
+def reference_mx_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scaling: float,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """MXFP8 attention's output ``O`` (float32, ``(B, Hq, Sq, D)``), as the module docstring defines it."""
+    return _mx_forward(q, k, v, scaling, mask, causal, sliding_window, sinks, softcap)[0]
+
+
+def reference_mx_attention_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    d_out: torch.Tensor,
+    *,
+    scaling: float,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(dQ, dK, dV, d_sinks)`` of MXFP8 attention for the output gradient ``d_out`` (float32; ``d_sinks``
+    None without sinks), as the module docstring defines them."""
+    b, hkv, skv, d = k.shape
+    rep = q.shape[1] // hkv
+    out, raw, pdeq, safe, p_sink = _mx_forward(q, k, v, scaling, mask, causal, sliding_window, sinks, softcap)
+    dod, sdod = _mx(d_out, -1)
+    vd, svd = (_repeat_kv(t, rep) for t in _mx(v, -1))
+    big_d = (_blocks_times(dod, sdod)[..., :d] * out.double()).sum(-1, keepdim=True)
+    p = (pdeq / safe).float()
+    dp = _mx_gemm(dod, sdod, vd, svd).float()
+    ds = p * (dp - big_d.float())
+    if softcap is not None:
+        t = torch.tanh(raw / softcap)
+        ds = ds * (1 - t * t)
+    pq, spq = _mx(p, 2)  # (B, H, Skv, Sq) in blocks along the queries
+    doq, sdoq = _mx(d_out, 2)  # (B, H, D, Sq)
+    dv = _mx_gemm(pq, spq, doq, sdoq).reshape(b, hkv, rep, skv, d).sum(2).float()
+    dsk, sdsk = _mx(ds, -1)
+    kk, skk = (_repeat_kv(t, rep) for t in _mx(k, 2))  # (B, H, D, Skv)
+    dq = (_mx_gemm(dsk, sdsk, kk, skk) * scaling).float()
+    dsq, sdsq = _mx(ds, 2)  # (B, H, Skv, Sq)
+    qq, sqq = _mx(q, 2)  # (B, H, D, Sq)
+    dk = (_mx_gemm(dsq, sdsq, qq, sqq) * scaling).reshape(b, hkv, rep, skv, d).sum(2).float()
+    d_sinks = None
+    if sinks is not None:
+        d_sinks = -((p_sink / safe) * big_d).sum(dim=(0, 2, 3)).float()
     return dq, dk, dv, d_sinks

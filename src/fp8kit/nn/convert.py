@@ -41,6 +41,7 @@ from .linear_like import (
     linear_like_why_not,
     weights_read_outside,
 )
+from .towers import find_towers
 
 if TYPE_CHECKING:
     from .attention import AttentionRecipe
@@ -112,16 +113,22 @@ def decoder_blocks(model: nn.Module) -> tuple[str, int] | None:
     return best
 
 
-def default_module_filter(model: nn.Module, recipe: Recipe | None = None) -> Callable[[str, nn.Module], str | None]:
-    """Reason to skip a layer, or ``None`` to convert it: the output head, FP8-unfriendly shapes, and the
-    decoder blocks ``recipe`` keeps in high precision (``Recipe.high_precision_blocks``; NVFP4's first and
-    last blocks)."""
+def default_module_filter(
+    model: nn.Module, recipe: Recipe | None = None, *, towers: bool = False
+) -> Callable[[str, nn.Module], str | None]:
+    """Reason to skip a layer, or ``None`` to convert it: the output head, a multimodal model's vision/audio
+    towers and projectors (``nn.towers``; unless ``towers``), FP8-unfriendly shapes, and the decoder blocks
+    ``recipe`` keeps in high precision (``Recipe.high_precision_blocks``; NVFP4's first and last blocks)."""
     head = is_output_head(model)
     kept_block = _kept_blocks(model, recipe)
+    found = None if towers else find_towers(model)
 
     def why_skip(name: str, module: nn.Module) -> str | None:
         if head(name, module):
             return "output head (kept in high precision, as Transformer Engine and torchao do)"
+        in_tower = found.why_kept(name) if found is not None else None
+        if in_tower:
+            return in_tower
         kept_why = kept_block(name)
         if kept_why:
             return kept_why
@@ -257,16 +264,23 @@ class ConversionTargets:
 
 
 def conversion_targets(
-    model: nn.Module, module_filter: Callable[[str, nn.Module], bool] | None = None, recipe: Recipe | None = None
+    model: nn.Module,
+    module_filter: Callable[[str, nn.Module], bool] | None = None,
+    recipe: Recipe | None = None,
+    *,
+    towers: bool = False,
 ) -> ConversionTargets:
-    """The layers ``convert(model, recipe, module_filter)`` converts, and those it skips with the reason
-    (``recipe``: one recipe for the whole model, whose kept blocks and experts support count; ``None``: a plan)."""
+    """The layers ``convert(model, recipe, module_filter, towers=towers)`` converts, and those it skips with the
+    reason (``recipe``: one recipe for the whole model, whose kept blocks and experts support count; ``None``: a
+    plan)."""
     out = ConversionTargets()
     out.found_experts = [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
     kept_block = _kept_blocks(model, recipe) if module_filter is None else (lambda name: None)
+    found = None if towers or module_filter is not None else find_towers(model)
     for name, module in out.found_experts:
         excluded = module_filter is not None and not module_filter(name, module)
         reason = "excluded by module_filter" if excluded else kept_block(name)
+        reason = reason or (found.why_kept(name) if found is not None else None)
         reason = reason or experts_why_not(module, HARDWARE_MULTIPLE)
         reason = reason or (recipe.converts_experts if recipe is not None else None)
         if reason:
@@ -274,7 +288,7 @@ def conversion_targets(
         else:
             out.experts.append((name, module))
     routers = _routers(model, out.found_experts)
-    default = default_module_filter(model, recipe)
+    default = default_module_filter(model, recipe, towers=towers)
     read_outside = weights_read_outside(model)
     for name, module in model.named_modules():
         if name in routers:
@@ -346,6 +360,8 @@ def convert(
     smooth_swiglu: bool = False,
     swiglu_limit: float | None = None,
     attention: AttentionRecipe | str | bool | None = None,
+    attention_filter: Callable[[str, nn.Module], bool] | None = None,
+    towers: bool = False,
 ) -> nn.Module:
     """Turn eligible ``nn.Linear`` layers of ``model`` into ``fp8kit.nn.Linear`` in place.
 
@@ -356,11 +372,13 @@ def convert(
     so an optimizer built before or after conversion keeps working and accelerate/PEFT/user hooks still
     fire. ``module_filter(name, module) -> bool`` picks layers by qualified name (it replaces the default
     filter, which skips the output head, dims that are not multiples of 16 and the decoder blocks the recipe
-    keeps in high precision). The report is stored as
+    keeps in high precision). A multimodal model's vision/audio towers and projectors (``nn.towers``: the
+    modules outside its language model) stay in high precision unless ``towers=True``. The report is stored as
     ``model.fp8_conversion_report`` and logged (printed with ``verbose=True``). ``smooth_swiglu=True`` and
     ``swiglu_limit=L`` give every SwiGLU MLP Smooth-SwiGLU and clamped SwiGLU (``fp8kit.nn.swiglu``). ``attention`` (an
     ``nn.attention.AttentionRecipe`` or its name, e.g. ``"fp8"``; default None: high precision) runs the
-    attention blocks in FP8 too (``nn.attention.enable_fp8_attention``), whatever the Linear recipe.
+    attention blocks in FP8 too (``nn.attention.enable_fp8_attention``), whatever the Linear recipe;
+    ``attention_filter(name, block) -> bool`` picks those blocks (the others keep high-precision attention).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}")
@@ -373,8 +391,15 @@ def convert(
         from .swiglu import apply_swiglu_options
 
         apply_swiglu_options(model, smooth=smooth_swiglu, limit=swiglu_limit)
+    if attention_filter is not None and attention is None:
+        raise ValueError("attention_filter picks the blocks of FP8 attention: give attention= too")
+    if towers and module_filter is not None:
+        raise ValueError(
+            "towers=True changes the default layer choice, which module_filter replaces: give one of them "
+            "(module_filter alone chooses the towers' layers too)"
+        )
     uniform = _one_recipe(recipe)
-    targets = conversion_targets(model, module_filter, uniform)
+    targets = conversion_targets(model, module_filter, uniform, towers=towers)
     recipe_for = (lambda _name: uniform) if uniform is not None else _plan_recipes(recipe, targets)
     report = ConversionReport(skipped=dict(targets.skipped))
     experts = [(name, m, recipe_for(name)) for name, m in targets.experts]
@@ -399,7 +424,7 @@ def convert(
     if attention is not None:
         from .attention import enable_fp8_attention
 
-        enable_fp8_attention(model, attention)
+        enable_fp8_attention(model, attention, attention_filter)
     object.__setattr__(model, "fp8_conversion_report", report)
     (print if verbose else log.info)(str(report))
     return model

@@ -150,6 +150,13 @@ class DelayedScalingState:
         scale.copy_(torch.where(has, new, scale))
         pending.copy_(torch.where(has, torch.full_like(pending, -1.0), pending))
 
+    @torch.no_grad()
+    def set_static(self, index: Any, scale: torch.Tensor) -> None:
+        """Fix the scale of slots ``index`` to ``scale`` (a calibrated, static scale, as a serving engine applies
+        it) and count them as seen, so evaluation reads it; the histories stay as they are."""
+        self.scale[index] = scale.to(self.scale.dtype).reshape(self.scale[index].shape)
+        self.seen[index] = self.seen[index].clamp_min(1)
+
     def calibrated(self) -> list[bool]:
         """Per slot (flattened), whether a delayed scale exists (eager-only convenience: reads the device)."""
         return [bool(v > 0) for v in self.seen.flatten().tolist()]

@@ -13,6 +13,7 @@ from ..nn.attention import AttentionRecipe, attention_recipe, calibrate_fp8_atte
 from ..nn.convert import is_output_head
 from ..nn.linear import Linear as FP8Linear
 from ..nn.linear_like import as_linear, is_conv1d, linear_dims, linear_like_why_not, weights_read_outside
+from ..nn.towers import find_towers
 from ..numerics.recipes import DelayedScaling
 from ..numerics.scaling import nvfp4_tensor_scale, parse_granularity
 from .calibrate import CALIBRATION_METHODS, InputObserver, choose_amax, observe_inputs
@@ -29,33 +30,16 @@ __all__ = ["PIPELINE", "PTQOptions", "PTQReport", "plan_line", "quantize"]
 ROWS_PER_BATCH = 64  # calibration tokens per batch kept for the SmoothQuant alpha search
 
 
-def _language_model(model: nn.Module) -> str | None:
-    """The qualified name of a multimodal model's language model (its config has a text sub-config and
-    ``get_decoder()`` is a proper submodule: ``model.language_model``), else ``None``."""
-    config = getattr(model, "config", None)
-    get_text, get_decoder = getattr(config, "get_text_config", None), getattr(model, "get_decoder", None)
-    if not callable(get_text) or not callable(get_decoder) or get_text() is config:
-        return None
-    try:
-        decoder = get_decoder()
-    except (AttributeError, NotImplementedError):
-        return None
-    return next((n for n, m in model.named_modules() if m is decoder and n), None)
-
-
-def _default_skip(model: nn.Module) -> Callable[[str, nn.Module], str | None]:
+def _default_skip(model: nn.Module, towers: bool = False) -> Callable[[str, nn.Module], str | None]:
+    """Reason the default layer choice keeps a layer in high precision: the output head, and a multimodal model's
+    vision/audio towers and projectors (``nn.towers``) unless ``towers``; else ``None``."""
     head = is_output_head(model)
-    language = _language_model(model)
+    found = None if towers else find_towers(model)
 
     def why(name: str, module: nn.Module) -> str | None:
         if head(name, module):
             return "output head (kept in high precision, as ModelOpt and llm-compressor do)"
-        if language is not None and not name.startswith(f"{language}."):
-            return (
-                f"outside the language model {language} (vision/audio tower or projector: kept in high precision, as "
-                "llm-compressor's and ModelOpt's multimodal recipes do; pass module_filter to quantize it)"
-            )
-        return None
+        return found.why_kept(name) if found is not None else None
 
     return why
 
@@ -85,9 +69,15 @@ class PTQOptions:
     keep_bf16: int = 0
     norm_tweak: int = 0
     norm_tweak_lr: float = 1e-3
+    towers: bool = False
 
     def check(self, scheme: Scheme) -> None:
         """One clear error for a switch that does not fit ``scheme`` or is out of range."""
+        if self.towers and self.module_filter is not None:
+            raise ValueError(
+                "towers=True changes the default layer choice, which module_filter replaces: give one of them "
+                "(module_filter alone chooses the towers' layers too)"
+            )
         if self.calibration not in CALIBRATION_METHODS:
             raise ValueError(
                 f"unknown calibration method {self.calibration!r}; accepted: {', '.join(CALIBRATION_METHODS)}"
@@ -199,7 +189,7 @@ def layer_scheme(scheme: Scheme, module: nn.Module) -> Scheme:
 def _select_layers(run: _Run) -> None:
     """The Linear layers to quantize (``module_filter``, or all but the output head); the rest are reported."""
     model, opts, report = run.model, run.opts, run.report
-    skip = _default_skip(model)
+    skip = _default_skip(model, opts.towers)
     read_outside = weights_read_outside(model)
     for name, module in model.named_modules():
         linear = type(module) is nn.Linear or isinstance(module, FP8Linear) or is_conv1d(module)
@@ -218,12 +208,13 @@ def _select_layers(run: _Run) -> None:
         else:
             run.targets.append(name)
     for name, module in find_experts(model).items():
-        keep = opts.module_filter(name, module) if opts.module_filter else True
+        tower = None if opts.module_filter else skip(name, module)
+        keep = opts.module_filter(name, module) if opts.module_filter else tower is None
         misfit = fp4_experts_problem(module, run.scheme) if keep else None
         if keep and not misfit:
             run.experts.append(name)
         else:
-            report.skipped[name] = misfit or "excluded by module_filter"
+            report.skipped[name] = misfit or tower or "excluded by module_filter"
             keep = False
         parent = name.rpartition(".")[0]
         router = f"{parent}.gate" if parent else "gate"
@@ -505,6 +496,7 @@ def quantize(
     keep_bf16: int = 0,
     norm_tweak: int = 0,
     norm_tweak_lr: float = 1e-3,
+    towers: bool = False,
     progress: bool | None = None,
     attention: str | None = None,
     _originals: dict[str, nn.Module] | None = None,
@@ -537,7 +529,7 @@ def quantize(
             (static ``fp8`` activations lose less with them on SmolLM2, BENCHMARKS.md).
         kv_cache: FP8 KV cache with per-tensor static k/v scales (FP8 schemes, Llama-style attention).
         module_filter: ``(name, module) -> bool`` chooses layers (replaces the default, which keeps the
-            output head in high precision).
+            output head and a multimodal model's towers in high precision).
         gptq: round the weights with GPTQ (``ptq.gptq``; Hessians from ``forward_loop``) instead of to nearest.
         awq: AWQ-style per-channel scale search before rounding (``ptq.awq``; weight-only schemes).
         keep_bf16: keep in high precision the ``keep_bf16`` layers whose quantization alone worsens the
@@ -548,6 +540,9 @@ def quantize(
             ``norm_tweak_lr``) so the quantized model's outputs match the high-precision model's on
             ``forward_loop``'s batches (``ptq.norm_tweak``; KL of next-token distributions for causal LMs).
             Only norm weights change; nothing is kept if the calibration loss does not fall.
+        towers: quantize a multimodal model's vision/audio towers and projectors too (``nn.towers``: the modules
+            outside its language model); by default they stay in high precision, listed in the report, and the
+            exports name them in ``ignore`` / ``exclude_modules``.
         progress: print the plan (every step that will run), an estimate per step once the first pass
             over the calibration data is timed, and a bar per step on stderr; ``None``: when stderr is a
             terminal.
@@ -565,7 +560,18 @@ def quantize(
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize() takes an nn.Module, got {type(model).__name__}")
     opts = PTQOptions(
-        calibration, percentile, alpha, smooth, kv_cache, module_filter, gptq, awq, keep_bf16, norm_tweak, norm_tweak_lr
+        calibration,
+        percentile,
+        alpha,
+        smooth,
+        kv_cache,
+        module_filter,
+        gptq,
+        awq,
+        keep_bf16,
+        norm_tweak,
+        norm_tweak_lr,
+        towers,
     )
     opts.check(scheme)
     bars = Progress(progress, getattr(forward_loop, "batches", None))  # the calibration loop's batches, if it says
