@@ -135,7 +135,7 @@ def process_cost(
     if spec == "demo" or (Path(spec).is_dir() and train_checkpoint(Path(spec)) is not None):
         return phases, floor
     texts = _texts(text, second_text) if encodes_text else []
-    sample = _tokenizer_sample(spec, texts[0][: 1 << 16] if texts else "")
+    sample = _tokenizer_sample(spec, "\n".join(texts))
     seconds, nbytes = tokenize_cost(sum(len(t.encode()) for t in texts), rates, sample)
     loaded = "transformers.models.auto.modeling_auto" in sys.modules
     before = {"import": 0.0 if loaded else rates.import_s} | ({"tokenize": seconds} if texts else {})

@@ -17,6 +17,7 @@ instead (the tests do).
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import sys
@@ -74,7 +75,8 @@ class Rates:
     import_s: float = 0.0  # importing transformers' causal-LM classes in a fresh process
     process_bytes: int = 0  # resident memory of a process that imported torch and those classes
     tokenize_bytes_per_s: float = 0.0  # a byte-level Hugging Face fast tokenizer encoding text into a tensor
-    tokenize_bytes_per_token: float = 0.0  # the resident memory that encoding takes per token
+    tokenize_bytes_per_token: float = 0.0  # the resident memory that encoding holds per token
+    tokenize_overhead: float = 1.0  # transformers' tokenizer call over the bare ``tokenizers`` encode it wraps
     first_quantized_s: float = 0.0  # a process's first forward through PTQ's layers (their kernels compile)
     quantized_process_bytes: int = 0  # resident memory of a process after that forward (the compiler loaded)
 
@@ -131,7 +133,7 @@ def current_rates(device: torch.device, recipes: list[str] | tuple[str, ...] = (
     if rates is None:
         print(f"fp8kit: measuring this machine's rates for the estimates, once (cached in {path})", file=sys.stderr)
         rates = _measure(device)
-    if not rates.tokenize_bytes_per_s:  # a cache written before these were measured
+    if not rates.tokenize_bytes_per_token:  # a cache written before these were measured
         rates = replace(rates, **_process_rates())
         _MEMO.pop(str(path), None)
     missing = [r for r in recipes if r not in rates.step_scale and device.type == "cpu"]
@@ -269,18 +271,25 @@ import torch
 t0 = time.perf_counter()
 if sys.argv[1] == "transformers":
     from transformers import AutoModelForCausalLM
-elif sys.argv[1] == "tokenize":
+elif sys.argv[1] == "tokenize":  # prints seconds, resident bytes held, seconds of the bare tokenizers call
+    import os
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
-    tok = Tokenizer(models.BPE(vocab={c: b for b, c in bytes_to_unicode().items()}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok = PreTrainedTokenizerFast(tokenizer_object=tok)
+    def resident():
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    bare = Tokenizer(models.BPE(vocab={c: b for b, c in bytes_to_unicode().items()}, merges=[]))
+    bare.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bare)
     text = ("In the beginning God created the heaven and the earth. " * 40000)[: 2**21]
-    before = rss()
     t0 = time.perf_counter()
-    ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
-    print(time.perf_counter() - t0, (rss() - before) / len(text.encode()) * 2**21)
+    bare.encode(text, add_special_tokens=False)
+    raw = time.perf_counter() - t0
+    before = resident()
+    t0 = time.perf_counter()
+    encoded = tok(text, add_special_tokens=False)
+    ids = torch.tensor(encoded["input_ids"])
+    print(time.perf_counter() - t0, resident() - before, raw)
     sys.exit()
 elif sys.argv[1] == "quantized":
     from fp8kit import ptq
@@ -295,7 +304,7 @@ print(time.perf_counter() - t0, rss())
 """
 
 
-def _probe(what: str) -> tuple[float, float]:
+def _probe(what: str) -> tuple[float, ...]:
     """``(seconds, bytes)`` of ``_PROBE`` run for ``what``: ``torch`` (the floor), ``transformers`` (importing its
     causal-LM classes after torch; the process's peak), ``tokenize`` (2 MiB of text encoded by a Hugging Face
     fast tokenizer into a tensor; the peak's growth), ``quantized`` (a process's first forward through a PTQ
@@ -307,22 +316,22 @@ def _probe(what: str) -> tuple[float, float]:
         out = subprocess.run(
             [sys.executable, "-c", _PROBE, what], capture_output=True, text=True, timeout=600, check=True
         )
-        seconds, nbytes = out.stdout.split()[-2:]
-        return max(float(seconds), 0.0), max(float(nbytes), 0.0)
-    except (OSError, ValueError, subprocess.SubprocessError):
-        return 0.0, 0.0
+        return tuple(max(float(v), 0.0) for v in out.stdout.splitlines()[-1].split())
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return (0.0, 0.0, 0.0) if what == "tokenize" else (0.0, 0.0)
 
 
 def _process_rates() -> dict[str, float]:
     """The ``Rates`` fields a job's process adds to its model: imports, tokenizing, the first quantized forward."""
     imports, process = _probe("transformers")
-    tokenize, tokenize_bytes = _probe("tokenize")
+    tokenize, tokenize_bytes, bare = _probe("tokenize")
     first_quantized, quantized_process = _probe("quantized")
     return {
         "import_s": imports,
         "process_bytes": int(process),
         "tokenize_bytes_per_s": 2**21 / tokenize if tokenize else 0.0,
         "tokenize_bytes_per_token": tokenize_bytes / 2**21,  # one token per byte
+        "tokenize_overhead": tokenize / bare if bare else 1.0,
         "first_quantized_s": first_quantized,
         "quantized_process_bytes": int(quantized_process),
     }
@@ -372,30 +381,39 @@ def _is_head(shape: ModelShape, dims: tuple[int, int]) -> bool:
     return shape.vocab > 0 and dims[1] == shape.vocab
 
 
-def tokenizer_sample(folder: Path | None, sample: str) -> tuple[float, float] | None:
-    """``(bytes/s, tokens per byte)`` of the Hugging Face tokenizer in ``folder`` (its ``tokenizer.json``, read
-    by ``tokenizers`` alone) encoding ``sample``; ``None`` when there is none to read."""
-    if folder is None or not (Path(folder) / "tokenizer.json").is_file() or not sample:
+def tokenizer_sample(folder: Path | None, text: str) -> tuple[float, float] | None:
+    """``(seconds, tokens per byte)`` of the Hugging Face tokenizer in ``folder`` (its ``tokenizer.json``, read by
+    the bare ``tokenizers`` library, without transformers' wrapper) encoding all of ``text``: timed on its first
+    64 and 256 KiB and extrapolated by the power law of those two (a tokenizer whose pre-tokenizer does not split
+    the text into words takes more than linear time); ``None`` when there is no tokenizer to read."""
+    if folder is None or not (Path(folder) / "tokenizer.json").is_file() or not text:
         return None
     try:
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
-        t0 = time.perf_counter()
-        tokens = len(tok.encode(sample, add_special_tokens=False).ids)
-        seconds = time.perf_counter() - t0
+        timed = []
+        for size in (1 << 16, 1 << 18):
+            part = text[:size]
+            t0 = time.perf_counter()
+            tokens = len(tok.encode(part, add_special_tokens=False).ids)
+            timed.append((len(part.encode()), max(time.perf_counter() - t0, 1e-9), tokens))
     except Exception:  # noqa: BLE001 - any tokenizer this library cannot read: priced as the byte-level one
         return None
-    size = len(sample.encode())
-    return size / max(seconds, 1e-9), tokens / size
+    (n1, t1, _), (n2, t2, tokens) = timed
+    power = min(max(math.log(t2 / t1) / math.log(n2 / n1), 1.0), 2.0) if n2 > n1 else 1.0
+    return t2 * (len(text.encode()) / n2) ** power, tokens / n2
 
 
 def tokenize_cost(text_bytes: int, rates: Rates, sample: tuple[float, float] | None = None) -> tuple[float, int]:
-    """``(seconds, bytes)`` of encoding ``text_bytes`` of text into a tensor of token ids: at the rate and tokens
-    per byte of ``sample`` (``tokenizer_sample``), else as the measured byte-level tokenizer (a token per byte);
-    the memory, the measured bytes per token."""
-    rate, per_byte = sample or (rates.tokenize_bytes_per_s, 1.0)
-    seconds = text_bytes / rate if rate > 0 else 0.0
+    """``(seconds, bytes)`` of encoding ``text_bytes`` of text into a tensor of token ids through transformers:
+    ``sample``'s seconds (``tokenizer_sample``, of these texts) times the wrapper's measured overhead, else at the
+    measured byte-level tokenizer's rate (a token per byte); the memory, the measured bytes held per token."""
+    if sample is not None:
+        seconds, per_byte = sample[0] * rates.tokenize_overhead, sample[1]
+    else:
+        rate, per_byte = rates.tokenize_bytes_per_s, 1.0
+        seconds = text_bytes / rate if rate > 0 else 0.0
     return seconds, int(text_bytes * per_byte * rates.tokenize_bytes_per_token)
 
 
