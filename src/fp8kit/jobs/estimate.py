@@ -384,7 +384,7 @@ def _is_head(shape: ModelShape, dims: tuple[int, int]) -> bool:
 def tokenizer_sample(folder: Path | None, text: str) -> tuple[float, float] | None:
     """``(seconds, tokens per byte)`` of the Hugging Face tokenizer in ``folder`` (its ``tokenizer.json``, read by
     the bare ``tokenizers`` library, without transformers' wrapper) encoding all of ``text``: timed on its first
-    64 and 256 KiB and extrapolated by the power law of those two (a tokenizer whose pre-tokenizer does not split
+    128 and 512 KiB and extrapolated by the power law of those two (a tokenizer whose pre-tokenizer does not split
     the text into words takes more than linear time); ``None`` when there is no tokenizer to read."""
     if folder is None or not (Path(folder) / "tokenizer.json").is_file() or not text:
         return None
@@ -393,7 +393,7 @@ def tokenizer_sample(folder: Path | None, text: str) -> tuple[float, float] | No
 
         tok = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
         timed = []
-        for size in (1 << 16, 1 << 18):
+        for size in (1 << 17, 1 << 19):
             part = text[:size]
             t0 = time.perf_counter()
             tokens = len(tok.encode(part, add_special_tokens=False).ids)
