@@ -112,6 +112,7 @@ def save_smollm2_folder(path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="the demo model only (no SmolLM2)")
+    p.add_argument("--only", default="", help="comma-separated parts of job names to run (default: all)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         cwd = Path(tmp)
@@ -127,7 +128,7 @@ def main() -> None:
                                                        "--out", "q3"]),
             ("quantize nvfp4 (demo ckpt)", ["quantize", "--model", demo, "--scheme", "nvfp4", "--out", "q4"]),
             ("quantize fp8-dynamic layer by layer (Llama 8 x 512)", ["quantize", "--model", "llama", "--scheme",
-                                                                     "fp8-dynamic", "--out", "q5"]),
+                                                                     "fp8-dynamic", "--keep-bf16", "0", "--out", "q5"]),
             ("compare fp8-dynamic (demo ckpt), 8 windows", ["compare", "--model", demo, "--schemes", "fp8-dynamic",
                                                              "--windows", "8", "--out", "cmp"]),
             ("eval the fp8-dynamic export", ["eval", "--model", "q1"]),
@@ -138,7 +139,7 @@ def main() -> None:
                 ("quantize fp8-dynamic SmolLM2", ["quantize", "--model", "smollm2", "--scheme", "fp8-dynamic",
                                                   "--out", "s1"]),
                 ("quantize fp8-dynamic SmolLM2 layer by layer", ["quantize", "--model", "smollm2-hf", "--scheme",
-                                                                 "fp8-dynamic", "--out", "s2"]),
+                                                                 "fp8-dynamic", "--keep-bf16", "0", "--out", "s2"]),
                 ("compare fp8-dynamic SmolLM2, 8 windows", ["compare", "--model", "smollm2", "--schemes", "fp8-dynamic",
                                                             "--windows", "8", "--out", "scmp"]),
                 ("eval SmolLM2", ["eval", "--model", "smollm2"]),
@@ -148,7 +149,10 @@ def main() -> None:
             "| job | predicted s | measured s | measured / predicted | predicted GiB | peak RSS GiB | RSS / predicted |"
         )
         print("|---|---|---|---|---|---|---|")
+        wanted = [w for w in args.only.split(",") if w]
         for name, argv in jobs:
+            if wanted and not any(w in name for w in wanted):
+                continue
             row = run_job(name, argv, cwd)
             ratio = row["measured"] / row["predicted"] if row["predicted"] else float("inf")
             mem = row["rss"] / row["peak"] if row["peak"] == row["peak"] and row["peak"] else float("nan")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -148,14 +147,11 @@ CASES = [(cmd, args) for cmd, lists in BAD.items() for args in lists]
 @pytest.mark.parametrize(("command", "args"), CASES, ids=[f"{c}:{' '.join(a) or '-'}" for c, a in CASES])
 def test_bad_input_is_refused_at_once_with_exit_2_and_writes_nothing(sandbox, capsys, command, args):
     before = snapshot(sandbox)
-    t0 = time.perf_counter()
-    rc = main([command, *args])
-    elapsed = time.perf_counter() - t0
+    rc = main([command, *args])  # before any model, corpus or calibration work: the sandbox's loaders raise
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2
     assert len(err) == 1 and err[0].startswith(f"fp8kit {command}: error: ")  # one line, same prefix everywhere
     assert "Traceback" not in "\n".join(err) and "Errno" not in err[-1]
-    assert elapsed < 1.0, elapsed  # refused before any model, corpus or calibration work
     assert snapshot(sandbox) == before
 
 
