@@ -5,7 +5,6 @@ accepted (its one checkpoint) or its checkpoints are named; exports of the demo 
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from safetensors.torch import save_file
 
 import fp8kit.jobs.compare
 import fp8kit.jobs.evaluate
+import fp8kit.jobs.quantize
 import fp8kit.models.pretrained
 import fp8kit.train
 from fp8kit.cli import main
@@ -45,6 +45,7 @@ def sandbox(tmp_path, monkeypatch):
         (fp8kit.jobs.evaluate, "evaluate_pretrained"),
         (fp8kit.models.pretrained, "load_pretrained_lm"),
         (fp8kit.jobs.compare, "quantize_pretrained"),
+        (fp8kit.jobs.quantize, "quantize_pretrained"),
         (fp8kit.jobs.compare, "compare_schemes"),
     ]:
         monkeypatch.setattr(module, name, fail)
@@ -106,12 +107,10 @@ BROKEN = [break_empty, break_garbage, break_truncated, break_config, break_model
 def test_a_folder_the_loaders_cannot_read_ends_in_one_line(sandbox, capsys, command, damage):
     folder = hf_folder(sandbox / "model")
     named = damage(folder)
-    t0 = time.perf_counter()
-    assert main([*COMMANDS[command], str(folder)]) == 2
+    assert main([*COMMANDS[command], str(folder)]) == 2  # before any work: the sandbox's loaders raise
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"fp8kit {command}: error: "), err
     assert named in err[0] and "Traceback" not in err[0]
-    assert time.perf_counter() - t0 < 1.0
 
 
 def test_the_loader_names_a_missing_tokenizer_in_one_line(tmp_path):
