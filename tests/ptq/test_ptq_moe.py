@@ -372,3 +372,16 @@ def test_quantize_takes_an_fp8kit_train_checkpoint_of_the_moe_demo(tmp_path):
     assert (
         len(q.ptq_report.experts) == 2 and sum(q.ptq_report.expert_tokens[q.ptq_report.experts[0]]) == ids.numel() * 2
     )
+
+
+def test_a_shared_expert_gate_stays_in_high_precision_as_vllm_loads_it():
+    """Qwen2-MoE's ``shared_expert_gate`` (one output, beside the experts) is a gate: vLLM builds it unquantized
+    and refuses a checkpoint that has scales for it, so PTQ keeps it in high precision, as the router."""
+    from tests.helpers.arch_sweep import build
+
+    model, _ = build("qwen2_moe")
+    report = quantize(model, "fp8-dynamic").ptq_report
+    gates = [n for n in report.skipped if n.endswith("shared_expert_gate")]
+    assert gates and all("gate" in report.skipped[n] for n in gates)
+    assert not [n for n in report.quantized if n.endswith("shared_expert_gate")]
+    assert [n for n in report.quantized if n.endswith("shared_expert.gate_proj")]  # the shared expert is quantized

@@ -30,18 +30,39 @@ __all__ = ["PIPELINE", "PTQOptions", "PTQReport", "plan_line", "quantize"]
 ROWS_PER_BATCH = 64  # calibration tokens per batch kept for the SmoothQuant alpha search
 
 
+_GATE = "MoE gate (kept in high precision, as vLLM and llm-compressor do)"
+
+
 def _default_skip(model: nn.Module, towers: bool = False) -> Callable[[str, nn.Module], str | None]:
-    """Reason the default layer choice keeps a layer in high precision: the output head, and a multimodal model's
-    vision/audio towers and projectors (``nn.towers``) unless ``towers``; else ``None``."""
+    """Reason the default layer choice keeps a layer in high precision: the output head, the gates beside MoE
+    experts (a router, or a shared expert's one-output gate, as Qwen2-MoE's ``shared_expert_gate``), and a
+    multimodal model's vision/audio towers and projectors (``nn.towers``) unless ``towers``; else ``None``."""
     head = is_output_head(model)
     found = None if towers else find_towers(model)
+    gates = _moe_gates(model)
 
     def why(name: str, module: nn.Module) -> str | None:
         if head(name, module):
             return "output head (kept in high precision, as ModelOpt and llm-compressor do)"
+        if name in gates:
+            return _GATE
         return found.why_kept(name) if found is not None else None
 
     return why
+
+
+def _moe_gates(model: nn.Module) -> set[str]:
+    """The Linear layers beside an experts module that gate rather than transform: its router ``gate`` and
+    any sibling with a single output (a shared expert's gate)."""
+    gates = set()
+    for name in find_experts(model):
+        parent = name.rpartition(".")[0]
+        for child_name, child in (model.get_submodule(parent) if parent else model).named_children():
+            weight = getattr(child, "weight", None)
+            one_output = isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == 1
+            if isinstance(child, nn.Linear) and (child_name == "gate" or one_output):
+                gates.add(f"{parent}.{child_name}" if parent else child_name)
+    return gates
 
 
 def _trained_input_amax(model: nn.Module, targets: list[str]) -> dict[str, float]:
