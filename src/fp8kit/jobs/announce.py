@@ -233,11 +233,12 @@ def announce_layer_by_layer(
     passes: dict[str, int],
     tokens_per_pass: int,
     phases: dict[str, float] | None = None,
+    floor: int | None = None,
 ) -> None:
     """The cost line of ``quantize`` layer by layer, and its memory check: the time of the whole model's
     passes (``cost.estimate_inference``), but in memory one decoder layer (weights in the load dtype and
     their quantized codes), the embeddings, the calibration hidden states a layer reads and writes, and one
-    forward's working memory."""
+    forward's working memory, above the process's ``floor`` bytes (``process_cost``: computed when not given)."""
     from .cost import JobCost, estimate_inference, forward_bytes
 
     try:
@@ -253,8 +254,9 @@ def announce_layer_by_layer(
     peak = width * (layer + embed) + layer + hidden_states + forward_bytes(shape, 4 * 128, width)
     what = "quantize (layer by layer)"
     cost = JobCost(what, shape.params, str(device), peak, phases=whole.phases)
-    from .estimate import current_rates
+    if floor is None:
+        from .estimate import current_rates
 
-    rates = current_rates(device)
-    _, floor = process_cost(args.model, getattr(args, "text", None), rates, encodes_text=phases is not None)
+        text = getattr(args, "text", None)
+        _, floor = process_cost(args.model, text, current_rates(device), encodes_text=phases is not None)
     announce(cost, device, args.force, floor)

@@ -316,9 +316,10 @@ def settings_text(kw: dict[str, Any]) -> str:
 
 
 # ---- the cost line of `fp8kit quantize` (``args``: its options) ----
-def ptq_cost_phases(args: Any, device: torch.device, scheme: str) -> dict[str, float]:
-    """Seconds of each PTQ step that will run for ``scheme`` with the parsed options (the scheme's defaults
-    filled in by ``ptq_settings``) and of the export (``estimate.ptq_phases``), after the load."""
+def ptq_cost(args: Any, device: torch.device, scheme: str) -> tuple[dict[str, float], int]:
+    """``(phases, bytes)``: seconds of each PTQ step that will run for ``scheme`` with the parsed options (the
+    scheme's defaults filled in by ``ptq_settings``), of the export (``estimate.ptq_phases``), the load and what
+    the process adds (``announce.process_cost``), and the process's own bytes."""
     from .estimate import current_rates, load_seconds, ptq_phases
 
     shape = shape_of(args.model)
@@ -328,21 +329,14 @@ def ptq_cost_phases(args: Any, device: torch.device, scheme: str) -> dict[str, f
         sum(1 for d in shape.gemms if d[1] != shape.vocab) or 210, args.norm_tweak,
     )  # fmt: skip
     steps = ptq_phases(shape, scheme, settings, args.calib_batches, rates)
-    before, _ = process_cost(args.model, getattr(args, "text", None), rates, quantized_forward=_quantized_pass(steps))
-    return before | {"load": load_seconds(shape, rates)} | steps
+    quantized_pass = "rank" in steps or "norm tweak" in steps  # passes over the quantized model
+    before, floor = process_cost(args.model, getattr(args, "text", None), rates, quantized_forward=quantized_pass)
+    return before | {"load": load_seconds(shape, rates)} | steps, floor
 
 
-def _quantized_pass(steps: dict[str, float]) -> bool:
-    """Whether a PTQ run with these steps runs the quantized model (ranking layers, norm tweaking)."""
-    return "rank" in steps or "norm tweak" in steps
-
-
-def ptq_floor(args: Any, device: torch.device, phases: dict[str, float]) -> int:
-    """The bytes of a quantize run's process besides its model (``announce.process_cost``)."""
-    from .estimate import current_rates
-
-    rates = current_rates(device)
-    return process_cost(args.model, getattr(args, "text", None), rates, quantized_forward=_quantized_pass(phases))[1]
+def ptq_cost_phases(args: Any, device: torch.device, scheme: str) -> dict[str, float]:
+    """The phases of ``ptq_cost``."""
+    return ptq_cost(args, device, scheme)[0]
 
 
 def announce_ptq(args: Any, device: torch.device, scheme: str) -> None:
@@ -351,12 +345,12 @@ def announce_ptq(args: Any, device: torch.device, scheme: str) -> None:
 
     try:
         shape = shape_of(args.model)
-        phases = ptq_cost_phases(args, device, scheme)
+        phases, floor = ptq_cost(args, device, scheme)
     except UnknownSize as err:
         print(f"fp8kit quantize: cost unknown ({err})", file=sys.stderr)
         return
     cost = estimate_inference("quantize", shape, device, {}, 0, 4 * 128, phases=phases)
-    announce(cost, device, args.force, ptq_floor(args, device, phases))
+    announce(cost, device, args.force, floor)
 
 
 # ---- the runs of `fp8kit quantize` (``args``: its options): block FP8, whole model, layer by layer, auto ----
@@ -424,8 +418,8 @@ def run_layerwise(args: Any, source: Path, settings: dict[str, Any], device: tor
         passes: dict[str, int] = {}
     else:
         passes = ptq_passes(args.calib_batches, args.gptq, args.awq, 0)
-    phases = None if args.scheme == "fp8-block" else ptq_cost_phases(args, device, args.scheme)
-    announce_layer_by_layer(args, device, passes, args.calib_batches * 4 * 128, phases)
+    phases, floor = (None, None) if args.scheme == "fp8-block" else ptq_cost(args, device, args.scheme)
+    announce_layer_by_layer(args, device, passes, args.calib_batches * 4 * 128, phases, floor)
 
     out, report, corpus = quantize_pretrained_sequential(  # fp8-block: the tile check runs before any layer is read
         source,
