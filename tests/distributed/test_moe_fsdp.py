@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers.distributed import run_spawned
+from tests.helpers.distributed import init_eager_worker, run_spawned
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -78,7 +78,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     from fp8kit.nn import FP8Experts
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    gather = init_eager_worker(rank, world, port)
     gathered: list[int] = []  # bytes this rank puts into each all-gather
     for name in ("all_gather_single", "all_gather_into_tensor"):  # FSDP2's all-gather (torch 2.13 / older)
         if hasattr(dist, name):
@@ -90,11 +90,6 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                 return _real(*args, **kwargs)
 
             setattr(dist, name, counting)
-
-    def gather(obj):
-        objs = [None] * world
-        dist.all_gather_object(objs, obj)
-        return objs
 
     per = BATCH // world
     res: dict = {}
