@@ -323,7 +323,7 @@ def ptq_cost(args: Any, device: torch.device, scheme: str) -> tuple[dict[str, fl
     from .estimate import current_rates, load_seconds, ptq_phases
 
     shape = shape_of(args.model)
-    rates = current_rates(device)
+    rates = current_rates(device, schemes=[scheme.removesuffix("+kv")])
     settings = ptq_settings(
         scheme, args.calibration, args.alpha, args.smooth, args.gptq, args.awq, args.keep_bf16,
         sum(1 for d in shape.gemms if d[1] != shape.vocab) or 210, args.norm_tweak,
