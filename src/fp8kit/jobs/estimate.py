@@ -83,7 +83,7 @@ class Rates:
     import_s: float = 0.0  # importing transformers' causal-LM classes in a fresh process
     process_bytes: int = 0  # resident memory of a process that imported torch and those classes
     tokenize_bytes_per_s: float = 0.0  # a byte-level Hugging Face fast tokenizer encoding text into a tensor
-    tokenize_bytes_per_token: float = 0.0  # the resident memory that encoding holds per token
+    tokenize_bytes_per_token: float = 0.0  # the peak memory that encoding takes per token (its lists, the tensor)
     tokenize_overhead: float = 1.0  # transformers' tokenizer call over the bare ``tokenizers`` encode it wraps
     first_quantized_s: float = 0.0  # a process's first forward through PTQ's layers (their kernels compile)
     quantized_process_bytes: int = 0  # resident memory of a process after that forward (the compiler loaded)
@@ -305,7 +305,7 @@ if sys.argv[1] == "transformers":
     job_floor()
     print(seconds, rss())
     sys.exit()
-elif sys.argv[1] == "tokenize":  # prints seconds, resident bytes held, seconds of the bare tokenizers call
+elif sys.argv[1] == "tokenize":  # prints seconds, the peak's growth, seconds of the bare tokenizers call
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -320,7 +320,7 @@ elif sys.argv[1] == "tokenize":  # prints seconds, resident bytes held, seconds 
     t0 = time.perf_counter()
     encoded = tok(text, add_special_tokens=False)
     ids = torch.tensor(encoded["input_ids"])
-    print(time.perf_counter() - t0, resident() - before, raw)
+    print(time.perf_counter() - t0, rss() - before, raw)
     sys.exit()
 elif sys.argv[1] == "quantized":
     job_floor()
@@ -509,7 +509,7 @@ def tokenizer_sample(folder: Path | None, text: str) -> tuple[float, float] | No
 def tokenize_cost(text_bytes: int, rates: Rates, sample: tuple[float, float] | None = None) -> tuple[float, int]:
     """``(seconds, bytes)`` of encoding ``text_bytes`` of text into a tensor of token ids through transformers:
     ``sample``'s seconds (``tokenizer_sample``, of these texts) times the wrapper's measured overhead, else at the
-    measured byte-level tokenizer's rate (a token per byte); the memory, the measured bytes held per token."""
+    measured byte-level tokenizer's rate (a token per byte); the memory, the measured peak bytes per token."""
     if sample is not None:
         seconds, per_byte = sample[0] * rates.tokenize_overhead, sample[1]
     else:
