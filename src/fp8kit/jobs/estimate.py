@@ -143,7 +143,7 @@ def current_rates(
             data = json.loads(path.read_text())
             data["roofline"] = GPU(**{**data["roofline"], "capability": tuple(data["roofline"]["capability"])})
             data["doctor"] = {k: tuple(v) for k, v in data.get("doctor", {}).items()}
-            rates = Rates(**data)
+            rates = Rates(**{k: v for k, v in data.items() if k in Rates.__dataclass_fields__})  # newer fields: kept
         except (ValueError, KeyError, TypeError):
             rates = None
     if rates is None:
