@@ -81,7 +81,7 @@ class Rates:
     doctor: dict[str, tuple[float, float]] = field(default_factory=dict)  # recipe -> (step scale, fixed seconds)
     # the process around the model (``_process_rates``; 0: not measured)
     import_s: float = 0.0  # importing transformers' causal-LM classes in a fresh process
-    process_bytes: int = 0  # resident memory of a process that imported torch and those classes
+    process_bytes: int = 0  # peak resident memory of a process that did what a job does before its cost line
     tokenize_bytes_per_s: float = 0.0  # a byte-level Hugging Face fast tokenizer encoding text into a tensor
     tokenize_bytes_per_token: float = 0.0  # the peak memory that encoding takes per token (its lists, the tensor)
     tokenize_overhead: float = 1.0  # transformers' tokenizer call over the bare ``tokenizers`` encode it wraps
