@@ -1,7 +1,7 @@
 """Predicted vs measured time and peak memory of fp8kit's jobs: each command's cost line (``fp8kit.jobs.estimate``,
 ``fp8kit.jobs.cost``) against the wall time from that line to the command's exit and the process's own peak resident
-memory (``ru_maxrss``); the predicted phases and the largest child process's peak (inductor's compile workers,
-which neither column counts) are printed beside them.
+memory (``VmHWM``: ``ru_maxrss`` would carry this script's peak into the job it spawns; child processes such as
+inductor's compile workers count in neither column); the predicted phases are printed beside them.
 
     OMP_NUM_THREADS=1 python benchmarks/estimates.py [--quick]
 
@@ -50,10 +50,12 @@ from fp8kit.cli import main
 try:
     code = main(sys.argv[1:])
 finally:
-    unit = 1 if sys.platform == "darwin" else 1024
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
-    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * unit
-    print(f"PEAK_RSS {rss} {children}", file=sys.stderr, flush=True)
+    try:
+        with open("/proc/self/status") as f:
+            rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    print(f"PEAK_RSS {rss}", file=sys.stderr, flush=True)
 sys.exit(code)
 """
 
@@ -75,18 +77,18 @@ def run_job(name: str, argv: list[str], cwd: Path) -> dict:
     )  # fmt: skip
     announced = None
     phases: dict[str, float] = {}
-    peak, rss, children = float("nan"), float("nan"), float("nan")
+    peak, rss = float("nan"), float("nan")
     assert proc.stderr is not None
     for line in proc.stderr:
         if announced is None and line.startswith(f"fp8kit {argv[0]}") and "time ~" in line:
             announced = time.perf_counter()
             phases, peak = parse_cost_line(line), predicted_peak(line)
         elif line.startswith("PEAK_RSS "):
-            rss, children = (float(v) for v in line.split()[1:3])
+            rss = float(line.split()[1])
     rc = proc.wait()
     end = time.perf_counter()
     return {"job": name, "rc": rc, "predicted": sum(phases.values()), "measured": end - (announced or t0),
-            "phases": phases, "startup": (announced or end) - t0, "peak": peak, "rss": rss, "children": children}  # fmt: skip
+            "phases": phases, "startup": (announced or end) - t0, "peak": peak, "rss": rss}  # fmt: skip
 
 
 def save_llama_folder(path: Path, hidden: int, layers: int) -> None:
@@ -161,7 +163,7 @@ def main() -> None:
             mem = row["rss"] / row["peak"] if row["peak"] == row["peak"] and row["peak"] else float("nan")
             print(f"| {name} | {row['predicted']:.1f} | {row['measured']:.1f} | {ratio:.2f} | {row['peak'] / 2**30:.2f} "
                   f"| {row['rss'] / 2**30:.2f} | {mem:.2f} |", flush=True)  # fmt: skip
-            print(f"    rc {row['rc']}; startup {row['startup']:.0f} s; child peak {row['children'] / 2**30:.2f} GiB; "
+            print(f"    rc {row['rc']}; startup {row['startup']:.0f} s; "
                   + ", ".join(f"{k} {v:.1f}" for k, v in row["phases"].items()), flush=True)  # fmt: skip
 
 

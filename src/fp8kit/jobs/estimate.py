@@ -283,13 +283,18 @@ def _figure_seconds() -> float:
 
 
 # What a job's process costs besides its model, each measured in a fresh process: ``python -c PROBE ARG``
-# prints its seconds and its peak resident bytes (``ru_maxrss``). ``job_floor`` does what every job does before its
+# prints its seconds and its own peak resident bytes (``VmHWM``; ``ru_maxrss`` where there is no /proc, though it
+# carries the parent's peak over a spawn). ``job_floor`` does what every job does before its
 # cost line: imports fp8kit's CLI and builds a transformers causal LM (the demo decoder, on the meta device), whose
 # model classes pull in torch's compiler stack (dynamo, inductor, sympy), torchao and scipy.
 _PROBE = """
 import os, resource, sys, time
-def rss():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+def rss():  # the process's own peak: VmHWM (ru_maxrss keeps the parent's peak across fork and exec)
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 def resident():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 def job_floor():
