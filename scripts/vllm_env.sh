@@ -29,7 +29,7 @@ if ! "$PY" -c "$TV_WORKS" 2>/dev/null; then
         2>/dev/null || true
     if ! "$PY" -c "$TV_WORKS" 2>/dev/null; then
         echo "$VENV: no CPU torchvision $TV (not on the registry, $TORCH_CPU_INDEX not reached): left out"
-        "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+        "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     fi
 fi
 "$PY" -c "import vllm; print('$VENV: vLLM', vllm.__version__)"
