@@ -1,5 +1,5 @@
-"""Every export fp8kit writes, made once from SmolLM2-135M (and one tiny Qwen3-MoE, one tiny Idefics3) for the
-engine tests:
+"""Every export fp8kit writes, made once from SmolLM2-135M (and one tiny Qwen3-MoE, one tiny Idefics3, one tiny
+Whisper) for the engine tests:
 one-shot PTQ (round to nearest, one calibration batch of the corpus' calibration split), so that building
 all of them stays within a few minutes on two cores."""
 
@@ -133,6 +133,63 @@ def tiny_idefics3(tokenizer, seed: int = 0) -> tuple[nn.Module, object]:
         images, tokenizer, image_seq_len=tokens_per_image, chat_template=tokenizer.chat_template
     )
     return model, processor
+
+
+def _byte_level_alphabet() -> list[str]:
+    """The 256 characters byte-level BPE (GPT-2, Whisper) writes the bytes 0-255 as, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
+
+
+WHISPER_SPECIAL = ("<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|notimestamps|>")
+
+
+def tiny_whisper(folder: Path, seed: int = 0) -> tuple[nn.Module, object]:
+    """A 2-layer Whisper (head size 64, 80 mel bins, 30 s of audio as every Whisper) with random weights, its
+    output head scaled as ``tiny_qwen3_moe``'s, and its processor: the feature extractor and a byte-level
+    tokenizer (the 256 bytes, no merges, Whisper's task tokens), whose files are written under ``folder``."""
+    import json
+
+    from transformers import (
+        WhisperConfig,
+        WhisperFeatureExtractor,
+        WhisperForConditionalGeneration,
+        WhisperProcessor,
+        WhisperTokenizer,
+    )
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.json").write_text(json.dumps({c: i for i, c in enumerate(_byte_level_alphabet())}))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    end = "<|endoftext|>"
+    tokenizer = WhisperTokenizer(
+        str(folder / "vocab.json"), str(folder / "merges.txt"), unk_token=end, bos_token=end, eos_token=end
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": list(WHISPER_SPECIAL)})
+    end_id = tokenizer.convert_tokens_to_ids(end)
+    cfg = WhisperConfig(
+        vocab_size=len(tokenizer),
+        d_model=128,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=256,
+        decoder_ffn_dim=256,
+        num_mel_bins=80,
+        decoder_start_token_id=tokenizer.convert_tokens_to_ids(WHISPER_SPECIAL[0]),
+        bos_token_id=end_id,
+        eos_token_id=end_id,
+        pad_token_id=end_id,
+        begin_suppress_tokens=None,
+        suppress_tokens=None,
+    )
+    torch.manual_seed(seed)
+    model = WhisperForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        model.proj_out.weight.mul_(20)  # tied to the decoder's embeddings
+    return model, WhisperProcessor(WhisperFeatureExtractor(feature_size=80), tokenizer)
 
 
 def write_export(e: Export, base: nn.Module, tokenizer, batch: torch.Tensor, out: Path) -> Path:

@@ -110,9 +110,11 @@ def run_vllm(
     for want of an FP4 kernel is loaded again with vLLM's own FP4 emulation kernels (``emulated``, and the
     refusal as ``no_kernel``). ``engine_args``: per folder, ``vllm.LLM`` keywords over the defaults (a
     multimodal model needs ``skip_tokenizer_init=False``: its processor reads the tokenizer). ``prompts``: per
-    folder, ``{"prompt": text, "image": H x W x 3 uint8 array or None}`` items that vLLM runs through its own
-    processor; each folder's result then holds ``prompts``: per item the token ids vLLM built (image
-    placeholders expanded), each token's log-probability after the first, and the greedy tokens. Raises
+    folder, ``{"prompt": text, "image": H x W x 3 uint8 array}`` or ``{"prompt", "audio": samples,
+    "sampling_rate", "decoder_prompt"}`` (an encoder-decoder's: text and audio to the encoder) items that vLLM
+    runs through its own processor; each folder's result then holds ``prompts``: per item the token ids vLLM
+    built (image placeholders expanded; the decoder's), each token's log-probability after the first, and the
+    greedy tokens. A folder whose windows are empty is scored on its prompts alone. Raises
     ``VllmError`` when vLLM is not available or the subprocess died before writing a result for every folder."""
     python = os.path.abspath(python) if python else vllm_python()  # the worker runs in a temporary folder
     reason = vllm_unavailable(python)
@@ -136,8 +138,7 @@ def run_vllm(
         "engine_args": {str(Path(f).absolute()): dict(a) for f, a in (engine_args or {}).items()},
         "prompts": {
             str(Path(f).absolute()): [
-                {"prompt": p["prompt"], "image": None if p.get("image") is None else _as_list(p["image"])}
-                for p in items
+                {**p, **{k: _as_list(p[k]) for k in ("image", "audio") if p.get(k) is not None}} for p in items
             ]
             for f, items in (prompts or {}).items()
         },
@@ -167,8 +168,8 @@ def run_vllm(
 
 
 def _as_list(image: Any) -> list:
-    """An ``H x W x 3`` image (numpy array, tensor or nested lists) as nested lists of ints, for the job file."""
-    return image.tolist() if hasattr(image, "tolist") else [[list(px) for px in row] for row in image]
+    """An image or audio array (numpy array, tensor or nested lists) as nested lists, for the job file."""
+    return image.tolist() if hasattr(image, "tolist") else list(image)
 
 
 def held_out_windows(tokenizer: Any, n: int = 2, seq_len: int = 256, text: str | Path | None = None) -> torch.Tensor:
