@@ -95,12 +95,19 @@ def calibration_loop(splits: PTQSplits, batches: int, batch_size: int = 4, seq_l
 
 
 def text_inputs(model: nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The forward keywords that run ``model`` on the token batch ``ids``: ``input_ids``; for a speech-to-text
-    encoder-decoder (first input ``input_features``), the tokens as ``decoder_input_ids`` after silent (zero)
-    input features of the encoder's full length, so the text reaches the decoder and no audio the encoder."""
+    """The forward keywords that run ``model`` on the token batch ``ids``: ``input_ids``; for a Whisper-like
+    speech-to-text encoder-decoder (first input ``input_features``: ``num_mel_bins`` x twice
+    ``max_source_positions`` frames), the tokens as ``decoder_input_ids`` after all-zero input features of
+    the encoder's full length, so the text reaches the decoder and no audio the encoder."""
     if getattr(model, "main_input_name", "input_ids") != "input_features":
         return {"input_ids": ids}
     cfg = model.config
+    if not all(isinstance(getattr(cfg, k, None), int) for k in ("num_mel_bins", "max_source_positions")):
+        raise ValueError(
+            f"{type(model).__name__}: fp8kit's calibration builds input features for Whisper-like encoders only "
+            "(num_mel_bins, max_source_positions); calibrate it with its own audio through "
+            "fp8kit.ptq.quantize(model, scheme, forward_loop)"
+        )
     frames = 2 * cfg.max_source_positions  # Whisper-like encoders halve the frames once (a stride-2 convolution)
     dtype = next(model.parameters()).dtype
     features = torch.zeros(ids.shape[0], cfg.num_mel_bins, frames, dtype=dtype, device=ids.device)
@@ -233,19 +240,19 @@ def _check_towers_calibrate(scheme: str, settings: dict[str, Any]) -> None:
 
 
 def _check_speech_calibrate(scheme: str, settings: dict[str, Any]) -> None:
-    """Calibration text reaches a speech model's decoder after silence, not after speech (``text_inputs``): its
-    cross-attention would be calibrated on silence. Refuse what needs calibrated activations."""
+    """Calibration text reaches a speech model's decoder after zero input features, not after speech
+    (``text_inputs``): its cross-attention would be calibrated on no audio. Refuse what needs calibrated
+    activations."""
     from ..ptq.schemes import get_scheme
 
     needs = [k for k in ("gptq", "awq", "smooth") if settings.get(k)]
-    if settings.get("keep_bf16") or settings.get("norm_tweak"):
-        needs += [k.replace("_", "-") for k in ("keep_bf16", "norm_tweak") if settings.get(k)]
+    needs += [k.replace("_", "-") for k in ("keep_bf16", "norm_tweak") if settings.get(k)]
     if get_scheme(scheme.removesuffix("+kv")).act_strategy in ("tensor", "nvfp4") or settings.get("kv_cache"):
         needs.append(f"{scheme}'s static activation scales")
     if needs:
         raise ValueError(
             f"a speech-to-text model calibrates on text after silent audio here, so {', '.join(needs)} would fit "
-            "silence: use a dynamic or weight-only scheme (fp8-dynamic, int8-weight-only) with --no-gptq --no-awq "
+            "no audio: use a dynamic or weight-only scheme (fp8-dynamic, int8-weight-only) with --no-gptq --no-awq "
             "(and --keep-bf16 0 --norm-tweak 0 where set), or calibrate with real audio through "
             "fp8kit.ptq.quantize(model, scheme, forward_loop)"
         )
