@@ -4,7 +4,7 @@ Scores, on the same KJV windows (``--split test`` to report, ``--split dev`` to 
 ``fp8-dynamic`` (round to nearest, no GPTQ), and ``fp8-dynamic`` + FP8 attention (``fp8kit.nn.attention``:
 Q, K, V, P in E4M3), per tensor and per head, with each call's own scales (dynamic; ``--dynamic``) or with
 static scales calibrated on the calibration split (``calibrate_fp8_attention``, max over ``--calib-batches``
-x 4 x 128 tokens; P's static scale ``P_STATIC_DEQUANT``, and with ``--p448`` also ``1 / 448`` and its one-ulp
+x 4 x ``--calib-seq-len`` tokens; P's static scale ``P_STATIC_DEQUANT``, and with ``--p448`` also ``1 / 448`` and its one-ulp
 neighbour), in MXFP8 blocks (``--mx``), and with torchao's
 ``apply_low_precision_attention`` where it runs (else its error). Prints each perplexity and the paired change
 per window (mean ± standard error) vs ``fp8-dynamic`` alone and vs BF16. ``--ulp`` also scores ``fp8-dynamic``
@@ -64,7 +64,8 @@ def main() -> None:
         "--split", choices=("dev", "test"), default="test", help="held-out windows: dev to choose, test to report"
     )
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--calib-batches", type=int, default=8)
+    p.add_argument("--calib-batches", type=int, default=8, help="calibration batches of 4 sequences")
+    p.add_argument("--calib-seq-len", type=int, default=128, help="calibration sequence length")
     p.add_argument("--dynamic", action="store_true", help="also score per-call (dynamic) Q, K, V scales")
     p.add_argument("--p448", action="store_true", help="also score P's static scale 1 / 448 and one ulp above")
     p.add_argument("--mx", action="store_true", help="also score MXFP8 attention")
@@ -94,7 +95,7 @@ def main() -> None:
             model = copy.deepcopy(dyn)
             enable_fp8_attention(model, AttentionRecipe(scaling, gran))
             if scaling == "delayed":
-                calibrate_fp8_attention(model, calibration_loop(kjv, args.calib_batches))
+                calibrate_fp8_attention(model, calibration_loop(kjv, args.calib_batches, seq_len=args.calib_seq_len))
                 if args.p448:
                     d448 = torch.tensor(1 / 448, dtype=torch.float32)
                     settings[f"+ FP8 attention, static, per {gran}, P 1/448"] = with_p_dequant(
