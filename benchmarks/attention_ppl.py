@@ -2,15 +2,16 @@ r"""FP8 attention on SmolLM2-135M: held-out perplexity of ``fp8-dynamic`` with a
 
 Scores, on the same KJV windows (``--split test`` to report, ``--split dev`` to choose): the BF16 model,
 ``fp8-dynamic`` (round to nearest, no GPTQ), and ``fp8-dynamic`` + FP8 attention (``fp8kit.nn.attention``:
-Q, K, V, P in E4M3), per tensor and per head, with each call's own scales (dynamic; ``--dynamic``) or with
-static scales calibrated on the calibration split (``calibrate_fp8_attention``, max over ``--calib-batches``
-x 4 x ``--calib-seq-len`` tokens; P's static scale ``P_STATIC_DEQUANT``, and with ``--p448`` also ``1 / 448`` and its one-ulp
-neighbour), in MXFP8 blocks (``--mx``), and with torchao's
-``apply_low_precision_attention`` where it runs (else its error). Prints each perplexity and the paired change
-per window (mean ± standard error) vs ``fp8-dynamic`` alone and vs BF16. ``--ulp`` also scores ``fp8-dynamic``
-with its embeddings moved by one float32 ulp: the spread FP8 rounding alone gives two equal models.
+Q, K, V, P in E4M3), per tensor and per head, with static scales calibrated on the calibration split
+(``calibrate_fp8_attention``, max over ``--calib-batches`` x 4 x ``--calib-seq-len`` tokens; P's static scale
+``P_STATIC_DEQUANT``, with ``--p448`` also ``1 / 448`` and its one-ulp neighbour), with each call's own scales
+(``--dynamic``), in MXFP8 blocks (``--mx``), and with torchao's ``apply_low_precision_attention`` where it
+runs (else its error). Prints each perplexity and the paired change per window (mean ± standard error) vs
+``fp8-dynamic`` alone and vs BF16. ``--ulp`` also scores ``fp8-dynamic`` with its embeddings moved by one
+float32 ulp: the spread FP8 rounding alone gives two equal models.
 
-    python benchmarks/attention_ppl.py --windows 16 --split dev
+    python benchmarks/attention_ppl.py --windows 8 --split dev --p448 --ulp
+    python benchmarks/attention_ppl.py --windows 16
 """
 
 from __future__ import annotations
