@@ -1,6 +1,7 @@
 """Predicted vs measured time and peak memory of fp8kit's jobs: each command's cost line (``fp8kit.jobs.estimate``,
-``fp8kit.jobs.cost``) against the wall time from that line to the command's exit and the process's peak resident
-memory (``ru_maxrss``); the predicted phases are printed beside them.
+``fp8kit.jobs.cost``) against the wall time from that line to the command's exit and the process's own peak resident
+memory (``VmHWM``: ``ru_maxrss`` would carry this script's peak into the job it spawns; child processes such as
+inductor's compile workers count in neither column); the predicted phases are printed beside them.
 
     OMP_NUM_THREADS=1 python benchmarks/estimates.py [--quick]
 
@@ -49,7 +50,11 @@ from fp8kit.cli import main
 try:
     code = main(sys.argv[1:])
 finally:
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    try:
+        with open("/proc/self/status") as f:
+            rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     print(f"PEAK_RSS {rss}", file=sys.stderr, flush=True)
 sys.exit(code)
 """

@@ -23,11 +23,18 @@ import time
 
 import torch
 
-from fp8kit import qat
+from fp8kit import ptq, qat
 from fp8kit.data import windows
 from fp8kit.data.evaluation import window_losses
 from fp8kit.data.splits import available_windows
-from fp8kit.jobs.quantize import calibration_batches, calibration_loop, load_splits
+from fp8kit.jobs.quantize import (
+    calibration_batches,
+    calibration_loop,
+    load_splits,
+    ptq_settings,
+    quantizable_layers,
+    settings_text,
+)
 from fp8kit.models.pretrained import load_pretrained_lm
 from fp8kit.nn import to_bf16_gemms
 
@@ -85,6 +92,10 @@ def main() -> None:
     p.add_argument(
         "--split", choices=("dev", "test"), default="test", help="held-out windows: dev to choose, test to report"
     )
+    p.add_argument(
+        "--start", choices=("rtn", "ptq"), default="rtn",
+        help="the student at step 0: round to nearest (qat.prepare) or PTQ's default pipeline (qat.from_ptq)",
+    )  # fmt: skip
     p.add_argument("--no-torchao", action="store_true")
     args = p.parse_args()
     torch.manual_seed(0)
@@ -116,10 +127,18 @@ def main() -> None:
         student = copy.deepcopy(base)
         for prm in student.parameters():
             prm.requires_grad_(True)
-        qat.prepare(student, scheme, loop, calibration="max")
+        if args.start == "ptq":  # PTQ's default pipeline (GPTQ; AWQ for weight-only), then its layers trained
+            kw = ptq_settings(scheme, n_layers=quantizable_layers(student))
+            ptq.quantize(student, scheme, loop, progress=False, **kw)
+            qat.from_ptq(student)
+            start = f"PTQ {settings_text(kw)}"
+        else:
+            qat.prepare(student, scheme, loop, calibration="max")
+            start = "round-to-nearest PTQ"
         curve = [(0, *score(student, w, ref))]
         print(
-            f"  {scheme} step 0 (round-to-nearest PTQ): ppl {curve[0][1]:.3f} ({curve[0][2]:+.2f}% ± {curve[0][3]:.2f})",
+            f"  {scheme} step 0 ({start}): ppl {curve[0][1]:.3f} ({curve[0][2]:+.2f}% ± {curve[0][3]:.2f}), "
+            f"{(time.perf_counter() - t0) / 60:.1f} min",
             flush=True,
         )
         train_s, scoring = 0.0, [0.0]
@@ -155,7 +174,8 @@ def main() -> None:
         del student
     if not args.no_torchao and "nvfp4" in args.schemes.split(","):
         print("  " + torchao_row(base, batches, args.steps, args.lr, w, ref), flush=True)
-    print("\n| scheme | PTQ (RTN) vs bf16 | after QAD vs bf16 | share of the gap recovered | curve (step: vs bf16) |")
+    head = f"| scheme | step 0 ({args.start}) vs bf16 | after QAD vs bf16 | share of the gap recovered | curve (step: vs bf16) |"
+    print("\n" + head)
     print("|---|---|---|---|---|")
     for scheme, curve, _ in table:
         before, after = curve[0][2], curve[-1][2]

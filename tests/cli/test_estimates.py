@@ -4,6 +4,7 @@ and that the seconds grow with steps, tokens and a recipe's costs. No timing is 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
@@ -82,7 +83,7 @@ def test_cli_quantize_fp8_cost_has_the_phases_that_run(monkeypatch):
     from fp8kit.jobs import quantize as _job
 
     monkeypatch.setattr(_job, "shape_of", lambda spec, *a: SHAPE)
-    monkeypatch.setattr(estimate, "current_rates", lambda device, recipes=(): rates())
+    monkeypatch.setattr(estimate, "current_rates", lambda device, recipes=(), schemes=(): rates())
     args = argparse.Namespace(
         model="x", calibration=None, alpha=None, smooth=None, gptq=True, awq=True, keep_bf16=None,
         norm_tweak=None, calib_batches=8,
@@ -97,19 +98,24 @@ def test_rates_measured_once_then_read_from_the_cache(monkeypatch, tmp_path):
     monkeypatch.setattr(estimate, "_MEMO", {})
     monkeypatch.setattr(estimate, "_FIXED", [])
     calls = []
-    monkeypatch.setattr(estimate, "_measure", lambda device: calls.append(device) or rates())
+    measured = dataclasses.replace(rates(), step_memory_scale=1.0, tokenize_bytes_per_token=1.0)
+    monkeypatch.setattr(estimate, "_measure", lambda device: calls.append(device) or measured)
+    monkeypatch.setattr(estimate, "_probe", lambda *what: pytest.fail(f"probed {what}"))
     first = estimate.current_rates(torch.device("cpu"))
     monkeypatch.setattr(estimate, "_MEMO", {})
     second = estimate.current_rates(torch.device("cpu"))
     assert len(calls) == 1 and first == second
-    assert list((tmp_path / "rates").glob("*.json"))
+    (cache,) = (tmp_path / "rates").glob("*.json")
+    cache.write_text(cache.read_text().replace('"import_s"', '"a_newer_field": 1, "import_s"'))
+    monkeypatch.setattr(estimate, "_MEMO", {})
+    assert estimate.current_rates(torch.device("cpu")) == first and len(calls) == 1  # read by an older fp8kit
 
 
 def test_doctor_cost_grows_with_steps_and_names_its_report(monkeypatch):
     from fp8kit.jobs import doctor
 
     seen = []
-    monkeypatch.setattr(doctor, "announce", lambda cost, device, force: seen.append(cost))
+    monkeypatch.setattr(doctor, "announce", lambda cost, device, force, floor=None: seen.append(cost))
     for steps in (4, 40):
         args = argparse.Namespace(
             model="demo", arch="dense", model_size="small", seq_len=64, batch_size=8, steps=steps, apply=False,
@@ -168,3 +174,77 @@ def test_the_cost_line_counts_the_process_itself_in_the_host_peak(monkeypatch, c
     gpu = JobCost("eval", 10**6, "cuda:0", 2**29, host_bytes=2**29)
     announce(gpu, torch.device("cuda", 0), force=True)
     assert gpu.device_bytes == 2**29 and gpu.host_bytes == 3 * 2**29
+
+
+def test_the_process_floor_is_the_probed_job_process_and_the_compiler_when_kernels_compile(monkeypatch):
+    """A job's process is priced as a fresh process that did the job's imports (``process_bytes``); one that runs
+    fp8kit's compiled kernels (an FP8 training recipe, a doctor run) as one that also compiled them."""
+    from fp8kit.jobs import doctor, train
+    from fp8kit.train import TrainConfig
+
+    r = dataclasses.replace(rates(), process_bytes=1000, quantized_process_bytes=3000)
+    assert estimate.process_floor(r, compiles=False) == 1000 and estimate.process_floor(r, compiles=True) == 3000
+    monkeypatch.setattr(estimate, "current_rates", lambda device, recipes=(), schemes=(): r)
+    monkeypatch.setattr(estimate, "doctor_rates", lambda device, recipe: (1.0, 0.0))
+    floors = []
+    for job in (train, doctor):
+        monkeypatch.setattr(job, "announce", lambda cost, device, force, floor=None: floors.append(floor))
+    train.announce_cost(TrainConfig(steps=2, recipes=["delayed"]), force=False)  # bf16, then fp8-delayed
+    args = argparse.Namespace(
+        model="demo", arch="dense", model_size="small", seq_len=64, batch_size=8, steps=2, apply=False,
+        noise_floor=False, recipe="delayed", force=False,
+    )  # fmt: skip
+    doctor.announce_cost(args, torch.device("cpu"))
+    assert floors == [3000, 3000]
+
+
+def test_a_training_step_holds_its_activations_times_the_measured_retention():
+    """On the CPU the activations a micro-batch saves count ``step_memory_scale`` times (the allocator keeps what a
+    step freed); the state and the GPU's activations do not scale."""
+    from fp8kit.jobs.cost import activation_bytes
+
+    def peak(device: str, scale: float) -> int:
+        r = dataclasses.replace(rates(), step_memory_scale=scale)
+        return estimate_training("train", SHAPE, torch.device(device), ["bf16"], 1, 2048, 2048, rates=r).device_bytes
+
+    assert peak("cpu", 2.5) - peak("cpu", 1.0) == pytest.approx(1.5 * activation_bytes(SHAPE, 2048, 4), abs=2)
+    assert peak("cpu", 0.0) == peak("cpu", 1.0)  # not measured: as modelled
+    assert peak("cuda", 2.5) == peak("cuda", 1.0)
+
+
+def test_process_rates_turn_the_probes_into_floors_and_a_retention(monkeypatch):
+    from fp8kit.jobs.cost import activation_bytes
+
+    shape = estimate._demo_shape()
+    modelled = activation_bytes(shape, estimate._PROBE_BATCH * 128, 4)
+    grown = 16 * shape.params + 2 * modelled
+    probed = {"transformers": (1.5, 4e8), "tokenize": (2.0, 2**22, 1.0), "quantized": (3.0, 5e8), "train": (0, grown)}
+    monkeypatch.setattr(estimate, "_probe", lambda what, *args: probed[what])
+    got = estimate._process_rates()
+    assert got["process_bytes"] == 4e8 and got["quantized_process_bytes"] == 5e8 and got["import_s"] == 1.5
+    assert got["step_memory_scale"] == pytest.approx(2.0)
+    probed["train"] = (0.0, 0.0)  # the probe could not run: as modelled
+    assert estimate._process_rates()["step_memory_scale"] == 1.0
+
+
+def test_a_scheme_whose_quantization_compiles_prices_it_measured_once(monkeypatch, tmp_path):
+    """The first PTQ run of a scheme compiles its kernels (NVFP4's scales): measured once per scheme in a fresh
+    process, cached, and added to the ``quantize layers`` phase of that scheme only."""
+    monkeypatch.setenv("FP8KIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(estimate, "_MEMO", {})
+    monkeypatch.setattr(estimate, "_FIXED", [])
+    probes = []
+    monkeypatch.setattr(estimate, "_probe", lambda *what: probes.append(what) or (9.0, 0.0))
+    cached = dataclasses.replace(rates(), step_memory_scale=1.0)
+    monkeypatch.setattr(estimate, "_measure", lambda device: cached)
+    cpu = torch.device("cpu")
+    got = estimate.current_rates(cpu, schemes=["nvfp4"])
+    monkeypatch.setattr(estimate, "_MEMO", {})
+    assert estimate.current_rates(cpu, schemes=["nvfp4"]) == got  # read back from the cache file
+    assert probes == [("quantize", "nvfp4")] and got.first_quantize_s == {"nvfp4": 9.0}
+
+    def layers(scheme: str, r: Rates) -> float:
+        return ptq_phases(SHAPE, scheme, ptq_settings(scheme, n_layers=14), 4, r)["quantize layers"]
+
+    assert layers("nvfp4", got) - layers("nvfp4", rates()) == pytest.approx(9.0)
+    assert layers("fp8-dynamic", got) == layers("fp8-dynamic", rates())

@@ -20,12 +20,18 @@ import pytest
 import torch
 
 from fp8kit.engines.vllm import fp8kit_losses, held_out_windows, perplexity_of, run_vllm, vllm_unavailable
-from tests.engines.exports import EXPORTS, Export, calibration_batch, tiny_qwen3_moe, write_export
+from tests.engines.exports import (
+    EXPORTS,
+    PPL_TOLERANCE,
+    Export,
+    calibration_batch,
+    tiny_qwen3_moe,
+    write_export,
+)
 
 pytestmark = pytest.mark.engine
 
 STRING_PRODUCER = Export("string producer", "fp8-dynamic")
-PPL_TOLERANCE = 0.01  # vLLM's perplexity within 1% of fp8kit's on the same tokens
 WINDOWS, SEQ_LEN = 2, 256
 
 # export -> the vLLM quant config class and the scheme / method every quantized Linear must get

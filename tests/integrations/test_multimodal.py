@@ -254,3 +254,38 @@ def test_fp8kit_quantize_a_multimodal_folder_keeps_its_towers_unless_asked(tmp_p
         assert any("vision_tower" in i for i in ignore) == (not extra), ignore
         with quiet():
             AutoModelForImageTextToText.from_pretrained(out)
+
+
+def test_fp8kit_quantize_a_speech_to_text_folder_keeps_its_audio_encoder(tmp_path, capsys):
+    """``fp8kit quantize --model DIR`` of a Whisper folder: loaded whole as a speech-to-text model (not layer by
+    layer as a causal LM), the calibration text run through the decoder after silent input features, the decoder
+    quantized and the audio encoder in the export's ignore list. What would calibrate the decoder's
+    cross-attention on silence (static activation scales, GPTQ) is refused in one line that names the fix.
+    transformers reloads the export with the logits of fp8kit's reading of it."""
+    from fp8kit.cli import main
+    from fp8kit.data import ByteTokenizer
+
+    folder = tmp_path / "whisper"
+    model = tiny_multimodal("whisper")
+    model.save_pretrained(folder)
+    ByteTokenizer().save_pretrained(folder)
+    text = tmp_path / "text.txt"
+    text.write_text("In the beginning God created the heaven and the earth. " * 200)
+    common = ["--model", str(folder), "--text", str(text), "--calib-batches", "1", "--device", "cpu"]
+    assert main(["quantize", *common, "--scheme", "fp8", "--out", str(tmp_path / "static")]) == 2
+    assert "silent audio" in capsys.readouterr().err
+    out = tmp_path / "q"
+    assert main(["quantize", *common, "--scheme", "fp8-dynamic", "--no-gptq", "--no-awq", "--out", str(out)]) == 0
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    patterns = [p[3:] for p in qc["ignore"] if p.startswith("re:")]
+    layers = [n for n, m in model.named_modules() if is_linear_like(m) and n != "proj_out"]
+    encoder = [n for n in layers if n.startswith("model.encoder.")]
+    assert encoder and all(any(re.match(p, n) for p in patterns) for n in encoder)
+    decoder = [n for n in layers if n.startswith("model.decoder.")]
+    assert decoder and all(n not in qc["ignore"] and not any(re.match(p, n) for p in patterns) for n in decoder)
+    kw = inputs(model)
+    with torch.no_grad():
+        hf = transformers.AutoModelForSpeechSeq2Seq.from_pretrained(out, dtype=torch.float32).eval()
+        assert type(hf) is type(model)
+        theirs, mine = hf(**kw).logits, load_pretrained(out)(**kw).logits
+    assert rel(theirs, mine) <= 1e-6

@@ -136,6 +136,20 @@ def test_output_head_kept_and_report():
     assert q(batches[0]).logits.isfinite().all()
 
 
+@pytest.mark.parametrize("scheme", ["fp8", "int8-smoothquant", "nvfp4"])
+def test_a_layer_calibration_never_reaches_stays_high_precision(scheme):
+    """A static scheme has no input scale for a layer the forward_loop never runs (a tower fed no input): it
+    stays nn.Linear with its reason in the report, and the layers calibration reached are quantized."""
+    model = tiny_llama()
+    model.model.unused = nn.Linear(64, 64)  # in the module tree, never called by forward
+    batches = [torch.randint(0, 256, (2, 16))]
+    q = ptq.quantize(model, scheme, calib(batches))
+    assert type(q.model.unused) is nn.Linear
+    assert "never ran during calibration" in q.ptq_report.skipped["model.unused"]
+    assert "model.unused" not in q.ptq_report.input_amax
+    assert len(q.ptq_report.quantized) == 14 and q(batches[0]).logits.isfinite().all()
+
+
 def test_fp8_kv_cache_is_idempotent_under_decoding():
     model = tiny_llama()
     batches = [torch.randint(0, 256, (2, 32)) for _ in range(2)]

@@ -162,3 +162,41 @@ def test_bad_settings_get_one_clear_error(base, data):
     student.model.embed_tokens.weight.data[0] = float("nan")
     with pytest.raises(ValueError, match="loss at step 0 is nan"):
         qat.distill(student, base, [torch.zeros(1, 8, dtype=torch.long)], steps=1, progress=False)
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "nvfp4-weight-only"])
+def test_from_ptq_of_round_to_nearest_is_prepare_bit_for_bit(base, data, scheme):
+    """A block's largest NVFP4 code is 6 after round to nearest, so re-quantizing the dequantized weight gives
+    back its codes and scales: the model from_ptq makes computes what prepare's does."""
+    ptq_model = ptq.quantize(copy.deepcopy(base), scheme, calib(data[:2]), gptq=False, awq=False)
+    student = qat.from_ptq(ptq_model)
+    prepared = qat.prepare(copy.deepcopy(base), scheme, calib(data[:2]))
+    assert set(qat.qat_layers(student)) == set(qat.qat_layers(prepared))
+    assert student.qat_report.input_amax == prepared.qat_report.input_amax
+    assert torch.equal(logits(student, data[5]), logits(prepared, data[5]))
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "fp8", "int8-weight-only"])
+def test_from_ptq_starts_where_gptq_ended_and_trains(base, data, tmp_path, scheme):
+    """From PTQ with GPTQ: the QAT model keeps PTQ's input amaxes and most of GPTQ's change (its logits much
+    closer to the PTQ model's than round to nearest's are: re-quantizing a GPTQ weight may pick a finer block
+    scale where GPTQ left a block without its largest code), and a distilled, converted model exports and reloads."""
+    ptq_model = reference_kernels(ptq.quantize(copy.deepcopy(base), scheme, calib(data[:2]), gptq=True))
+    expect = logits(ptq_model, data[5])
+    rtn = logits(qat.prepare(copy.deepcopy(base), scheme, calib(data[:2])), data[5])
+    amax = dict(ptq_model.ptq_report.input_amax)
+    student = qat.from_ptq(ptq_model)
+    got = logits(student, data[5])
+    assert (got - expect).abs().max() < 0.5 * (rtn - expect).abs().max()
+    assert student.qat_report.input_amax == amax
+    qat.distill(student, base, data[2:5], steps=2, lr=1e-3, progress=False)
+    trained = logits(student, data[5])
+    assert not torch.equal(trained, got)
+    qat.convert(student)
+    save_pretrained(student, tmp_path / "out", format="compressed-tensors")
+    torch.testing.assert_close(logits(load_pretrained(tmp_path / "out"), data[5]), trained, rtol=1e-3, atol=1e-3)
+
+
+def test_from_ptq_refuses_a_float_model(base):
+    with pytest.raises(ValueError, match="qat.prepare"):
+        qat.from_ptq(copy.deepcopy(base))

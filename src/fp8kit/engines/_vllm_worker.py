@@ -4,7 +4,10 @@ a job file with ``vllm.LLM`` in this one process, and writes what it saw as JSON
 Usage: ``python _vllm_worker.py JOB.json OUT.json``. The job holds ``folders``, ``windows`` (token-id lists to
 score with prompt log-probabilities; or a ``{folder: lists}`` map), ``new_tokens`` (greedy tokens to generate from the first window's start)
 and ``dtype`` (``bfloat16`` where the quantization method takes no other; ``dtype`` in each result says which
-ran); an export with an FP8 KV cache gets ``kv_cache_dtype="fp8"``. For each folder the result holds ``loaded`` (the engine started and ran), ``error`` (the
+ran); an export with an FP8 KV cache gets ``kv_cache_dtype="fp8"``. Optional, per folder: ``engine_args``
+(``vllm.LLM`` keywords over the defaults, e.g. ``skip_tokenizer_init=False`` for a model whose processor needs
+its tokenizer) and ``prompts`` (text prompts, each with an optional image or audio, run through vLLM's own
+processor: ``prompts`` in the result); a folder with no windows is scored on its prompts alone. For each folder the result holds ``loaded`` (the engine started and ran), ``error`` (the
 exception text and the stage it came from: ``load`` or ``run``), ``quant_config`` (the config class vLLM
 parsed), ``layers`` (each layer's quant method and, where it has one, its scheme), ``weights`` (for one
 quantized layer, each checkpoint tensor compared bit for bit with the parameter vLLM loaded it into, before
@@ -217,6 +220,39 @@ def _score(llm: Any, windows: list[list[int]], new_tokens: int) -> dict[str, Any
     return {"generated": list(gen[0].outputs[0].token_ids), "window_losses": losses}
 
 
+def _score_prompts(llm: Any, prompts: list[dict[str, Any]], new_tokens: int) -> list[dict[str, Any]]:
+    """Each text prompt through vLLM's own processor, with its ``image`` (an ``H x W x 3`` list of 0-255 values)
+    or its ``audio`` (samples at ``sampling_rate``) where it has one; a prompt with a ``decoder_prompt`` is an
+    encoder-decoder's (the text and media go to the encoder). Returns, per prompt, its token ids as vLLM built
+    them (the decoder's for an encoder-decoder), each token's log-probability after the first, and
+    ``new_tokens`` greedy tokens."""
+    import numpy as np
+    from PIL import Image
+    from vllm import SamplingParams
+
+    inputs: list[Any] = []
+    for p in prompts:
+        item: dict[str, Any] = {"prompt": p["prompt"]}
+        if p.get("image") is not None:
+            item["multi_modal_data"] = {"image": Image.fromarray(np.asarray(p["image"], dtype=np.uint8))}
+        if p.get("audio") is not None:
+            item["multi_modal_data"] = {"audio": (np.asarray(p["audio"], dtype=np.float32), p["sampling_rate"])}
+        if p.get("decoder_prompt") is not None:
+            item = {"encoder_prompt": item, "decoder_prompt": p["decoder_prompt"]}
+        inputs.append(item)
+    outs = llm.generate(
+        inputs, SamplingParams(max_tokens=new_tokens, temperature=0.0, prompt_logprobs=0), use_tqdm=False
+    )
+    return [
+        {
+            "ids": list(o.prompt_token_ids),
+            "logprobs": [lp[t].logprob for t, lp in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:], strict=True)],
+            "generated": list(o.outputs[0].token_ids),
+        }
+        for o in outs
+    ]
+
+
 def run_one(folder: str, job: dict[str, Any]) -> dict[str, Any]:
     """``_run_one``; with ``job["emulate_fp4"]``, an export refused for want of an FP4 kernel is loaded again
     with vLLM's FP4 emulation kernels (``_register_fp4_emulation``), the first refusal kept as ``no_kernel``."""
@@ -248,18 +284,18 @@ def _run_one(folder: str, job: dict[str, Any]) -> dict[str, Any]:
     dtype = _dtype_for(config, job.get("dtype", "bfloat16"))
     result["dtype"] = dtype
     llm = None
+    args = {
+        "max_model_len": max((len(w) for w in windows), default=248) + 8,
+        "max_num_seqs": max(len(windows), 1),
+        "enforce_eager": True,
+        "skip_tokenizer_init": True,
+        "kv_cache_dtype": _kv_cache_dtype(folder),
+        "seed": 0,
+    }
+    args.update(job.get("engine_args", {}).get(folder, {}))
+    prompts = job.get("prompts", {}).get(folder, [])
     try:
-        llm = LLM(
-            model=folder,
-            dtype=dtype,
-            max_model_len=max(len(w) for w in windows) + 8,
-            max_num_seqs=max(len(windows), 1),
-            enforce_eager=True,
-            skip_tokenizer_init=True,
-            kv_cache_dtype=_kv_cache_dtype(folder),
-            seed=0,
-            **job.get("engine_args", {}).get(folder, {}),
-        )
+        llm = LLM(model=folder, dtype=dtype, **args)
     except Exception as err:
         result["error"] = {
             "stage": "load",
@@ -268,7 +304,10 @@ def _run_one(folder: str, job: dict[str, Any]) -> dict[str, Any]:
         }
     else:
         try:
-            result.update(_score(llm, windows, job.get("new_tokens", 4)))
+            if windows:  # none for a model whose prompts need more than text (a speech encoder-decoder)
+                result.update(_score(llm, windows, job.get("new_tokens", 4)))
+            if prompts:
+                result["prompts"] = _score_prompts(llm, prompts, job.get("new_tokens", 4))
             result["loaded"] = True
         except Exception as err:
             result["error"] = {

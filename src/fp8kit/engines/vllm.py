@@ -100,14 +100,22 @@ def run_vllm(
     dtype: str = "bfloat16",
     timeout: float | None = 3600,
     emulate_fp4: bool = False,
+    engine_args: dict[str | Path, dict[str, Any]] | None = None,
+    prompts: dict[str | Path, list[dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """Load each of ``folders`` in vLLM (one subprocess, one after the other) and score ``windows`` (``(n,
     seq_len + 1)`` token ids; or a ``{folder: windows}`` map) there. Returns ``{"vllm": version, "results": [per folder]}``; each result holds
     ``loaded``, ``error`` (``{"stage", "text"}`` or ``None``), ``quant_config``, ``layers``, ``weights``,
     ``generated``, ``window_losses`` and ``ppl`` (see ``_vllm_worker``). ``emulate_fp4``: an export refused
     for want of an FP4 kernel is loaded again with vLLM's own FP4 emulation kernels (``emulated``, and the
-    refusal as ``no_kernel``). Raises ``VllmError`` when vLLM is not
-    available or the subprocess died before writing a result for every folder."""
+    refusal as ``no_kernel``). ``engine_args``: per folder, ``vllm.LLM`` keywords over the defaults (a
+    multimodal model needs ``skip_tokenizer_init=False``: its processor reads the tokenizer). ``prompts``: per
+    folder, ``{"prompt": text, "image": H x W x 3 uint8 array}`` or ``{"prompt", "audio": samples,
+    "sampling_rate", "decoder_prompt"}`` (an encoder-decoder's: text and audio to the encoder) items that vLLM
+    runs through its own processor; each folder's result then holds ``prompts``: per item the token ids vLLM
+    built (image placeholders expanded; the decoder's), each token's log-probability after the first, and the
+    greedy tokens. A folder whose windows are empty is scored on its prompts alone. Raises
+    ``VllmError`` when vLLM is not available or the subprocess died before writing a result for every folder."""
     python = os.path.abspath(python) if python else vllm_python()  # the worker runs in a temporary folder
     reason = vllm_unavailable(python)
     if reason:
@@ -127,6 +135,13 @@ def run_vllm(
         "new_tokens": new_tokens,
         "dtype": dtype,
         "emulate_fp4": emulate_fp4,
+        "engine_args": {str(Path(f).absolute()): dict(a) for f, a in (engine_args or {}).items()},
+        "prompts": {
+            str(Path(f).absolute()): [
+                {**p, **{k: _as_list(p[k]) for k in ("image", "audio") if p.get(k) is not None}} for p in items
+            ]
+            for f, items in (prompts or {}).items()
+        },
     }
     with tempfile.TemporaryDirectory(prefix="fp8kit-vllm-") as tmp:
         job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "out.json"
@@ -150,6 +165,11 @@ def run_vllm(
         )
     got["log_tail"] = "\n".join(proc.stderr.strip().splitlines()[-40:])
     return got
+
+
+def _as_list(image: Any) -> list:
+    """An image or audio array (numpy array, tensor or nested lists) as nested lists, for the job file."""
+    return image.tolist() if hasattr(image, "tolist") else list(image)
 
 
 def held_out_windows(tokenizer: Any, n: int = 2, seq_len: int = 256, text: str | Path | None = None) -> torch.Tensor:

@@ -125,12 +125,12 @@ def process_cost(
     whose kernels compile (``compile``). Bytes: the process itself (torch and transformers imported, the
     compiler loaded for a quantized forward) and the encoding's peak. A train run's model and byte tokenizer
     need neither import nor tokenizer; a job that reads no text (``encodes_text`` false) no tokenizer."""
-    from .estimate import tokenize_cost
+    from .estimate import process_floor, tokenize_cost
     from .loading import train_checkpoint
 
     if quantized_forward is None:
         quantized_forward = _is_quantized_export(spec)
-    floor = max(rates.process_bytes, rates.quantized_process_bytes if quantized_forward else 0)
+    floor = process_floor(rates, quantized_forward)
     phases = {"compile": rates.first_quantized_s} if quantized_forward and rates.first_quantized_s else {}
     if spec == "demo" or (Path(spec).is_dir() and train_checkpoint(Path(spec)) is not None):
         return phases, floor

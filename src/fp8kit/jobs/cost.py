@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .estimate import device_flops
+from .estimate import activation_bytes, device_flops
 from .model_shape import ModelShape, model_shape, shape_from_config
 
 __all__ = [
@@ -95,14 +95,6 @@ def host_available_bytes() -> int:
 
 
 # ---- the estimate -----------------------------------------------------------------------------------------
-def activation_bytes(shape: ModelShape, tokens: int, bytes_per_value: int) -> int:
-    """Bytes one micro-batch of ``tokens`` tokens saves for backward: per layer ~17 values per token and
-    hidden unit (Korthikanti et al.: 34 bytes at 16 bits, attention scores aside), plus the FP32 logits
-    and their gradient."""
-    layers = shape.layers * tokens * shape.hidden * 17 * bytes_per_value
-    return layers + 2 * tokens * shape.vocab * 4
-
-
 def forward_bytes(shape: ModelShape, tokens: int, bytes_per_value: int) -> int:
     """Working memory of one forward pass without gradients: a few hidden states and the logits."""
     return 8 * tokens * shape.hidden * bytes_per_value + 2 * tokens * shape.vocab * 4
@@ -146,17 +138,18 @@ def estimate_training(
 ) -> JobCost:
     """Training ``runs`` one after another (``fp8kit train``, ``fp8kit doctor``): the base model in FP32 in
     host RAM, and on ``device`` one run at a time: FP32 master weights, gradients and AdamW moments (16 bytes
-    per parameter; 4 + 4 + 2 with FP8 moments), an FP8 copy of the weights and one micro-batch's activations;
+    per parameter; 4 + 4 + 2 with FP8 moments), an FP8 copy of the weights and one micro-batch's activations
+    (on the CPU with the rates, what the process holds for them: ``estimate.held_activation_bytes``);
     time per run from ``estimate.training_seconds`` (``recipes``: run -> recipe name, ``bf16`` when absent;
     ``eval_tokens``: tokens evaluated per run), or 6 FLOPs per parameter and token at ``flops`` when given."""
     n = shape.params
     per_param = 10 if fp8_optimizer else 16
-    run_bytes = n * (per_param + 1) + activation_bytes(shape, micro_tokens, 2 if device.type == "cuda" else 4)
     if flops is not None:
         step_s = 6 * n * tokens_per_step / flops
         phases = {"load": _load_seconds(shape)} | {run: steps * step_s for run in runs}
+        activations = activation_bytes(shape, micro_tokens, 2 if device.type == "cuda" else 4)
     else:
-        from .estimate import current_rates, load_seconds, training_seconds
+        from .estimate import current_rates, held_activation_bytes, load_seconds, training_seconds
 
         rates = rates or current_rates(device)
         recipes = recipes or {}
@@ -166,6 +159,11 @@ def estimate_training(
             )
             for run in runs
         }
+        if device.type == "cuda":
+            activations = activation_bytes(shape, micro_tokens, 2)
+        else:
+            activations = held_activation_bytes(shape, micro_tokens, 4, rates)
+    run_bytes = n * (per_param + 1) + activations
     if device.type != "cuda":
         return JobCost(what, n, str(device), run_bytes + 4 * n, phases=phases)
     return JobCost(what, n, str(device), run_bytes, host_bytes=4 * n, phases=phases)

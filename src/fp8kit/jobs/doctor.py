@@ -66,7 +66,7 @@ def announce_cost(args: Any, device: torch.device) -> None:
     """The cost line of a doctor run of ``args`` (the command's options): two copies (BF16 and FP8) trained
     side by side, ``--apply``: twice; ``--noise-floor``: one more BF16 run."""
     from .cost import estimate_training
-    from .estimate import current_rates, doctor_rates, step_model
+    from .estimate import current_rates, doctor_rates, process_floor, step_model
 
     shape = shape_of(args.model, args.arch, args.model_size, args.seq_len)
     tokens = args.batch_size * args.seq_len
@@ -83,4 +83,4 @@ def announce_cost(args: Any, device: torch.device) -> None:
         cost.phases["bf16 one ulp off"] = args.steps * bf16
     cost.phases["report"] = 2 * rates.figure_s  # loss.png, heatmaps.png
     cost.device_bytes *= 2  # both copies live at once
-    announce(cost, device, args.force)
+    announce(cost, device, args.force, process_floor(rates, compiles=True))  # the FP8 copy's kernels compile

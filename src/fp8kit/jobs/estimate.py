@@ -7,7 +7,10 @@ layer its attention matmuls and elementwise ops (each a fixed call cost plus its
 (its bytes, a fixed cost per parameter tensor). The output head stays in high precision. A PTQ run prices
 each step of ``ptq.quantize.PIPELINE`` that runs for the scheme and options (the same rule the run uses):
 its passes over the calibration data as forward passes, plus what the step does per layer (the MSE scale
-search, GPTQ's Hessians and column sweep, AWQ's grid), and the export's write.
+search, GPTQ's Hessians and column sweep, AWQ's grid, the kernels the scheme's first quantization compiles),
+and the export's write. Memory: a job's process holds, before its model, what a fresh process that did the
+job's imports holds (``process_floor``), and a training step the activations it saves times a measured
+retention (``held_activation_bytes``).
 
 ``current_rates`` measures the rates once per machine (``planner.roofline.cpu_roofline`` on the CPU, about a
 minute on a loaded 2-core machine) and caches them under ``cache_dir()/rates``; ``set_rates`` fixes them
@@ -36,11 +39,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Rates",
+    "activation_bytes",
     "current_rates",
     "doctor_rates",
     "set_rates",
     "forward_seconds",
+    "held_activation_bytes",
     "load_seconds",
+    "process_floor",
     "ptq_phases",
     "training_seconds",
 ]
@@ -62,7 +68,9 @@ class Rates:
     from the model: the demo decoder's measured forward and, per recipe, training step over their modelled
     seconds (``forward_scale``, ``step_scale``; 1 when not measured), one report figure's seconds, and per
     recipe the doctor's step (both copies, its statistics) over the modelled BF16 + FP8 steps, with its fixed
-    seconds (diagnosis, the report's data)."""
+    seconds (diagnosis, the report's data). The process around the model is measured in fresh processes
+    (``_probe``): its imports, a tokenizer's rate and memory, the first quantized forward, a training step's
+    memory and each PTQ scheme's first quantization."""
 
     roofline: GPU
     load_bytes_per_s: float
@@ -73,12 +81,17 @@ class Rates:
     doctor: dict[str, tuple[float, float]] = field(default_factory=dict)  # recipe -> (step scale, fixed seconds)
     # the process around the model (``_process_rates``; 0: not measured)
     import_s: float = 0.0  # importing transformers' causal-LM classes in a fresh process
-    process_bytes: int = 0  # resident memory of a process that imported torch and those classes
+    process_bytes: int = 0  # peak resident memory of a process that did what a job does before its cost line
     tokenize_bytes_per_s: float = 0.0  # a byte-level Hugging Face fast tokenizer encoding text into a tensor
-    tokenize_bytes_per_token: float = 0.0  # the resident memory that encoding holds per token
+    tokenize_bytes_per_token: float = 0.0  # the peak memory that encoding takes per token (its lists, the tensor)
     tokenize_overhead: float = 1.0  # transformers' tokenizer call over the bare ``tokenizers`` encode it wraps
     first_quantized_s: float = 0.0  # a process's first forward through PTQ's layers (their kernels compile)
     quantized_process_bytes: int = 0  # resident memory of a process after that forward (the compiler loaded)
+    # a BF16 training step's peak growth (the demo decoder) beyond its state, over its modelled activations
+    # (0: not measured)
+    step_memory_scale: float = 0.0
+    # per PTQ scheme: a process's first quantization beyond a later one (the kernels it compiles)
+    first_quantize_s: dict[str, float] = field(default_factory=dict)
 
     def layer_call_s(self, recipe: str) -> float:
         """Fixed seconds per Linear and training step with ``recipe``: measured, else the roofline's
@@ -113,9 +126,12 @@ def _cache_file(device: torch.device) -> Path:
     return cache_dir() / "rates" / f"{key}.json"
 
 
-def current_rates(device: torch.device, recipes: list[str] | tuple[str, ...] = ()) -> Rates:
+def current_rates(
+    device: torch.device, recipes: list[str] | tuple[str, ...] = (), schemes: list[str] | tuple[str, ...] = ()
+) -> Rates:
     """This machine's ``Rates`` for ``device``: from the cache file, else measured now and cached; each of
-    ``recipes`` missing from it gets its per-call cost measured (CPU) and cached too."""
+    ``recipes`` missing from it gets its per-call cost measured (CPU) and cached too, and each PTQ scheme of
+    ``schemes`` its first quantization's extra seconds (``_probe("quantize", scheme)``, CPU)."""
     from ..planner.roofline import GPU
 
     if _FIXED:
@@ -127,16 +143,21 @@ def current_rates(device: torch.device, recipes: list[str] | tuple[str, ...] = (
             data = json.loads(path.read_text())
             data["roofline"] = GPU(**{**data["roofline"], "capability": tuple(data["roofline"]["capability"])})
             data["doctor"] = {k: tuple(v) for k, v in data.get("doctor", {}).items()}
-            rates = Rates(**data)
+            rates = Rates(**{k: v for k, v in data.items() if k in Rates.__dataclass_fields__})  # newer fields: kept
         except (ValueError, KeyError, TypeError):
             rates = None
     if rates is None:
         print(f"fp8kit: measuring this machine's rates for the estimates, once (cached in {path})", file=sys.stderr)
         rates = _measure(device)
-    if not rates.tokenize_bytes_per_token:  # a cache written before these were measured
+    if not rates.step_memory_scale:  # a cache written before these were measured
         rates = replace(rates, **_process_rates())
         _MEMO.pop(str(path), None)
     missing = [r for r in recipes if r not in rates.step_scale and device.type == "cpu"]
+    new_schemes = [q for q in schemes if q not in rates.first_quantize_s and device.type == "cpu"]
+    if new_schemes:
+        first = {q: _probe("quantize", q)[0] for q in new_schemes}
+        rates = replace(rates, first_quantize_s=rates.first_quantize_s | first)
+        _MEMO.pop(str(path), None)
     if missing or str(path) not in _MEMO:
         if missing:
             from ..planner.roofline import step_seconds
@@ -262,22 +283,37 @@ def _figure_seconds() -> float:
 
 
 # What a job's process costs besides its model, each measured in a fresh process: ``python -c PROBE ARG``
-# prints its seconds and its peak resident bytes (``ru_maxrss``).
+# prints its seconds and its own peak resident bytes (``VmHWM``; ``ru_maxrss`` where there is no /proc, though it
+# carries the parent's peak over a spawn). ``job_floor`` does what every job does before its
+# cost line: imports fp8kit's CLI and builds a transformers causal LM (the demo decoder, on the meta device), whose
+# model classes pull in torch's compiler stack (dynamo, inductor, sympy), torchao and scipy.
 _PROBE = """
-import resource, sys, time
-def rss():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+import os, resource, sys, time
+def rss():  # the process's own peak: VmHWM (ru_maxrss keeps the parent's peak across fork and exec)
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+def resident():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def job_floor():
+    import fp8kit.cli
+    from fp8kit.models import build_demo
+    with torch.device("meta"):
+        build_demo("dense", "small", max_seq_len=128)
 import torch
 t0 = time.perf_counter()
 if sys.argv[1] == "transformers":
     from transformers import AutoModelForCausalLM
-elif sys.argv[1] == "tokenize":  # prints seconds, resident bytes held, seconds of the bare tokenizers call
-    import os
+    seconds = time.perf_counter() - t0
+    job_floor()
+    print(seconds, rss())
+    sys.exit()
+elif sys.argv[1] == "tokenize":  # prints seconds, the peak's growth, seconds of the bare tokenizers call
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
-    def resident():
-        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     bare = Tokenizer(models.BPE(vocab={c: b for b, c in bytes_to_unicode().items()}, merges=[]))
     bare.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok = PreTrainedTokenizerFast(tokenizer_object=bare)
@@ -289,9 +325,11 @@ elif sys.argv[1] == "tokenize":  # prints seconds, resident bytes held, seconds 
     t0 = time.perf_counter()
     encoded = tok(text, add_special_tokens=False)
     ids = torch.tensor(encoded["input_ids"])
-    print(time.perf_counter() - t0, resident() - before, raw)
+    print(time.perf_counter() - t0, rss() - before, raw)
     sys.exit()
 elif sys.argv[1] == "quantized":
+    job_floor()
+    t0 = time.perf_counter()
     from fp8kit import ptq
     model = ptq.quantize(torch.nn.Sequential(torch.nn.Linear(64, 64)), "fp8-dynamic")
     x = torch.randn(8, 64)
@@ -300,32 +338,68 @@ elif sys.argv[1] == "quantized":
         t1 = time.perf_counter()
         model(x)
         t0 += time.perf_counter() - t1  # the first forward beyond a later one
+elif sys.argv[1] == "quantize":  # PTQ of a two-layer model with GPTQ: the first run beyond a second one
+    job_floor()
+    import copy
+    from fp8kit import ptq
+    torch.manual_seed(0)
+    base, x = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)), torch.randn(8, 64)
+    times = []
+    for _ in range(2):
+        model = copy.deepcopy(base)
+        t0 = time.perf_counter()
+        ptq.quantize(model, sys.argv[2], lambda m: m(x), gptq=True, progress=False)
+        times.append(time.perf_counter() - t0)
+    print(times[0] - times[1], rss())
+    sys.exit()
+elif sys.argv[1] == "train":  # prints the peak's growth over the floor of 3 BF16 steps (AdamW) of the demo decoder
+    job_floor()
+    from fp8kit.models import build_demo
+    floor = resident()
+    model = build_demo("dense", "small", max_seq_len=128)
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randint(0, 256, (int(sys.argv[2]), 128))
+    for _ in range(3):
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    print(0.0, max(rss() - floor, 0))
+    sys.exit()
 print(time.perf_counter() - t0, rss())
 """
 
 
-def _probe(what: str) -> tuple[float, ...]:
-    """``(seconds, bytes)`` of ``_PROBE`` run for ``what``: ``torch`` (the floor), ``transformers`` (importing its
-    causal-LM classes after torch; the process's peak), ``tokenize`` (2 MiB of text encoded by a Hugging Face
-    fast tokenizer into a tensor; the peak's growth), ``quantized`` (a process's first forward through a PTQ
-    layer beyond a later one, whose kernels compile or come from the compiler's cache; the process's peak);
-    ``(0, 0)`` when it cannot run."""
+def _probe(what: str, *args: str) -> tuple[float, ...]:
+    """``(seconds, bytes)`` of ``_PROBE`` run for ``what``: ``transformers`` (the seconds of importing its
+    causal-LM classes after torch; the peak of a process that did ``job_floor``), ``tokenize`` (2 MiB of text
+    encoded by a Hugging Face fast tokenizer into a tensor; the peak's growth), ``quantized`` (after ``job_floor``,
+    a process's first forward through a PTQ layer beyond a later one, whose kernels compile or come from the
+    compiler's cache; the process's peak), ``train BATCH`` (the peak's growth over ``job_floor`` of 3 BF16 training
+    steps of the demo decoder on ``BATCH`` x 128 tokens); ``(0, 0)`` when it cannot run."""
     import subprocess
 
     try:
         out = subprocess.run(
-            [sys.executable, "-c", _PROBE, what], capture_output=True, text=True, timeout=600, check=True
+            [sys.executable, "-c", _PROBE, what, *args], capture_output=True, text=True, timeout=600, check=True
         )
         return tuple(max(float(v), 0.0) for v in out.stdout.splitlines()[-1].split())
     except (OSError, ValueError, IndexError, subprocess.SubprocessError):
         return (0.0, 0.0, 0.0) if what == "tokenize" else (0.0, 0.0)
 
 
+_PROBE_BATCH = 16  # sequences of 128 tokens per step of the ``train`` probe (``fp8kit train``'s default)
+
+
 def _process_rates() -> dict[str, float]:
-    """The ``Rates`` fields a job's process adds to its model: imports, tokenizing, the first quantized forward."""
+    """The ``Rates`` fields a job's process adds to its model: imports, tokenizing, the first quantized forward,
+    and how much memory a training step holds beyond the modelled state and activations."""
     imports, process = _probe("transformers")
     tokenize, tokenize_bytes, bare = _probe("tokenize")
     first_quantized, quantized_process = _probe("quantized")
+    _, grown = _probe("train", str(_PROBE_BATCH))
+    shape = _demo_shape()
+    state = 16 * shape.params  # FP32 weights, gradients, AdamW's two moments
+    modelled = activation_bytes(shape, _PROBE_BATCH * 128, 4)
     return {
         "import_s": imports,
         "process_bytes": int(process),
@@ -334,7 +408,39 @@ def _process_rates() -> dict[str, float]:
         "tokenize_overhead": tokenize / bare if bare else 1.0,
         "first_quantized_s": first_quantized,
         "quantized_process_bytes": int(quantized_process),
+        "step_memory_scale": max((grown - state) / modelled, 1.0) if grown else 1.0,
     }
+
+
+def _demo_shape() -> ModelShape:
+    """The demo decoder's shape (built on the meta device), as the probes build it."""
+    from ..models import build_demo
+    from .model_shape import module_shape
+
+    with torch.device("meta"):
+        return module_shape(build_demo("dense", "small", max_seq_len=128))
+
+
+def activation_bytes(shape: ModelShape, tokens: int, bytes_per_value: int) -> int:
+    """Bytes one micro-batch of ``tokens`` tokens saves for backward: per layer ~17 values per token and
+    hidden unit (Korthikanti et al.: 34 bytes at 16 bits, attention scores aside), plus the FP32 logits
+    and their gradient."""
+    layers = shape.layers * tokens * shape.hidden * 17 * bytes_per_value
+    return layers + 2 * tokens * shape.vocab * 4
+
+
+def held_activation_bytes(shape: ModelShape, tokens: int, bytes_per_value: int, rates: Rates) -> int:
+    """What one training micro-batch of ``tokens`` tokens holds in a CPU process: its saved activations
+    (``activation_bytes``) times ``rates.step_memory_scale`` (the allocator keeps the blocks a step freed
+    and the backward's temporaries beside them)."""
+    return int(activation_bytes(shape, tokens, bytes_per_value) * (rates.step_memory_scale or 1.0))
+
+
+def process_floor(rates: Rates, compiles: bool) -> int:
+    """Resident bytes of a job's process before its model: one that did what every job does before its cost
+    line (``job_floor``), and, when the job runs fp8kit's compiled kernels (``compiles``: an FP8 training recipe,
+    a pass through PTQ's layers), one that also ran them once (the compiler loaded)."""
+    return max(rates.process_bytes, rates.quantized_process_bytes if compiles else 0)
 
 
 def _timed(fn: Any, device: torch.device, reps: int = 5) -> float:
@@ -408,7 +514,7 @@ def tokenizer_sample(folder: Path | None, text: str) -> tuple[float, float] | No
 def tokenize_cost(text_bytes: int, rates: Rates, sample: tuple[float, float] | None = None) -> tuple[float, int]:
     """``(seconds, bytes)`` of encoding ``text_bytes`` of text into a tensor of token ids through transformers:
     ``sample``'s seconds (``tokenizer_sample``, of these texts) times the wrapper's measured overhead, else at the
-    measured byte-level tokenizer's rate (a token per byte); the memory, the measured bytes held per token."""
+    measured byte-level tokenizer's rate (a token per byte); the memory, the measured peak bytes per token."""
     if sample is not None:
         seconds, per_byte = sample[0] * rates.tokenize_overhead, sample[1]
     else:
@@ -546,6 +652,7 @@ def ptq_phases(
                                for i, o in body)  # fmt: skip
             else:
                 seconds += sum(3 * i * o / r.cast_bytes_per_s + r.cast_call_s for i, o in body)
+            seconds += rates.first_quantize_s.get(scheme.removesuffix("+kv"), 0.0)  # its kernels compile
         if seconds > 0:
             phases[step.name] = seconds
     if export:

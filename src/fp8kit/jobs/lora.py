@@ -25,7 +25,7 @@ from ..data.splits import available_windows
 from ..ptq.linear import QuantLinear
 from .quantize import load_splits
 
-__all__ = ["LoraRun", "lora_finetune"]
+__all__ = ["LoraRun", "lora_finetune", "train_adapters"]
 
 
 @dataclass
@@ -97,6 +97,23 @@ def lora_finetune(
     held_out = windows(splits.dev, n_eval, eval_seq_len, splits.block)
     targets = sorted({n.rsplit(".", 1)[-1] for n in quantized})
     model = peft.get_peft_model(model, lora_config(r=rank, lora_alpha=2 * rank, target_modules=targets))
+    before, after = train_adapters(model, train, held_out, steps, lr)
+    out = Path(out)
+    model.save_pretrained(str(out))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return model, LoraRun(before, after, trainable, len(quantized), steps, out)
+
+
+def train_adapters(
+    model: nn.Module,
+    train: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    held_out: torch.Tensor,
+    steps: int,
+    lr: float,
+) -> tuple[float, float]:
+    """The LoRA training loop: AdamW (no weight decay) on ``model``'s trainable parameters with a cosine decay
+    from ``lr``, ``steps`` batches of ``train`` (token windows, cycled) on the next-token cross-entropy; returns
+    the mean loss on ``held_out`` windows before and after."""
     params = [p for p in model.parameters() if p.requires_grad]
     before = _dev_loss(model, held_out)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -113,7 +130,4 @@ def lora_finetune(
         opt.step()
         sched.step()
     model.eval()
-    after = _dev_loss(model, held_out)
-    out = Path(out)
-    model.save_pretrained(str(out))
-    return model, LoraRun(before, after, sum(p.numel() for p in params), len(quantized), steps, out)
+    return before, _dev_loss(model, held_out)

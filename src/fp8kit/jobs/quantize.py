@@ -47,6 +47,7 @@ __all__ = [
     "quantize_pretrained_sequential",
     "sequential_source",
     "settings_text",
+    "text_inputs",
 ]
 
 
@@ -87,10 +88,30 @@ def calibration_loop(splits: PTQSplits, batches: int, batch_size: int = 4, seq_l
     def forward_loop(model: nn.Module) -> None:
         device = model_device(model)
         for x in data:
-            model(input_ids=x.to(device))
+            model(**text_inputs(model, x.to(device)))
 
     forward_loop.batches = len(data)  # type: ignore[attr-defined]  # the progress bars' total
     return forward_loop
+
+
+def text_inputs(model: nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The forward keywords that run ``model`` on the token batch ``ids``: ``input_ids``; for a Whisper-like
+    speech-to-text encoder-decoder (first input ``input_features``: ``num_mel_bins`` x twice
+    ``max_source_positions`` frames), the tokens as ``decoder_input_ids`` after all-zero input features of
+    the encoder's full length, so the text reaches the decoder and no audio the encoder."""
+    if getattr(model, "main_input_name", "input_ids") != "input_features":
+        return {"input_ids": ids}
+    cfg = model.config
+    if not all(isinstance(getattr(cfg, k, None), int) for k in ("num_mel_bins", "max_source_positions")):
+        raise ValueError(
+            f"{type(model).__name__}: fp8kit's calibration builds input features for Whisper-like encoders only "
+            "(num_mel_bins, max_source_positions); calibrate it with its own audio through "
+            "fp8kit.ptq.quantize(model, scheme, forward_loop)"
+        )
+    frames = 2 * cfg.max_source_positions  # Whisper-like encoders halve the frames once (a stride-2 convolution)
+    dtype = next(model.parameters()).dtype
+    features = torch.zeros(ids.shape[0], cfg.num_mel_bins, frames, dtype=dtype, device=ids.device)
+    return {"input_features": features, "decoder_input_ids": ids}
 
 
 def load_splits(text: str | None, tokenizer, second_text: bool = True) -> list[PTQSplits]:
@@ -197,6 +218,8 @@ def quantize_pretrained(
     kw = ptq_settings(scheme, calibration, alpha, smooth, gptq, awq, keep_bf16, quantizable_layers(model), norm_tweak)
     if towers:
         _check_towers_calibrate(scheme, kw)
+    if getattr(model, "main_input_name", "input_ids") == "input_features":
+        _check_speech_calibrate(scheme, kw)
     quantize(model, scheme.removesuffix("+kv"), loop, progress=progress, attention=attention, towers=towers, **kw)
     return model, tokenizer, splits
 
@@ -216,6 +239,25 @@ def _check_towers_calibrate(scheme: str, settings: dict[str, Any]) -> None:
         )
 
 
+def _check_speech_calibrate(scheme: str, settings: dict[str, Any]) -> None:
+    """Calibration text reaches a speech model's decoder after zero input features, not after speech
+    (``text_inputs``): its cross-attention would be calibrated on no audio. Refuse what needs calibrated
+    activations."""
+    from ..ptq.schemes import get_scheme
+
+    needs = [k for k in ("gptq", "awq", "smooth") if settings.get(k)]
+    needs += [k.replace("_", "-") for k in ("keep_bf16", "norm_tweak") if settings.get(k)]
+    if get_scheme(scheme.removesuffix("+kv")).act_strategy in ("tensor", "nvfp4") or settings.get("kv_cache"):
+        needs.append(f"{scheme}'s static activation scales")
+    if needs:
+        raise ValueError(
+            f"a speech-to-text model calibrates on text after silent audio here, so {', '.join(needs)} would fit "
+            "no audio: use a dynamic or weight-only scheme (fp8-dynamic, int8-weight-only) with --no-gptq --no-awq "
+            "(and --keep-bf16 0 --norm-tweak 0 where set), or calibrate with real audio through "
+            "fp8kit.ptq.quantize(model, scheme, forward_loop)"
+        )
+
+
 def sequential_source(model_name: str) -> Path | None:
     """The Hugging Face folder of ``model_name`` when it can be quantized layer by layer (safetensors
     weights in high precision, or FP4 ones ``ptq.sequential.Checkpoint`` dequantizes layer by layer; not an
@@ -223,14 +265,14 @@ def sequential_source(model_name: str) -> Path | None:
     import json
 
     from ..export.fp4_checkpoints import fp4_layout
-    from ..models.pretrained import is_multimodal_config, pretrained_dir
+    from ..models.pretrained import is_multimodal_config, is_speech_seq2seq_config, pretrained_dir
     from .loading import train_checkpoint
 
     if train_checkpoint(Path(model_name)) is not None:
         return None
     path = pretrained_dir(model_name)
     raw = json.loads((path / "config.json").read_text())
-    if is_multimodal_config(raw):  # a skeleton is built as a causal LM: a multimodal model loads whole
+    if is_multimodal_config(raw) or is_speech_seq2seq_config(raw):  # a skeleton is a causal LM: these load whole
         return None
     readable = raw.get("quantization_config") is None or fp4_layout(path, raw) is not None
     return path if readable and any(path.glob("*.safetensors")) else None
@@ -323,7 +365,7 @@ def ptq_cost(args: Any, device: torch.device, scheme: str) -> tuple[dict[str, fl
     from .estimate import current_rates, load_seconds, ptq_phases
 
     shape = shape_of(args.model)
-    rates = current_rates(device)
+    rates = current_rates(device, schemes=[scheme.removesuffix("+kv")])
     settings = ptq_settings(
         scheme, args.calibration, args.alpha, args.smooth, args.gptq, args.awq, args.keep_bf16,
         sum(1 for d in shape.gemms if d[1] != shape.vocab) or 210, args.norm_tweak,

@@ -25,6 +25,7 @@ def announce_cost(cfg: TrainConfig, force: bool) -> None:
     from ..train.checks import fixed_recipes
     from ..train.loop import run_names
     from .cost import estimate_training
+    from .estimate import process_floor
 
     device = resolve_device(cfg.device, recipe=fixed_recipes(cfg.recipes), emulate=cfg.emulate)
     shape = shape_of(cfg.model, cfg.arch, cfg.model_size, cfg.seq_len)
@@ -38,7 +39,7 @@ def announce_cost(cfg: TrainConfig, force: bool) -> None:
         rates=(rates := _rates(device, runs)),
     )  # fmt: skip
     cost.phases["report"] = rates.figure_s  # loss.png
-    announce(cost, device, force)
+    announce(cost, device, force, process_floor(rates, compiles=any(run != "bf16" for run in runs)))
 
 
 def _rates(device: Any, runs: list[str]) -> Any:

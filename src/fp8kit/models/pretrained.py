@@ -127,6 +127,8 @@ def load_pretrained_lm(
     cls = AutoModelForCausalLM
     if is_multimodal_config(raw):  # its language model is calibrated and scored on text; towers stay as they are
         from transformers import AutoModelForImageTextToText as cls
+    elif is_speech_seq2seq_config(raw):  # an audio encoder and a text decoder (Whisper-like)
+        from transformers import AutoModelForSpeechSeq2Seq as cls
     model = cls.from_pretrained(path, dtype=dtype, device_map=_device_map(device))
     return model, HFTokenizer(tok)
 
@@ -138,6 +140,16 @@ def is_multimodal_config(config: dict[str, Any]) -> bool:
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     return "vision_config" in config and config.get("model_type") in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
+def is_speech_seq2seq_config(config: dict[str, Any]) -> bool:
+    """Whether a ``config.json`` describes a speech-to-text encoder-decoder (Whisper-like: an audio encoder, a
+    text decoder): an encoder-decoder whose model type is in transformers' speech-seq2seq mapping."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
+
+    return (
+        bool(config.get("is_encoder_decoder")) and config.get("model_type") in MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
+    )
 
 
 def _device_map(device: str | torch.device) -> str | None:

@@ -141,6 +141,12 @@ class PTQOptions:
         )
 
 
+UNREACHED = (
+    "never ran during calibration (the forward_loop does not reach it, e.g. a vision or encoder part fed no input), "
+    "so no static input scale: kept in high precision"
+)
+
+
 @dataclass
 class _Run:
     """What the steps of one ``quantize`` call share: the inputs, and what each step leaves for the next."""
@@ -300,6 +306,11 @@ def _observe(run: _Run) -> None:
         )
     run.expert_observers = expert_observers
     run.report.expert_tokens = {n: o.tokens.tolist() for n, o in expert_observers.items()}
+    if run.scheme.static_activations:  # a layer the calibration never reaches has no static scale: kept high
+        for name in [n for n in run.targets if run.observers[n].batches == 0]:
+            run.targets.remove(name)
+            del run.observers[name]
+            run.report.skipped[name] = UNREACHED
 
 
 def _smooth(run: _Run) -> None:

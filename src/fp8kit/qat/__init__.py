@@ -6,7 +6,7 @@ in the forward pass, straight-through gradients), ``distill`` (KL to a high-prec
 from .distill import QAD_BATCH_SIZE, QAD_LR, QAD_SEQ_LEN, DistillResult, distill, distill_loss, kl_to_teacher
 from .linear import QATLinear
 from .lora import lora_config, merge_lora
-from .prepare import convert, prepare, qat_layers
+from .prepare import convert, from_ptq, prepare, qat_layers
 
 __all__ = [
     "QAD_BATCH_SIZE",
@@ -17,6 +17,7 @@ __all__ = [
     "convert",
     "distill",
     "distill_loss",
+    "from_ptq",
     "kl_to_teacher",
     "lora_config",
     "merge_lora",

@@ -8,6 +8,12 @@ holding the same weight and bias parameters. At that point the model computes wh
 of the scheme computes on ``QuantLinear``'s reference path. MoE experts modules stay in high precision
 (reported in ``qat_report.skipped``).
 
+``from_ptq`` starts training from a model ``ptq.quantize`` made instead (GPTQ, AWQ and the calibrated scales
+kept): each ``QuantLinear`` becomes a ``QATLinear`` whose master weight is the layer's dequantized weight and whose
+static input amax is the one PTQ calibrated. Re-quantizing a dequantized weight gives back its codes wherever the
+block's (or tensor's) largest code is the format's largest, so the model starts where PTQ ended (step 0 within
+float rounding of the PTQ model's logits, not bit for bit in general).
+
 ``convert`` swaps each ``QATLinear`` for the ``QuantLinear`` that ``QuantLinear.from_linear`` makes of its
 current master weight, calibrated (or learned) input amax and shared NVFP4 weight scale (learned weight
 clipping values: the codes and scales they give), and stores the ``ptq_report`` the exports read, so
@@ -22,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from ..nn.convert import is_output_head
-from ..numerics.scaling import compute_scale, dequant_scale, parse_granularity
+from ..numerics.scaling import NVFP4_TENSOR_MAX, compute_scale, dequant_scale, parse_granularity
 from ..numerics.tensor import quantize as fp8_quantize
 from ..ptq.calibrate import choose_amax, observe_inputs
 from ..ptq.experts import find_experts
@@ -34,7 +40,7 @@ from ..ptq.schemes import Scheme, get_scheme
 from ..ptq.smoothquant import find_mappings
 from .linear import QATLinear
 
-__all__ = ["convert", "prepare", "qat_layers"]
+__all__ = ["convert", "from_ptq", "prepare", "qat_layers"]
 
 
 def qat_layers(model: nn.Module) -> dict[str, QATLinear]:
@@ -140,6 +146,57 @@ def prepare(
                 for m in group:
                     m._group = group
     report.input_amax = dict(amax)
+    object.__setattr__(model, "qat_report", report)
+    return model
+
+
+def _input_amax(layer: QuantLinear, calibrated: float | None) -> float | None:
+    """The static input amax a PTQ layer was made with: the report's calibrated value, else the stored scale's."""
+    if layer.input_scale is None:
+        return None
+    if calibrated is not None:
+        return float(calibrated)
+    top = NVFP4_TENSOR_MAX if layer.scheme.act_strategy == "nvfp4" else layer.scheme.act_format.max
+    return float(layer.input_scale.float().reshape(())) * top
+
+
+@torch.no_grad()
+def from_ptq(model: nn.Module, learn_scales: bool = False) -> nn.Module:
+    """Swap the ``QuantLinear`` layers of a model ``fp8kit.ptq.quantize`` made for ``QATLinear`` layers of the
+    same scheme in place (module doc); returns the model, ready for ``distill`` and ``convert``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"from_ptq() takes an nn.Module, got {type(model).__name__}")
+    found = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    if not found:
+        raise ValueError(
+            "from_ptq() takes a model quantized by fp8kit.ptq.quantize (it holds no QuantLinear layer); "
+            "for a float model use fp8kit.qat.prepare(model, scheme, forward_loop)"
+        )
+    schemes = {m.scheme.name for m in found.values()}
+    if len(schemes) > 1:
+        raise ValueError(f"from_ptq() trains one scheme; this model mixes {sorted(schemes)} (a mixed-precision plan)")
+    ptq_report = getattr(model, "ptq_report", None)
+    calibrated = dict(ptq_report.input_amax) if ptq_report is not None else {}
+    scheme = found[next(iter(found))].scheme
+    layers = {}
+    for name, q in found.items():
+        linear = nn.Linear(q.in_features, q.out_features, bias=q.bias is not None, device=q.weight.device)
+        linear.weight.copy_(q.dequantized_weight(torch.float32))
+        if q.bias is not None:
+            linear.bias.copy_(q.bias.float())
+        layers[name] = QATLinear(linear, scheme, _input_amax(q, calibrated.get(name)), learn_scales, name)
+        swap_submodule(model, name, layers[name])
+    if scheme.weight_strategy == "nvfp4":
+        for mapping in find_mappings(model, set(layers)):
+            if len(mapping.targets) > 1:
+                group = tuple(layers[t] for t in mapping.targets)
+                for m in group:
+                    m._group = group
+    report = PTQReport(scheme.name, calibration=ptq_report.calibration if ptq_report is not None else None)
+    if ptq_report is not None:
+        report.skipped = dict(ptq_report.skipped)
+    report.input_amax = {n: float(m.input_amax.detach()) for n, m in layers.items() if m.input_amax is not None}
+    model.__dict__.pop("ptq_report", None)
     object.__setattr__(model, "qat_report", report)
     return model
 
