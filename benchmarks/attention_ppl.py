@@ -1,11 +1,16 @@
 r"""FP8 attention on SmolLM2-135M: held-out perplexity of ``fp8-dynamic`` with and without FP8 attention.
 
-Scores, on the same KJV test windows: the BF16 model, ``fp8-dynamic`` (round to nearest, no GPTQ), and
-``fp8-dynamic`` + FP8 attention (``fp8kit.nn.attention``: Q, K, V, P in E4M3), per tensor and per head, with
-each call's own scales (dynamic) or with static scales calibrated on the calibration split
-(``calibrate_fp8_attention``, max over ``--calib-batches`` x 4 x 128 tokens), and in MXFP8 blocks. Prints each perplexity and the
-paired change vs ``fp8-dynamic`` alone and vs BF16.
+Scores, on the same KJV windows (``--split test`` to report, ``--split dev`` to choose): the BF16 model,
+``fp8-dynamic`` (round to nearest, no GPTQ), and ``fp8-dynamic`` + FP8 attention (``fp8kit.nn.attention``:
+Q, K, V, P in E4M3), per tensor and per head, with static scales calibrated on the calibration split
+(``calibrate_fp8_attention``, max over ``--calib-batches`` x 4 x ``--calib-seq-len`` tokens; P's static scale
+``P_STATIC_DEQUANT``, with ``--p448`` also ``1 / 448`` and its one-ulp neighbour), with each call's own scales
+(``--dynamic``), in MXFP8 blocks (``--mx``), and with torchao's ``apply_low_precision_attention`` where it
+runs (else its error). Prints each perplexity and the paired change per window (mean ± standard error) vs
+``fp8-dynamic`` alone and vs BF16. ``--ulp`` also scores ``fp8-dynamic`` with its embeddings moved by one
+float32 ulp: the spread FP8 rounding alone gives two equal models.
 
+    python benchmarks/attention_ppl.py --windows 8 --split dev --p448 --ulp
     python benchmarks/attention_ppl.py --windows 16
 """
 
@@ -19,37 +24,99 @@ import torch
 
 from fp8kit.data import windows
 from fp8kit.data.evaluation import window_losses, window_summary
+from fp8kit.data.splits import available_windows
 from fp8kit.jobs.quantize import calibration_loop, load_splits
 from fp8kit.models.pretrained import load_pretrained_lm
-from fp8kit.nn.attention import AttentionRecipe, calibrate_fp8_attention, enable_fp8_attention
+from fp8kit.nn.attention import (
+    AttentionRecipe,
+    attention_states,
+    calibrate_fp8_attention,
+    enable_fp8_attention,
+    set_static_scales,
+    static_scales,
+)
 from fp8kit.ptq import quantize
+
+
+def with_p_dequant(model: torch.nn.Module, dequant: float) -> torch.nn.Module:
+    """``model`` (calibrated static FP8 attention) with P's static dequantization multiplier set to ``dequant``."""
+    for st in attention_states(model).values():
+        kept = static_scales(st)
+        set_static_scales(st, {**kept, "p": torch.full_like(kept["p"], dequant)})
+    return model
+
+
+def torchao_model(dyn: torch.nn.Module) -> torch.nn.Module | str:
+    """``dyn`` with torchao's ``apply_low_precision_attention``, or why it does not run here."""
+    try:
+        from torchao.prototype.attention import apply_low_precision_attention
+
+        model = copy.deepcopy(dyn)
+        model.config.use_cache = False
+        return apply_low_precision_attention(model)
+    except Exception as err:  # report, do not stop the fp8kit rows
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--windows", type=int, default=16, help="KJV test windows")
+    p.add_argument("--windows", type=int, default=16, help="KJV held-out windows")
+    p.add_argument(
+        "--split", choices=("dev", "test"), default="test", help="held-out windows: dev to choose, test to report"
+    )
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--calib-batches", type=int, default=8)
+    p.add_argument("--calib-batches", type=int, default=8, help="calibration batches of 4 sequences")
+    p.add_argument("--calib-seq-len", type=int, default=128, help="calibration sequence length")
+    p.add_argument("--dynamic", action="store_true", help="also score per-call (dynamic) Q, K, V scales")
+    p.add_argument("--p448", action="store_true", help="also score P's static scale 1 / 448 and one ulp above")
+    p.add_argument("--mx", action="store_true", help="also score MXFP8 attention")
+    p.add_argument("--ulp", action="store_true", help="also score fp8-dynamic with embeddings one ulp up")
     p.add_argument("--only", default=None, help="score only the FP8 attention settings whose name contains this")
     args = p.parse_args()
     torch.manual_seed(0)
     base, tok = load_pretrained_lm("smollm2")
     base.eval()
     (kjv,) = load_splits(None, tok, False)
-    test = windows(kjv.test, args.windows, args.seq_len, kjv.block)
-    print(f"KJV test: {test.shape[0]} windows x {args.seq_len} tokens; torch threads {torch.get_num_threads()}")
+    held = kjv.split(args.split)
+    n = min(args.windows, available_windows(held, args.seq_len, kjv.block))
+    test = windows(held, n, args.seq_len, kjv.block)
+    print(f"KJV {args.split}: {test.shape[0]} windows x {args.seq_len} tokens; torch threads {torch.get_num_threads()}")
     dyn = quantize(copy.deepcopy(base), "fp8-dynamic")
-    settings = {"bf16": base, "fp8-dynamic": dyn}
+    settings: dict[str, torch.nn.Module] = {"bf16": base, "fp8-dynamic": dyn}
+    if args.ulp:
+        nudged = copy.deepcopy(dyn)
+        emb = nudged.get_input_embeddings().weight
+        with torch.no_grad():
+            emb.copy_(torch.nextafter(emb, torch.full_like(emb, float("inf"))))
+        settings["fp8-dynamic, embeddings + 1 ulp"] = nudged
     for scales, scaling in (("dynamic", "current"), ("static", "delayed")):
+        if scales == "dynamic" and not args.dynamic:
+            continue
         for gran in ("tensor", "head"):
             model = copy.deepcopy(dyn)
             enable_fp8_attention(model, AttentionRecipe(scaling, gran))
             if scaling == "delayed":
-                calibrate_fp8_attention(model, calibration_loop(kjv, args.calib_batches))
+                calibrate_fp8_attention(model, calibration_loop(kjv, args.calib_batches, seq_len=args.calib_seq_len))
+                if args.p448:
+                    d448 = torch.tensor(1 / 448, dtype=torch.float32)
+                    settings[f"+ FP8 attention, static, per {gran}, P 1/448"] = with_p_dequant(
+                        copy.deepcopy(model), float(d448)
+                    )
+                    if gran == "tensor":  # the multiplier one ulp above 448: 1 / d rounds to 448.00006
+                        up = float(torch.nextafter(d448, torch.tensor(0.0)))
+                        settings[f"+ FP8 attention, static, per {gran}, P 1/448 - 1 ulp"] = with_p_dequant(
+                            copy.deepcopy(model), up
+                        )
             settings[f"+ FP8 attention, {scales}, per {gran}"] = model
-    mx = copy.deepcopy(dyn)
-    enable_fp8_attention(mx, "mxfp8")
-    settings["+ FP8 attention, MXFP8 blocks"] = mx
+    if args.mx:
+        mx = copy.deepcopy(dyn)
+        enable_fp8_attention(mx, "mxfp8")
+        settings["+ FP8 attention, MXFP8 blocks"] = mx
+    ao = torchao_model(dyn)
+    if isinstance(ao, str):
+        print(f"torchao apply_low_precision_attention did not run on this CPU: {ao}")
+    else:
+        settings["+ torchao apply_low_precision_attention"] = ao
     if args.only:
         settings = {k: v for k, v in settings.items() if k in ("bf16", "fp8-dynamic") or args.only in k}
     losses = {}
@@ -61,8 +128,9 @@ def main() -> None:
         vs_bf16 = window_summary(losses[name], losses["bf16"])["ppl_rel"]
         vs_dyn = f"{100 * s['ppl_rel']:+.2f}% ± {100 * s['ppl_rel_sem']:.2f}" if "ppl_rel" in s else "—"
         print(
-            f"{name:36s} ppl {s['ppl']:.3f}  vs bf16 {100 * vs_bf16:+.2f}%  vs fp8-dynamic {vs_dyn}  "
-            f"({time.perf_counter() - t:.0f} s)"
+            f"{name:44s} ppl {s['ppl']:.3f}  vs bf16 {100 * vs_bf16:+.2f}%  vs fp8-dynamic {vs_dyn}  "
+            f"({time.perf_counter() - t:.0f} s)",
+            flush=True,
         )
 
 

@@ -5,6 +5,7 @@ from the same initial weights, with ``fp8kit train``'s model, optimizer, learnin
 and prints each run's validation loss and its gap to BF16 and to the run without FP8 attention.
 
     python benchmarks/attention_train.py --steps 200 --recipe delayed --attention delayed
+    python benchmarks/attention_train.py --steps 200 --arch moe --seeds 0,1,2
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ def main() -> None:
     p.add_argument("--recipe", default="delayed")
     p.add_argument("--attention", default="delayed", help="attention recipe (nn.attention.attention_recipe)")
     p.add_argument("--seeds", default="0")
+    p.add_argument("--arch", choices=("dense", "moe"), default="dense", help="the demo model (TrainConfig.arch)")
     args = p.parse_args()
     for seed in [int(s) for s in args.seeds.split(",")]:
-        cfg = replace(TrainConfig(), steps=args.steps, seed=seed)
+        cfg = replace(TrainConfig(), steps=args.steps, seed=seed, arch=args.arch)
         base, tok = build_base(cfg)
         corpus = load_corpus(cfg.text, tok)
         runs = {"bf16": ("bf16", None), f"fp8-{args.recipe}": (f"fp8-{args.recipe}", None)}

@@ -282,6 +282,27 @@ def test_calibrated_static_scales() -> None:
     assert all(torch.equal(frozen[n], s.fp8_scale) for n, s in states.items())
 
 
+def test_static_p_scale_rounds_once() -> None:
+    """P's calibrated static scale is exact in float32: multiplying P by ``1 / d`` and dividing by ``d`` (the
+    two ways an engine applies the exported ``d``) make the same E4M3 codes, P's products round only in the
+    cast, and the bound 1 lands on a code."""
+    from fp8kit.models.llama import build_llama
+    from fp8kit.nn.attention import attention_states, calibrate_fp8_attention, static_scales
+
+    model = _tiny(build_llama).eval()
+    g = torch.Generator().manual_seed(3)
+    fp8kit.convert(model, "delayed", module_filter=lambda name, module: False, attention="delayed")
+    calibrate_fp8_attention(model, lambda m: m(input_ids=torch.randint(0, 256, (2, 32), generator=g)))
+    p = torch.exp(-20 * torch.rand(1 << 16, generator=g))
+    for state in attention_states(model).values():
+        d = static_scales(state)["p"]
+        m = state.fp8_state.scale[state.index("p")]
+        assert torch.equal(m * d, torch.ones_like(d)) and torch.equal(1 / m, d)
+        assert torch.equal(p.double() * m.double(), (p * m).double())
+        assert torch.equal(A._cast(p, m, E4M3), A._cast(p / d, torch.ones_like(d), E4M3))
+        assert float(m) <= E4M3.max and torch.equal(A._cast(torch.ones(1), m, E4M3).float(), m.reshape(1))
+
+
 def test_observed_operand_statistics() -> None:
     """SQNR, underflow and per-head amax of Q, K, V and P; sharp scores flush small probabilities to zero."""
     from fp8kit.nn.attention import attention_stats, observe_fp8_attention

@@ -232,7 +232,13 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.
 def _load_static_attention(model: nn.Module, path: Path, scales: dict[str, torch.Tensor]) -> None:
     """Static FP8 attention (``nn.attention``) on every attention block, with the checkpoint's Q, K, V scales
     (one element per tensor, or one per head) and P's from its bound (``calibrate_fp8_attention``)."""
-    from ..nn.attention import STATE_NAME, AttentionRecipe, enable_fp8_attention, set_static_scales
+    from ..nn.attention import (
+        P_STATIC_DEQUANT,
+        STATE_NAME,
+        AttentionRecipe,
+        enable_fp8_attention,
+        set_static_scales,
+    )
 
     head = any(v.numel() > 1 for k, v in scales.items() if k.endswith(".q_scale"))
     for name in enable_fp8_attention(model, AttentionRecipe("delayed", "head" if head else "tensor")):
@@ -242,7 +248,7 @@ def _load_static_attention(model: nn.Module, path: Path, scales: dict[str, torch
             if key is None:
                 raise ExportError(f"{path}: the checkpoint has static FP8 attention but {name}.{op}_scale is missing")
             found[op] = scales[key].float().reshape(-1)
-        found["p"] = torch.full_like(found["q"], 1 / 448)
+        found["p"] = torch.full_like(found["q"], P_STATIC_DEQUANT)
         set_static_scales(model.get_submodule(f"{name}.{STATE_NAME}").eval(), found)
 
 

@@ -784,7 +784,8 @@ def calibrate_fp8_attention(model: nn.Module, forward_loop: Callable[[nn.Module]
     """Static attention scales: run ``forward_loop(model)`` with the FP8 attention states recording (the rest of
     the model keeps its mode), then fix each state's static scales (``set_static_scales``): Q, K and V from the
     largest amax seen (per tensor or per head, as the states' recipe says), ``amax / 448``; P from its bound 1
-    (``exp(S - rowmax) <= 1``; no format but vLLM's ``fp8`` method has a place for a calibrated P scale). In
+    (``exp(S - rowmax) <= 1``), ``P_STATIC_DEQUANT`` (no format but vLLM's ``fp8`` method has a place for a
+    calibrated P scale). In
     evaluation mode they quantize with those, as a serving engine does with the exported scales. Needs delayed
     attention scaling (current scaling has no static scales); raises ``ValueError`` otherwise or where
     ``model`` has no FP8 attention."""
@@ -814,11 +815,17 @@ def calibrate_fp8_attention(model: nn.Module, forward_loop: Callable[[nn.Module]
             if not bool((st.fp8_seen[index] > 0).all()):
                 raise ValueError(f"{name}: the calibration loop never ran its attention; give forward_loop batches")
             amax[op] = st.fp8_amax_history[index].amax(-1)
-        amax["p"] = torch.ones_like(amax["q"])  # the bound of exp(S - rowmax): P's static scale (see the docs)
-        set_static_scales(st, {op: dequant_scale(a, QKVP_FORMAT) for op, a in amax.items()})
+        dequant = {op: dequant_scale(a, QKVP_FORMAT) for op, a in amax.items()}
+        dequant["p"] = torch.full_like(dequant["q"], P_STATIC_DEQUANT)
+        set_static_scales(st, dequant)
 
 
 STATIC_OPERANDS = ("q", "k", "v", "p")
+# P's static dequantization multiplier: P <= 1, and the largest power of two whose multiplier keeps 1 within
+# E4M3 (256 <= 448). A power of two makes ``P * 256`` exact in float32, so the E4M3 cast is P's one rounding
+# and an engine that multiplies by ``1 / d`` and one that divides by ``d`` make the same codes; ``1 / 448``
+# rounds in float32 (its multiplier is 447.99997), and P's products round twice.
+P_STATIC_DEQUANT = 2.0**-8
 # the attention recipes that calibrate static scales (``fp8kit quantize --attention``, ``ptq.quantize``)
 STATIC_ATTENTION_CHOICES = {"fp8": "Q, K, V, P scales per tensor", "fp8-head": "Q, K, V, P scales per head"}
 
