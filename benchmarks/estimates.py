@@ -141,6 +141,9 @@ def main() -> None:
         if not args.quick:  # fp8 on SmolLM2 (GPTQ, ranking, 120 norm-tweak steps) takes over an hour on 2 cores
             save_smollm2_folder(cwd / "smollm2-hf")
             jobs += [
+                ("train SmolLM2 delayed, 4 steps", ["train", "--model", "smollm2", "--recipe", "delayed", "--steps",
+                                                    "4", "--out", "str"]),
+                ("doctor SmolLM2, 4 steps", ["doctor", "--model", "smollm2", "--steps", "4", "--out", "sdr"]),
                 ("quantize fp8-dynamic SmolLM2", ["quantize", "--model", "smollm2", "--scheme", "fp8-dynamic",
                                                   "--out", "s1"]),
                 ("quantize fp8-dynamic SmolLM2 layer by layer", ["quantize", "--model", "smollm2-hf", "--scheme",
