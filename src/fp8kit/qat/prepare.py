@@ -87,6 +87,17 @@ def _targets(model: nn.Module, scheme: Scheme, module_filter, report: PTQReport)
     return targets
 
 
+def _share_nvfp4_weight_scales(model: nn.Module, scheme: Scheme, layers: dict[str, QATLinear]) -> None:
+    """NVFP4: the layers that read one input (q/k/v, gate/up) share one per-tensor weight scale, as in PTQ."""
+    if scheme.weight_strategy != "nvfp4":
+        return
+    for mapping in find_mappings(model, set(layers)):
+        if len(mapping.targets) > 1:
+            group = tuple(layers[t] for t in mapping.targets)
+            for m in group:
+                m._group = group
+
+
 def prepare(
     model: nn.Module,
     scheme: Scheme | str,
@@ -139,12 +150,7 @@ def prepare(
     for name in targets:
         layers[name] = QATLinear(model.get_submodule(name), scheme, amax.get(name), learn_scales, name)
         swap_submodule(model, name, layers[name])
-    if scheme.weight_strategy == "nvfp4":  # q/k/v and gate/up share one per-tensor weight scale, as in PTQ
-        for mapping in find_mappings(model, set(targets)):
-            if len(mapping.targets) > 1:
-                group = tuple(layers[t] for t in mapping.targets)
-                for m in group:
-                    m._group = group
+    _share_nvfp4_weight_scales(model, scheme, layers)
     report.input_amax = dict(amax)
     object.__setattr__(model, "qat_report", report)
     return model
@@ -186,12 +192,7 @@ def from_ptq(model: nn.Module, learn_scales: bool = False) -> nn.Module:
             linear.bias.copy_(q.bias.float())
         layers[name] = QATLinear(linear, scheme, _input_amax(q, calibrated.get(name)), learn_scales, name)
         swap_submodule(model, name, layers[name])
-    if scheme.weight_strategy == "nvfp4":
-        for mapping in find_mappings(model, set(layers)):
-            if len(mapping.targets) > 1:
-                group = tuple(layers[t] for t in mapping.targets)
-                for m in group:
-                    m._group = group
+    _share_nvfp4_weight_scales(model, scheme, layers)
     report = PTQReport(scheme.name, calibration=ptq_report.calibration if ptq_report is not None else None)
     if ptq_report is not None:
         report.skipped = dict(ptq_report.skipped)
