@@ -1,10 +1,11 @@
 r"""FP8 attention in training: the demo model trained with and without it, on the same batches.
 
-Runs ``bf16``, ``fp8-<recipe>`` and ``fp8-<recipe>`` + FP8 attention (``fp8kit.convert(..., attention=...)``)
-from the same initial weights, with ``fp8kit train``'s model, optimizer, learning-rate schedule and batches,
-and prints each run's validation loss and its gap to BF16 and to the run without FP8 attention.
+Runs ``bf16`` and, for each Linear recipe, ``fp8-<recipe>`` and ``fp8-<recipe>`` + FP8 attention
+(``fp8kit.convert(..., attention=...)``) from the same initial weights, with ``fp8kit train``'s model, optimizer, learning-rate schedule and batches,
+and prints each run's validation loss and its gap to BF16 and to the run without FP8 attention, then
+the mean and standard error of both gaps over the seeds.
 
-    python benchmarks/attention_train.py --steps 200 --recipe delayed --attention delayed
+    python benchmarks/attention_train.py --steps 200 --recipes delayed,current,rowwise,block,mxfp8 --seeds 0,1,2
     python benchmarks/attention_train.py --steps 200 --arch moe --seeds 0,1,2
 """
 
@@ -42,30 +43,50 @@ def train(cfg: TrainConfig, base: torch.nn.Module, corpus, run: str, attention: 
     return evaluate(model, corpus.val_batches(cfg.eval_batches, cfg.batch_size, cfg.seq_len, cfg.seed))
 
 
+def sem(x: torch.Tensor) -> float:
+    """Standard error of the mean of ``x`` (NaN for one value)."""
+    return float(x.std() / len(x) ** 0.5) if len(x) > 1 else float("nan")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--recipe", default="delayed")
+    p.add_argument("--recipes", default="delayed", help="FP8 Linear recipes, a comma list (e.g. delayed,current)")
     p.add_argument("--attention", default="delayed", help="attention recipe (nn.attention.attention_recipe)")
     p.add_argument("--seeds", default="0")
     p.add_argument("--arch", choices=("dense", "moe"), default="dense", help="the demo model (TrainConfig.arch)")
     args = p.parse_args()
+    recipes = args.recipes.split(",")
+    gaps: dict[str, list[tuple[float, float]]] = {r: [] for r in recipes}  # (vs bf16, vs same recipe) per seed
     for seed in [int(s) for s in args.seeds.split(",")]:
         cfg = replace(TrainConfig(), steps=args.steps, seed=seed, arch=args.arch)
         base, tok = build_base(cfg)
         corpus = load_corpus(cfg.text, tok)
-        runs = {"bf16": ("bf16", None), f"fp8-{args.recipe}": (f"fp8-{args.recipe}", None)}
-        runs[f"fp8-{args.recipe} + FP8 attention ({args.attention})"] = (f"fp8-{args.recipe}", args.attention)
+        runs = {"bf16": ("bf16", None)}
+        for recipe in recipes:
+            runs[f"fp8-{recipe}"] = (f"fp8-{recipe}", None)
+            runs[f"fp8-{recipe} + FP8 attention ({args.attention})"] = (f"fp8-{recipe}", args.attention)
         losses = {}
         for name, (run, attention) in runs.items():
             t = time.perf_counter()
             losses[name] = loss = train(cfg, base, corpus, run, attention)
             gap = 100 * (loss / losses["bf16"] - 1)
-            same = losses.get(f"fp8-{args.recipe}")
-            vs = f"  vs no FP8 attention {100 * (loss / same - 1):+.2f}%" if same and attention else ""
+            vs = ""
+            if attention:
+                same = 100 * (loss / losses[run] - 1)
+                gaps[run.removeprefix("fp8-")].append((gap, same))
+                vs = f"  vs no FP8 attention {same:+.2f}%"
             print(
-                f"seed {seed}  {name:44s} val loss {loss:.4f}  vs bf16 {gap:+.2f}%{vs}  ({time.perf_counter() - t:.0f} s)"
+                f"seed {seed}  {name:44s} val loss {loss:.4f}  vs bf16 {gap:+.2f}%{vs}  ({time.perf_counter() - t:.0f} s)",
+                flush=True,
             )
+    print(f"\n{args.arch}, {args.steps} steps, FP8 attention ({args.attention}); mean ± standard error over seeds")
+    for recipe, rows in gaps.items():
+        vs_bf16, vs_same = (torch.tensor(col, dtype=torch.float64) for col in zip(*rows, strict=True))
+        print(
+            f"fp8-{recipe:8s} + FP8 attention: vs bf16 {float(vs_bf16.mean()):+.2f}% ± {sem(vs_bf16):.2f}   "
+            f"vs fp8-{recipe} {float(vs_same.mean()):+.2f}% ± {sem(vs_same):.2f}"
+        )
 
 
 if __name__ == "__main__":

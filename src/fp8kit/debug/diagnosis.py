@@ -374,7 +374,7 @@ def _latent_what(c: Culprit) -> str:
     return f"past a threshold in {c.steps} of the {c.span} steps since step {c.step}"
 
 
-ATTENTION_OPERANDS = ("attn_q", "attn_k", "attn_v", "attn_p")  # FP8 attention's operands, as the inspector names them
+ATTENTION_OPERANDS = ("attn_q", "attn_k", "attn_v", "attn_p", "attn_do", "attn_ds")  # as the inspector names them
 
 
 def recommend(

@@ -16,7 +16,8 @@ on the steps where ``step % every == 0``, it records the figures of ``fp8kit.deb
 block: outside it the model runs exactly as without the inspector (no overhead).
 
 FP8 attention (``fp8kit.convert(..., attention=...)``): for each attention block, as layer ``"{block}"``, the
-four forward FP8 operands ``attn_q``, ``attn_k``, ``attn_v``, ``attn_p`` (the probabilities), each call's worst
+four forward FP8 operands ``attn_q``, ``attn_k``, ``attn_v``, ``attn_p`` (the probabilities) and the two backward
+ones ``attn_do`` and ``attn_ds`` (E5M2, E4M3 in MX blocks; recorded at ``step``), each call's worst
 ``sqnr_db``, ``underflow_pct`` (nonzero values flushed to zero: P's small probabilities), ``saturation_pct``,
 ``amax`` and ``amax_per_head`` (``nn.attention.observe_fp8_attention``'s figures; eager mode).
 
@@ -116,7 +117,7 @@ class Inspector:
             m.fp8_operand_tap = self._experts_tap(name, m)
         for block, st in self.attention.items():
             attn = self.model.get_submodule(block)
-            self._hooks.append(attn.register_forward_pre_hook(self._on_attention(st)))
+            self._hooks.append(attn.register_forward_pre_hook(self._on_attention(block, st)))
             self._hooks.append(attn.register_forward_hook(self._after_attention(block, st)))
         if self.trends:
             self._hook_trends()
@@ -146,40 +147,48 @@ class Inspector:
 
             self._hooks.append(block.register_forward_hook(rms))
 
-    def _on_attention(self, st: nn.Module):
+    def _on_attention(self, block: str, st: nn.Module):
         def hook(_m: nn.Module, _args: Any) -> None:
+            self._attention_records(block, st)  # dO / dS of a backward not yet followed by ``step``
             st.observed, st.observing = [], self.active and not torch.compiler.is_compiling()
 
         return hook
 
     def _after_attention(self, block: str, st: nn.Module):
-        """After an attention block's forward: its FP8 operands' figures (``attention_stats``) as records."""
+        """After an attention block's forward: its forward operands' figures as records (the backward's,
+        dO and dS, are recorded at ``step``)."""
 
         def hook(_m: nn.Module, _args: Any, _out: Any) -> None:
-            rows = attention_stats({block: st}) if st.observing else []
-            st.observed, st.observing = [], False
-            for row in rows:
-                amax = [float(a) for a in row["amax"]]
-                stats = {
-                    "amax": max(amax, default=0.0),
-                    "amax_per_head": amax,
-                    "sqnr_db": row["sqnr_db"],
-                    "underflow_pct": 100.0 * row["underflow"],
-                    "saturation_pct": 100.0 * row["saturated"],
-                }
-                operand = f"attn_{row['operand'].lower()}"
-                kind = f"attention-{st.attention_recipe.scaling}-{st.attention_recipe.granularity}"
-                rec = {"step": self.current_step, "layer": block, "operand": operand, "recipe": "actual"}
-                rec.update(recipe_kind=kind, **stats)
-                self.records.append(rec)
-                if self._jsonl is not None:
-                    self._jsonl.write(json.dumps(rec) + "\n")
-                if self._tb is not None:
-                    for key in ("amax", "underflow_pct", "saturation_pct", "sqnr_db"):
-                        if stats[key] == stats[key] and abs(stats[key]) != float("inf"):
-                            self._tb.add_scalar(f"{block}/{operand}/{key}", stats[key], self.current_step)
+            if st.observing:
+                self._attention_records(block, st)
+            st.observing = False
 
         return hook
+
+    def _attention_records(self, block: str, st: nn.Module) -> None:
+        """The FP8 attention figures ``st`` observed since the last call (``attention_stats``), as records."""
+        rows = attention_stats({block: st})
+        st.observed = []
+        for row in rows:
+            amax = [float(a) for a in row["amax"]]
+            stats = {
+                "amax": max(amax, default=0.0),
+                "amax_per_head": amax,
+                "sqnr_db": row["sqnr_db"],
+                "underflow_pct": 100.0 * row["underflow"],
+                "saturation_pct": 100.0 * row["saturated"],
+            }
+            operand = f"attn_{row['operand'].lower()}"
+            kind = f"attention-{st.attention_recipe.scaling}-{st.attention_recipe.granularity}"
+            rec = {"step": self.current_step, "layer": block, "operand": operand, "recipe": "actual"}
+            rec.update(recipe_kind=kind, **stats)
+            self.records.append(rec)
+            if self._jsonl is not None:
+                self._jsonl.write(json.dumps(rec) + "\n")
+            if self._tb is not None:
+                for key in ("amax", "underflow_pct", "saturation_pct", "sqnr_db"):
+                    if stats[key] == stats[key] and abs(stats[key]) != float("inf"):
+                        self._tb.add_scalar(f"{block}/{operand}/{key}", stats[key], self.current_step)
 
     def _record_trend(self, layer: str, signal: str, value: float, **extra: Any) -> None:
         rec = {"step": self.current_step, "layer": layer, "operand": signal, "recipe": "trend", "value": value}
@@ -199,8 +208,9 @@ class Inspector:
         self._hooks.clear()
         for m in self.experts.values():
             m.fp8_operand_tap = None
-        for st in self.attention.values():
-            st.observed, st.observing = [], False
+        for block, st in self.attention.items():
+            self._attention_records(block, st)
+            st.observing = False
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
@@ -209,7 +219,10 @@ class Inspector:
             self._tb = None
 
     def step(self) -> None:
-        """Mark the end of a training step (statistics are taken on steps divisible by ``every``)."""
+        """Mark the end of a training step (statistics are taken on steps divisible by ``every``; FP8
+        attention's backward operands of this step are recorded here)."""
+        for block, st in self.attention.items():
+            self._attention_records(block, st)
         self.current_step += 1
         if self._tb is not None:
             self._tb.flush()

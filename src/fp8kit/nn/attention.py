@@ -269,26 +269,32 @@ def _blocks(n: int, size: int) -> list[tuple[int, int]]:
     return [(j, min(j + size, n)) for j in range(0, n, size)]
 
 
-def _observe_block(sums: list, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
-    """Add a block's P statistics (``x`` quantized to ``codes`` with ``scale``) to ``sums`` (see ``_summary``)."""
+def _observe_block(
+    sums: list, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, fmt: Format = QKVP_FORMAT
+) -> None:
+    """Add a block's statistics (``x`` quantized to ``fmt`` ``codes`` with ``scale``: P, dS) to ``sums``
+    (see ``_summary``)."""
     deq = codes / scale.double()
     x64 = x.double()
     sums[0] += float(x64.pow(2).sum())
     sums[1] += float((x64 - deq).pow(2).sum())
     sums[2] += int((x != 0).sum())
     sums[3] += int(((x != 0) & (codes == 0)).sum())
-    sums[4] += int((x * scale > QKVP_FORMAT.max).sum())
+    sums[4] += int(((x * scale).abs() >= fmt.overflow_threshold).sum())
 
 
 def _summary(sums: list) -> dict[str, float]:
-    """SQNR (dB) and the fractions of nonzero values flushed to zero and of values saturated."""
+    """SQNR (dB) and the fractions of nonzero values flushed to zero and of values saturated (at or beyond the
+    format's overflow threshold: clipped, not merely rounded to its largest value)."""
     signal, noise, nonzero, flushed, saturated = sums
     sqnr = float("inf") if noise == 0 else 10 * math.log10(signal / noise) if signal > 0 else float("-inf")
     return {"sqnr_db": sqnr, "underflow": flushed / max(nonzero, 1), "saturated": saturated / max(nonzero, 1)}
 
 
-def _operand_stats(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> dict[str, Any]:
-    """Per-head amax, SQNR, underflow and saturation of one operand quantized to ``codes`` with ``scale``."""
+def _operand_stats(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, fmt: Format = QKVP_FORMAT
+) -> dict[str, Any]:
+    """Per-head amax, SQNR, underflow and saturation of one operand quantized to ``fmt`` ``codes`` with ``scale``."""
     xf = x.detach().float()
     deq = codes.float() / scale
     sums = [
@@ -296,7 +302,7 @@ def _operand_stats(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) ->
         float((xf - deq).double().pow(2).sum()),
         int((xf != 0).sum()),
         int(((xf != 0) & (codes.float() == 0)).sum()),
-        int(((xf * scale).abs() > QKVP_FORMAT.max).sum()),
+        int(((xf * scale).abs() >= fmt.overflow_threshold).sum()),
     ]
     return {"amax": xf.abs().amax(dim=(0, 2, 3)).tolist(), **_summary(sums)}
 
@@ -354,6 +360,7 @@ class _FP8Attention(torch.autograd.Function):
             )
         ctx.save_for_backward(qc, kc, vc, sc["q"], sc["k"], sc["v"], sp, m, safe, out, sinks)
         ctx.masking, ctx.state, ctx.block, ctx.record, ctx.hkv = masking, state, block, record, hkv
+        ctx.observe = state.observing
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
         return out.to(q.dtype)
 
@@ -366,6 +373,7 @@ class _FP8Attention(torch.autograd.Function):
         rep = hq // hkv
         s_do = _heads(state.scale("do", state.amax(d_out), ctx.record))
         doc = _cast(d_out, s_do, DO_FORMAT).double()
+        ds_sums, ds_seen = [0.0, 0.0, 0, 0, 0], torch.zeros(hq, device=qc.device)  # observed dS (ctx.observe)
         do_inv = 1.0 / s_do
         big_d64 = ((doc.float() * do_inv).double() * out.double()).sum(-1, keepdim=True)
         big_d = big_d64.float()
@@ -410,11 +418,17 @@ class _FP8Attention(torch.autograd.Function):
             dv_h = (p_codes.transpose(-1, -2) @ doc) * dv_factor
             dv[:, :, j0:j1] = dv_h.reshape(b, hkv, rep, j1 - j0, d).sum(2).float()
             dsc = _cast(ds, s_ds, DS_FORMAT).double()
+            if ctx.observe:
+                _observe_block(ds_sums, ds, dsc, s_ds, DS_FORMAT)
+                ds_seen = torch.maximum(ds_seen, ds.abs().amax(dim=(0, 2, 3)))
             dq_acc = dq_acc + dsc @ kc[:, :, j0:j1].double()
             dk_h = (dsc.transpose(-1, -2) @ qc.double()) * dk_factor
             dk[:, :, j0:j1] = dk_h.reshape(b, hkv, rep, j1 - j0, d).sum(2).float()
         if ds_amax is not None and ctx.record:
             state.fp8_state.record(state.index("ds"), ds_amax, fold=not state.defer_scaling_update)
+        if ctx.observe:  # the call's backward operands, read after the step (the inspector's ``step``)
+            do_stats = _operand_stats(d_out, doc, s_do, DO_FORMAT)
+            state.observed.append({"do": do_stats, "ds": {"amax": ds_seen.tolist(), **_summary(ds_sums)}})
         dq = (dq_acc * (ds_inv * (1.0 / _heads(s_k, rep)) * masking.scaling).double()).float()
         d_sinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
@@ -467,7 +481,7 @@ def _mx_sums(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> list
         float((x64 - c * step).pow(2).sum()),
         int((x != 0).sum()),
         int(((x != 0) & (c == 0)).sum()),
-        int((x64.abs() > MX_FORMAT.max * step).sum()),
+        int((x64.abs() >= MX_FORMAT.overflow_threshold * step).sum()),
     ]
 
 
@@ -542,6 +556,7 @@ class _MXFP8Attention(torch.autograd.Function):
             state.fp8_state.record(state.index("p"), p_amax, fold=fold)
         ctx.save_for_backward(q, k, v, m, safe, out, sinks)
         ctx.masking, ctx.state, ctx.block, ctx.record = masking, state, block, record
+        ctx.observe = state.observing
         return out.to(q.dtype)
 
     @staticmethod
@@ -567,6 +582,7 @@ class _MXFP8Attention(torch.autograd.Function):
         dk = torch.empty(b, hkv, skv, d, device=q.device)
         dv = torch.empty(b, hkv, skv, d, device=q.device)
         ds_amax = torch.zeros(1, device=q.device)
+        ds_sums, ds_seen = [0.0, 0.0, 0, 0, 0], torch.zeros(hq, device=q.device)  # observed dS (ctx.observe)
         for j0, j1 in _blocks(skv, ctx.block):
             raw = _mx_gemm(qd, sqd, kd[:, :, j0:j1], skd[:, :, j0:j1]).float() * masking.scaling
             pc, sp = _mx(torch.exp(masking.masked(raw, j0, sq, skv) - m), -1)
@@ -580,6 +596,9 @@ class _MXFP8Attention(torch.autograd.Function):
             pq, spq = _mx(p, 2)
             dv[:, :, j0:j1] = _mx_gemm(pq, spq, doq, sdoq).reshape(b, hkv, rep, j1 - j0, d).sum(2).float()
             dsk, sdsk = _mx(ds, -1)
+            if ctx.observe:
+                ds_sums = [a + b for a, b in zip(ds_sums, _mx_sums(ds, dsk, sdsk), strict=True)]
+                ds_seen = torch.maximum(ds_seen, ds.abs().amax(dim=(0, 2, 3)))
             b0, b1 = j0 // MX_BLOCK, j0 // MX_BLOCK + sdsk.shape[-1]
             dq_acc = _mx_gemm(dsk, sdsk, kk[..., j0 : j0 + dsk.shape[-1]], skk[..., b0:b1], dq_acc)
             dsq, sdsq = _mx(ds, 2)
@@ -587,6 +606,10 @@ class _MXFP8Attention(torch.autograd.Function):
             dk[:, :, j0:j1] = dk_h.reshape(b, hkv, rep, j1 - j0, d).sum(2).float()
         if ctx.record:
             state.fp8_state.record(state.index("ds"), ds_amax, fold=fold)
+        if ctx.observe:  # the call's backward operands (MX blocks: dO along D, dS along the keys)
+            do_stats = {"amax": d_out.detach().float().abs().amax(dim=(0, 2, 3)).tolist()}
+            do_stats.update(_summary(_mx_sums(d_out.detach().float(), dod, sdod)))
+            state.observed.append({"do": do_stats, "ds": {"amax": ds_seen.tolist(), **_summary(ds_sums)}})
         dq = (dq_acc * masking.scaling).float()
         d_sinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
@@ -881,14 +904,14 @@ def observe_fp8_attention(model: nn.Module) -> Iterator[dict[str, FP8AttentionSt
 
 
 def attention_stats(states: dict[str, FP8AttentionState]) -> list[dict[str, Any]]:
-    """One row per attention block and operand (Q, K, V, P) of the calls observed: the worst SQNR (dB), the
-    largest fractions of nonzero values flushed to zero (``underflow``) and saturated, and the per-head amax
-    (max over calls)."""
+    """One row per attention block and operand of the calls observed (Q, K, V, P from forwards; dO and dS from
+    backwards of observed forwards): the worst SQNR (dB), the largest fractions of nonzero values flushed to zero
+    (``underflow``) and saturated, and the per-head amax (max over calls)."""
     rows = []
     for name, st in states.items():
         calls = st.observed
-        for op in ("q", "k", "v", "p"):
-            seen = [c[op] for c in calls]
+        for op in ("q", "k", "v", "p", "do", "ds"):
+            seen = [c[op] for c in calls if op in c]
             if not seen:
                 continue
             amax = [max(v) for v in zip(*(c["amax"] for c in seen), strict=True)]
