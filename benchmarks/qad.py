@@ -96,6 +96,10 @@ def main() -> None:
         "--start", choices=("rtn", "ptq"), default="rtn",
         help="the student at step 0: round to nearest (qat.prepare) or PTQ's default pipeline (qat.from_ptq)",
     )  # fmt: skip
+    p.add_argument(
+        "--reference", action="store_true",
+        help="--start ptq: master weights inside their codes' rounding intervals, towards the float weights",
+    )  # fmt: skip
     p.add_argument("--no-torchao", action="store_true")
     args = p.parse_args()
     torch.manual_seed(0)
@@ -130,8 +134,8 @@ def main() -> None:
         if args.start == "ptq":  # PTQ's default pipeline (GPTQ; AWQ for weight-only), then its layers trained
             kw = ptq_settings(scheme, n_layers=quantizable_layers(student))
             ptq.quantize(student, scheme, loop, progress=False, **kw)
-            qat.from_ptq(student)
-            start = f"PTQ {settings_text(kw)}"
+            qat.from_ptq(student, reference=base if args.reference else None)
+            start = f"PTQ {settings_text(kw)}" + (", master weights towards the float ones" if args.reference else "")
         else:
             qat.prepare(student, scheme, loop, calibration="max")
             start = "round-to-nearest PTQ"

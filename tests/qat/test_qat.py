@@ -178,9 +178,8 @@ def test_from_ptq_of_round_to_nearest_is_prepare_bit_for_bit(base, data, scheme)
 
 @pytest.mark.parametrize("scheme", ["nvfp4", "fp8", "int8-weight-only"])
 def test_from_ptq_starts_where_gptq_ended_and_trains(base, data, tmp_path, scheme):
-    """From PTQ with GPTQ: the QAT model keeps PTQ's input amaxes and most of GPTQ's change (its logits much
-    closer to the PTQ model's than round to nearest's are: re-quantizing a GPTQ weight may pick a finer block
-    scale where GPTQ left a block without its largest code), and a distilled, converted model exports and reloads."""
+    """From PTQ with GPTQ: the QAT model keeps PTQ's input amaxes and most of GPTQ's change (FP4: all of it, its
+    block scales kept), and a distilled, converted model exports and reloads."""
     ptq_model = reference_kernels(ptq.quantize(copy.deepcopy(base), scheme, calib(data[:2]), gptq=True))
     expect = logits(ptq_model, data[5])
     rtn = logits(qat.prepare(copy.deepcopy(base), scheme, calib(data[:2])), data[5])
@@ -195,6 +194,40 @@ def test_from_ptq_starts_where_gptq_ended_and_trains(base, data, tmp_path, schem
     qat.convert(student)
     save_pretrained(student, tmp_path / "out", format="compressed-tensors")
     torch.testing.assert_close(logits(load_pretrained(tmp_path / "out"), data[5]), trained, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "nvfp4-weight-only", "mxfp4-weight-only"])
+@pytest.mark.parametrize("with_reference", [False, True])
+def test_from_ptq_of_gptq_fp4_keeps_its_codes_and_scales(base, data, scheme, with_reference):
+    """GPTQ leaves some FP4 blocks without their largest code: from_ptq keeps PTQ's block (and per-tensor)
+    scales, so the student computes the PTQ model's logits and converts back to its exact codes and scales,
+    with master weights on the codes or, given the float reference, inside their rounding intervals."""
+    ptq_model = reference_kernels(ptq.quantize(copy.deepcopy(base), scheme, calib(data[:2]), gptq=True))
+    before = {n: m.fp4_weight() for n, m in ptq_model.named_modules() if isinstance(m, ptq.QuantLinear)}
+    expect = logits(ptq_model, data[5])
+    student = qat.from_ptq(ptq_model, reference=base if with_reference else None)
+    torch.testing.assert_close(logits(student, data[5]), expect, rtol=1e-5, atol=1e-5)
+    if with_reference:  # the master weights left the grid points, towards the float weights
+        moved = [
+            not torch.equal(m.weight, m.fp4_weight().dequantize(torch.float32))
+            for m in qat.qat_layers(student).values()
+        ]
+        assert all(moved)
+    reference_kernels(qat.convert(student))
+    for name, qt in before.items():
+        after = student.get_submodule(name).fp4_weight()
+        assert torch.equal(after.dequantize(torch.float32), qt.dequantize(torch.float32)), name  # (+-0 alike)
+        assert torch.equal(after.scales.float(), qt.scales.float()), name
+        assert (after.global_scale is None) == (qt.global_scale is None)
+        if qt.global_scale is not None:
+            assert torch.equal(after.global_scale, qt.global_scale), name
+    torch.testing.assert_close(logits(student, data[5]), expect, rtol=1e-5, atol=1e-5)
+
+
+def test_from_ptq_reference_needs_an_fp4_scheme(base, data):
+    ptq_model = ptq.quantize(copy.deepcopy(base), "int8-weight-only", calib(data[:2]), gptq=True)
+    with pytest.raises(ValueError, match="FP4"):
+        qat.from_ptq(ptq_model, reference=base)
 
 
 def test_from_ptq_refuses_a_float_model(base):

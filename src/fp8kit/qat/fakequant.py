@@ -16,7 +16,7 @@ import torch
 
 from ..numerics.scaling import nvfp4_scales
 
-__all__ = ["NVFP4_BLOCK", "nvfp4_fake_quant"]
+__all__ = ["NVFP4_BLOCK", "fixed_fp4_fake_quant", "nvfp4_fake_quant"]
 
 NVFP4_BLOCK = 16
 
@@ -55,3 +55,16 @@ def nvfp4_fake_quant(x: torch.Tensor, global_scale: torch.Tensor | None = None) 
     block, global_inv, multiplier = nvfp4_scales(amax, global_scale)
     codes = _e2m1_round(tiles * multiplier.unsqueeze(-1))
     return (codes * (block.float() * global_inv).unsqueeze(-1)).reshape(x.shape)
+
+
+def fixed_fp4_fake_quant(w: torch.Tensor, scale_inv: torch.Tensor, codes: bool = False) -> torch.Tensor:
+    """``w`` (``(out, in)``) rounded to E2M1 on fixed 1 x ``in / nblocks`` blocks whose dequantization
+    multipliers are ``scale_inv`` (``(out, nblocks)``: ``QuantizedTensor.scale_inv``): ``round(w / m) * m``
+    with saturation at +-6 (``codes``: the E2M1 values ``round(w / m)`` themselves), float32."""
+    out, cols = w.shape
+    nb = scale_inv.shape[-1]
+    if tuple(scale_inv.shape) != (out, nb) or cols % nb:
+        raise ValueError(f"fixed_fp4_fake_quant: scales {tuple(scale_inv.shape)} do not tile a weight {tuple(w.shape)}")
+    m = scale_inv.float().unsqueeze(-1)
+    q = _e2m1_round(w.float().reshape(out, nb, cols // nb) / m)
+    return (q if codes else q * m).reshape(out, cols)

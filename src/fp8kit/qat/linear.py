@@ -17,6 +17,11 @@ scale are trained as clipping values (``weight_amax``, ``input_amax``; the store
 ``amax / fmt.max``, as PTQ stores it) with the LSQ gradient ``round(v) - v`` inside the range and the
 clipped code outside. ``project_scales_`` keeps them finite and positive, within ``SCALE_RANGE`` of their
 calibrated values; a forward with a non-finite or non-positive one raises.
+
+``fix_fp4_scales`` pins an FP4 layer's block scales (and NVFP4's per-tensor weight scale) to those of a PTQ
+weight, as GPTQ pins them before its sweep: the weight is then rounded to E2M1 on that fixed grid at every
+step (``fixed_fp4_fake_quant``) instead of on scales recomputed from the current weight, so a master weight
+equal to PTQ's dequantized weight gives back PTQ's codes exactly.
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..numerics.formats import e2m1_encode
 from ..numerics.scaling import compute_scale, dequant_scale, nvfp4_tensor_scale
+from ..numerics.tensor import QuantizedTensor
 from ..numerics.tensor import quantize as fp8_quantize
 from ..ptq.schemes import Scheme, get_scheme
-from .fakequant import nvfp4_fake_quant
+from .fakequant import fixed_fp4_fake_quant, nvfp4_fake_quant
 
 __all__ = ["SCALE_RANGE", "QATLinear", "group_weight_scale"]
 
@@ -123,6 +130,43 @@ class QATLinear(nn.Module):
             self.register_buffer("weight_amax_init", amax.clone())
         else:
             self.weight_amax = None
+        self.fp4_scales: QuantizedTensor | None = None  # fixed FP4 weight scales (``fix_fp4_scales``)
+        self.register_buffer("fp4_scale_inv", None)
+
+    @torch.no_grad()
+    def fix_fp4_scales(self, qt: QuantizedTensor) -> None:
+        """Round the weight on ``qt``'s grid from now on: ``qt`` is an FP4 weight of this layer's shape and
+        granularity (``QuantLinear.fp4_weight()``), whose block scales and per-tensor scale are kept."""
+        gran = self.scheme.weight_granularity
+        if not self.scheme.is_fp4 or tuple(qt.shape) != (self.out_features, self.in_features) or qt.fmt.name != "e2m1":
+            raise ValueError(
+                f"fix_fp4_scales takes the ({self.out_features}, {self.in_features}) E2M1 weight of an FP4 layer "
+                f"(QuantLinear.fp4_weight()); this layer is {self.scheme.name}"
+            )
+        if qt.block != (1, 16 if gran == "nvfp4" else 32):
+            raise ValueError(
+                f"fix_fp4_scales: {gran} weights have 1x{16 if gran == 'nvfp4' else 32} blocks, got {qt.block}"
+            )
+        self.fp4_scales = QuantizedTensor(
+            None, qt.scales.clone(), qt.fmt, qt.granularity, qt.block, torch.float32,
+            global_scale=None if qt.global_scale is None else qt.global_scale.clone(),
+        )  # fmt: skip
+        self.fp4_scale_inv = qt.scale_inv.float().clone().to(self.weight.device)
+
+    def fp4_weight(self) -> QuantizedTensor:
+        """The current FP4 weight as PTQ stores it: E2M1 codes with the fixed scales (``fix_fp4_scales``) or
+        those ``fp8kit.quantize`` gives the master weight (under the group's shared per-tensor scale)."""
+        w = self.weight.detach().float()
+        if self.fp4_scales is None:
+            shared = self.weight_global_scale()
+            kw = {"global_scale": shared} if shared is not None else {}
+            return fp8_quantize(w, self.scheme.weight_format, self.scheme.weight_granularity, **kw)
+        fixed = self.fp4_scales
+        codes = e2m1_encode(fixed_fp4_fake_quant(w, self.fp4_scale_inv, codes=True))
+        return QuantizedTensor(
+            codes, fixed.scales.to(w.device), fixed.fmt, fixed.granularity, fixed.block, torch.float32,
+            global_scale=None if fixed.global_scale is None else fixed.global_scale.to(w.device),
+        )  # fmt: skip
 
     # -- scales ------------------------------------------------------------------------------------
 
@@ -161,7 +205,10 @@ class QATLinear(nn.Module):
         return dequant_scale(amax, self.scheme.act_format)
 
     def weight_global_scale(self) -> torch.Tensor | None:
-        """NVFP4's per-tensor weight scale shared with the layer's group, or ``None`` (its own)."""
+        """NVFP4's per-tensor weight scale: the fixed one (``fix_fp4_scales``), the one shared with the
+        layer's group, or ``None`` (its own)."""
+        if self.fp4_scales is not None:
+            return self.fp4_scales.global_scale
         return group_weight_scale(list(self._group)) if len(self._group) > 1 else None
 
     # -- quantized operands --------------------------------------------------------------------------
@@ -173,7 +220,9 @@ class QATLinear(nn.Module):
         if self.scheme.is_fp4:
             shared = self.weight_global_scale()
             with torch.no_grad():
-                if self.scheme.weight_granularity == "nvfp4":
+                if self.fp4_scale_inv is not None:
+                    deq = fixed_fp4_fake_quant(w.detach(), self.fp4_scale_inv)
+                elif self.scheme.weight_granularity == "nvfp4":
                     deq = nvfp4_fake_quant(w.detach(), shared)
                 else:
                     kw = {"global_scale": shared} if shared is not None else {}

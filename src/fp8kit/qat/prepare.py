@@ -10,9 +10,13 @@ of the scheme computes on ``QuantLinear``'s reference path. MoE experts modules 
 
 ``from_ptq`` starts training from a model ``ptq.quantize`` made instead (GPTQ, AWQ and the calibrated scales
 kept): each ``QuantLinear`` becomes a ``QATLinear`` whose master weight is the layer's dequantized weight and whose
-static input amax is the one PTQ calibrated. Re-quantizing a dequantized weight gives back its codes wherever the
-block's (or tensor's) largest code is the format's largest, so the model starts where PTQ ended (step 0 within
-float rounding of the PTQ model's logits, not bit for bit in general).
+static input amax is the one PTQ calibrated. 8-bit weights re-quantize to their codes wherever the tensor's (or
+channel's) largest code is the format's largest, so the model starts within float rounding of the PTQ model. FP4
+layers keep PTQ's block scales and per-tensor weight scale (``QATLinear.fix_fp4_scales``), since GPTQ leaves some
+blocks without their largest code and scales recomputed from the dequantized weight would round those blocks
+afresh: the model starts at the PTQ model's logits and ``convert`` gives back its codes until training moves them.
+Given the float ``reference`` model, the FP4 master weights are its weights moved into the rounding intervals of
+PTQ's codes (same forward; a weight sitting on its grid point needs a step of half the grid spacing to change code).
 
 ``convert`` swaps each ``QATLinear`` for the ``QuantLinear`` that ``QuantLinear.from_linear`` makes of its
 current master weight, calibrated (or learned) input amax and shared NVFP4 weight scale (learned weight
@@ -166,10 +170,31 @@ def _input_amax(layer: QuantLinear, calibrated: float | None) -> float | None:
     return float(layer.input_scale.float().reshape(())) * top
 
 
+def _inside_codes(deq: torch.Tensor, ref: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """``ref`` moved into the interval of ``deq``'s E2M1 codes on the fixed grid ``scale_inv`` (per block):
+    each element clamped to within 0.49 of the gap to either neighbouring grid value, so it rounds back
+    to ``deq``'s code (saturated codes go no further than +-6)."""
+    out, cols = deq.shape
+    m = scale_inv.float().unsqueeze(-1)
+    c = deq.float().reshape(out, m.shape[1], -1) / m
+    r = ref.float().reshape(c.shape) / m
+    a = c.abs()
+    away = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0)) * (a < 6)  # to the next larger |value|
+    toward = torch.where(a <= 2, 0.5, torch.where(a <= 4, 1.0, 2.0)) * (a > 0)  # to the next smaller one
+    toward = torch.where(a > 0, toward, 0.5)  # from 0: half a step either way
+    up = torch.where(c >= 0, torch.where(a > 0, away, 0.5), toward)
+    down = torch.where(c > 0, toward, torch.where(a > 0, away, 0.5))
+    return (torch.minimum(torch.maximum(r, c - 0.49 * down), c + 0.49 * up) * m).reshape(out, cols)
+
+
 @torch.no_grad()
-def from_ptq(model: nn.Module, learn_scales: bool = False) -> nn.Module:
+def from_ptq(model: nn.Module, learn_scales: bool = False, reference: nn.Module | None = None) -> nn.Module:
     """Swap the ``QuantLinear`` layers of a model ``fp8kit.ptq.quantize`` made for ``QATLinear`` layers of the
-    same scheme in place (module doc); returns the model, ready for ``distill`` and ``convert``."""
+    same scheme in place (module doc); returns the model, ready for ``distill`` and ``convert``.
+
+    ``reference``: the float model PTQ started from (FP4 schemes): each master weight is then the
+    reference's weight moved into the rounding interval of PTQ's code, rather than the code's value
+    itself, so the forward is unchanged and a small update can move a weight across to the next code."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"from_ptq() takes an nn.Module, got {type(model).__name__}")
     found = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
@@ -184,14 +209,27 @@ def from_ptq(model: nn.Module, learn_scales: bool = False) -> nn.Module:
     ptq_report = getattr(model, "ptq_report", None)
     calibrated = dict(ptq_report.input_amax) if ptq_report is not None else {}
     scheme = found[next(iter(found))].scheme
+    if reference is not None and not scheme.is_fp4:
+        raise ValueError(f"from_ptq(reference=...) places master weights on FP4 grids; {scheme.name} is not FP4")
     layers = {}
     for name, q in found.items():
         linear = nn.Linear(q.in_features, q.out_features, bias=q.bias is not None, device=q.weight.device)
         linear.weight.copy_(q.dequantized_weight(torch.float32))
         if q.bias is not None:
             linear.bias.copy_(q.bias.float())
-        layers[name] = QATLinear(linear, scheme, _input_amax(q, calibrated.get(name)), learn_scales, name)
-        swap_submodule(model, name, layers[name])
+        layer = QATLinear(linear, scheme, _input_amax(q, calibrated.get(name)), learn_scales, name)
+        if scheme.is_fp4:  # PTQ's (GPTQ's) block scales stay: the dequantized weight rounds back to its codes
+            qt = q.fp4_weight()
+            layer.fix_fp4_scales(qt)
+            if reference is not None:
+                ref = reference.get_submodule(name).weight
+                if tuple(ref.shape) != tuple(linear.weight.shape):
+                    raise ValueError(
+                        f"from_ptq: reference layer {name} has shape {tuple(ref.shape)}, not {tuple(linear.weight.shape)}"
+                    )
+                linear.weight.copy_(_inside_codes(linear.weight, ref.to(linear.weight.device), layer.fp4_scale_inv))
+        layers[name] = layer
+        swap_submodule(model, name, layer)
     _share_nvfp4_weight_scales(model, scheme, layers)
     report = PTQReport(scheme.name, calibration=ptq_report.calibration if ptq_report is not None else None)
     if ptq_report is not None:
@@ -207,6 +245,8 @@ def _frozen(layer: QATLinear) -> QuantLinear:
     """The ``QuantLinear`` PTQ makes of ``layer``'s current weight and scales."""
     input_amax = None if layer.input_amax is None else float(layer.input_amax.detach())
     q = QuantLinear.from_linear(layer, layer.scheme, input_amax, layer.weight_global_scale())  # type: ignore[arg-type]
+    if layer.fp4_scales is not None:  # the fixed grid's codes and scales
+        q.set_fp4_weight(layer.fp4_weight())
     if layer.weight_amax is not None:  # learned clipping values: their codes and scales
         fmt, amax = layer.scheme.weight_format, layer.weight_amax.detach().float()
         gran = "row" if layer.scheme.weight_strategy == "channel" else "tensor"
