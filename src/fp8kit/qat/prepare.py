@@ -15,8 +15,9 @@ channel's) largest code is the format's largest, so the model starts within floa
 layers keep PTQ's block scales and per-tensor weight scale (``QATLinear.fix_fp4_scales``), since GPTQ leaves some
 blocks without their largest code and scales recomputed from the dequantized weight would round those blocks
 afresh: the model starts at the PTQ model's logits and ``convert`` gives back its codes until training moves them.
-Given the float ``reference`` model, the FP4 master weights are its weights moved into the rounding intervals of
-PTQ's codes (same forward; a weight sitting on its grid point needs a step of half the grid spacing to change code).
+Given the float ``reference`` model, each FP4 master weight is the reference's weight where that rounds to PTQ's
+code, else the code's value (same forward; a weight sitting on its grid point needs a step of half the grid
+spacing to change code, a float weight may sit anywhere in its interval).
 
 ``convert`` swaps each ``QATLinear`` for the ``QuantLinear`` that ``QuantLinear.from_linear`` makes of its
 current master weight, calibrated (or learned) input amax and shared NVFP4 weight scale (learned weight
@@ -42,6 +43,7 @@ from ..ptq.quantize import PTQOptions
 from ..ptq.report import PTQReport
 from ..ptq.schemes import Scheme, get_scheme
 from ..ptq.smoothquant import find_mappings
+from .fakequant import _e2m1_round
 from .linear import QATLinear
 
 __all__ = ["convert", "from_ptq", "prepare", "qat_layers"]
@@ -171,20 +173,14 @@ def _input_amax(layer: QuantLinear, calibrated: float | None) -> float | None:
 
 
 def _inside_codes(deq: torch.Tensor, ref: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """``ref`` moved into the interval of ``deq``'s E2M1 codes on the fixed grid ``scale_inv`` (per block):
-    each element clamped to within 0.49 of the gap to either neighbouring grid value, so it rounds back
-    to ``deq``'s code (saturated codes go no further than +-6)."""
+    """The master weights for PTQ's FP4 codes ``deq`` on the fixed grid ``scale_inv`` (per block): ``ref``'s
+    value where it rounds to the same code, the code's value where it does not (a weight GPTQ moved to
+    another code stays at that code's centre rather than at the edge of its interval)."""
     out, cols = deq.shape
     m = scale_inv.float().unsqueeze(-1)
-    c = deq.float().reshape(out, m.shape[1], -1) / m
-    r = ref.float().reshape(c.shape) / m
-    a = c.abs()
-    away = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0)) * (a < 6)  # to the next larger |value|
-    toward = torch.where(a <= 2, 0.5, torch.where(a <= 4, 1.0, 2.0)) * (a > 0)  # to the next smaller one
-    toward = torch.where(a > 0, toward, 0.5)  # from 0: half a step either way
-    up = torch.where(c >= 0, torch.where(a > 0, away, 0.5), toward)
-    down = torch.where(c > 0, toward, torch.where(a > 0, away, 0.5))
-    return (torch.minimum(torch.maximum(r, c - 0.49 * down), c + 0.49 * up) * m).reshape(out, cols)
+    r = ref.float().reshape(out, m.shape[1], -1)
+    same = _e2m1_round(r / m) == deq.float().reshape(r.shape) / m
+    return torch.where(same, r, deq.float().reshape(r.shape)).reshape(out, cols)
 
 
 @torch.no_grad()
@@ -193,8 +189,7 @@ def from_ptq(model: nn.Module, learn_scales: bool = False, reference: nn.Module 
     same scheme in place (module doc); returns the model, ready for ``distill`` and ``convert``.
 
     ``reference``: the float model PTQ started from (FP4 schemes): each master weight is then the
-    reference's weight moved into the rounding interval of PTQ's code, rather than the code's value
-    itself, so the forward is unchanged and a small update can move a weight across to the next code."""
+    reference's weight where it rounds to PTQ's code (the forward unchanged), else the code's value."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"from_ptq() takes an nn.Module, got {type(model).__name__}")
     found = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
