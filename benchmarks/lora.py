@@ -1,14 +1,15 @@
 r"""LoRA fine-tuning of SmolLM2-135M on a quantized base against the same LoRA on the BF16 base.
 
-Each base is the model a user fine-tunes: the BF16 weights (FP32 compute), and the ``fp8-dynamic`` and ``nvfp4``
-exports ``fp8kit quantize`` writes (round-to-nearest PTQ saved as compressed-tensors and loaded back with
-``fp8kit.export.load_pretrained``, the base kept quantized in memory). The same peft LoRA adapters (rank ``--rank``
+Each base is the model a user fine-tunes: the BF16 weights (FP32 compute), and the scheme's exports ``fp8kit
+quantize`` writes (PTQ with the command's dev-chosen defaults, GPTQ and AWQ where they apply, or round to nearest
+with ``--rtn``; saved as compressed-tensors and loaded back with ``fp8kit.export.load_pretrained``, the base kept
+quantized in memory). The same peft LoRA adapters (rank ``--rank``
 on q/k/v/o and the MLP projections, ``fp8kit.qat.lora_config``) train with ``jobs.lora.train_adapters`` (what
 ``fp8kit train --model DIR --lora R`` runs) on the same windows of the KJV calibration split; the loss is measured
 on KJV test windows the fine-tune never reads. Reported: held-out loss before and after, the change against the BF16
 base's fine-tuned loss, and the base's resident bytes per linear weight (``fp8kit.ptq.resident_bytes``).
 
-    OMP_NUM_THREADS=1 python benchmarks/lora.py --steps 200 --bases fp8-dynamic
+    OMP_NUM_THREADS=1 python benchmarks/lora.py --steps 200 --bases bf16,fp8-dynamic,nvfp4-weight-only
 """
 
 from __future__ import annotations
@@ -28,15 +29,16 @@ from fp8kit.data import windows
 from fp8kit.data.splits import available_windows
 from fp8kit.export import load_pretrained, save_pretrained
 from fp8kit.jobs.lora import train_adapters
-from fp8kit.jobs.quantize import calibration_loop, load_splits
+from fp8kit.jobs.quantize import calibration_loop, load_splits, ptq_settings, quantizable_layers
 from fp8kit.models.pretrained import load_pretrained_lm
 from fp8kit.qat import lora_config
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def base_model(name: str, float_model: nn.Module, tok, loop) -> nn.Module:
-    """The base to fine-tune: BF16-rounded weights, or the scheme's export loaded back."""
+def base_model(name: str, float_model: nn.Module, tok, loop, rtn: bool) -> nn.Module:
+    """The base to fine-tune: BF16-rounded weights, or the scheme's export loaded back (``rtn``: round to
+    nearest, else ``fp8kit quantize``'s settings)."""
     model = copy.deepcopy(float_model)
     if name == "bf16":
         with torch.no_grad():
@@ -44,7 +46,8 @@ def base_model(name: str, float_model: nn.Module, tok, loop) -> nn.Module:
                 if isinstance(m, nn.Linear):
                     m.weight.copy_(m.weight.bfloat16().float())
         return model
-    ptq.quantize(model, name, loop, progress=False)
+    kw = {} if rtn else ptq_settings(name, n_layers=quantizable_layers(model))
+    ptq.quantize(model, name, loop, progress=False, **kw)
     with tempfile.TemporaryDirectory() as d:
         save_pretrained(model, d, format="compressed-tensors")
         return load_pretrained(d)
@@ -72,6 +75,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--windows", type=int, default=8, help="held-out KJV test windows")
     p.add_argument("--eval-seq-len", type=int, default=512)
+    p.add_argument("--rtn", action="store_true", help="round-to-nearest PTQ bases instead of the CLI's defaults")
     args = p.parse_args()
     import peft
 
@@ -95,7 +99,7 @@ def main() -> None:
     rows = []
     for name in args.bases.split(","):
         t0 = time.perf_counter()
-        base = base_model(name, float_model, tok, loop)
+        base = base_model(name, float_model, tok, loop, args.rtn)
         layers = target_layers(base)
         torch.manual_seed(0)
         config = lora_config(r=args.rank, lora_alpha=2 * args.rank, target_modules=TARGETS)

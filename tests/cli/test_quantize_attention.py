@@ -37,11 +37,32 @@ def test_quantize_with_fp8_attention_writes_and_reloads(tmp_path, capsys) -> Non
         assert torch.isfinite(loaded(x).logits).all()
 
 
+def test_quantize_fp8_block_with_fp8_attention(tmp_path, capsys) -> None:
+    """Block-FP8 weights and static per-tensor FP8 attention: vLLM's fp8 method names (``q_proj.output_scale``,
+    ``prob_output_scale``), read back into static FP8 attention."""
+    from safetensors import safe_open
+
+    from fp8kit.export import load_pretrained
+
+    save_sample_llama(tmp_path)
+    out = tmp_path / "q"
+    argv = ["quantize", "--model", str(tmp_path / "model"), "--scheme", "fp8-block", "--format", "fp8-block"]
+    argv += ["--attention", "fp8", "--text", str(tmp_path / "text.txt"), "--calib-batches", "1"]
+    assert main([*argv, "--out", str(out)]) == 0, capsys.readouterr().err
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+    assert (
+        "model.layers.0.self_attn.prob_output_scale" in keys and "model.layers.0.self_attn.q_proj.output_scale" in keys
+    )
+    states = attention_states(load_pretrained(out))
+    assert states and all(s.attention_recipe.granularity == "tensor" for s in states.values())
+
+
 @pytest.mark.parametrize(
     ("extra", "words"),
     [
         (["--scheme", "fp8+kv", "--attention", "fp8"], "+kv"),
-        (["--scheme", "fp8-block", "--format", "fp8-block", "--attention", "fp8"], "fp8-block"),
+        (["--scheme", "fp8-block", "--format", "fp8-block", "--attention", "fp8-head"], "fp8-block"),
         (["--scheme", "fp8", "--attention", "mxfp8"], ", ".join(STATIC_ATTENTION_CHOICES)),
     ],
 )

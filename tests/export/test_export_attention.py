@@ -148,3 +148,74 @@ def test_vllm_reads_the_compressed_tensors_attention_config(quantized, tmp_path)
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["strategy"] == ("attn_head" if spelling == "fp8-head" else "tensor")
     assert got["names"] == [f"model.layers.0.self_attn.attn.{op}_scale" for op in "qkv"]
+
+
+def _block_model(granularity: str):
+    """A tiny Llama in block FP8 (``quantize_block``) with static FP8 attention calibrated on two batches."""
+    from fp8kit.export import quantize_block
+    from fp8kit.nn.attention import AttentionRecipe, calibrate_fp8_attention, enable_fp8_attention
+
+    model = quantize_block(tiny_llama(), block=32)
+    enable_fp8_attention(model, AttentionRecipe("delayed", granularity))
+    calibrate_fp8_attention(model, calib(_batches()))
+    return model
+
+
+def test_fp8_block_attention_scales(tmp_path) -> None:
+    """Per tensor: Q, K, V and P as vLLM's fp8 method names them (``q_proj.output_scale`` ...
+    ``prob_output_scale``), scalars equal to the model's multipliers, reloaded into the same logits; per head
+    and a bare FP8 KV cache: refused with the formats that carry them."""
+    model = _block_model("tensor")
+    x = _batches(6)[0]
+    with torch.no_grad():
+        logits = model(x).logits
+    out = save_pretrained(model, tmp_path / "blk", format="fp8-block")
+    t = _tensors(out)
+    scales = static_scales(attention_states(model)[f"model.layers.1.self_attn.{STATE_NAME}"])
+    names = {
+        "q": "q_proj.output_scale",
+        "k": "k_proj.output_scale",
+        "v": "v_proj.output_scale",
+        "p": "prob_output_scale",
+    }
+    for op, name in names.items():
+        got = t[f"model.layers.1.self_attn.{name}"]
+        assert got.shape == () and got.dtype == torch.float32 and float(got) == float(scales[op])
+    loaded = load_pretrained(out)
+    assert static_scales(attention_states(loaded)[f"model.layers.1.self_attn.{STATE_NAME}"]).keys() == scales.keys()
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, logits)
+    with pytest.raises(ExportError, match="compressed-tensors"):
+        save_pretrained(_block_model("head"), tmp_path / "head", format="fp8-block")
+
+
+_VLLM_READS_FP8 = """
+import json, sys
+from safetensors import safe_open
+from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+cfg = Fp8Config.from_config(json.load(open(sys.argv[1] + "/config.json"))["quantization_config"])
+with safe_open(sys.argv[1] + "/model.safetensors", framework="pt") as f:
+    names = [k for k in f.keys() if "output_scale" in k]
+mapper = cfg.get_cache_scale_mapper()
+print(json.dumps({"block": cfg.weight_block_size, "names": sorted(mapper._map_name(n) for n in names)}))
+"""
+
+
+@pytest.mark.engine
+def test_vllm_maps_the_fp8_block_attention_scales(tmp_path) -> None:
+    """vLLM's ``Fp8Config`` (its CPU build) parses the block-FP8 export and maps its attention tensors onto each
+    attention layer's ``q_scale``, ``k_scale``, ``v_scale`` and ``prob_scale``."""
+    import subprocess
+
+    from fp8kit.engines.vllm import vllm_python, vllm_unavailable
+
+    why = vllm_unavailable()
+    if why:
+        pytest.skip(why)
+    out = save_pretrained(_block_model("tensor"), tmp_path / "blk", format="fp8-block")
+    run = subprocess.run([vllm_python(), "-c", _VLLM_READS_FP8, str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["block"] == [32, 32]
+    want = [f"model.layers.{i}.self_attn.attn.{op}_scale" for i in range(2) for op in ("k", "prob", "q", "v")]
+    assert got["names"] == sorted(want)

@@ -150,10 +150,15 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--candidates goes with --scheme auto")
     if args.block is not None and args.scheme != "fp8-block":
         raise UsageError("--block goes with --scheme fp8-block (the weight tile edge)")
-    if args.attention and (args.scheme in ("auto", "fp8-block") or args.scheme.endswith("+kv") or args.qad_steps):
+    if args.attention and (args.scheme == "auto" or args.scheme.endswith("+kv") or args.qad_steps):
         raise UsageError(
-            "--attention goes with one calibrated PTQ scheme without +kv (FP8 attention's K and V scales are the KV "
-            "cache's), not with --scheme auto, fp8-block or --qad-steps"
+            "--attention goes with one PTQ scheme without +kv (FP8 attention's K and V scales are the KV "
+            "cache's), not with --scheme auto or --qad-steps"
+        )
+    if args.attention and args.scheme == "fp8-block" and (args.format != "fp8-block" or "head" in args.attention):
+        raise UsageError(
+            "--scheme fp8-block --attention writes per-tensor attention scales in the fp8-block format (vLLM's fp8 "
+            "method reads one per tensor): use --format fp8-block --attention fp8"
         )
     if args.towers and (args.scheme in ("auto", "fp8-block") or args.qad_steps):
         raise UsageError(
@@ -174,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
     if args.qad_steps:
         return run_qad(args, device)
     settings = ptq_settings(args)
+    if args.scheme == "fp8-block" and args.attention:  # the weights need no data; FP8 attention calibrates
+        return quantize_job.run_block(args, device)
     if args.attention or args.towers:  # FP8 attention calibrates on the whole model; towers live in multimodal ones
         return quantize_job.run_whole(args, device, {**settings, "attention": args.attention, "towers": args.towers})
     source = quantize_job.layerwise_source(args, settings)

@@ -90,10 +90,13 @@ def save_pretrained(
     qlayers = {n: m for n, m in model.named_modules() if isinstance(m, (QuantLinear, BlockQuantLinear))}
     experts = {n: m for n, m in model.named_modules() if isinstance(m, QuantExperts)}
     report = getattr(model, "ptq_report", None)
+    attention_only = False  # static FP8 attention and no separate FP8 KV cache: fp8-block carries that too
     if (qlayers or experts) and report is not None:
         scheme, ignore = report.scheme, list(report.skipped)
         kv = _kv_blocks(model) if report.kv_cache else {}
-        kv.update(_attention_blocks(model))  # static FP8 attention: its K/V scales are the KV cache's
+        attention = _attention_blocks(model)
+        attention_only = bool(attention) and not kv
+        kv.update(attention)  # static FP8 attention: its K/V scales are the KV cache's
     elif any(isinstance(m, FP8Linear) for m in model.modules()):
         scheme, qlayers, ignore = serving_layers(model, format)
         experts = {n: m for n, m in qlayers.items() if isinstance(m, QuantExperts)}  # block recipe's FP8Experts
@@ -105,11 +108,12 @@ def save_pretrained(
             "fp8kit.convert (none of its layers are)"
         )
     used = layer_schemes({**qlayers, **experts})
+    with_kv = "+kv" if kv and not (attention_only and format == "fp8-block") else ""
     try:
         if len(used) > 1:
-            check_mix_format([s + ("+kv" if kv else "") for s in used], format)
+            check_mix_format([s + with_kv for s in used], format)
         else:
-            check_scheme_format(scheme + ("+kv" if kv else ""), format)
+            check_scheme_format(scheme + with_kv, format)
     except ValueError as err:
         raise ExportError(str(err)) from None
     if experts and len(used) > 1 and format != "compressed-tensors":
@@ -231,7 +235,8 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.
 
 def _load_static_attention(model: nn.Module, path: Path, scales: dict[str, torch.Tensor]) -> None:
     """Static FP8 attention (``nn.attention``) on every attention block, with the checkpoint's Q, K, V scales
-    (one element per tensor, or one per head) and P's from its bound (``calibrate_fp8_attention``)."""
+    (one element per tensor, or one per head) and P's where it has one, else P's from its bound
+    (``calibrate_fp8_attention``)."""
     from ..nn.attention import (
         P_STATIC_DEQUANT,
         STATE_NAME,
@@ -248,7 +253,8 @@ def _load_static_attention(model: nn.Module, path: Path, scales: dict[str, torch
             if key is None:
                 raise ExportError(f"{path}: the checkpoint has static FP8 attention but {name}.{op}_scale is missing")
             found[op] = scales[key].float().reshape(-1)
-        found["p"] = torch.full_like(found["q"], P_STATIC_DEQUANT)
+        p = scales.get(f"{name}.p_scale")  # the block-FP8 format writes P's; the others have no field for it
+        found["p"] = p.float().reshape(-1) if p is not None else torch.full_like(found["q"], P_STATIC_DEQUANT)
         set_static_scales(model.get_submodule(f"{name}.{STATE_NAME}").eval(), found)
 
 

@@ -11,6 +11,11 @@ Other square tiles (``weight_block_size: [64, 64]``) are written where the reade
 ``transformers`` derives the tile from the shapes when it dequantizes, so every dimension must be whole
 tiles, and vLLM needs whole tiles in the parts of its fused GEMMs (``support.BLOCK_READERS``).
 
+Static FP8 attention (``nn.attention``, per tensor) is written as vLLM's ``fp8`` method reads its attention
+scales: ``ATTN.q_proj.output_scale``, ``ATTN.k_proj.output_scale``, ``ATTN.v_proj.output_scale`` and
+``ATTN.prob_output_scale`` (float32 scalars, dequantization multipliers; vLLM maps them onto its attention
+layer's ``q_scale``, ``k_scale``, ``v_scale`` and ``prob_scale``), and read back into static FP8 attention.
+
 MoE experts (``ptq.experts.QuantExperts`` with ``FP8_BLOCK``) are written per expert in the
 architecture's naming (``model.layers.L.mlp.experts.E.gate_proj.weight`` + ``.weight_scale_inv``; see
 ``export.experts``), as DeepSeek-V3 and Qwen3-MoE-FP8 ship them, and read back into ``QuantExperts``.
@@ -34,6 +39,12 @@ from .support import BLOCK_SCHEME
 __all__ = ["QUANT_METHOD", "export_tensors", "load", "quantization_config"]
 
 QUANT_METHOD = "fp8"
+ATTENTION_SCALE_NAMES = {  # FP8 attention operand -> its tensor under the attention block (vLLM's fp8 method)
+    "q": "q_proj.output_scale",
+    "k": "k_proj.output_scale",
+    "v": "v_proj.output_scale",
+    "p": "prob_output_scale",
+}
 
 
 def quantization_config(ignore: list[str], block: int = BLOCK) -> dict[str, Any]:
@@ -56,8 +67,10 @@ def export_tensors(
     kv: dict[str, nn.Module],
     experts: dict[str, nn.Module] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The ``BlockQuantLinear`` layers' and block-quantized experts' tensors and the ``quantization_config``."""
+    """The ``BlockQuantLinear`` layers' and block-quantized experts' tensors, the static FP8 attention scales
+    of the attention blocks ``kv``, and the ``quantization_config``."""
     tensors: dict[str, torch.Tensor] = {}
+    tensors.update(attention_tensors(kv))
     experts = experts or {}
     for name, module in experts.items():
         if module.scheme.weight_strategy != "block":
@@ -80,10 +93,35 @@ def export_tensors(
     return tensors, quantization_config(ignore, blocks.pop())
 
 
+def attention_tensors(blocks: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
+    """The Q, K, V and P scales of the static per-tensor FP8 attention of ``blocks`` (name -> attention block),
+    named as vLLM's ``fp8`` method reads them; raises ``ExportError`` for an FP8 KV cache without FP8 attention
+    and for per-head scales (the method takes one scale per tensor)."""
+    from ..nn.attention import block_static_scales
+
+    tensors = {}
+    for name, block in blocks.items():
+        scales = block_static_scales(block)
+        if scales is None:
+            raise ExportError(
+                f"{name}: the fp8-block format carries FP8 attention's scales, not an FP8 KV cache alone: write "
+                "--format compressed-tensors or modelopt"
+            )
+        if any(v.numel() > 1 for v in scales.values()):
+            raise ExportError(
+                f"{name}: per-head FP8 attention scales: vLLM's fp8 method takes one scale per tensor; calibrate "
+                "attention='fp8' (per tensor) or write --format compressed-tensors"
+            )
+        for op, key in ATTENTION_SCALE_NAMES.items():
+            tensors[f"{name}.{key}"] = scales[op].float().reshape(())
+    return tensors
+
+
 def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module, str, list[str], dict, bool]:
     """A block-FP8 checkpoint (fp8kit's, ``transformers``', DeepSeek's) in ``BlockQuantLinear`` layers
-    (dynamic 1x128 activations). Returns the model, the scheme name, the quantized layer names, no k/v
-    scales and ``False`` (the format has no KV-cache scales)."""
+    (dynamic 1x128 activations). Returns the model, the scheme name, the quantized layer names, the static FP8
+    attention scales (``{block}.q_scale`` ... ``{block}.p_scale``; empty without them) and ``False`` (no
+    FP8 KV cache of its own)."""
     qc = raw["quantization_config"]
     size = qc.get("weight_block_size")
     if not (isinstance(size, list) and len(size) == 2 and size[0] == size[1] and isinstance(size[0], int)):
@@ -93,6 +131,13 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
     block = size[0]
     model = model_from_config(path, raw, dtype)
     tensors = read_tensors(path)
+    attention = {}
+    for key in [k for k in tensors if k.endswith(f".{ATTENTION_SCALE_NAMES['p']}")]:
+        attn = key.removesuffix(f".{ATTENTION_SCALE_NAMES['p']}")
+        for op, name in ATTENTION_SCALE_NAMES.items():
+            if f"{attn}.{name}" not in tensors:
+                raise ExportError(f"{path}: {attn} has FP8 attention scales but {attn}.{name} is missing")
+            attention[f"{attn}.{op}_scale"] = tensors.pop(f"{attn}.{name}").float().reshape(1)
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and f"{n}.weight_scale_inv" in tensors]
     for name in names:
         lin = model.get_submodule(name)
@@ -126,4 +171,4 @@ def load(path: Path, raw: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module
         if experts:
             tensors = {model_key(k, experts_naming(model)[1]): v for k, v in tensors.items()}
     load_rest(model, path, tensors, names, dtype)
-    return model, BLOCK_SCHEME, names, {}, False
+    return model, BLOCK_SCHEME, names, attention, False

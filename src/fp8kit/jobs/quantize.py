@@ -397,7 +397,8 @@ def announce_ptq(args: Any, device: torch.device, scheme: str) -> None:
 
 # ---- the runs of `fp8kit quantize` (``args``: its options): block FP8, whole model, layer by layer, auto ----
 def run_block(args: Any, device: torch.device) -> int:
-    """``--scheme fp8-block``: no calibration; the weights in tiles, dynamic activations; the export written."""
+    """``--scheme fp8-block``: the weights in tiles, dynamic activations (no calibration), with ``--attention``
+    static FP8 attention calibrated on the calibration batches; the export written."""
     from ..export import quantize_block, save_pretrained
     from ..runtime.device import work_dtype
     from .loading import load_model
@@ -408,6 +409,12 @@ def run_block(args: Any, device: torch.device) -> int:
         model = quantize_block(model, block=args.block, format=args.format)
     except ValueError as err:  # a reader of --format cannot load a layer: nothing is quantized or written
         raise ValueError(f"--format {args.format}: {err}") from None
+    if args.attention:
+        from ..nn.attention import attention_recipe, calibrate_fp8_attention, enable_fp8_attention
+
+        splits = load_splits(args.text, tokenizer, second_text=False)[0]
+        enable_fp8_attention(model, attention_recipe(args.attention))
+        calibrate_fp8_attention(model, calibration_loop(splits, args.calib_batches))
     out = save_pretrained(
         model,
         args.out,

@@ -404,7 +404,7 @@ class _GroupedMatmul(torch.autograd.Function):
         return grouped_mm(grad.contiguous(), w.contiguous(), offs), None, None
 
 
-def _base_class(module: nn.Module) -> type:
+def experts_base_class(module: nn.Module) -> type:
     """The ``transformers`` experts class under fp8kit's training mixins (``FP8Experts``, ``BF16Experts``)."""
     from ..nn.bf16 import BF16Experts
     from ..nn.experts import FP8Experts
@@ -580,7 +580,7 @@ def install_quant_experts(
         module._parameters.pop(key, None)
     for key in ("fp8_amax_history", "fp8_scale", "fp8_seen", "fp8_amax_pending", "fp8_tokens_per_expert"):
         module._buffers.pop(key, None)
-    swap_class(module, QuantExperts, "Quant", _base_class(module))
+    swap_class(module, QuantExperts, "Quant", experts_base_class(module))
     for key, t in tensors.items():
         module.register_buffer(key, t.to(device))
     module.scheme = scheme

@@ -5,8 +5,9 @@ layers whose input dim is not a whole number of blocks; or ``module_filter``'s),
 activation scales the way it does (``ptq.calibrate.observe_inputs`` and ``choose_amax`` over
 ``forward_loop``, the same options checked by ``PTQOptions``) and swaps each layer for a ``QATLinear``
 holding the same weight and bias parameters. At that point the model computes what round-to-nearest PTQ
-of the scheme computes on ``QuantLinear``'s reference path. MoE experts modules stay in high precision
-(reported in ``qat_report.skipped``).
+of the scheme computes on ``QuantLinear``'s reference path. MoE experts modules (those ``ptq.quantize``
+picks) become ``qat.experts.QATExperts`` in place, with the experts' shared static input scales calibrated
+as PTQ calibrates them (``ptq.experts.observe_experts``); they train with straight-through gradients too.
 
 ``from_ptq`` starts training from a model ``ptq.quantize`` made instead (GPTQ, AWQ and the calibrated scales
 kept): each ``QuantLinear`` becomes a ``QATLinear`` whose master weight is the layer's dequantized weight and whose
@@ -17,12 +18,15 @@ blocks without their largest code and scales recomputed from the dequantized wei
 afresh: the model starts at the PTQ model's logits and ``convert`` gives back its codes until training moves them.
 Given the float ``reference`` model, each FP4 master weight is the reference's weight where that rounds to PTQ's
 code, else the code's value (same forward; a weight sitting on its grid point needs a step of half the grid
-spacing to change code, a float weight may sit anywhere in its interval).
+spacing to change code, a float weight may sit anywhere in its interval). Its ``QuantExperts`` become
+``QATExperts`` (``ptq.experts.dequantize_experts_module``, PTQ's input scales kept; their FP4 block scales are
+recomputed from the dequantized weights).
 
 ``convert`` swaps each ``QATLinear`` for the ``QuantLinear`` that ``QuantLinear.from_linear`` makes of its
 current master weight, calibrated (or learned) input amax and shared NVFP4 weight scale (learned weight
 clipping values: the codes and scales they give), and stores the ``ptq_report`` the exports read, so
-``fp8kit.export.save_pretrained`` writes the result in any format the scheme goes with.
+``fp8kit.export.save_pretrained`` writes the result in any format the scheme goes with; each ``QATExperts``
+becomes the ``QuantExperts`` PTQ makes of its current master weights.
 """
 
 from __future__ import annotations
@@ -36,13 +40,14 @@ from ..nn.convert import is_output_head
 from ..numerics.scaling import NVFP4_TENSOR_MAX, compute_scale, dequant_scale, parse_granularity
 from ..numerics.tensor import quantize as fp8_quantize
 from ..ptq.calibrate import choose_amax, observe_inputs
-from ..ptq.experts import find_experts
+from ..ptq.experts import QuantExperts, dequantize_experts_module, find_experts, fp4_experts_problem, observe_experts
 from ..ptq.layer_error import swap_submodule
 from ..ptq.linear import QuantLinear
 from ..ptq.quantize import PTQOptions
 from ..ptq.report import PTQReport
 from ..ptq.schemes import Scheme, get_scheme
 from ..ptq.smoothquant import find_mappings
+from .experts import frozen_experts, install_qat_experts, qat_experts
 from .fakequant import _e2m1_round
 from .linear import QATLinear
 
@@ -64,7 +69,8 @@ def _misfit(scheme: Scheme, module: nn.Module) -> str | None:
     return None
 
 
-def _targets(model: nn.Module, scheme: Scheme, module_filter, report: PTQReport) -> list[str]:
+def _targets(model: nn.Module, scheme: Scheme, module_filter, report: PTQReport) -> tuple[list[str], list[str]]:
+    """The ``nn.Linear`` layers and the MoE experts modules to train quantized (the rest in ``report.skipped``)."""
     head = is_output_head(model)
     targets = []
     for name, module in model.named_modules():
@@ -83,14 +89,20 @@ def _targets(model: nn.Module, scheme: Scheme, module_filter, report: PTQReport)
             report.skipped[name] = reason
         else:
             targets.append(name)
-    for name in find_experts(model):
-        report.skipped[name] = "MoE experts (fp8kit.qat trains dense Linear layers; the experts stay in high precision)"
-    if not targets:
+    experts = []
+    for name, module in find_experts(model).items():
+        reason = None if module_filter is None or module_filter(name, module) else "excluded by module_filter"
+        reason = reason or fp4_experts_problem(module, scheme)
+        if reason:
+            report.skipped[name] = reason
+        else:
+            experts.append(name)
+    if not targets and not experts:
         raise ValueError(
             "no nn.Linear layer to train quantized"
             + (" (the module_filter matched none)" if module_filter else " in this model")
         )
-    return targets
+    return targets, experts
 
 
 def _share_nvfp4_weight_scales(model: nn.Module, scheme: Scheme, layers: dict[str, QATLinear]) -> None:
@@ -137,8 +149,9 @@ def prepare(
             "block scales follow the weights at every step: prepare without learn_scales"
         )
     report = PTQReport(scheme.name, calibration=calibration if scheme.static_activations else None)
-    targets = _targets(model, scheme, module_filter, report)
+    targets, experts = _targets(model, scheme, module_filter, report)
     amax: dict[str, float] = {}
+    expert_amax: dict[str, tuple[float, float]] = {}
     if scheme.static_activations:
         if forward_loop is None:
             raise ValueError(
@@ -148,16 +161,21 @@ def prepare(
         was_training = model.training
         model.eval()
         try:
-            observers = observe_inputs(model, targets, forward_loop)
+            with observe_experts(model, experts) as expert_observers:
+                observers = observe_inputs(model, targets, forward_loop)
         finally:
             model.train(was_training)
         amax = {n: choose_amax(observers[n], scheme.act_format, calibration, percentile) for n in targets}
+        expert_amax = {n: o.amax(scheme.act_format, calibration, percentile) for n, o in expert_observers.items()}
     layers = {}
     for name in targets:
         layers[name] = QATLinear(model.get_submodule(name), scheme, amax.get(name), learn_scales, name)
         swap_submodule(model, name, layers[name])
     _share_nvfp4_weight_scales(model, scheme, layers)
+    for name in experts:
+        install_qat_experts(model.get_submodule(name), scheme, expert_amax.get(name))
     report.input_amax = dict(amax)
+    report.experts = list(experts)
     object.__setattr__(model, "qat_report", report)
     return model
 
@@ -193,17 +211,18 @@ def from_ptq(model: nn.Module, learn_scales: bool = False, reference: nn.Module 
     if not isinstance(model, nn.Module):
         raise TypeError(f"from_ptq() takes an nn.Module, got {type(model).__name__}")
     found = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
-    if not found:
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, QuantExperts)}
+    if not found and not experts:
         raise ValueError(
             "from_ptq() takes a model quantized by fp8kit.ptq.quantize (it holds no QuantLinear layer); "
             "for a float model use fp8kit.qat.prepare(model, scheme, forward_loop)"
         )
-    schemes = {m.scheme.name for m in found.values()}
+    schemes = {m.scheme.name for m in [*found.values(), *experts.values()]}
     if len(schemes) > 1:
         raise ValueError(f"from_ptq() trains one scheme; this model mixes {sorted(schemes)} (a mixed-precision plan)")
     ptq_report = getattr(model, "ptq_report", None)
     calibrated = dict(ptq_report.input_amax) if ptq_report is not None else {}
-    scheme = found[next(iter(found))].scheme
+    scheme = next(iter([*found.values(), *experts.values()])).scheme
     if reference is not None and not scheme.is_fp4:
         raise ValueError(f"from_ptq(reference=...) places master weights on FP4 grids; {scheme.name} is not FP4")
     layers = {}
@@ -226,10 +245,17 @@ def from_ptq(model: nn.Module, learn_scales: bool = False, reference: nn.Module 
         layers[name] = layer
         swap_submodule(model, name, layer)
     _share_nvfp4_weight_scales(model, scheme, layers)
+    for module in experts.values():
+        amax = None
+        if scheme.static_activations:
+            top = NVFP4_TENSOR_MAX if scheme.act_strategy == "nvfp4" else scheme.act_format.max
+            amax = tuple(float(module.input_scale(p).float().reshape(())) * top for p in range(2))
+        install_qat_experts(dequantize_experts_module(module), scheme, amax)
     report = PTQReport(scheme.name, calibration=ptq_report.calibration if ptq_report is not None else None)
     if ptq_report is not None:
         report.skipped = dict(ptq_report.skipped)
     report.input_amax = {n: float(m.input_amax.detach()) for n, m in layers.items() if m.input_amax is not None}
+    report.experts = list(experts)
     model.__dict__.pop("ptq_report", None)
     object.__setattr__(model, "qat_report", report)
     return model
@@ -256,11 +282,11 @@ def _frozen(layer: QATLinear) -> QuantLinear:
 
 def convert(model: nn.Module) -> nn.Module:
     """Freeze a ``prepare``d model into PTQ's inference modules in place (module doc); returns it."""
-    layers = qat_layers(model)
-    if not layers:
+    layers, experts = qat_layers(model), qat_experts(model)
+    if not layers and not experts:
         raise ValueError("convert() takes a model made by fp8kit.qat.prepare (it holds no QATLinear layer)")
     base = getattr(model, "qat_report", None)
-    scheme = next(iter(layers.values())).scheme.name
+    scheme = next(iter([*layers.values(), *experts.values()])).scheme.name
     report = PTQReport(scheme, calibration=base.calibration if base is not None else None)
     if base is not None:
         report.skipped = dict(base.skipped)
@@ -269,6 +295,13 @@ def convert(model: nn.Module) -> nn.Module:
         report.quantized.append(name)
         if layer.input_amax is not None:
             report.input_amax[name] = float(layer.input_amax.detach())
+    for name, module in experts.items():
+        amaxes = [getattr(module, f"{proj}_input_amax", None) for proj in module.projections]
+        frozen = frozen_experts(module)
+        report.experts.append(name)
+        for proj, amax in zip(frozen.projections, amaxes, strict=True):
+            if amax is not None:
+                report.input_amax[f"{name}.{proj}"] = float(amax)
     model.__dict__.pop("qat_report", None)
     object.__setattr__(model, "ptq_report", report)
     return model
