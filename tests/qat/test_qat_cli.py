@@ -12,13 +12,18 @@ from tests.helpers.models import save_sample_llama
 pytest.importorskip("transformers")
 
 
-def test_quantize_with_qad_steps_distils_then_writes_the_export(tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("start", "before"),
+    [(None, "before QAD (PTQ: calibration max; GPTQ)"), ("rtn", "before QAD (round-to-nearest PTQ)")],
+)
+def test_quantize_with_qad_steps_distils_then_writes_the_export(tmp_path, capsys, start, before):
     root = save_sample_llama(tmp_path)
     argv = ["quantize", "--model", str(root / "model"), "--text", str(root / "text.txt"), "--scheme", "nvfp4"]
+    argv += ["--qad-start", start] if start else []
     assert main([*argv, "--out", str(tmp_path / "q"), "--qad-steps", "3", "--qad-lr", "1e-4"]) == 0
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("held-out perplexity"))
-    assert "before QAD (round-to-nearest PTQ)" in line and "after 3 QAD steps" in line
+    assert before in line and "after 3 QAD steps" in line
     loaded = load_pretrained(tmp_path / "q")
     assert loaded.ptq_report.scheme == "nvfp4" and loaded.ptq_report.quantized
     with torch.no_grad():
@@ -43,12 +48,14 @@ def test_the_command_line_and_the_python_api_share_the_dev_chosen_defaults():
     from fp8kit import qat
     from fp8kit.cli import build_parser
     from fp8kit.jobs.qad import qad_pretrained
+    from fp8kit.qat.distill import QAD_START
 
     args = build_parser().parse_args(
         ["quantize", "--model", "smollm2", "--out", "o", "--scheme", "nvfp4", "--qad-steps", "2"]
     )
     assert args.qad_lr == qat.QAD_LR == inspect.signature(qat.distill).parameters["lr"].default
     job = inspect.signature(qad_pretrained).parameters
+    assert args.qad_start == QAD_START == job["start"].default
     assert (job["lr"].default, job["batch_size"].default, job["seq_len"].default) == (
         qat.QAD_LR,
         qat.QAD_BATCH_SIZE,

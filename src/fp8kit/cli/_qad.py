@@ -11,14 +11,14 @@ import argparse
 import sys
 
 from ..jobs.announce import UnknownSize, announce, print_device_peak, shape_of
-from ..qat.distill import QAD_BATCH_SIZE, QAD_LR, QAD_SEQ_LEN
+from ..qat.distill import QAD_BATCH_SIZE, QAD_LR, QAD_SEQ_LEN, QAD_START
 from ._common import UsageError
 
 QAD_BATCH, QAD_SEQ = QAD_BATCH_SIZE, QAD_SEQ_LEN  # tokens per distillation step
 
 
 def add_qad_arguments(q: argparse.ArgumentParser) -> None:
-    """``--qad-steps`` and ``--qad-lr``."""
+    """``--qad-steps``, ``--qad-lr`` and ``--qad-start``."""
     q.add_argument(
         "--qad-steps",
         type=int,
@@ -32,6 +32,13 @@ def add_qad_arguments(q: argparse.ArgumentParser) -> None:
         type=float,
         default=QAD_LR,
         help=f"--qad-steps: AdamW's peak learning rate (default {QAD_LR:g}, chosen on the dev split: docs/qat.md)",
+    )
+    q.add_argument(
+        "--qad-start",
+        choices=("ptq", "rtn"),
+        default=QAD_START,
+        help=f"--qad-steps: the student at step 0, the scheme's default PTQ pipeline (ptq: GPTQ, AWQ for weight-only) "
+        f"or round to nearest (rtn) (default {QAD_START}, chosen on the dev split: docs/qat.md)",
     )
 
 
@@ -48,19 +55,22 @@ def run_qad(args: argparse.Namespace, device) -> int:
     given = [f"--{k.replace('_', '-')}" for k in ("keep_bf16", "norm_tweak", "smooth", "alpha") if getattr(args, k)]
     if given or args.scheme in ("fp8-block", "auto"):
         what = " ".join(given) if given else f"--scheme {args.scheme}"
-        raise UsageError(f"--qad-steps trains one PTQ scheme from round-to-nearest: drop {what}")
+        raise UsageError(f"--qad-steps trains one PTQ scheme from its default settings: drop {what}")
     try:
         shape = shape_of(args.model)
         announce(qad_cost(shape, device, args.qad_steps, QAD_BATCH * QAD_SEQ, 8 * 512), device, args.force)
     except UnknownSize as err:
         print(f"fp8kit quantize --qad-steps: cost unknown ({err})", file=sys.stderr)
-    print("QAD starts from round-to-nearest PTQ (GPTQ, AWQ, SmoothQuant folds do not apply)", flush=True)
+    start = (
+        "the scheme's default PTQ (GPTQ; AWQ for weight-only)" if args.qad_start == "ptq" else "round-to-nearest PTQ"
+    )
+    print(f"QAD starts from {start}", flush=True)
     model, tokenizer = load_model(args.model, work_dtype(device), device)
     splits = load_splits(args.text, tokenizer, second_text=False)[0]
     loop = calibration_loop(splits, args.calib_batches)
     try:
         student, run = qad_pretrained(
-            model, args.scheme, splits, args.qad_steps, loop, lr=args.qad_lr,
+            model, args.scheme, splits, args.qad_steps, loop, lr=args.qad_lr, start=args.qad_start,
             calibration=calibration_for(args.scheme, args.calibration), batch_size=QAD_BATCH, seq_len=QAD_SEQ,
         )  # fmt: skip
     except ValueError as err:

@@ -1,10 +1,13 @@
 """Quantization-aware distillation of a pretrained causal LM: what ``fp8kit quantize --qad-steps`` runs.
 
-The teacher is the loaded model itself (a frozen copy, without gradients); the student is a copy prepared
-with ``prepare`` (static scales calibrated on the calibration split, as PTQ's), distilled on windows of
-the calibration split (the shipped KJV or ``--text``), then ``convert``ed. Perplexity is measured before
-(the round-to-nearest PTQ model: the student at step 0) and after, on windows of the dev split, which
-neither calibration nor distillation reads. ``qad_cost`` is the estimate the command prints first.
+The teacher is the loaded model itself (a frozen copy, without gradients); the student is a copy quantized
+by the scheme's default PTQ pipeline (``ptq_settings``: GPTQ, AWQ for weight-only, static scales calibrated
+on the calibration split) and turned back into trainable layers by ``from_ptq`` (FP4: master weights
+towards the teacher's, inside their codes' rounding intervals), or with ``start="rtn"`` a copy ``prepare``d
+at round to nearest; it is distilled on windows of the calibration split (the shipped KJV or ``--text``),
+then ``convert``ed. Perplexity is measured before (the student at step 0) and after, on windows of the dev
+split, which neither calibration nor distillation reads. ``qad_cost`` is the estimate the command prints
+first.
 """
 
 from __future__ import annotations
@@ -20,9 +23,12 @@ import torch.nn as nn
 from ..data import PTQSplits, windows
 from ..data.evaluation import window_losses
 from ..data.splits import available_windows
-from ..qat.distill import QAD_BATCH_SIZE, QAD_LR, QAD_SEQ_LEN, DistillResult, distill
-from ..qat.prepare import convert, prepare
+from ..ptq.quantize import quantize
+from ..ptq.schemes import get_scheme
+from ..qat.distill import QAD_BATCH_SIZE, QAD_LR, QAD_SEQ_LEN, QAD_START, DistillResult, distill
+from ..qat.prepare import convert, from_ptq, prepare
 from .cost import JobCost, ModelShape, activation_bytes, device_flops
+from .quantize import ptq_settings, quantizable_layers, settings_text
 
 __all__ = ["QADRun", "qad_cost", "qad_pretrained"]
 
@@ -56,8 +62,8 @@ def qad_cost(
 
 @dataclass
 class QADRun:
-    """What ``qad_pretrained`` measured: dev perplexity of the teacher, before QAD (round-to-nearest PTQ) and
-    after, the windows scored, and the distillation's record."""
+    """What ``qad_pretrained`` measured: dev perplexity of the teacher, before QAD (the student at step 0,
+    ``start`` says what it was) and after, the windows scored, and the distillation's record."""
 
     teacher_ppl: float
     before_ppl: float
@@ -65,6 +71,7 @@ class QADRun:
     windows: int
     seq_len: int
     result: DistillResult
+    start: str = "round-to-nearest PTQ"
 
     def line(self) -> str:
         def rel(p: float) -> str:
@@ -72,7 +79,7 @@ class QADRun:
 
         return (
             f"held-out perplexity ({self.windows} dev windows of {self.seq_len} tokens): teacher "
-            f"{self.teacher_ppl:.3f}; before QAD (round-to-nearest PTQ) {self.before_ppl:.3f} ({rel(self.before_ppl)}); "
+            f"{self.teacher_ppl:.3f}; before QAD ({self.start}) {self.before_ppl:.3f} ({rel(self.before_ppl)}); "
             f"after {self.result.steps} QAD steps {self.after_ppl:.3f} ({rel(self.after_ppl)})"
         )
 
@@ -90,6 +97,7 @@ def qad_pretrained(
     forward_loop: Any = None,
     *,
     lr: float = QAD_LR,
+    start: str = QAD_START,
     calibration: str = "max",
     batch_size: int = QAD_BATCH_SIZE,
     seq_len: int = QAD_SEQ_LEN,
@@ -99,7 +107,9 @@ def qad_pretrained(
 ) -> tuple[nn.Module, QADRun]:
     """Distil ``model`` into ``scheme`` for ``steps`` steps (module doc); returns the converted student
     (PTQ's modules, ready for ``fp8kit.export.save_pretrained``) and what was measured. ``model`` is
-    left as it was (it is the teacher)."""
+    left as it was (it is the teacher). ``start``: ``"ptq"`` or ``"rtn"`` (module doc)."""
+    if start not in ("ptq", "rtn"):
+        raise ValueError(f"start is 'ptq' (the scheme's PTQ pipeline) or 'rtn' (round to nearest), got {start!r}")
     n_train = available_windows(splits.calib, seq_len, splits.block)
     if n_train < 1:
         raise ValueError(f"{splits.name} is too short to distil on windows of {seq_len + 1} tokens")
@@ -116,11 +126,18 @@ def qad_pretrained(
     student = copy.deepcopy(teacher)
     for p in student.parameters():
         p.requires_grad_(True)
-    prepare(student, scheme, forward_loop, calibration=calibration)
+    if start == "ptq":
+        kw = ptq_settings(scheme, calibration, n_layers=quantizable_layers(student))
+        quantize(student, scheme, forward_loop, progress=False, **kw)
+        from_ptq(student, reference=teacher if get_scheme(scheme).is_fp4 else None)
+        began = f"PTQ: {settings_text(kw)}"
+    else:
+        prepare(student, scheme, forward_loop, calibration=calibration)
+        began = "round-to-nearest PTQ"
     teacher_ppl, before = _ppl(teacher, held_out), _ppl(student, held_out)
     result = distill(student, teacher, batches, steps, lr, progress=progress)
     for p in student.parameters():
         p.requires_grad_(False)
     convert(student)
     after = _ppl(student, held_out)
-    return student, QADRun(teacher_ppl, before, after, n_eval, eval_seq_len, result)
+    return student, QADRun(teacher_ppl, before, after, n_eval, eval_seq_len, result, began)

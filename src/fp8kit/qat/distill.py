@@ -22,13 +22,25 @@ import torch.nn.functional as F
 
 from .prepare import qat_layers
 
-__all__ = ["QAD_BATCH_SIZE", "QAD_LR", "QAD_SEQ_LEN", "DistillResult", "distill", "distill_loss", "kl_to_teacher"]
+__all__ = [
+    "QAD_BATCH_SIZE",
+    "QAD_LR",
+    "QAD_SEQ_LEN",
+    "QAD_START",
+    "DistillResult",
+    "distill",
+    "distill_loss",
+    "kl_to_teacher",
+]
 
 # The defaults of ``distill`` and ``fp8kit quantize --qad-steps``, chosen on the dev split for runs of tens
 # to a few hundred steps on a CPU (docs/qat.md, "Defaults"): AdamW's peak learning rate, and the token-id
 # windows of one step.
 QAD_LR = 1e-4
 QAD_BATCH_SIZE, QAD_SEQ_LEN = 4, 128
+# Where ``fp8kit quantize --qad-steps`` starts the student: "ptq" (the scheme's default PTQ pipeline, then
+# ``from_ptq``) or "rtn" (``prepare``: round to nearest).
+QAD_START = "ptq"
 
 
 @dataclass
