@@ -13,10 +13,13 @@ model with only Q and K, only V, or only P in E4M3 (the other operands pass thro
 of this benchmark, not a library setting) and with static Q, K, V scales of ``2 x`` the calibrated amax (one
 binade of headroom: nothing clips up to twice the calibration's amax); ``--stats`` prints, per static model,
 the fraction of Q, K, V values beyond their static range (clipped to 448) on the scored windows
-(``observe_fp8_attention``).
+(``observe_fp8_attention``). ``--kl`` also prints each model's ``KL(fp8-dynamic || model)`` per token and
+top-1 agreement (``data.evaluation.Divergence``; reruns ``fp8-dynamic`` beside each): a figure with far less
+spread over windows than the perplexity change, whose floor is what any perturbation of ``fp8-dynamic`` gives
+(``--ulp``).
 
     python benchmarks/attention_ppl.py --windows 8 --split dev --p448 --ulp
-    python benchmarks/attention_ppl.py --windows 8 --split dev --ablate --stats --only "per head"
+    python benchmarks/attention_ppl.py --windows 8 --split dev --ablate --stats --kl --ulp --only "per head"
     python benchmarks/attention_ppl.py --windows 16
 """
 
@@ -31,7 +34,7 @@ from contextlib import contextmanager
 import torch
 
 from fp8kit.data import windows
-from fp8kit.data.evaluation import window_losses, window_summary
+from fp8kit.data.evaluation import Divergence, window_losses, window_summary
 from fp8kit.data.splits import available_windows
 from fp8kit.jobs.quantize import calibration_loop, load_splits
 from fp8kit.models.pretrained import load_pretrained_lm
@@ -120,6 +123,7 @@ def main() -> None:
         "--ablate", action="store_true", help="also score per head with only Q+K, V or P rounded, and 2x Q/K/V headroom"
     )
     p.add_argument("--stats", action="store_true", help="print the static models' Q/K/V saturation on the windows")
+    p.add_argument("--kl", action="store_true", help="also print KL(fp8-dynamic || model) and top-1 agreement")
     p.add_argument("--only", default=None, help="score only the FP8 attention settings whose name contains this")
     args = p.parse_args()
     torch.manual_seed(0)
@@ -180,12 +184,14 @@ def main() -> None:
     for name, model in settings.items():
         t = time.perf_counter()
         stats = args.stats and "static" in name and name not in ablations
+        div = Divergence() if args.kl and name not in ("bf16", "fp8-dynamic") else None
+        kw = {"reference": dyn, "divergence": div} if div is not None else {}
         with torch.no_grad(), unrounded(ablations.get(name, "")):
             if stats:
                 with observe_fp8_attention(model) as states:
-                    losses[name] = window_losses(model, test)
+                    losses[name] = window_losses(model, test, **kw)
             else:
-                losses[name] = window_losses(model, test)
+                losses[name] = window_losses(model, test, **kw)
         s = window_summary(losses[name], losses.get("fp8-dynamic"))
         vs_bf16 = window_summary(losses[name], losses["bf16"])["ppl_rel"]
         vs_dyn = f"{100 * s['ppl_rel']:+.2f}% ± {100 * s['ppl_rel_sem']:.2f}" if "ppl_rel" in s else "—"
@@ -194,6 +200,8 @@ def main() -> None:
             f"({time.perf_counter() - t:.0f} s)",
             flush=True,
         )
+        if div is not None:
+            print(f"    KL(fp8-dynamic || this) {div.kl:.4f} nats/token, top-1 agreement {div.top1:.4f}", flush=True)
         if stats:
             rows = attention_stats(states)
             sat = {op: max(r["saturated"] for r in rows if r["operand"] == op) for op in ("Q", "K", "V")}
