@@ -57,6 +57,11 @@ def _attention_blocks(model: nn.Module) -> dict[str, nn.Module]:
 
     blocks = {}
     for name, state in attention_states(model).items():
+        if state.attention_recipe.hadamard:
+            raise ExportError(
+                f"{name}: Hadamard-rotated FP8 attention quantizes rotated queries and keys, which no serving "
+                "engine's attention or KV cache computes: export attention calibrated without hadamard"
+            )
         if static_scales(state) is None:
             raise ExportError(
                 f"{name}: FP8 attention without static scales (current scaling or MXFP8, or never calibrated) has "

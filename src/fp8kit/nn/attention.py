@@ -41,6 +41,7 @@ import torch.nn as nn
 
 from ..kernels.reference import repeat_tiles_eager
 from ..numerics.formats import E4M3, E5M2, Format
+from ..numerics.hadamard import random_hadamard
 from ..numerics.recipes import CurrentScaling, DelayedScaling
 from ..numerics.scaling_state import DelayedScalingState, forgive_missing_fp8_state
 from ..numerics.tensor import quantize
@@ -58,6 +59,7 @@ __all__ = [
     "enable_fp8_attention",
     "fp8_attention",
     "fp8_attention_to_kv_scales",
+    "hadamard_rotate",
     "observe_fp8_attention",
     "block_static_scales",
     "set_static_scales",
@@ -91,6 +93,10 @@ class AttentionRecipe:
     its own E8M0 scale from its own amax; needs ``scaling="current"``).
     ``block``: keys per block of the computation (memory ``O(Sq * block)``; the result does not depend on it;
     a multiple of 32 under ``"mx"``).
+    ``hadamard``: rotate Q and K along the head dimension by a block-diagonal random Hadamard matrix before they
+    are quantized (FlashAttention-3's incoherent processing): ``(Q R)(K R)^T = Q K^T``, so only the rounding
+    changes, spread over each block instead of concentrated in outlier channels. Blocks of the largest power of
+    two dividing the head dimension. No serving format describes rotated keys: such attention is not exported.
     """
 
     scaling: str = "delayed"
@@ -99,6 +105,7 @@ class AttentionRecipe:
     amax_compute_algo: str = "max"
     margin: int = 0
     block: int = 128
+    hadamard: bool = False
 
     def __post_init__(self) -> None:
         if self.scaling not in _SCALINGS:
@@ -130,19 +137,25 @@ class AttentionRecipe:
 
 def attention_recipe(spec: AttentionRecipe | str | bool) -> AttentionRecipe:
     """An ``AttentionRecipe`` from itself, ``True``/``"fp8"`` (delayed, per tensor), ``"delayed"``, ``"current"``,
-    those with ``"-head"`` (``"current-head"``: per-head scales), or ``"mxfp8"`` (``"current-mx"``)."""
+    those with ``"-head"`` (``"current-head"``: per-head scales), or ``"mxfp8"`` (``"current-mx"``); any of them
+    with ``"-hadamard"`` (``"fp8-head-hadamard"``) rotates Q and K first (``AttentionRecipe.hadamard``)."""
     if isinstance(spec, AttentionRecipe):
         return spec
     if spec is True:
         return AttentionRecipe()
     if isinstance(spec, str):
         key = spec.lower().replace("_", "-")
+        hadamard = key.endswith("-hadamard")
+        key = key.removesuffix("-hadamard")
         key = {"mxfp8": "current-mx", "mx": "current-mx"}.get(key, key)
         scaling, _, gran = key.partition("-")
         scaling = "delayed" if scaling == "fp8" else scaling
         if scaling in _SCALINGS and gran in ("", *_GRANULARITIES):
-            return AttentionRecipe(scaling, gran or "tensor")
-    raise ValueError(f"unknown attention recipe {spec!r}; accepted: an AttentionRecipe, {ATTENTION_SPELLINGS}")
+            return AttentionRecipe(scaling, gran or "tensor", hadamard=hadamard)
+    raise ValueError(
+        f"unknown attention recipe {spec!r}; accepted: an AttentionRecipe, {ATTENTION_SPELLINGS} (each also with "
+        "'-hadamard')"
+    )
 
 
 class FP8AttentionState(nn.Module):
@@ -214,6 +227,17 @@ class FP8AttentionState(nn.Module):
 def _cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
     """``fmt`` codes of ``x * scale`` (``scale`` ``(1, H, 1, 1)``), saturating, nearest even."""
     return (x.float() * scale).clamp(-fmt.max, fmt.max).to(fmt.dtype)
+
+
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(..., D)`` times the block-diagonal random Hadamard rotation ``AttentionRecipe.hadamard`` applies
+    along D (``numerics.hadamard.random_hadamard`` blocks of the largest power of two dividing D), float32."""
+    d = x.shape[-1]
+    size = d & -d
+    if size < 2:
+        raise ValueError(f"a Hadamard rotation of Q and K needs an even head dimension, got {d}")
+    r = random_hadamard(size, x.device)
+    return (x.float().reshape(*x.shape[:-1], d // size, size) @ r).reshape(x.shape)
 
 
 def _repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
@@ -660,7 +684,10 @@ def fp8_attention(
     record = state.training if record is None else record
     block = state.attention_recipe.block
     kernel = _MXFP8Attention if state.attention_recipe.granularity == "mx" else _FP8Attention
-    return kernel.apply(q, k, v, sinks, masking, state, block, record)
+    dtype = q.dtype
+    if state.attention_recipe.hadamard:  # Q K^T is unchanged in exact arithmetic; only the rounding moves
+        q, k = hadamard_rotate(q), hadamard_rotate(k)
+    return kernel.apply(q, k, v, sinks, masking, state, block, record).to(dtype)
 
 
 # ---- transformers integration -----------------------------------------------------------------------
@@ -943,6 +970,11 @@ def fp8_attention_to_kv_scales(model: nn.Module) -> list[str]:
     states = attention_states(model)
     if not states:
         raise ValueError("fp8_attention_to_kv_scales: the model has no FP8 attention")
+    if any(st.attention_recipe.hadamard for st in states.values()):
+        raise ValueError(
+            "fp8_attention_to_kv_scales: Hadamard-rotated FP8 attention scales rotated keys, which no KV cache "
+            "holds: calibrate without hadamard"
+        )
     blocks = []
     for name, st in states.items():
         parent_name = name.removesuffix(f".{STATE_NAME}") if name != STATE_NAME else ""
