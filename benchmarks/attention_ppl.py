@@ -13,7 +13,8 @@ model with only Q and K, only V, or only P in E4M3 (the other operands pass thro
 of this benchmark, not a library setting) and with static Q, K, V scales of ``2 x`` the calibrated amax (one
 binade of headroom: nothing clips up to twice the calibration's amax); ``--stats`` prints, per static model,
 the fraction of Q, K, V values beyond their static range (clipped to 448) on the scored windows
-(``observe_fp8_attention``). ``--kl`` also prints each model's ``KL(fp8-dynamic || model)`` per token and
+(``observe_fp8_attention``). ``--hadamard`` also scores static per head with Q and K rotated along the head
+dimension first (``AttentionRecipe(hadamard=True)``, not exported). ``--kl`` also prints each model's ``KL(fp8-dynamic || model)`` per token and
 top-1 agreement (``data.evaluation.Divergence``; reruns ``fp8-dynamic`` beside each): a figure with far less
 spread over windows than the perplexity change, whose floor is what any perturbation of ``fp8-dynamic`` gives
 (``--ulp``).
@@ -123,6 +124,7 @@ def main() -> None:
         "--ablate", action="store_true", help="also score per head with only Q+K, V or P rounded, and 2x Q/K/V headroom"
     )
     p.add_argument("--stats", action="store_true", help="print the static models' Q/K/V saturation on the windows")
+    p.add_argument("--hadamard", action="store_true", help="also score static per head with Hadamard-rotated Q, K")
     p.add_argument("--kl", action="store_true", help="also print KL(fp8-dynamic || model) and top-1 agreement")
     p.add_argument("--only", default=None, help="score only the FP8 attention settings whose name contains this")
     args = p.parse_args()
@@ -162,6 +164,11 @@ def main() -> None:
                             copy.deepcopy(model), up
                         )
             settings[f"+ FP8 attention, {scales}, per {gran}"] = model
+            if scaling == "delayed" and gran == "head" and args.hadamard:
+                rotated = copy.deepcopy(dyn)
+                enable_fp8_attention(rotated, AttentionRecipe(scaling, gran, hadamard=True))
+                calibrate_fp8_attention(rotated, calibration_loop(kjv, args.calib_batches, seq_len=args.calib_seq_len))
+                settings["+ FP8 attention, static, per head, Hadamard Q, K"] = rotated
             if scaling == "delayed" and gran == "head" and args.ablate:
                 settings["+ FP8 attention, static, per head, 2x Q/K/V headroom"] = with_qkv_headroom(
                     copy.deepcopy(model), 2.0
