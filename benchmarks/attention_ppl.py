@@ -8,9 +8,19 @@ Q, K, V, P in E4M3), per tensor and per head, with static scales calibrated on t
 (``--dynamic``), in MXFP8 blocks (``--mx``), and with torchao's ``apply_low_precision_attention`` where it
 runs (else its error). Prints each perplexity and the paired change per window (mean ± standard error) vs
 ``fp8-dynamic`` alone and vs BF16. ``--ulp`` also scores ``fp8-dynamic`` with its embeddings moved by one
-float32 ulp: the spread FP8 rounding alone gives two equal models.
+float32 ulp: the spread FP8 rounding alone gives two equal models. ``--ablate`` also scores the static per-head
+model with only Q and K, only V, or only P in E4M3 (the other operands pass through unrounded: an instrument
+of this benchmark, not a library setting) and with static Q, K, V scales of ``2 x`` the calibrated amax (one
+binade of headroom: nothing clips up to twice the calibration's amax); ``--stats`` prints, per static model,
+the fraction of Q, K, V values beyond their static range (clipped to 448) on the scored windows
+(``observe_fp8_attention``). ``--hadamard`` also scores static per head with Q and K rotated along the head
+dimension first (``AttentionRecipe(hadamard=True)``, not exported). ``--kl`` also prints each model's ``KL(fp8-dynamic || model)`` per token and
+top-1 agreement (``data.evaluation.Divergence``; reruns ``fp8-dynamic`` beside each): a figure with far less
+spread over windows than the perplexity change, whose floor is what any perturbation of ``fp8-dynamic`` gives
+(``--ulp``).
 
     python benchmarks/attention_ppl.py --windows 8 --split dev --p448 --ulp
+    python benchmarks/attention_ppl.py --windows 8 --split dev --ablate --stats --kl --ulp --only "per head"
     python benchmarks/attention_ppl.py --windows 16
 """
 
@@ -19,19 +29,24 @@ from __future__ import annotations
 import argparse
 import copy
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from fp8kit.data import windows
-from fp8kit.data.evaluation import window_losses, window_summary
+from fp8kit.data.evaluation import Divergence, window_losses, window_summary
 from fp8kit.data.splits import available_windows
 from fp8kit.jobs.quantize import calibration_loop, load_splits
 from fp8kit.models.pretrained import load_pretrained_lm
+from fp8kit.nn import attention as fp8_attention_module
 from fp8kit.nn.attention import (
     AttentionRecipe,
     attention_states,
+    attention_stats,
     calibrate_fp8_attention,
     enable_fp8_attention,
+    observe_fp8_attention,
     set_static_scales,
     static_scales,
 )
@@ -44,6 +59,40 @@ def with_p_dequant(model: torch.nn.Module, dequant: float) -> torch.nn.Module:
         kept = static_scales(st)
         set_static_scales(st, {**kept, "p": torch.full_like(kept["p"], dequant)})
     return model
+
+
+def with_qkv_headroom(model: torch.nn.Module, factor: float) -> torch.nn.Module:
+    """``model`` (calibrated static FP8 attention) with its Q, K, V dequantization multipliers times ``factor``."""
+    for st in attention_states(model).values():
+        kept = static_scales(st)
+        set_static_scales(st, {op: d * factor if op != "p" else d for op, d in kept.items()})
+    return model
+
+
+@contextmanager
+def unrounded(operands: str) -> Iterator[None]:
+    """Within the block, FP8 attention's E4M3 casts of ``operands`` (letters of ``"qkvp"``) return the scaled
+    values unrounded (float32), the others as usual: which operand's rounding costs what. The kernel's inputs
+    Q, K, V are told apart by identity; every other E4M3 cast of the forward is P's."""
+    mod = fp8_attention_module
+    cast, forward = mod._cast, mod._FP8Attention.forward
+    names: dict[int, str] = {}
+
+    def cast_or_not(x: torch.Tensor, scale: torch.Tensor, fmt):  # noqa: ANN001 - the kernel's private signature
+        if fmt is mod.QKVP_FORMAT and names.get(id(x), "p") in operands:
+            return x.float() * scale
+        return cast(x, scale, fmt)
+
+    def named_forward(ctx, q, k, v, *rest):  # noqa: ANN001
+        names.clear()
+        names.update({id(q): "q", id(k): "k", id(v): "v"})
+        return forward(ctx, q, k, v, *rest)
+
+    mod._cast, mod._FP8Attention.forward = cast_or_not, staticmethod(named_forward)
+    try:
+        yield
+    finally:
+        mod._cast, mod._FP8Attention.forward = cast, staticmethod(forward)
 
 
 def torchao_model(dyn: torch.nn.Module) -> torch.nn.Module | str:
@@ -71,6 +120,12 @@ def main() -> None:
     p.add_argument("--p448", action="store_true", help="also score P's static scale 1 / 448 and one ulp above")
     p.add_argument("--mx", action="store_true", help="also score MXFP8 attention")
     p.add_argument("--ulp", action="store_true", help="also score fp8-dynamic with embeddings one ulp up")
+    p.add_argument(
+        "--ablate", action="store_true", help="also score per head with only Q+K, V or P rounded, and 2x Q/K/V headroom"
+    )
+    p.add_argument("--stats", action="store_true", help="print the static models' Q/K/V saturation on the windows")
+    p.add_argument("--hadamard", action="store_true", help="also score static per head with Hadamard-rotated Q, K")
+    p.add_argument("--kl", action="store_true", help="also print KL(fp8-dynamic || model) and top-1 agreement")
     p.add_argument("--only", default=None, help="score only the FP8 attention settings whose name contains this")
     args = p.parse_args()
     torch.manual_seed(0)
@@ -83,6 +138,7 @@ def main() -> None:
     print(f"KJV {args.split}: {test.shape[0]} windows x {args.seq_len} tokens; torch threads {torch.get_num_threads()}")
     dyn = quantize(copy.deepcopy(base), "fp8-dynamic")
     settings: dict[str, torch.nn.Module] = {"bf16": base, "fp8-dynamic": dyn}
+    ablations: dict[str, str] = {}  # setting -> operands left unrounded
     if args.ulp:
         nudged = copy.deepcopy(dyn)
         emb = nudged.get_input_embeddings().weight
@@ -108,6 +164,18 @@ def main() -> None:
                             copy.deepcopy(model), up
                         )
             settings[f"+ FP8 attention, {scales}, per {gran}"] = model
+            if scaling == "delayed" and gran == "head" and args.hadamard:
+                rotated = copy.deepcopy(dyn)
+                enable_fp8_attention(rotated, AttentionRecipe(scaling, gran, hadamard=True))
+                calibrate_fp8_attention(rotated, calibration_loop(kjv, args.calib_batches, seq_len=args.calib_seq_len))
+                settings["+ FP8 attention, static, per head, Hadamard Q, K"] = rotated
+            if scaling == "delayed" and gran == "head" and args.ablate:
+                settings["+ FP8 attention, static, per head, 2x Q/K/V headroom"] = with_qkv_headroom(
+                    copy.deepcopy(model), 2.0
+                )
+                for kept, unrounded_ops in (("Q, K", "vp"), ("V", "qkp"), ("P", "qkv")):
+                    settings[f"+ FP8 attention, static, per head, only {kept} in E4M3"] = model
+                    ablations[f"+ FP8 attention, static, per head, only {kept} in E4M3"] = unrounded_ops
     if args.mx:
         mx = copy.deepcopy(dyn)
         enable_fp8_attention(mx, "mxfp8")
@@ -122,8 +190,15 @@ def main() -> None:
     losses = {}
     for name, model in settings.items():
         t = time.perf_counter()
-        with torch.no_grad():
-            losses[name] = window_losses(model, test)
+        stats = args.stats and "static" in name and name not in ablations
+        div = Divergence() if args.kl and name not in ("bf16", "fp8-dynamic") else None
+        kw = {"reference": dyn, "divergence": div} if div is not None else {}
+        with torch.no_grad(), unrounded(ablations.get(name, "")):
+            if stats:
+                with observe_fp8_attention(model) as states:
+                    losses[name] = window_losses(model, test, **kw)
+            else:
+                losses[name] = window_losses(model, test, **kw)
         s = window_summary(losses[name], losses.get("fp8-dynamic"))
         vs_bf16 = window_summary(losses[name], losses["bf16"])["ppl_rel"]
         vs_dyn = f"{100 * s['ppl_rel']:+.2f}% ± {100 * s['ppl_rel_sem']:.2f}" if "ppl_rel" in s else "—"
@@ -132,6 +207,17 @@ def main() -> None:
             f"({time.perf_counter() - t:.0f} s)",
             flush=True,
         )
+        if div is not None:
+            print(f"    KL(fp8-dynamic || this) {div.kl:.4f} nats/token, top-1 agreement {div.top1:.4f}", flush=True)
+        if stats:
+            rows = attention_stats(states)
+            sat = {op: max(r["saturated"] for r in rows if r["operand"] == op) for op in ("Q", "K", "V")}
+            clipped = {op: sum(r["saturated"] > 0 for r in rows if r["operand"] == op) for op in ("Q", "K", "V")}
+            print(
+                "    clipped at 448 (largest fraction of a call; blocks with any): "
+                + ", ".join(f"{op} {sat[op]:.1e} ({clipped[op]}/{len(states)})" for op in sat),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
