@@ -14,7 +14,10 @@ of this benchmark, not a library setting) and with static Q, K, V scales of ``2 
 binade of headroom: nothing clips up to twice the calibration's amax); ``--stats`` prints, per static model,
 the fraction of Q, K, V values beyond their static range (clipped to 448) on the scored windows
 (``observe_fp8_attention``). ``--hadamard`` also scores static per head with Q and K rotated along the head
-dimension first (``AttentionRecipe(hadamard=True)``, not exported). ``--kl`` also prints each model's ``KL(fp8-dynamic || model)`` per token and
+dimension first (``AttentionRecipe(hadamard=True)``, not exported). ``--smooth-k`` also scores static per tensor and
+per head with each block's keys minus their mean over the calibration tokens (per key/value head and channel,
+after RoPE; SageAttention's smoothing: ``softmax(q (k - m)^T) = softmax(q k^T)``, so only the rounding changes; an
+instrument of this benchmark). ``--kl`` also prints each model's ``KL(fp8-dynamic || model)`` per token and
 top-1 agreement (``data.evaluation.Divergence``; reruns ``fp8-dynamic`` beside each): a figure with far less
 spread over windows than the perplexity change, whose floor is what any perturbation of ``fp8-dynamic`` gives
 (``--ulp``).
@@ -95,6 +98,37 @@ def unrounded(operands: str) -> Iterator[None]:
         mod._cast, mod._FP8Attention.forward = cast, staticmethod(forward)
 
 
+def smoothed_keys(dyn: torch.nn.Module, gran: str, loop) -> torch.nn.Module:  # noqa: ANN001
+    """``dyn`` + static FP8 attention per ``gran`` whose keys lose their calibration mean before the kernel (the
+    mean from one pass of ``loop``, the static scales from a second): ``--smooth-k``."""
+    model = copy.deepcopy(dyn)
+    enable_fp8_attention(model, AttentionRecipe("delayed", gran))
+    states = list(attention_states(model).values())
+    for st in states:
+        st.key_sum, st.key_count = 0.0, 0
+    with torch.no_grad():
+        loop(model)
+    for st in states:
+        st.key_mean = st.key_sum / st.key_count
+    calibrate_fp8_attention(model, loop)
+    return model
+
+
+def smoothing_kernel(kernel):  # noqa: ANN001, ANN201 - wraps ``nn.attention.fp8_attention``
+    """``fp8_attention`` that sums the keys of states collecting them (``key_sum``) and subtracts the mean
+    of states that have one (``key_mean``); other states are untouched."""
+
+    def run(q, k, v, state, **kw):  # noqa: ANN001, ANN202
+        if getattr(state, "key_mean", None) is not None:
+            k = (k.float() - state.key_mean).to(k.dtype)
+        elif getattr(state, "key_sum", None) is not None:
+            state.key_sum = state.key_sum + k.detach().float().sum(dim=(0, 2), keepdim=True)
+            state.key_count += k.shape[0] * k.shape[2]
+        return kernel(q, k, v, state, **kw)
+
+    return run
+
+
 def torchao_model(dyn: torch.nn.Module) -> torch.nn.Module | str:
     """``dyn`` with torchao's ``apply_low_precision_attention``, or why it does not run here."""
     try:
@@ -125,6 +159,7 @@ def main() -> None:
     )
     p.add_argument("--stats", action="store_true", help="print the static models' Q/K/V saturation on the windows")
     p.add_argument("--hadamard", action="store_true", help="also score static per head with Hadamard-rotated Q, K")
+    p.add_argument("--smooth-k", action="store_true", help="also score static scales with mean-subtracted keys")
     p.add_argument("--kl", action="store_true", help="also print KL(fp8-dynamic || model) and top-1 agreement")
     p.add_argument("--only", default=None, help="score only the FP8 attention settings whose name contains this")
     args = p.parse_args()
@@ -176,6 +211,11 @@ def main() -> None:
                 for kept, unrounded_ops in (("Q, K", "vp"), ("V", "qkp"), ("P", "qkv")):
                     settings[f"+ FP8 attention, static, per head, only {kept} in E4M3"] = model
                     ablations[f"+ FP8 attention, static, per head, only {kept} in E4M3"] = unrounded_ops
+    if args.smooth_k:
+        fp8_attention_module.fp8_attention = smoothing_kernel(fp8_attention_module.fp8_attention)
+        for gran in ("tensor", "head"):
+            loop = calibration_loop(kjv, args.calib_batches, seq_len=args.calib_seq_len)
+            settings[f"+ FP8 attention, static, per {gran}, keys minus their mean"] = smoothed_keys(dyn, gran, loop)
     if args.mx:
         mx = copy.deepcopy(dyn)
         enable_fp8_attention(mx, "mxfp8")
