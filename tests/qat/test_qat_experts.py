@@ -11,7 +11,7 @@ import torch
 
 from fp8kit import ptq, qat
 from fp8kit.export import load_pretrained, save_pretrained
-from fp8kit.ptq.experts import QuantExperts, quantize_experts_module
+from fp8kit.ptq.experts import QuantExperts, dequantize_experts_module, quantize_experts_module
 from fp8kit.qat.experts import QATExperts, install_qat_experts, qat_experts
 from tests.helpers.moe import tiny_moe_model
 
@@ -122,3 +122,49 @@ def test_from_ptq_turns_quantized_experts_into_trainable_ones() -> None:
     assert all(m.down_proj.requires_grad for m in qat_experts(student).values())
     with torch.no_grad():
         torch.testing.assert_close(student(_ids(9)).logits, expect, rtol=1e-4, atol=1e-4)
+
+
+def _grids(model) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Each PTQ experts module's FP4 weights per projection: dequantized values (+0 and -0 codes alike), block
+    scales and NVFP4's per-tensor scales (as bytes / float32)."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, QuantExperts):
+            for p, proj in enumerate(m.projections):
+                s2 = m.weight_scale_2(p)
+                scales = m.weight_scale(p).view(torch.uint8)
+                out[f"{name}.{proj}"] = (m.dequantized_weight(p), scales, *(() if s2 is None else (s2,)))
+    return out
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "nvfp4-weight-only", "mxfp4-weight-only"])
+@pytest.mark.parametrize("with_reference", [False, True])
+def test_from_ptq_of_gptq_fp4_experts_keeps_their_codes_and_scales(scheme: str, with_reference: bool) -> None:
+    """GPTQ'd FP4 experts: from_ptq keeps each expert's block (and per-tensor) scales, so the student
+    computes the PTQ model's logits and converts back to its exact codes and scales; scales recomputed from
+    the dequantized weights would move codes (checked, so the test can fail)."""
+    base = tiny_moe_model("qwen3_moe").eval()
+    ptq_model = ptq.quantize(copy.deepcopy(base), scheme, _loop(_ids(0)), gptq=True, awq=False)
+    before = {k: tuple(t.clone() for t in v) for k, v in _grids(ptq_model).items()}
+    assert before
+    recomputed = copy.deepcopy(ptq_model)
+    for m in list(recomputed.modules()):
+        if isinstance(m, QuantExperts):
+            quantize_experts_module(dequantize_experts_module(m), scheme, (1.0, 1.0))  # scales of the dequantized
+    moved = [not torch.equal(before[k][1], v[1]) for k, v in _grids(recomputed).items()]
+    assert any(moved), "GPTQ left every block its largest code: this model cannot tell the grids apart"
+    with torch.no_grad():
+        expect = ptq_model(_ids(9)).logits
+    student = qat.from_ptq(ptq_model, reference=base if with_reference else None)
+    trained = qat_experts(student)
+    assert trained and all(m.fixed_scale_inv(0) is not None for m in trained.values())
+    if with_reference:  # the master weights left their grid points, towards the float weights
+        off = [not torch.equal(m.master_weight(1), m.dequantized_weight(1)) for m in trained.values()]
+        assert all(off)
+    with torch.no_grad():
+        torch.testing.assert_close(student(_ids(9)).logits, expect, rtol=1e-4, atol=1e-4)
+    qat.convert(student)
+    after = _grids(student)
+    for key, tensors in before.items():
+        for want, got in zip(tensors, after[key], strict=True):
+            assert torch.equal(got, want), key

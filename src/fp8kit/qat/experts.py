@@ -6,14 +6,16 @@ through ``ptq.experts``' ``"fp8kit_ptq"`` implementation, so the tokens are rout
 in the PTQ model. Each projection's forward quantizes every expert's weight as ``ptq.experts`` does
 (per expert: 8-bit per tensor or per channel through ``quantize_codes``; NVFP4 with the expert's own
 per-tensor scale, the fused ``gate_up`` one for gate and up together, through ``nvfp4_fake_quant``;
-MXFP4 through ``fp8kit.quantize``) and the routed tokens as ``QuantExperts.dequantized_input`` does (the
+MXFP4 through ``fp8kit.quantize``; or, after ``fix_fp4_grid``, on a PTQ module's fixed block scales through
+``fixed_fp4_fake_quant``) and the routed tokens as ``QuantExperts.dequantized_input`` does (the
 static scale shared by the layer's experts, per token at run time, or NVFP4 blocks under the static
 per-tensor scale), then multiplies the dequantized operands with ``QuantExperts``' straight-through
 grouped GEMM, so at equal weights the output equals the PTQ module's straight-through path bit for bit
 and its inference kernels up to float32 summation order. Gradients pass both quantizers straight through
 (``qat.linear``'s rule: zero where a static input scale clips), to the inputs and the master weights.
 
-``frozen_experts`` turns the module back into PTQ's ``QuantExperts`` from its current master weights.
+``frozen_experts`` turns the module back into PTQ's ``QuantExperts`` from its current master weights (on the
+fixed grid, with its scales, where ``fix_fp4_grid`` set one).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import torch
 import torch.nn as nn
 
 from ..nn.class_swap import swap_class
-from ..numerics.formats import E2M1
+from ..numerics.formats import E2M1, e2m1_encode
 from ..numerics.scaling import dequant_scale, nvfp4_tensor_scale
+from ..numerics.state_dict import pack_fp4
 from ..numerics.tensor import quantize as fp8_quantize
 from ..ptq.experts import (
     QuantExperts,
@@ -34,10 +37,14 @@ from ..ptq.experts import (
     quantize_experts_module,
 )
 from ..ptq.schemes import Scheme
-from .fakequant import nvfp4_fake_quant
+from .fakequant import fixed_fp4_fake_quant, nvfp4_fake_quant
 from .linear import _codes, _straight
 
-__all__ = ["QATExperts", "frozen_experts", "install_qat_experts", "qat_experts"]
+__all__ = ["QATExperts", "fix_fp4_grid", "fp4_grid", "frozen_experts", "install_qat_experts", "qat_experts"]
+
+# the fixed FP4 grid of a projection P (``fix_fp4_grid``): PTQ's block scales, NVFP4's per-tensor scales and the
+# float32 multipliers they make, buffers ``P_fixed_<key>``
+_GRID_KEYS = ("weight_scale", "weight_scale_2", "scale_inv")
 
 
 class _GroupedMatmulTrain(torch.autograd.Function):
@@ -80,12 +87,20 @@ class QATExperts(QuantExperts):
             return nvfp4_tensor_scale(float(amax)).reshape(1).to(amax.device)
         return dequant_scale(amax.float(), self.scheme.act_format)
 
+    def fixed_scale_inv(self, p: int) -> torch.Tensor | None:
+        """Projection ``p``'s fixed FP4 block multipliers ``(E, out, in / block)`` (``fix_fp4_grid``), or None."""
+        return getattr(self, f"{self.projections[p]}_fixed_scale_inv", None)
+
     def dequantized_weight(self, p: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Every expert's quantize-dequantized master weight ``(E, out, in)``, straight-through to it."""
         w = self.master_weight(p)
+        fixed = self.fixed_scale_inv(p)
         with torch.no_grad():
             wd = w.detach()
-            if self.scheme.weight_granularity == "nvfp4":
+            if fixed is not None:
+                e, out, cols = wd.shape
+                deq = fixed_fp4_fake_quant(wd.reshape(e * out, cols), fixed.reshape(e * out, -1)).reshape(wd.shape)
+            elif self.scheme.weight_granularity == "nvfp4":
                 deq = torch.stack([nvfp4_fake_quant(wd[e]) for e in range(wd.shape[0])])
             elif self.scheme.is_fp4:
                 deq = torch.stack(
@@ -144,15 +159,63 @@ def install_qat_experts(module: nn.Module, scheme: Scheme, input_amax: tuple[flo
 
 
 @torch.no_grad()
+def fp4_grid(module: QuantExperts) -> dict[str, torch.Tensor]:
+    """The FP4 block grid of a PTQ experts module, for ``fix_fp4_grid``: per projection P, ``P_weight_scale``,
+    NVFP4's ``P_weight_scale_2`` and ``P_scale_inv``, the float32 block multipliers ``(E, out, in / block)``."""
+    if not module.scheme.is_fp4:
+        raise ValueError(f"fp4_grid takes FP4 experts; these are {module.scheme.name}")
+    grid = {}
+    for p, proj in enumerate(module.projections):
+        e, out = module.weight_codes(p).shape[:2]
+        grid[f"{proj}_scale_inv"] = module.grouped_fp4_weight(p).scale_inv.float().reshape(e, out, -1).clone()
+        grid[f"{proj}_weight_scale"] = module.weight_scale(p).clone()
+        if module.weight_scale_2(p) is not None:
+            grid[f"{proj}_weight_scale_2"] = module.weight_scale_2(p).clone()
+    return grid
+
+
+@torch.no_grad()
+def fix_fp4_grid(module: QATExperts, grid: dict[str, torch.Tensor]) -> None:
+    """Round ``module``'s FP4 master weights on ``grid`` (``fp4_grid`` of the PTQ module they came from) from
+    now on, as ``QATLinear.fix_fp4_scales`` does for a dense layer: GPTQ leaves some blocks without their
+    largest code, and scales recomputed from the dequantized weights would move their codes."""
+    for p, proj in enumerate(module.projections):
+        inv = grid[f"{proj}_scale_inv"]
+        if tuple(inv.shape[:2]) != tuple(module.master_weight(p).shape[:2]):
+            raise ValueError(f"fix_fp4_grid: {proj}'s grid {tuple(inv.shape)} does not match its experts' weights")
+        for key in _GRID_KEYS:
+            if f"{proj}_{key}" in grid:
+                device = module.master_weight(p).device
+                module.register_buffer(f"{proj}_fixed_{key}", grid[f"{proj}_{key}"].to(device))
+
+
+@torch.no_grad()
 def frozen_experts(module: QATExperts) -> nn.Module:
-    """Turn ``module`` into the ``QuantExperts`` PTQ makes of its current master weights and input amaxes, in place."""
+    """Turn ``module`` into the ``QuantExperts`` PTQ makes of its current master weights and input amaxes, in
+    place; on a fixed grid (``fix_fp4_grid``), the master weights' codes on it with its scales."""
     scheme = module.scheme
     amax = None
     if scheme.static_activations:
         amax = tuple(float(getattr(module, f"{proj}_input_amax")) for proj in module.projections)
+    fixed: dict[str, torch.Tensor] = {}
+    for p, proj in enumerate(module.projections):
+        inv = module.fixed_scale_inv(p)
+        if inv is not None:
+            w = module.master_weight(p).detach()
+            e, out, cols = w.shape
+            values = fixed_fp4_fake_quant(w.reshape(e * out, cols), inv.reshape(e * out, -1), codes=True)
+            fixed[proj] = pack_fp4(e2m1_encode(values).reshape(e, out, cols)).contiguous()
+            for key in ("weight_scale", "weight_scale_2"):
+                t = module._buffers.get(f"{proj}_fixed_{key}")
+                if t is not None:
+                    fixed[f"{proj}_{key}"] = t
     for proj in module.projections:
-        module._buffers.pop(f"{proj}_input_amax", None)
+        for key in ("input_amax", *(f"fixed_{k}" for k in _GRID_KEYS)):
+            module._buffers.pop(f"{proj}_{key}", None)
     for key in ("scheme", "projections"):
         module.__dict__.pop(key, None)
     module.__class__ = type(module).__bases__[1]
-    return quantize_experts_module(module, scheme, amax)
+    frozen = quantize_experts_module(module, scheme, amax)
+    for key, t in fixed.items():
+        frozen._buffers[key] = t.to(frozen._buffers[key].device)
+    return frozen

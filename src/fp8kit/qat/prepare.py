@@ -47,7 +47,7 @@ from ..ptq.quantize import PTQOptions
 from ..ptq.report import PTQReport
 from ..ptq.schemes import Scheme, get_scheme
 from ..ptq.smoothquant import find_mappings
-from .experts import frozen_experts, install_qat_experts, qat_experts
+from .experts import fix_fp4_grid, fp4_grid, frozen_experts, install_qat_experts, qat_experts
 from .fakequant import _e2m1_round
 from .linear import QATLinear
 
@@ -245,12 +245,17 @@ def from_ptq(model: nn.Module, learn_scales: bool = False, reference: nn.Module 
         layers[name] = layer
         swap_submodule(model, name, layer)
     _share_nvfp4_weight_scales(model, scheme, layers)
-    for module in experts.values():
+    for name, module in experts.items():
         amax = None
         if scheme.static_activations:
             top = NVFP4_TENSOR_MAX if scheme.act_strategy == "nvfp4" else scheme.act_format.max
             amax = tuple(float(module.input_scale(p).float().reshape(())) * top for p in range(2))
-        install_qat_experts(dequantize_experts_module(module), scheme, amax)
+        grid = fp4_grid(module) if scheme.is_fp4 else None  # PTQ's (GPTQ's) block scales stay, as above
+        trained = install_qat_experts(dequantize_experts_module(module), scheme, amax)
+        if grid is not None:
+            fix_fp4_grid(trained, grid)
+            if reference is not None:
+                _experts_inside_codes(trained, reference.get_submodule(name), name)
     report = PTQReport(scheme.name, calibration=ptq_report.calibration if ptq_report is not None else None)
     if ptq_report is not None:
         report.skipped = dict(ptq_report.skipped)
@@ -259,6 +264,23 @@ def from_ptq(model: nn.Module, learn_scales: bool = False, reference: nn.Module 
     model.__dict__.pop("ptq_report", None)
     object.__setattr__(model, "qat_report", report)
     return model
+
+
+@torch.no_grad()
+def _experts_inside_codes(module: nn.Module, reference: nn.Module, name: str) -> None:
+    """``from_ptq(reference=)`` for FP4 experts on a fixed grid: each master weight the reference's where it
+    rounds to the same code, else the code's value (``_inside_codes`` per expert)."""
+    for p, proj in enumerate(module.projections):
+        w, inv = module.master_weight(p).detach(), module.fixed_scale_inv(p)
+        ref = getattr(reference, proj, None)
+        if ref is None or ref.numel() != w.numel():
+            raise ValueError(f"from_ptq: reference experts {name}.{proj} do not match the quantized ones")
+        ref = ref.detach().float().to(w.device)
+        ref = ref.transpose(1, 2) if reference.is_transposed else ref
+        e, out, cols = w.shape
+        new = _inside_codes(w.reshape(e * out, cols), ref.reshape(e * out, cols), inv.reshape(e * out, -1))
+        new = new.reshape(e, out, cols)
+        getattr(module, proj).copy_(new.transpose(1, 2) if module.is_transposed else new)
 
 
 @torch.no_grad()
