@@ -91,15 +91,20 @@ class QATExperts(QuantExperts):
         """Projection ``p``'s fixed FP4 block multipliers ``(E, out, in / block)`` (``fix_fp4_grid``), or None."""
         return getattr(self, f"{self.projections[p]}_fixed_scale_inv", None)
 
+    def on_fixed_grid(self, p: int, w: torch.Tensor, codes: bool = False) -> torch.Tensor:
+        """``w`` ``(E, out, in)`` rounded on projection ``p``'s fixed grid (``fix_fp4_grid``): the dequantized
+        values, or (``codes``) the E2M1 values, float32 (``fixed_fp4_fake_quant`` over every expert at once)."""
+        e, out, cols = w.shape
+        inv = self.fixed_scale_inv(p).reshape(e * out, -1)
+        return fixed_fp4_fake_quant(w.reshape(e * out, cols), inv, codes=codes).reshape(e, out, cols)
+
     def dequantized_weight(self, p: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Every expert's quantize-dequantized master weight ``(E, out, in)``, straight-through to it."""
         w = self.master_weight(p)
-        fixed = self.fixed_scale_inv(p)
         with torch.no_grad():
             wd = w.detach()
-            if fixed is not None:
-                e, out, cols = wd.shape
-                deq = fixed_fp4_fake_quant(wd.reshape(e * out, cols), fixed.reshape(e * out, -1)).reshape(wd.shape)
+            if self.fixed_scale_inv(p) is not None:
+                deq = self.on_fixed_grid(p, wd)
             elif self.scheme.weight_granularity == "nvfp4":
                 deq = torch.stack([nvfp4_fake_quant(wd[e]) for e in range(wd.shape[0])])
             elif self.scheme.is_fp4:
@@ -179,14 +184,14 @@ def fix_fp4_grid(module: QATExperts, grid: dict[str, torch.Tensor]) -> None:
     """Round ``module``'s FP4 master weights on ``grid`` (``fp4_grid`` of the PTQ module they came from) from
     now on, as ``QATLinear.fix_fp4_scales`` does for a dense layer: GPTQ leaves some blocks without their
     largest code, and scales recomputed from the dequantized weights would move their codes."""
-    for p, proj in enumerate(module.projections):
-        inv = grid[f"{proj}_scale_inv"]
-        if tuple(inv.shape[:2]) != tuple(module.master_weight(p).shape[:2]):
+    for proj in module.projections:
+        inv, weight = grid[f"{proj}_scale_inv"], getattr(module, proj)
+        experts, out = weight.shape[0], weight.shape[2 if module.is_transposed else 1]
+        if tuple(inv.shape[:2]) != (experts, out):
             raise ValueError(f"fix_fp4_grid: {proj}'s grid {tuple(inv.shape)} does not match its experts' weights")
         for key in _GRID_KEYS:
             if f"{proj}_{key}" in grid:
-                device = module.master_weight(p).device
-                module.register_buffer(f"{proj}_fixed_{key}", grid[f"{proj}_{key}"].to(device))
+                module.register_buffer(f"{proj}_fixed_{key}", grid[f"{proj}_{key}"].to(weight.device))
 
 
 @torch.no_grad()
@@ -199,12 +204,9 @@ def frozen_experts(module: QATExperts) -> nn.Module:
         amax = tuple(float(getattr(module, f"{proj}_input_amax")) for proj in module.projections)
     fixed: dict[str, torch.Tensor] = {}
     for p, proj in enumerate(module.projections):
-        inv = module.fixed_scale_inv(p)
-        if inv is not None:
-            w = module.master_weight(p).detach()
-            e, out, cols = w.shape
-            values = fixed_fp4_fake_quant(w.reshape(e * out, cols), inv.reshape(e * out, -1), codes=True)
-            fixed[proj] = pack_fp4(e2m1_encode(values).reshape(e, out, cols)).contiguous()
+        if module.fixed_scale_inv(p) is not None:
+            values = module.on_fixed_grid(p, module.master_weight(p).detach(), codes=True)
+            fixed[proj] = pack_fp4(e2m1_encode(values)).contiguous()
             for key in ("weight_scale", "weight_scale_2"):
                 t = module._buffers.get(f"{proj}_fixed_{key}")
                 if t is not None:
