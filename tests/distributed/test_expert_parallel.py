@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fp8kit.distributed.launch import leave_process_group
 from tests.helpers.distributed import run_spawned
 from tests.helpers.moe import INTER, TOP_K, E, H, ep_causal_lm, ep_config, ep_recipe
 from tests.helpers.numerics import sqnr_db
@@ -306,7 +307,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     dist.all_gather_object(everyone, res)
     if rank == 0:
         torch.save(everyone, f"{out}/result.pt")
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fp8kit.distributed.launch import leave_process_group
 from tests.helpers.distributed import init_eager_worker, run_spawned
 from tests.helpers.moe import H, ep_config
 
@@ -132,7 +133,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     dist.barrier()
     if rank == 0:
         (__import__("pathlib").Path(out) / "result.json").write_text(json.dumps(res))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 @pytest.fixture(scope="module")

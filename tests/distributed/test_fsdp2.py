@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fp8kit.distributed.launch import leave_process_group
 from tests.distributed.two_rank_scenario import STEPS, make, state_without_pending, train_step
 from tests.helpers.distributed import run_spawned
 
@@ -148,8 +149,7 @@ def _fsdp_inductor_worker(rank: int, world: int, port: int, out: str) -> None:
             res[f"{recipe}-{mode}"] = {"losses": losses, "agree": all(s == states[0] for s in states)}
     if rank == 0:
         (Path(out) / "result.json").write_text(json.dumps(res))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 @pytest.mark.slow

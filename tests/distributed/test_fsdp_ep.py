@@ -34,6 +34,7 @@ import os
 import pytest
 import torch
 
+from fp8kit.distributed.launch import leave_process_group
 from tests.helpers.distributed import run_spawned
 from tests.helpers.moe import ep_causal_lm
 
@@ -133,7 +134,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     dist.all_gather_object(everyone, res)
     if rank == 0:
         torch.save(everyone, f"{out}/result.pt")
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 @pytest.fixture(scope="module")

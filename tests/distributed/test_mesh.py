@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fp8kit.distributed.launch import leave_process_group
 from tests.helpers.distributed import init_eager_worker, record_tp_scales, run_spawned
 
 pytestmark = [
@@ -236,7 +237,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     dist.barrier()
     if rank == 0:
         (Path(out) / "result.json").write_text(json.dumps(res))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fp8kit.distributed.launch import leave_process_group
 from tests.helpers.distributed import init_eager_worker, run_spawned
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -137,7 +138,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         res[f"{key}_scales"] = experts[0]._fp8_gather_scale.tolist() if fp8_gather else None
     if rank == 0:
         (Path(out) / "result.json").write_text(json.dumps(res))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fp8kit.distributed.launch import leave_process_group
 from tests.helpers.distributed import init_eager_worker, record_tp_scales, run_spawned
 
 pytestmark = pytest.mark.skipif(
@@ -247,7 +248,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     dist.barrier()
     if rank == 0:
         (__import__("pathlib").Path(out) / "result.json").write_text(json.dumps(res))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def one_process(recipe: str, fp8: bool = True) -> tuple[list[float], dict[str, torch.Tensor]]:

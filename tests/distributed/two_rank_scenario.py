@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fp8kit.distributed.launch import leave_process_group
+
 STEPS = 4
 GLOBAL_BATCH = 8
 
@@ -268,8 +270,7 @@ def scenario_worker(rank: int, world: int, port: int, out: str) -> None:  # noqa
         ref, ref_opt = make("delayed")
         res["ref_accum_losses"] = [_accum_reference_step(ref, ref_opt, s, world) for s in range(1, STEPS + 1)]
         (Path(out) / "result.json").write_text(json.dumps(res))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def _accum_run(

@@ -15,11 +15,14 @@ import contextlib
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 
 from .runtime import in_torchrun
 
-__all__ = ["launch", "should_launch", "torchrun_command", "torchrun_worker"]
+GLOO_DRAIN_S = 0.05  # seconds without the GIL after leaving the process group (leave_process_group)
+
+__all__ = ["launch", "leave_process_group", "should_launch", "torchrun_command", "torchrun_worker"]
 
 
 def should_launch(nproc: int) -> bool:
@@ -63,4 +66,15 @@ def torchrun_worker() -> Iterator[int]:
             yield rank
         finally:
             if joined() and not had_group:
-                dist.destroy_process_group()
+                leave_process_group()
+
+
+def leave_process_group() -> None:
+    """Destroy the default process group, then give up the GIL for a moment. gloo's worker threads free the
+    last collectives' tensors after the collective has returned, and that takes the GIL; when they only get it
+    during interpreter exit, the process aborts ("terminate called without an active exception", SIGABRT)
+    although its work succeeded. The pause lets them finish first."""
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    time.sleep(GLOO_DRAIN_S)
