@@ -10,6 +10,7 @@ on KJV test windows the fine-tune never reads. Reported: held-out loss before an
 base's fine-tuned loss, and the base's resident bytes per linear weight (``fp8kit.ptq.resident_bytes``).
 
     OMP_NUM_THREADS=1 python benchmarks/lora.py --steps 200 --bases bf16,fp8-dynamic,nvfp4-weight-only
+    OMP_NUM_THREADS=1 python benchmarks/lora.py --bases bf16,qad=DIR   # DIR: fp8kit quantize ... --qad-steps N
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def base_model(name: str, float_model: nn.Module, tok, loop, rtn: bool) -> nn.Module:
-    """The base to fine-tune: BF16-rounded weights, or the scheme's export loaded back (``rtn``: round to
-    nearest, else ``fp8kit quantize``'s settings)."""
+    """The base to fine-tune: BF16-rounded weights, the scheme's export loaded back (``rtn``: round to
+    nearest, else ``fp8kit quantize``'s settings), or ``LABEL=DIR``: a folder ``fp8kit quantize`` wrote."""
+    if "=" in name:
+        return load_pretrained(name.split("=", 1)[1])
     model = copy.deepcopy(float_model)
     if name == "bf16":
         with torch.no_grad():
@@ -67,7 +70,9 @@ def bytes_per_weight(layers: list[nn.Module]) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--bases", default="bf16,fp8-dynamic,nvfp4")
+    p.add_argument(
+        "--bases", default="bf16,fp8-dynamic,nvfp4", help="bf16, PTQ schemes, or LABEL=DIR (a fp8kit quantize folder)"
+    )
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-4)
@@ -108,6 +113,7 @@ def main() -> None:
         before, after = train_adapters(model, train, held, args.steps, args.lr)
         cpu = time.process_time() - c0
         per_weight = bytes_per_weight(layers)  # after training: a decoded copy kept by a layer would count
+        name = name.split("=", 1)[0]
         rows.append((name, before, after, per_weight))
         print(
             f"  {name}: held-out loss {before:.4f} -> {after:.4f} (ppl {math.exp(before):.3f} -> {math.exp(after):.3f}), "
