@@ -39,7 +39,27 @@ def test_qad_refuses_what_it_does_not_train_and_jobs_that_do_not_fit(tmp_path, c
     assert main([*argv, "--qad-steps", "2"]) == 2
     err = capsys.readouterr().err
     assert "quantize --qad-steps 2 (teacher + student" in err and "GiB" in err
+    assert "gptq hessians" in err and "distill" in err  # the PTQ start (the default) is priced with the distillation
+    assert main([*argv, "--qad-steps", "2", "--qad-start", "rtn"]) == 2
+    assert "gptq" not in capsys.readouterr().err
     assert not (tmp_path / "q").exists()
+
+
+def test_the_qad_estimate_counts_the_held_activations_and_the_distillation_loss(tmp_path):
+    from dataclasses import replace
+
+    from fp8kit.jobs.announce import shape_of
+    from fp8kit.jobs.estimate import activation_bytes, current_rates
+    from fp8kit.jobs.qad import BYTES_PER_STUDENT_PARAM, KL_VOCAB_TENSORS, qad_cost
+
+    shape = shape_of(str(save_sample_llama(tmp_path) / "model"))
+    cpu, tokens = torch.device("cpu"), 512
+    rates = replace(current_rates(cpu), step_memory_scale=2.0)
+    held = qad_cost(shape, cpu, 4, tokens, 1024, flops=1e12, rates=rates).device_bytes
+    plain = qad_cost(shape, cpu, 4, tokens, 1024, flops=1e12).device_bytes
+    acts = activation_bytes(shape, tokens, 4)
+    assert held - plain == acts  # the step's activations, held twice over (the measured retention)
+    assert plain == (4 + BYTES_PER_STUDENT_PARAM) * shape.params + acts + KL_VOCAB_TENSORS * tokens * shape.vocab * 4
 
 
 def test_the_command_line_and_the_python_api_share_the_dev_chosen_defaults():

@@ -45,6 +45,7 @@ def add_qad_arguments(q: argparse.ArgumentParser) -> None:
 def run_qad(args: argparse.Namespace, device) -> int:
     """Load, distil, convert and write the model (``qat.pretrained.qad_pretrained``)."""
     from ..export import save_pretrained
+    from ..jobs.estimate import current_rates
     from ..jobs.loading import load_model
     from ..jobs.qad import qad_cost, qad_pretrained
     from ..jobs.quantize import calibration_for, calibration_loop, load_splits
@@ -58,7 +59,10 @@ def run_qad(args: argparse.Namespace, device) -> int:
         raise UsageError(f"--qad-steps trains one PTQ scheme from its default settings: drop {what}")
     try:
         shape = shape_of(args.model)
-        announce(qad_cost(shape, device, args.qad_steps, QAD_BATCH * QAD_SEQ, 8 * 512), device, args.force)
+        rates = current_rates(device, schemes=[args.scheme.removesuffix("+kv")])
+        before, floor = _before_distillation(args, device, shape, rates)
+        cost = qad_cost(shape, device, args.qad_steps, QAD_BATCH * QAD_SEQ, 8 * 512, rates=rates, before=before)
+        announce(cost, device, args.force, floor)
     except UnknownSize as err:
         print(f"fp8kit quantize --qad-steps: cost unknown ({err})", file=sys.stderr)
     start = (
@@ -83,3 +87,25 @@ def run_qad(args: argparse.Namespace, device) -> int:
     print(f"distilled on {splits.name}; wrote the {args.format} export to {out} (vLLM: LLM(model={str(out)!r}))")
     print_device_peak(device)
     return 0
+
+
+def _before_distillation(args: argparse.Namespace, device, shape, rates) -> tuple[dict[str, float], int]:
+    """``(phases, bytes)`` ahead of distillation: the process's imports and text encoding, the load, and with
+    ``--qad-start ptq`` the PTQ pipeline's steps (``jobs.quantize.ptq_cost``); the bytes the process holds
+    besides teacher and student: itself, its compiled kernels loaded (the student's quantizers compile), and
+    on the CPU with ``--qad-start ptq`` the PTQ pipeline's working memory beyond the weights
+    (``estimate_inference``), which the process keeps into the distillation (measured: docs/qat.md)."""
+    from ..jobs.announce import process_cost
+    from ..jobs.cost import estimate_inference
+    from ..jobs.estimate import load_seconds, process_floor
+    from ..jobs.quantize import ptq_cost
+
+    if args.qad_start == "ptq":
+        phases, floor = ptq_cost(args, device, args.scheme)
+        floor = max(floor, process_floor(rates, compiles=True))
+        if device.type == "cpu":
+            working = estimate_inference("quantize", shape, device, {}, 0, 4 * 128, phases=phases).device_bytes
+            floor += working - 4 * shape.params
+        return phases, floor
+    phases, floor = process_cost(args.model, args.text, rates, quantized_forward=True)
+    return phases | {"load": load_seconds(shape, rates)}, floor

@@ -28,12 +28,16 @@ from ..ptq.schemes import get_scheme
 from ..qat.distill import QAD_BATCH_SIZE, QAD_LR, QAD_SEQ_LEN, QAD_START, DistillResult, distill
 from ..qat.prepare import convert, from_ptq, prepare
 from .cost import JobCost, ModelShape, activation_bytes, device_flops
+from .estimate import held_activation_bytes
 from .quantize import ptq_settings, quantizable_layers, settings_text
 
 __all__ = ["QADRun", "qad_cost", "qad_pretrained"]
 
 # FP32 master weight, gradient, two AdamW moments, the fake-quantized weight kept for backward
 BYTES_PER_STUDENT_PARAM = 20
+# the distillation loss's tensors of vocabulary width beyond the student's logits: the teacher's logits and
+# both log-probabilities
+KL_VOCAB_TENSORS = 3
 
 
 def qad_cost(
@@ -43,16 +47,26 @@ def qad_cost(
     tokens_per_step: int,
     eval_tokens: int,
     flops: float | None = None,
+    rates: Any = None,
+    before: dict[str, float] | None = None,
 ) -> JobCost:
     """QAD's estimate: on ``device`` the teacher in the load dtype (BF16 on CUDA, FP32 on the CPU), the
-    student at ``BYTES_PER_STUDENT_PARAM`` bytes per parameter and one micro-batch's activations; per
-    step 6 FLOPs per parameter and token for the student and 2 for the teacher; three evaluations."""
+    student at ``BYTES_PER_STUDENT_PARAM`` bytes per parameter, one micro-batch's activations (on the CPU with
+    ``rates``, what the process holds for them: ``estimate.held_activation_bytes``) and the distillation
+    loss's FP32 tensors of vocabulary width (``KL_VOCAB_TENSORS``); per step 6 FLOPs per parameter and token
+    for the student and 2 for the teacher; three evaluations. ``before``: the phases ahead of distillation
+    (imports, the text's encoding, the load, the PTQ start); without it, the load alone."""
     n = shape.params
     width = 2 if device.type == "cuda" else 4
-    peak = width * n + BYTES_PER_STUDENT_PARAM * n + activation_bytes(shape, tokens_per_step, width)
+    if rates is not None and device.type == "cpu":
+        activations = held_activation_bytes(shape, tokens_per_step, width, rates)
+    else:
+        activations = activation_bytes(shape, tokens_per_step, width)
+    kl = KL_VOCAB_TENSORS * tokens_per_step * shape.vocab * 4
+    peak = width * n + BYTES_PER_STUDENT_PARAM * n + activations + kl
     flops = flops or device_flops(device)
-    phases = {
-        "load": shape.checkpoint_bytes / 1e9,
+    phases = dict(before) if before is not None else {"load": shape.checkpoint_bytes / 1e9}
+    phases |= {
         "distill": steps * 8 * n * tokens_per_step / flops,
         "evaluate": 3 * 2 * n * eval_tokens / flops,
     }
