@@ -28,7 +28,7 @@ from ..ptq.schemes import get_scheme
 from ..qat.distill import QAD_BATCH_SIZE, QAD_LR, QAD_SEQ_LEN, QAD_START, DistillResult, distill
 from ..qat.prepare import convert, from_ptq, prepare
 from .cost import JobCost, ModelShape, activation_bytes, device_flops
-from .estimate import held_activation_bytes
+from .estimate import Rates, held_activation_bytes
 from .quantize import ptq_settings, quantizable_layers, settings_text
 
 __all__ = ["QADRun", "qad_cost", "qad_pretrained"]
@@ -47,7 +47,7 @@ def qad_cost(
     tokens_per_step: int,
     eval_tokens: int,
     flops: float | None = None,
-    rates: Any = None,
+    rates: Rates | None = None,
     before: dict[str, float] | None = None,
 ) -> JobCost:
     """QAD's estimate: on ``device`` the teacher in the load dtype (BF16 on CUDA, FP32 on the CPU), the
