@@ -95,7 +95,7 @@ def test_gptq_runs_and_the_pipeline_refuses_what_does_not_fit(llama):
     with pytest.raises(ValueError, match="calibration 'max'"):
         ptq.quantize(copy.deepcopy(model), "nvfp4", loop, calibration="mse")
     with pytest.raises(ValueError, match="smooth goes with"):
-        ptq.quantize(copy.deepcopy(model), "nvfp4", loop, smooth=True)
+        ptq.quantize(copy.deepcopy(model), "nvfp4-weight-only", loop, smooth=True)
     with pytest.raises(ValueError, match="awq"):
         ptq.quantize(copy.deepcopy(model), "nvfp4", loop, awq=True)
     with pytest.raises(ValueError, match="static scales"):
@@ -118,3 +118,42 @@ def test_layers_reading_one_input_share_the_weights_per_tensor_scale(llama, sche
                 w = getattr(getattr(orig, parent), n).weight.detach()
                 want = quantize(w, "e2m1", "nvfp4", global_scale=layer.weight_scale_2)
                 assert torch.equal(layer.dequantized_weight(), want.dequantize(torch.float32)), n
+
+
+@pytest.mark.parametrize("alpha", [0.5, "search"])
+def test_smoothquant_folds_serve_w4a4_and_are_reported(llama, alpha):
+    """The folds keep the model's function, so W4A4 takes them as W8A8 does: the quantized logits stay above
+    the floor and the report lists each fold (mapping and factors) in the order it was made."""
+    model, ids, cal, ref = llama
+    q = ptq.quantize(copy.deepcopy(model), "nvfp4", lambda m: [m(x) for x in cal], smooth=True, alpha=alpha)
+    report = q.ptq_report
+    assert sqnr_db(ref, logits(q, ids)) >= FLOOR
+    assert [m.source for m, _ in report.smooth_folds] == report.smoothed and report.smoothed
+    for mapping, factors in report.smooth_folds:
+        assert factors.shape == (model.get_submodule(mapping.targets[0]).in_features,)
+        assert torch.isfinite(factors).all() and (factors > 0).all()
+    if alpha == 0.5:
+        assert len(report.smooth_folds) == 6  # per block: norm -> q/k/v, norm -> gate/up, up -> down
+
+
+def test_the_w4a4_smoothing_error_is_nvfp4_on_both_operands():
+    """``smoothed_error`` for nvfp4: NVFP4 inputs under the max-calibrated tensor scale of ``x / s`` times
+    NVFP4 weights ``w * s``, against the float product (the transcription of both sides)."""
+    from fp8kit.ptq.smoothquant import smoothed_error
+
+    torch.manual_seed(0)
+    x, w = torch.randn(24, 64), torch.randn(32, 64) * 0.05
+    x[:, 5] *= 30  # an outlier channel
+    x_amax = x.abs().amax(dim=0) * 1.25  # calibration saw more than this sample
+    s = torch.rand(64) + 0.5
+
+    def nvfp4_values(t: torch.Tensor, per_tensor_scale: torch.Tensor | None = None) -> torch.Tensor:
+        codes, scales, g = ref_nvfp4(t, per_tensor_scale=per_tensor_scale)
+        return ref_e2m1_values(codes) * (scales.float() * g).repeat_interleave(16, dim=1)
+
+    xs = nvfp4_values(x / s, per_tensor_scale=(x_amax / s).amax() / 2688)
+    want = float((xs @ nvfp4_values(w * s).t() - x @ w.t()).pow(2).mean())
+    got = smoothed_error(x, x_amax, [w], "nvfp4", s)
+    assert got == pytest.approx(want, rel=1e-5)
+    weight_only = float(((x / s) @ nvfp4_values(w * s).t() - x @ w.t()).pow(2).mean())
+    assert smoothed_error(x, x_amax, [w], "nvfp4-weight-only", s) == pytest.approx(weight_only, rel=1e-5)

@@ -224,6 +224,34 @@ def test_from_ptq_of_gptq_fp4_keeps_its_codes_and_scales(base, data, scheme, wit
     torch.testing.assert_close(logits(student, data[5]), expect, rtol=1e-5, atol=1e-5)
 
 
+def test_from_ptq_reference_takes_ptqs_smoothquant_folds(base, data):
+    """PTQ with SmoothQuant rounds the folded weights (columns times the factors, a folded producer's rows
+    divided by them): from_ptq compares those with its codes, not the unfolded reference's."""
+    ptq_model = reference_kernels(ptq.quantize(copy.deepcopy(base), "nvfp4", calib(data[:2]), gptq=True, smooth=True))
+    folds = {m.source: s for m, s in ptq_model.ptq_report.smooth_folds}
+    expect = logits(ptq_model, data[5])
+    student = qat.from_ptq(ptq_model, reference=base)
+    torch.testing.assert_close(logits(student, data[5]), expect, rtol=1e-5, atol=1e-5)
+    blk = "model.layers.0"
+    s_attn, s_mlp, s_down = (
+        folds[f"{blk}.input_layernorm"],
+        folds[f"{blk}.post_attention_layernorm"],
+        folds[f"{blk}.mlp.up_proj"],
+    )
+    folded = {
+        f"{blk}.self_attn.q_proj": base.get_submodule(f"{blk}.self_attn.q_proj").weight * s_attn,
+        f"{blk}.mlp.up_proj": base.get_submodule(f"{blk}.mlp.up_proj").weight * s_mlp / s_down.reshape(-1, 1),
+        f"{blk}.mlp.down_proj": base.get_submodule(f"{blk}.mlp.down_proj").weight * s_down,
+    }
+    for name, want in folded.items():
+        layer = student.get_submodule(name)
+        m = layer.fp4_scale_inv.repeat_interleave(16, dim=1)
+        same = torch.round(want / m * 2) == torch.round(layer.fp4_weight().dequantize(torch.float32) / m * 2)
+        same &= (want / m).abs() < 2  # the fine part of the E2M1 grid, where round(2 v) / 2 is its rounding
+        assert same.float().mean() > 0.3, name
+        torch.testing.assert_close(layer.weight.detach()[same], want[same].detach(), rtol=1e-6, atol=0), name
+
+
 def test_from_ptq_reference_needs_an_fp4_scheme(base, data):
     ptq_model = ptq.quantize(copy.deepcopy(base), "int8-weight-only", calib(data[:2]), gptq=True)
     with pytest.raises(ValueError, match="FP4"):

@@ -14,7 +14,10 @@ pytest.importorskip("transformers")
 
 @pytest.mark.parametrize(
     ("start", "before"),
-    [(None, "before QAD (PTQ: calibration max; GPTQ)"), ("rtn", "before QAD (round-to-nearest PTQ)")],
+    [
+        (None, "before QAD (PTQ: calibration max; SmoothQuant alpha 0.6; GPTQ)"),
+        ("rtn", "before QAD (round-to-nearest PTQ)"),
+    ],
 )
 def test_quantize_with_qad_steps_distils_then_writes_the_export(tmp_path, capsys, start, before):
     root = save_sample_llama(tmp_path)

@@ -117,8 +117,6 @@ class PTQOptions:
             raise ValueError(f"alpha must be a number in [0, 1] or 'search', got {a!r}")
         if isinstance(self.keep_bf16, bool) or not isinstance(self.keep_bf16, int) or self.keep_bf16 < 0:
             raise ValueError(f"keep_bf16 must be a whole number >= 0, got {self.keep_bf16!r}")
-        if self.smooth_for(scheme) and scheme.is_fp4:
-            raise ValueError(f"smooth goes with the 8-bit W8A8 schemes, not {scheme.name!r}")
         if self.smooth_for(scheme) and scheme.act_format is None:
             raise ValueError(f"smooth goes with schemes that quantize activations, not {scheme.name!r}")
         if isinstance(self.norm_tweak, bool) or not isinstance(self.norm_tweak, int) or self.norm_tweak < 0:
@@ -316,13 +314,15 @@ def _observe(run: _Run) -> None:
 def _smooth(run: _Run) -> None:
     model, opts, report = run.model, run.opts, run.report
     mappings = find_mappings(model, set(run.targets))
+    factors: dict[str, torch.Tensor] = {}
     if opts.alpha == "search":
         rows = {m.targets[0]: run.observers[m.targets[0]].rows() for m in mappings}
-        report.smooth_alpha = apply_smoothing_search(model, mappings, run.observers, rows, run.scheme)
+        report.smooth_alpha = apply_smoothing_search(model, mappings, run.observers, rows, run.scheme, factors=factors)
     else:
-        apply_smoothing(model, mappings, run.observers, opts.alpha)
+        factors = apply_smoothing(model, mappings, run.observers, opts.alpha)
         report.smooth_alpha = dict.fromkeys((m.source for m in mappings), float(opts.alpha))
     report.smoothed = [src for src, a in report.smooth_alpha.items() if a is not None]
+    report.smooth_folds = [(m, factors[m.source]) for m in mappings if m.source in factors]
     if mappings:  # the smoothed inputs have new ranges: observe again
         with run.progress.phase("re-calibrate", run.progress.batches, model=model):
             run.observers = observe_inputs(model, run.targets, run.forward_loop)
@@ -557,8 +557,9 @@ def quantize(
             norm -> gate/up, up -> down) gets the alpha on an 11-point grid, or no smoothing, with the
             smallest quantized output error on calibration tokens (``smoothquant.search_alpha``).
         smooth: fold SmoothQuant factors before quantizing; ``None``: the scheme's own choice (only
-            ``int8-smoothquant``). The folds keep the model's function, so any W8A8 scheme may use them
-            (static ``fp8`` activations lose less with them on SmolLM2, BENCHMARKS.md).
+            ``int8-smoothquant``). The folds keep the model's function, so any scheme that quantizes
+            activations may use them (W8A8 and ``nvfp4``; static ``fp8`` and ``nvfp4`` lose less with them
+            on SmolLM2, BENCHMARKS.md); ``ptq_report.smooth_folds`` lists them.
         kv_cache: FP8 KV cache with per-tensor static k/v scales (FP8 schemes, Llama-style attention).
         module_filter: ``(name, module) -> bool`` chooses layers (replaces the default, which keeps the
             output head and a multimodal model's towers in high precision).

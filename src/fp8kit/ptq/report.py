@@ -6,9 +6,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from ..planner.bits import BitsPlan
     from .layer_error import LayerScore
     from .norm_tweak import NormTweakResult
+    from .smoothquant import SmoothMapping
 
 __all__ = ["PTQReport"]
 
@@ -23,6 +26,8 @@ class PTQReport:
     input_amax: dict[str, float] = field(default_factory=dict)
     smoothed: list[str] = field(default_factory=list)
     smooth_alpha: dict[str, float | None] = field(default_factory=dict)
+    # the SmoothQuant folds made, in order: (mapping, factors); ``smoothquant.fold_scales`` repeats one
+    smooth_folds: list[tuple[SmoothMapping, torch.Tensor]] = field(default_factory=list)
     kv_cache: bool = False
     calibration: str | None = None
     norm_tweak: NormTweakResult | None = None

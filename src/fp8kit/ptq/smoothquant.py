@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from ..numerics.formats import Format
-from ..numerics.scaling import compute_scale
+from ..numerics.scaling import compute_scale, nvfp4_tensor_scale
 from ..numerics.tensor import quantize as fp8_quantize
 from .calibrate import InputObserver
 from .schemes import Scheme, get_scheme
@@ -121,12 +121,19 @@ def smoothed_error(
 ) -> float:
     """Mean squared output error of one smoothed group, as ``scheme`` quantizes it: sample inputs ``x``
     ``(rows, in)`` divided by ``s`` and quantized with the static per-tensor scale that ``max`` calibration
-    gives (``max(x_amax / s)``), or per token for dynamic schemes; each weight ``(out_i, in)`` times ``s``
-    quantized per channel or per tensor (round to nearest); against the unquantized ``x @ W^T``."""
+    gives (``max(x_amax / s)``), or per token for dynamic schemes, or NVFP4 blocks under that static tensor
+    scale; each weight ``(out_i, in)`` times ``s`` quantized per channel, per tensor or in FP4 blocks (round
+    to nearest); against the unquantized ``x @ W^T``."""
     scheme = get_scheme(scheme)
     x = x.float()
     ref = torch.cat([x @ w.float().t() for w in weights], dim=1)
     xs = x / s
+    if scheme.is_fp4:  # E2M1 blocks on both sides, NVFP4 activations under the max-calibrated tensor scale
+        if scheme.act_format is not None:
+            gs = nvfp4_tensor_scale((x_amax.float() / s).amax())
+            xs = fp8_quantize(xs, scheme.act_format, "nvfp4", global_scale=gs).dequantize(torch.float32)
+        wq = [fp8_quantize(w.float() * s, scheme.weight_format, scheme.weight_granularity) for w in weights]
+        return float((torch.cat([xs @ q.dequantize(torch.float32).t() for q in wq], dim=1) - ref).pow(2).mean())
     if scheme.act_format is not None:
         static = scheme.act_strategy == "tensor"
         amax = (x_amax.float() / s).amax() if static else None
@@ -166,9 +173,11 @@ def apply_smoothing_search(
     rows: dict[str, torch.Tensor],
     scheme: Scheme | str,
     grid: int = ALPHA_GRID,
+    factors: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, float | None]:
     """Smooth every mapping in place with its own alpha from ``search_alpha`` (on the sample input
-    ``rows[first target]``); returns the chosen alpha per source (``None``: left unsmoothed)."""
+    ``rows[first target]``); returns the chosen alpha per source (``None``: left unsmoothed) and puts the
+    folded factors per smoothed source in ``factors`` when given (``apply_smoothing``'s return)."""
     chosen: dict[str, float | None] = {}
     for mp in mappings:
         x_amax = observers[mp.targets[0]].channel_amax
@@ -178,6 +187,8 @@ def apply_smoothing_search(
         s, alpha, _ = search_alpha(rows[mp.targets[0]], x_amax, weights, scheme, grid)
         if alpha is not None:
             fold_scales(model, mp, s)
+            if factors is not None:
+                factors[mp.source] = s
         chosen[mp.source] = alpha
     return chosen
 

@@ -31,6 +31,7 @@ becomes the ``QuantExperts`` PTQ makes of its current master weights.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -46,7 +47,7 @@ from ..ptq.linear import QuantLinear
 from ..ptq.quantize import PTQOptions
 from ..ptq.report import PTQReport
 from ..ptq.schemes import Scheme, get_scheme
-from ..ptq.smoothquant import find_mappings
+from ..ptq.smoothquant import SmoothMapping, find_mappings, fold_scales
 from .experts import fix_fp4_grid, fp4_grid, frozen_experts, install_qat_experts, qat_experts
 from .fakequant import _e2m1_round
 from .linear import QATLinear
@@ -197,7 +198,7 @@ def _inside_codes(deq: torch.Tensor, ref: torch.Tensor, scale_inv: torch.Tensor)
     out, cols = deq.shape
     m = scale_inv.float().unsqueeze(-1)
     r = ref.float().reshape(out, m.shape[1], -1)
-    same = _e2m1_round(r / m) == deq.float().reshape(r.shape) / m
+    same = _e2m1_round(r / m) == _e2m1_round(deq.float().reshape(r.shape) / m)  # deq / m is a code up to an ulp
     return torch.where(same, r, deq.float().reshape(r.shape)).reshape(out, cols)
 
 
@@ -207,7 +208,9 @@ def from_ptq(model: nn.Module, learn_scales: bool = False, reference: nn.Module 
     same scheme in place (module doc); returns the model, ready for ``distill`` and ``convert``.
 
     ``reference``: the float model PTQ started from (FP4 schemes): each master weight is then the
-    reference's weight where it rounds to PTQ's code (the forward unchanged), else the code's value."""
+    reference's weight where it rounds to PTQ's code (the forward unchanged), else the code's value. When
+    PTQ folded SmoothQuant factors (``ptq_report.smooth_folds``), a copy of the reference gets the same folds
+    first, so it is compared with the weights PTQ rounded."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"from_ptq() takes an nn.Module, got {type(model).__name__}")
     found = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
@@ -225,6 +228,8 @@ def from_ptq(model: nn.Module, learn_scales: bool = False, reference: nn.Module 
     scheme = next(iter([*found.values(), *experts.values()])).scheme
     if reference is not None and not scheme.is_fp4:
         raise ValueError(f"from_ptq(reference=...) places master weights on FP4 grids; {scheme.name} is not FP4")
+    if reference is not None and ptq_report is not None and ptq_report.smooth_folds:
+        reference = _smoothed(reference, ptq_report.smooth_folds)
     layers = {}
     for name, q in found.items():
         linear = nn.Linear(q.in_features, q.out_features, bias=q.bias is not None, device=q.weight.device)
@@ -264,6 +269,15 @@ def from_ptq(model: nn.Module, learn_scales: bool = False, reference: nn.Module 
     model.__dict__.pop("ptq_report", None)
     object.__setattr__(model, "qat_report", report)
     return model
+
+
+@torch.no_grad()
+def _smoothed(reference: nn.Module, folds: list[tuple[SmoothMapping, torch.Tensor]]) -> nn.Module:
+    """A copy of ``reference`` with PTQ's SmoothQuant ``folds`` (``(mapping, factors)``) applied in order."""
+    out = copy.deepcopy(reference)
+    for mapping, factors in folds:
+        fold_scales(out, mapping, factors.to(next(out.parameters()).device))
+    return out
 
 
 @torch.no_grad()
