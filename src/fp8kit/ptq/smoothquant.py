@@ -128,17 +128,14 @@ def smoothed_error(
     x = x.float()
     ref = torch.cat([x @ w.float().t() for w in weights], dim=1)
     xs = x / s
-    if scheme.is_fp4:  # E2M1 blocks on both sides, NVFP4 activations under the max-calibrated tensor scale
-        if scheme.act_format is not None:
-            gs = nvfp4_tensor_scale((x_amax.float() / s).amax())
-            xs = fp8_quantize(xs, scheme.act_format, "nvfp4", global_scale=gs).dequantize(torch.float32)
-        wq = [fp8_quantize(w.float() * s, scheme.weight_format, scheme.weight_granularity) for w in weights]
-        return float((torch.cat([xs @ q.dequantize(torch.float32).t() for q in wq], dim=1) - ref).pow(2).mean())
-    if scheme.act_format is not None:
+    if scheme.act_strategy == "nvfp4":  # E2M1 blocks under the max-calibrated tensor scale
+        gs = nvfp4_tensor_scale((x_amax.float() / s).amax())
+        xs = fp8_quantize(xs, scheme.act_format, "nvfp4", global_scale=gs).dequantize(torch.float32)
+    elif scheme.act_format is not None:
         static = scheme.act_strategy == "tensor"
         amax = (x_amax.float() / s).amax() if static else None
         xs = _fake_quant(xs, scheme.act_format, "tensor" if static else "row", amax)
-    gran = "row" if scheme.weight_strategy == "channel" else "tensor"
+    gran = scheme.weight_granularity if scheme.is_fp4 else "row" if scheme.weight_strategy == "channel" else "tensor"
     out = torch.cat([xs @ _fake_quant(w.float() * s, scheme.weight_format, gran).t() for w in weights], dim=1)
     return float((out - ref).pow(2).mean())
 
