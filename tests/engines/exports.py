@@ -15,18 +15,21 @@ import torch.nn as nn
 
 @dataclass(frozen=True)
 class Export:
-    """One export of the engine tests: ``scheme`` (``auto``: a scheme per layer) written in ``fmt``."""
+    """One export of the engine tests: ``scheme`` (``auto``: a scheme per layer) written in ``fmt``, with an FP8
+    KV cache (``kv``) or static FP8 attention (``attention``: ``ptq.quantize``'s spelling)."""
 
     name: str
     scheme: str
     fmt: str = "compressed-tensors"
     kv: bool = False
     moe: bool = False
+    attention: str | None = None
 
 
 EXPORTS = [
     Export("fp8-dynamic", "fp8-dynamic"),
     Export("fp8-dynamic+kv", "fp8-dynamic", kv=True),
+    Export("fp8-dynamic+attention", "fp8-dynamic", attention="fp8-head"),
     Export("fp8", "fp8"),
     Export("int8-smoothquant", "int8-smoothquant"),
     Export("int8-weight-only", "int8-weight-only"),
@@ -208,5 +211,5 @@ def write_export(e: Export, base: nn.Module, tokenizer, batch: torch.Tensor, out
     elif e.scheme == "auto":
         quantize_auto(model, loop, budget=AUTO_BUDGET, candidates=list(AUTO_CANDIDATES), progress=False)
     else:
-        quantize(model, e.scheme, loop, kv_cache=e.kv, progress=False)
+        quantize(model, e.scheme, loop, kv_cache=e.kv, attention=e.attention, progress=False)
     return save_pretrained(model, out, tokenizer, format=e.fmt)

@@ -327,14 +327,17 @@ def test_observed_operand_statistics() -> None:
 
 def test_calibrated_kv_scales_export_as_the_fp8_kv_cache(tmp_path) -> None:
     """PTQ (fp8-dynamic) + FP8 attention calibrated per head: its K/V scales become the KV cache's, which the
-    compressed-tensors export writes (``kv_cache_scheme``, ``self_attn.k_scale``) and ``load_pretrained`` reads."""
+    compressed-tensors export writes (``kv_cache_scheme``, ``self_attn.k_scale``) and ``load_pretrained`` reads;
+    an attention export read back (static scales, no amax history) converts to the same KV scales."""
     import json
 
     from safetensors import safe_open
 
     from fp8kit import ptq
     from fp8kit.export import load_pretrained, save_pretrained
-    from fp8kit.nn.attention import attention_states, calibrate_fp8_attention, fp8_attention_to_kv_scales
+    from fp8kit.nn.attention import attention_states, calibrate_fp8_attention
+    from fp8kit.ptq.kv_cache import ATTN_NAME as KV_ATTN_NAME
+    from fp8kit.ptq.kv_cache import fp8_attention_to_kv_scales
     from tests.helpers.models import calib, tiny_llama
 
     g = torch.Generator().manual_seed(3)
@@ -344,8 +347,13 @@ def test_calibrated_kv_scales_export_as_the_fp8_kv_cache(tmp_path) -> None:
     calibrate_fp8_attention(model, calib(batches))
     state = attention_states(model)["model.layers.1.self_attn.fp8_attention"]
     k_amax = float(state.fp8_amax_history[state.index("k")].amax())
+    reread = load_pretrained(save_pretrained(model, tmp_path / "attention"))
     assert fp8_attention_to_kv_scales(model) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
-    assert not attention_states(model) and model.config._attn_implementation != A.ATTN_NAME
+    fp8_attention_to_kv_scales(reread)
+    for block, again in zip(model.model.layers, reread.model.layers, strict=True):
+        for op in ("k_scale", "v_scale"):
+            assert torch.equal(getattr(again.self_attn, op), getattr(block.self_attn, op))
+    assert not attention_states(model) and model.config._attn_implementation == KV_ATTN_NAME
     out = save_pretrained(model, tmp_path / "kv")
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["kv_cache_scheme"]["strategy"] == "tensor"
@@ -354,6 +362,9 @@ def test_calibrated_kv_scales_export_as_the_fp8_kv_cache(tmp_path) -> None:
         assert float(f.get_tensor("model.layers.1.self_attn.k_scale")) == pytest.approx(k_amax / E4M3.max)
     loaded = load_pretrained(out)
     assert float(loaded.model.layers[1].self_attn.k_scale) == pytest.approx(k_amax / E4M3.max)
+    with torch.no_grad():  # the converted model computes what its KV-cache export computes
+        assert torch.equal(model(batches[0]).logits, loaded(batches[0]).logits)
+        assert torch.equal(reread(batches[0]).logits, loaded(batches[0]).logits)
 
 
 def test_ptq_quantize_with_fp8_attention() -> None:

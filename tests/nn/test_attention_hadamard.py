@@ -14,9 +14,9 @@ from fp8kit.nn.attention import (
     FP8AttentionState,
     attention_recipe,
     fp8_attention,
-    fp8_attention_to_kv_scales,
     hadamard_rotate,
 )
+from fp8kit.ptq.kv_cache import fp8_attention_to_kv_scales
 from tests.helpers.models import calib, tiny_llama
 from tests.helpers.numerics import sqnr_db
 

@@ -11,7 +11,8 @@ processor: ``prompts`` in the result); a folder with no windows is scored on its
 exception text and the stage it came from: ``load`` or ``run``), ``quant_config`` (the config class vLLM
 parsed), ``layers`` (each layer's quant method and, where it has one, its scheme), ``weights`` (for one
 quantized layer, each checkpoint tensor compared bit for bit with the parameter vLLM loaded it into, before
-vLLM repacks it for its kernel), ``generated`` and ``window_losses`` (mean negative log-likelihood of each
+vLLM repacks it for its kernel), ``kv_scales`` (each attention layer's q/k/v scales as its backend is given
+them, after loading), ``generated`` and ``window_losses`` (mean negative log-likelihood of each
 window's tokens after the first). The per-layer record is taken when the weights are loaded, so it is there
 even when the first forward then fails for want of a kernel.
 """
@@ -85,12 +86,14 @@ def _weights_match(model: Any, folder: str) -> dict[str, bool]:
     return out
 
 
-def _kv_scales(model: Any) -> dict[str, list[float]]:
-    """The k/v scales the first attention layer holds after loading (1.0 where none was loaded)."""
-    for name, module in model.named_modules():
-        if name.endswith("self_attn.attn") and hasattr(module, "k_scale"):
-            return {name: [float(module.k_scale.reshape(-1)[0]), float(module.v_scale.reshape(-1)[0])]}
-    return {}
+def _kv_scales(model: Any) -> dict[str, dict[str, float]]:
+    """The q/k/v scales each attention layer serves with once its weights are processed (``_q_scale_float`` ...:
+    what the attention backend is given; 1.0 where none was loaded)."""
+    return {
+        name: {op: float(getattr(module, f"_{op}_scale_float")) for op in "qkv"}
+        for name, module in model.named_modules()
+        if name.endswith("self_attn.attn") and hasattr(module, "_k_scale_float")
+    }
 
 
 def _install_hook() -> None:
@@ -103,10 +106,14 @@ def _install_hook() -> None:
         try:
             _RECORD["layers"] = _layer_methods(model)
             _RECORD["weights"] = _weights_match(model, _RECORD["folder"])
-            _RECORD["kv_scales"] = _kv_scales(model)
         except Exception as err:  # the record is diagnostic: never stop the load over it
             _RECORD["record_error"] = repr(err)
-        return original(model, model_config, target_device)
+        done = original(model, model_config, target_device)
+        try:
+            _RECORD["kv_scales"] = _kv_scales(model)
+        except Exception as err:
+            _RECORD["record_error"] = repr(err)
+        return done
 
     base_loader.process_weights_after_loading = recording
 

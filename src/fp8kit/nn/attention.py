@@ -22,7 +22,7 @@ operands (``scaling_state.DelayedScalingState``). On CUDA the same emulated kern
 attention kernel with a backward), and the fallback is logged once.
 
 Inference: ``calibrate_fp8_attention`` gives static scales (the delayed scales of a calibration run),
-``fp8_attention_to_kv_scales`` hands the K and V scales to the FP8 KV cache for export, and
+``fp8kit.ptq.kv_cache.fp8_attention_to_kv_scales`` hands the K and V scales to the FP8 KV cache for export, and
 ``observe_fp8_attention`` / ``attention_stats`` report each operand's per-head amax, SQNR and underflow.
 """
 
@@ -58,7 +58,6 @@ __all__ = [
     "calibrate_fp8_attention",
     "enable_fp8_attention",
     "fp8_attention",
-    "fp8_attention_to_kv_scales",
     "hadamard_rotate",
     "observe_fp8_attention",
     "block_static_scales",
@@ -953,50 +952,3 @@ def attention_stats(states: dict[str, FP8AttentionState]) -> list[dict[str, Any]
                 }
             )
     return rows
-
-
-@torch.no_grad()
-def fp8_attention_to_kv_scales(model: nn.Module) -> list[str]:
-    """Hand the calibrated K and V scales to the FP8 KV cache and leave FP8 attention: each block gets ``k_scale`` /
-    ``v_scale`` buffers (per-tensor dequantization multipliers, ``amax / 448`` of the largest K and V amax its
-    state recorded, over heads and history), loses its ``FP8AttentionState`` and gets its previous attention
-    implementation back; a PTQ report (``model.ptq_report``) then says the KV cache is FP8.
-    ``fp8kit.export.save_pretrained`` writes them as an FP8 KV cache
-    (compressed-tensors ``kv_cache_scheme``, ModelOpt ``k_proj.k_scale`` / ``v_proj.v_scale``), and
-    ``fp8kit.ptq.kv_cache.enable_fp8_kv(model, "quantize")`` runs them. Returns the blocks' names; raises
-    ``ValueError`` where a block recorded no K or V amax (calibrate first: ``calibrate_fp8_attention``)."""
-    from ..numerics.scaling import dequant_scale
-
-    states = attention_states(model)
-    if not states:
-        raise ValueError("fp8_attention_to_kv_scales: the model has no FP8 attention")
-    if any(st.attention_recipe.hadamard for st in states.values()):
-        raise ValueError(
-            "fp8_attention_to_kv_scales: Hadamard-rotated FP8 attention scales rotated keys, which no KV cache "
-            "holds: calibrate without hadamard"
-        )
-    blocks = []
-    for name, st in states.items():
-        parent_name = name.removesuffix(f".{STATE_NAME}") if name != STATE_NAME else ""
-        block = model.get_submodule(parent_name)
-        amax = {}
-        for op in ("k", "v"):
-            index = st.index(op)
-            if not bool((st.fp8_seen[index] > 0).all()):
-                raise ValueError(
-                    f"{parent_name}: FP8 attention recorded no {op.upper()} amax; run calibrate_fp8_attention first"
-                )
-            amax[op] = st.fp8_amax_history[index].amax().reshape(1)
-        for op in ("k", "v"):
-            block.register_buffer(f"{op}_scale", dequant_scale(amax[op], QKVP_FORMAT))
-        del block._modules[STATE_NAME]
-        cfg = block.config
-        cfg._attn_implementation = getattr(cfg, "_fp8kit_previous_attn", None) or "sdpa"
-        blocks.append(parent_name)
-    top = getattr(model, "config", None)
-    if top is not None and getattr(top, "_attn_implementation", None) == ATTN_NAME:
-        top._attn_implementation = getattr(top, "_fp8kit_previous_attn", None) or "sdpa"
-    report = getattr(model, "ptq_report", None)
-    if report is not None and hasattr(report, "kv_cache"):
-        report.kv_cache = True  # a PTQ model now has a calibrated FP8 KV cache (what the exporters read)
-    return blocks

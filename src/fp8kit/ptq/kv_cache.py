@@ -18,12 +18,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..nn.attention import ATTN_NAME as FP8_ATTENTION_NAME
+from ..nn.attention import QKVP_FORMAT, STATE_NAME, attention_states, static_scales
 from ..numerics.formats import E4M3
 from ..numerics.scaling import dequant_scale
 from ..numerics.tensor import quantize
 from .calibrate import InputObserver, choose_amax
 
-__all__ = ["ATTN_NAME", "attention_modules", "enable_fp8_kv", "kv_cache_bytes"]
+__all__ = ["ATTN_NAME", "attention_modules", "enable_fp8_kv", "fp8_attention_to_kv_scales", "kv_cache_bytes"]
 
 ATTN_NAME = "fp8kit_fp8_kv"
 
@@ -93,6 +95,59 @@ def enable_fp8_kv(model: nn.Module, mode: str = "observe") -> dict[str, nn.Modul
         m._fp8kit_kv = {"mode": mode, "inner": inner}
         if mode == "observe":
             m._fp8kit_kv.update(k=InputObserver(f"{m.layer_idx}.k"), v=InputObserver(f"{m.layer_idx}.v"))
+    return blocks
+
+
+@torch.no_grad()
+def fp8_attention_to_kv_scales(model: nn.Module) -> list[str]:
+    """Hand the calibrated K and V scales to the FP8 KV cache and leave FP8 attention: each block gets ``k_scale`` /
+    ``v_scale`` buffers (per-tensor dequantization multipliers: the largest of its static K and V multipliers over
+    heads, as vLLM reads per-head ones into its KV cache; where the state has no static scales, ``amax / 448`` of
+    the largest K and V amax it recorded, over heads and history) and loses its ``FP8AttentionState``; when every
+    block had one, the model then runs the FP8 KV cache (``enable_fp8_kv(model, "quantize")``: keys and values
+    rounded with those scales, the model's previous attention on them), else its previous attention; a PTQ report
+    (``model.ptq_report``) then says the KV cache is FP8.
+    ``fp8kit.export.save_pretrained`` writes them as an FP8 KV cache
+    (compressed-tensors ``kv_cache_scheme``, ModelOpt ``k_proj.k_scale`` / ``v_proj.v_scale``). Returns the blocks' names; raises
+    ``ValueError`` where a block recorded no K or V amax (calibrate first: ``calibrate_fp8_attention``)."""
+    states = attention_states(model)
+    if not states:
+        raise ValueError("fp8_attention_to_kv_scales: the model has no FP8 attention")
+    if any(st.attention_recipe.hadamard for st in states.values()):
+        raise ValueError(
+            "fp8_attention_to_kv_scales: Hadamard-rotated FP8 attention scales rotated keys, which no KV cache "
+            "holds: calibrate without hadamard"
+        )
+    blocks = []
+    for name, st in states.items():
+        parent_name = name.removesuffix(f".{STATE_NAME}") if name != STATE_NAME else ""
+        block = model.get_submodule(parent_name)
+        static = static_scales(st)
+        dequant = {}
+        for op in ("k", "v"):
+            index = st.index(op)
+            if static is not None:
+                dequant[op] = static[op].amax().reshape(1).clone()
+            elif bool((st.fp8_seen[index] > 0).all()):
+                dequant[op] = dequant_scale(st.fp8_amax_history[index].amax().reshape(1), QKVP_FORMAT)
+            else:
+                raise ValueError(
+                    f"{parent_name}: FP8 attention recorded no {op.upper()} amax; run calibrate_fp8_attention first"
+                )
+        for op in ("k", "v"):
+            block.register_buffer(f"{op}_scale", dequant[op])
+        del block._modules[STATE_NAME]
+        cfg = block.config
+        cfg._attn_implementation = getattr(cfg, "_fp8kit_previous_attn", None) or "sdpa"
+        blocks.append(parent_name)
+    top = getattr(model, "config", None)
+    if top is not None and getattr(top, "_attn_implementation", None) == FP8_ATTENTION_NAME:
+        top._attn_implementation = getattr(top, "_fp8kit_previous_attn", None) or "sdpa"
+    report = getattr(model, "ptq_report", None)
+    if report is not None and hasattr(report, "kv_cache"):
+        report.kv_cache = True  # a PTQ model now has a calibrated FP8 KV cache (what the exporters read)
+    if set(attention_modules(model)) == set(blocks):  # every block has its scales: run what the export serves
+        enable_fp8_kv(model, "quantize")
     return blocks
 
 

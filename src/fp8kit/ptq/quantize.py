@@ -582,7 +582,7 @@ def quantize(
         attention: FP8 attention after the layers are quantized (``nn.attention``; ``transformers`` models):
             ``"fp8"`` / ``"delayed"`` (static scales calibrated on ``forward_loop``; ``"delayed-head"`` per head)
             or ``"current"`` (each call's own scales). Not with ``kv_cache`` (FP8 attention quantizes K and V
-            itself; ``nn.attention.fp8_attention_to_kv_scales`` turns its scales into the KV cache's for export).
+            itself; ``ptq.kv_cache.fp8_attention_to_kv_scales`` turns its scales into the KV cache's for export).
 
     The steps run in the order of ``PIPELINE``: AWQ -> calibrate -> SmoothQuant -> activation scales ->
     KV-cache scales -> GPTQ Hessians -> quantize the layers -> rank and keep the most sensitive in high
@@ -639,7 +639,7 @@ def _attention_recipe(attention: str, forward_loop: Callable | None, kv_cache: b
     if kv_cache:
         raise ValueError(
             "quantize(attention=...) quantizes K and V itself: drop kv_cache=True (for an exported FP8 KV cache, "
-            "call fp8kit.nn.attention.fp8_attention_to_kv_scales(model) after quantize)"
+            "call fp8kit.ptq.kv_cache.fp8_attention_to_kv_scales(model) after quantize)"
         )
     if recipe.scaling == "delayed" and forward_loop is None:
         raise ValueError(f"quantize(attention={attention!r}) calibrates static scales: pass forward_loop")
