@@ -127,7 +127,7 @@ def fp8_attention_to_kv_scales(model: nn.Module) -> list[str]:
         for op in ("k", "v"):
             index = st.index(op)
             if static is not None:
-                dequant[op] = static[op].amax().reshape(1).clone()
+                dequant[op] = static[op].amax().reshape(1)
             elif bool((st.fp8_seen[index] > 0).all()):
                 dequant[op] = dequant_scale(st.fp8_amax_history[index].amax().reshape(1), QKVP_FORMAT)
             else:
