@@ -24,6 +24,7 @@ spread over windows than the perplexity change, whose floor is what any perturba
 
     python benchmarks/attention_ppl.py --windows 8 --split dev --p448 --ulp
     python benchmarks/attention_ppl.py --windows 8 --split dev --ablate --stats --kl --ulp --only "per head"
+    python benchmarks/attention_ppl.py --windows 4 --split dev --per-layer
     python benchmarks/attention_ppl.py --windows 16
 """
 
@@ -129,6 +130,34 @@ def smoothing_kernel(kernel):  # noqa: ANN001, ANN201 - wraps ``nn.attention.fp8
     return run
 
 
+def per_layer(base: torch.nn.Module, test: torch.Tensor, loop) -> None:  # noqa: ANN001
+    """Print ``KL(bf16 || model)`` of ``base`` with static per-head FP8 attention in all blocks, then in each
+    block alone (the all-blocks calibration's scales): ``--per-layer``."""
+    full = copy.deepcopy(base)
+    enable_fp8_attention(full, AttentionRecipe("delayed", "head"))
+    calibrate_fp8_attention(full, loop)
+    scales = {name: static_scales(st) for name, st in attention_states(full).items()}
+    runs = [("all blocks", full)] + [(name.rsplit(".", 1)[0], None) for name in scales]
+    kls = []
+    for name, model in runs:
+        if model is None:
+            model = copy.deepcopy(base)
+            enable_fp8_attention(model, AttentionRecipe("delayed", "head"), lambda n, _m, keep=name: n == keep)
+            for st_name, st in attention_states(model).items():
+                set_static_scales(st, scales[st_name])
+        div = Divergence()
+        with torch.no_grad():
+            window_losses(model, test, reference=base, divergence=div)
+        kls.append(div.kl)
+        print(f"  BF16 + FP8 attention (static, per head) in {name:28s} KL(bf16 || this) {div.kl:.5f}", flush=True)
+    per_block = kls[1:]
+    print(
+        f"  one block at a time: sum {sum(per_block):.5f} (all blocks {kls[0]:.5f}), largest {max(per_block):.5f} "
+        f"({100 * max(per_block) / sum(per_block):.1f}% of the sum)",
+        flush=True,
+    )
+
+
 def torchao_model(dyn: torch.nn.Module) -> torch.nn.Module | str:
     """``dyn`` with torchao's ``apply_low_precision_attention``, or why it does not run here."""
     try:
@@ -160,6 +189,7 @@ def main() -> None:
     p.add_argument("--stats", action="store_true", help="print the static models' Q/K/V saturation on the windows")
     p.add_argument("--hadamard", action="store_true", help="also score static per head with Hadamard-rotated Q, K")
     p.add_argument("--smooth-k", action="store_true", help="also score static scales with mean-subtracted keys")
+    p.add_argument("--per-layer", action="store_true", help="only: KL to BF16 of FP8 attention in one block at a time")
     p.add_argument("--kl", action="store_true", help="also print KL(fp8-dynamic || model) and top-1 agreement")
     p.add_argument("--only", default=None, help="score only the FP8 attention settings whose name contains this")
     args = p.parse_args()
@@ -171,6 +201,9 @@ def main() -> None:
     n = min(args.windows, available_windows(held, args.seq_len, kjv.block))
     test = windows(held, n, args.seq_len, kjv.block)
     print(f"KJV {args.split}: {test.shape[0]} windows x {args.seq_len} tokens; torch threads {torch.get_num_threads()}")
+    if args.per_layer:
+        per_layer(base, test, calibration_loop(kjv, args.calib_batches, seq_len=args.calib_seq_len))
+        return
     dyn = quantize(copy.deepcopy(base), "fp8-dynamic")
     settings: dict[str, torch.nn.Module] = {"bf16": base, "fp8-dynamic": dyn}
     ablations: dict[str, str] = {}  # setting -> operands left unrounded

@@ -6,11 +6,14 @@ with ``--rtn``; saved as compressed-tensors and loaded back with ``fp8kit.export
 quantized in memory). The same peft LoRA adapters (rank ``--rank``
 on q/k/v/o and the MLP projections, ``fp8kit.qat.lora_config``) train with ``jobs.lora.train_adapters`` (what
 ``fp8kit train --model DIR --lora R`` runs) on the same windows of the KJV calibration split; the loss is measured
-on KJV test windows the fine-tune never reads. Reported: held-out loss before and after, the change against the BF16
-base's fine-tuned loss, and the base's resident bytes per linear weight (``fp8kit.ptq.resident_bytes``).
+on KJV test windows the fine-tune never reads, and on as many dev windows (``--lr`` takes several rates, comma
+separated: choose one on the dev loss, report the test loss). Reported: held-out loss before and after, the
+change against the BF16 base's fine-tuned loss at the same rate, and the base's resident bytes per linear weight
+(``fp8kit.ptq.resident_bytes``).
 
     OMP_NUM_THREADS=1 python benchmarks/lora.py --steps 200 --bases bf16,fp8-dynamic,nvfp4-weight-only
     OMP_NUM_THREADS=1 python benchmarks/lora.py --bases bf16,qad=DIR   # DIR: fp8kit quantize ... --qad-steps N
+    OMP_NUM_THREADS=1 python benchmarks/lora.py --bases bf16 --lr 1e-4,2e-4,4e-4
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch.nn as nn
 
 from fp8kit import ptq
 from fp8kit.data import windows
+from fp8kit.data.evaluation import window_losses
 from fp8kit.data.splits import available_windows
 from fp8kit.export import load_pretrained, save_pretrained
 from fp8kit.jobs.lora import train_adapters
@@ -68,6 +72,12 @@ def bytes_per_weight(layers: list[nn.Module]) -> float:
     return held / max(weights, 1)
 
 
+def dev_loss(model: nn.Module, dev: torch.Tensor) -> float:
+    """Mean next-token loss of ``model`` on the dev windows."""
+    with torch.no_grad():
+        return float(window_losses(model, dev, batch_size=4).mean())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
@@ -75,7 +85,7 @@ def main() -> None:
     )
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr", default="1e-4", help="peak learning rate; several, comma separated, run one after another")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--windows", type=int, default=8, help="held-out KJV test windows")
@@ -90,44 +100,49 @@ def main() -> None:
     loop = calibration_loop(kjv, 8)
     n_train = min(available_windows(kjv.calib, args.seq_len, kjv.block), args.steps * args.batch)
     train = windows(kjv.calib, n_train, args.seq_len, kjv.block).split(args.batch)
-    held = windows(
-        kjv.test, min(args.windows, available_windows(kjv.test, args.eval_seq_len, kjv.block)), args.eval_seq_len,
-        kjv.block,
+    held, dev = (
+        windows(split, min(args.windows, available_windows(split, args.eval_seq_len, kjv.block)), args.eval_seq_len,
+                kjv.block)
+        for split in (kjv.test, kjv.dev)
     )  # fmt: skip
+    rates = [float(r) for r in args.lr.split(",")]
     print(
         f"machine: {os.cpu_count()} CPU threads (torch uses {torch.get_num_threads()}), torch {torch.__version__}; "
         f"LoRA r={args.rank} on {','.join(TARGETS)}, {args.steps} steps of {args.batch} x {args.seq_len} KJV "
         f"calibration-split tokens ({len(train)} distinct batches), lr {args.lr}; held out: KJV test "
-        f"{held.shape[0]} x {args.eval_seq_len}",
+        f"{held.shape[0]} x {args.eval_seq_len}, dev {dev.shape[0]} x {args.eval_seq_len}",
         flush=True,
     )
     rows = []
     for name in args.bases.split(","):
-        t0 = time.perf_counter()
-        base = base_model(name, float_model, tok, loop, args.rtn)
-        layers = target_layers(base)
-        torch.manual_seed(0)
-        config = lora_config(r=args.rank, lora_alpha=2 * args.rank, target_modules=TARGETS)
-        model = peft.get_peft_model(base, config)
-        c0 = time.process_time()
-        before, after = train_adapters(model, train, held, args.steps, args.lr)
-        cpu = time.process_time() - c0
-        per_weight = bytes_per_weight(layers)  # after training: a decoded copy kept by a layer would count
-        name = name.split("=", 1)[0]
-        rows.append((name, before, after, per_weight))
-        print(
-            f"  {name}: held-out loss {before:.4f} -> {after:.4f} (ppl {math.exp(before):.3f} -> {math.exp(after):.3f}), "
-            f"{per_weight:.2f} bytes per linear weight, {cpu / max(args.steps, 1):.1f} CPU-s/step, "
-            f"{(time.perf_counter() - t0) / 60:.1f} min",
-            flush=True,
-        )
-        del model, base
-    ref = next((r[2] for r in rows if r[0] == "bf16"), None)
-    print("\n| base | bytes/weight | held-out loss before | after | after vs the BF16 base's |")
-    print("|---|---|---|---|---|")
-    for name, before, after, per_weight in rows:
-        rel = f"{100 * (after - ref) / ref:+.2f}%" if ref is not None else "-"
-        print(f"| {name} | {per_weight:.2f} | {before:.4f} | {after:.4f} | {rel} |")
+        for lr in rates:
+            t0 = time.perf_counter()
+            base = base_model(name, float_model, tok, loop, args.rtn)
+            layers = target_layers(base)
+            torch.manual_seed(0)
+            config = lora_config(r=args.rank, lora_alpha=2 * args.rank, target_modules=TARGETS)
+            model = peft.get_peft_model(base, config)
+            dev_before = dev_loss(model, dev)
+            c0 = time.process_time()
+            before, after = train_adapters(model, train, held, args.steps, lr)
+            cpu = time.process_time() - c0
+            dev_after = dev_loss(model, dev)
+            per_weight = bytes_per_weight(layers)  # after training: a decoded copy kept by a layer would count
+            label = name.split("=", 1)[0]
+            rows.append((label, lr, before, after, dev_before, dev_after, per_weight))
+            print(
+                f"  {label}, lr {lr:g}: held-out loss {before:.4f} -> {after:.4f} (ppl {math.exp(before):.3f} -> "
+                f"{math.exp(after):.3f}); dev {dev_before:.4f} -> {dev_after:.4f}; {per_weight:.2f} bytes per linear "
+                f"weight, {cpu / max(args.steps, 1):.1f} CPU-s/step, {(time.perf_counter() - t0) / 60:.1f} min",
+                flush=True,
+            )
+            del model, base
+    ref = {r[1]: r[3] for r in rows if r[0] == "bf16"}
+    print("\n| base | lr | bytes/weight | dev loss after | held-out loss before | after | after vs the BF16 base's |")
+    print("|---|---|---|---|---|---|---|")
+    for name, lr, before, after, _, dev_after, per_weight in rows:
+        rel = f"{100 * (after - ref[lr]) / ref[lr]:+.2f}%" if lr in ref else "-"
+        print(f"| {name} | {lr:g} | {per_weight:.2f} | {dev_after:.4f} | {before:.4f} | {after:.4f} | {rel} |")
 
 
 if __name__ == "__main__":

@@ -157,3 +157,20 @@ def test_the_w4a4_smoothing_error_is_nvfp4_on_both_operands():
     assert got == pytest.approx(want, rel=1e-5)
     weight_only = float(((x / s) @ nvfp4_values(w * s).t() - x @ w.t()).pow(2).mean())
     assert smoothed_error(x, x_amax, [w], "nvfp4-weight-only", s) == pytest.approx(weight_only, rel=1e-5)
+
+
+@pytest.mark.parametrize("scheme,top", [("nvfp4", 2688.0), ("fp8", 448.0), ("int8-smoothquant", 127.0)])
+def test_static_input_scale_follows_the_amax_rule_and_reads_back(scheme, top):
+    """``set_input_amax`` holds the scale rule (``amax / 2688`` for NVFP4 inputs, ``amax / fmt.max`` else),
+    ``input_amax`` inverts it; a scheme without a static input scale refuses both."""
+    torch.manual_seed(0)
+    q = ptq.QuantLinear.from_linear(nn.Linear(32, 16), ptq.get_scheme(scheme), 3.5)
+    assert float(q.input_scale) == pytest.approx(3.5 / top, rel=1e-6)
+    q.set_input_amax(7.0)
+    assert float(q.input_scale) == pytest.approx(7.0 / top, rel=1e-6)
+    assert q.input_amax() == pytest.approx(7.0, rel=1e-6)
+    dynamic = ptq.QuantLinear.from_linear(nn.Linear(32, 16), ptq.get_scheme("fp8-dynamic"))
+    with pytest.raises(ValueError, match="no static input scale"):
+        dynamic.input_amax()
+    with pytest.raises(ValueError, match="no static input scale"):
+        dynamic.set_input_amax(1.0)

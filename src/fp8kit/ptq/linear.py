@@ -61,7 +61,7 @@ import torch.nn as nn
 
 from ..gemm.scaled import KERNELS, KernelChoice, block_scaled_mm, choose_kernel, scaled_mm, use_compiled
 from ..numerics.formats import E2M1, Format
-from ..numerics.scaling import dequant_scale, nvfp4_tensor_scale, parse_granularity
+from ..numerics.scaling import NVFP4_TENSOR_MAX, dequant_scale, nvfp4_tensor_scale, parse_granularity
 from ..numerics.state_dict import pack_fp4, unpack_fp4
 from ..numerics.tensor import QuantizedTensor
 from ..numerics.tensor import quantize as fp8_quantize
@@ -243,11 +243,26 @@ class QuantLinear(nn.Module):
         if scheme.static_activations:
             if input_amax is None:
                 raise ValueError(f"scheme {scheme.name!r} needs a calibrated input amax (run a forward_loop)")
-            if scheme.act_strategy == "nvfp4":
-                q.input_scale = nvfp4_tensor_scale(float(input_amax)).reshape(1)
-            else:
-                q.input_scale = dequant_scale(torch.tensor([float(input_amax)]), scheme.act_format)
+            q.set_input_amax(float(input_amax))
         return q
+
+    def set_input_amax(self, amax: float) -> None:
+        """Set the static input scale for the clipping value ``amax``: ``amax / 2688`` for NVFP4 inputs,
+        ``amax / fmt.max`` otherwise."""
+        if self.input_scale is None:
+            raise ValueError(f"{self.scheme.name} layers have no static input scale")
+        if self.scheme.act_strategy == "nvfp4":
+            scale = nvfp4_tensor_scale(float(amax)).reshape(1)
+        else:
+            scale = dequant_scale(torch.tensor([float(amax)]), self.scheme.act_format)
+        self.input_scale = scale.to(self.input_scale.device)
+
+    def input_amax(self) -> float:
+        """The clipping value the static input scale is set for (``set_input_amax``'s inverse)."""
+        if self.input_scale is None:
+            raise ValueError(f"{self.scheme.name} layers have no static input scale")
+        top = NVFP4_TENSOR_MAX if self.scheme.act_strategy == "nvfp4" else self.scheme.act_format.max
+        return float(self.input_scale.float().reshape(())) * top
 
     def set_fp4_weight(self, qt: QuantizedTensor) -> None:
         """Store an ``(out, in)`` weight quantized by ``fp8kit.quantize(w, "e2m1", <the scheme's granularity>)``."""

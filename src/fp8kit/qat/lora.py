@@ -73,9 +73,7 @@ def _merged(layer: Any) -> QuantLinear:
     linear.weight.copy_(weight)
     if base.bias is not None:
         linear.bias.copy_(base.bias)
-    amax = None
-    if base.input_scale is not None:  # from_linear needs an amax; the exact stored scale is put back below
-        amax = float(base.input_scale) * (2688.0 if base.scheme.act_strategy == "nvfp4" else base.scheme.act_format.max)
+    amax = base.input_amax() if base.input_scale is not None else None  # the exact stored scale is put back below
     q = QuantLinear.from_linear(linear, base.scheme, amax)
     if base.input_scale is not None:
         q.input_scale = base.input_scale.clone()
