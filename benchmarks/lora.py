@@ -85,7 +85,7 @@ def main() -> None:
     )
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--lr", default="1e-4", help="peak learning rate; several, comma separated, run one after another")
+    p.add_argument("--lr", default="8e-4", help="peak learning rate; several, comma separated, run one after another")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--windows", type=int, default=8, help="held-out KJV test windows")

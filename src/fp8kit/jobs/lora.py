@@ -60,7 +60,7 @@ def lora_finetune(
     *,
     text: str | None = None,
     steps: int = 20,
-    lr: float = 1e-4,
+    lr: float = 8e-4,
     batch_size: int = 4,
     seq_len: int = 128,
     eval_windows: int = 4,
