@@ -30,10 +30,9 @@ import torch.nn as nn
 
 from fp8kit import ptq
 from fp8kit.data import windows
-from fp8kit.data.evaluation import window_losses
 from fp8kit.data.splits import available_windows
 from fp8kit.export import load_pretrained, save_pretrained
-from fp8kit.jobs.lora import train_adapters
+from fp8kit.jobs.lora import held_out_loss, train_adapters
 from fp8kit.jobs.quantize import calibration_loop, load_splits, ptq_settings, quantizable_layers
 from fp8kit.models.pretrained import load_pretrained_lm
 from fp8kit.qat import lora_config
@@ -70,12 +69,6 @@ def bytes_per_weight(layers: list[nn.Module]) -> float:
     weights = sum(m.in_features * m.out_features for m in layers)
     held = sum(ptq.resident_bytes(m) if isinstance(m, ptq.QuantLinear) else 2 * m.weight.numel() for m in layers)
     return held / max(weights, 1)
-
-
-def dev_loss(model: nn.Module, dev: torch.Tensor) -> float:
-    """Mean next-token loss of ``model`` on the dev windows."""
-    with torch.no_grad():
-        return float(window_losses(model, dev, batch_size=4).mean())
 
 
 def main() -> None:
@@ -115,18 +108,19 @@ def main() -> None:
     )
     rows = []
     for name in args.bases.split(","):
+        built = base_model(name, float_model, tok, loop, args.rtn)  # PTQ once; each rate trains on a copy
         for lr in rates:
             t0 = time.perf_counter()
-            base = base_model(name, float_model, tok, loop, args.rtn)
+            base = copy.deepcopy(built)
             layers = target_layers(base)
             torch.manual_seed(0)
             config = lora_config(r=args.rank, lora_alpha=2 * args.rank, target_modules=TARGETS)
             model = peft.get_peft_model(base, config)
-            dev_before = dev_loss(model, dev)
+            dev_before = held_out_loss(model, dev)
             c0 = time.process_time()
             before, after = train_adapters(model, train, held, args.steps, lr)
             cpu = time.process_time() - c0
-            dev_after = dev_loss(model, dev)
+            dev_after = held_out_loss(model, dev)
             per_weight = bytes_per_weight(layers)  # after training: a decoded copy kept by a layer would count
             label = name.split("=", 1)[0]
             rows.append((label, lr, before, after, dev_before, dev_after, per_weight))
@@ -137,6 +131,7 @@ def main() -> None:
                 flush=True,
             )
             del model, base
+        del built
     ref = {r[1]: r[3] for r in rows if r[0] == "bf16"}
     print("\n| base | lr | bytes/weight | dev loss after | held-out loss before | after | after vs the BF16 base's |")
     print("|---|---|---|---|---|---|---|")

@@ -25,7 +25,7 @@ from ..data.splits import available_windows
 from ..ptq.linear import QuantLinear
 from .quantize import load_splits
 
-__all__ = ["LoraRun", "lora_finetune", "train_adapters"]
+__all__ = ["LoraRun", "held_out_loss", "lora_finetune", "train_adapters"]
 
 
 @dataclass
@@ -48,7 +48,8 @@ class LoraRun:
         )
 
 
-def _dev_loss(model: nn.Module, held_out: torch.Tensor) -> float:
+def held_out_loss(model: nn.Module, held_out: torch.Tensor) -> float:
+    """Mean next-token loss of ``model`` on the ``held_out`` token windows."""
     with torch.no_grad():
         return float(window_losses(model, held_out, batch_size=4).mean())
 
@@ -115,7 +116,7 @@ def train_adapters(
     from ``lr``, ``steps`` batches of ``train`` (token windows, cycled) on the next-token cross-entropy; returns
     the mean loss on ``held_out`` windows before and after."""
     params = [p for p in model.parameters() if p.requires_grad]
-    before = _dev_loss(model, held_out)
+    before = held_out_loss(model, held_out)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * i / max(steps, 1))))
     model.train()
@@ -130,4 +131,4 @@ def train_adapters(
         opt.step()
         sched.step()
     model.eval()
-    return before, _dev_loss(model, held_out)
+    return before, held_out_loss(model, held_out)

@@ -187,8 +187,7 @@ def _input_amax(layer: QuantLinear, calibrated: float | None) -> float | None:
         return None
     if calibrated is not None:
         return float(calibrated)
-    top = NVFP4_TENSOR_MAX if layer.scheme.act_strategy == "nvfp4" else layer.scheme.act_format.max
-    return float(layer.input_scale.float().reshape(())) * top
+    return layer.input_amax()
 
 
 def _inside_codes(deq: torch.Tensor, ref: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
