@@ -20,11 +20,14 @@ after RoPE; SageAttention's smoothing: ``softmax(q (k - m)^T) = softmax(q k^T)``
 instrument of this benchmark). ``--kl`` also prints each model's ``KL(fp8-dynamic || model)`` per token and
 top-1 agreement (``data.evaluation.Divergence``; reruns ``fp8-dynamic`` beside each): a figure with far less
 spread over windows than the perplexity change, whose floor is what any perturbation of ``fp8-dynamic`` gives
-(``--ulp``).
+(``--ulp``). ``--per-layer`` and ``--operands`` score the BF16 model instead (KL to BF16, whose floor is far
+lower): static per-head FP8 attention one block at a time, or in every block with Q, K, both, or the first keys
+(an attention sink's) left unrounded.
 
     python benchmarks/attention_ppl.py --windows 8 --split dev --p448 --ulp
     python benchmarks/attention_ppl.py --windows 8 --split dev --ablate --stats --kl --ulp --only "per head"
     python benchmarks/attention_ppl.py --windows 4 --split dev --per-layer
+    python benchmarks/attention_ppl.py --windows 8 --split dev --operands
     python benchmarks/attention_ppl.py --windows 16
 """
 
@@ -74,18 +77,24 @@ def with_qkv_headroom(model: torch.nn.Module, factor: float) -> torch.nn.Module:
 
 
 @contextmanager
-def unrounded(operands: str) -> Iterator[None]:
+def unrounded(operands: str, first_keys: int = 0) -> Iterator[None]:
     """Within the block, FP8 attention's E4M3 casts of ``operands`` (letters of ``"qkvp"``) return the scaled
-    values unrounded (float32), the others as usual: which operand's rounding costs what. The kernel's inputs
-    Q, K, V are told apart by identity; every other E4M3 cast of the forward is P's."""
+    values unrounded (float32), the others as usual: which operand's rounding costs what; ``first_keys``: also
+    the keys of the first positions (an attention sink's). The kernel's inputs Q, K, V are told apart by
+    identity; every other E4M3 cast of the forward is P's."""
     mod = fp8_attention_module
     cast, forward = mod._cast, mod._FP8Attention.forward
     names: dict[int, str] = {}
 
     def cast_or_not(x: torch.Tensor, scale: torch.Tensor, fmt):  # noqa: ANN001 - the kernel's private signature
-        if fmt is mod.QKVP_FORMAT and names.get(id(x), "p") in operands:
+        name = names.get(id(x), "p")
+        if fmt is mod.QKVP_FORMAT and name in operands:
             return x.float() * scale
-        return cast(x, scale, fmt)
+        out = cast(x, scale, fmt)
+        if fmt is mod.QKVP_FORMAT and name == "k" and first_keys:
+            out = out.float()
+            out[:, :, :first_keys] = x[:, :, :first_keys].float() * scale
+        return out
 
     def named_forward(ctx, q, k, v, *rest):  # noqa: ANN001
         names.clear()
@@ -158,6 +167,30 @@ def per_layer(base: torch.nn.Module, test: torch.Tensor, loop) -> None:  # noqa:
     )
 
 
+def operand_costs(base: torch.nn.Module, test: torch.Tensor, loop) -> None:  # noqa: ANN001
+    """Print ``KL(bf16 || model)`` of ``base`` with static per-head FP8 attention in every block, with all four
+    operands rounded and with Q, K, both, or the first key (an attention sink) left unrounded: ``--operands``."""
+    model = copy.deepcopy(base)
+    enable_fp8_attention(model, AttentionRecipe("delayed", "head"))
+    calibrate_fp8_attention(model, loop)
+    for name, operands, first_keys in (
+        ("Q, K, V, P in E4M3", "", 0),
+        ("the first key unrounded", "", 1),
+        ("the first 4 keys unrounded", "", 4),
+        ("Q unrounded", "q", 0),
+        ("K unrounded", "k", 0),
+        ("Q, K unrounded", "qk", 0),
+    ):
+        div = Divergence()
+        with torch.no_grad(), unrounded(operands, first_keys):
+            losses = window_losses(model, test, reference=base, divergence=div)
+        print(
+            f"  BF16 + FP8 attention (static, per head), {name:28s} KL(bf16 || this) {div.kl:.5f}, "
+            f"loss {float(losses.mean()):.4f}",
+            flush=True,
+        )
+
+
 def torchao_model(dyn: torch.nn.Module) -> torch.nn.Module | str:
     """``dyn`` with torchao's ``apply_low_precision_attention``, or why it does not run here."""
     try:
@@ -190,6 +223,7 @@ def main() -> None:
     p.add_argument("--hadamard", action="store_true", help="also score static per head with Hadamard-rotated Q, K")
     p.add_argument("--smooth-k", action="store_true", help="also score static scales with mean-subtracted keys")
     p.add_argument("--per-layer", action="store_true", help="only: KL to BF16 of FP8 attention in one block at a time")
+    p.add_argument("--operands", action="store_true", help="only: KL to BF16 with Q, K or the first key left unrounded")
     p.add_argument("--kl", action="store_true", help="also print KL(fp8-dynamic || model) and top-1 agreement")
     p.add_argument("--only", default=None, help="score only the FP8 attention settings whose name contains this")
     args = p.parse_args()
@@ -203,6 +237,11 @@ def main() -> None:
     print(f"KJV {args.split}: {test.shape[0]} windows x {args.seq_len} tokens; torch threads {torch.get_num_threads()}")
     if args.per_layer:
         per_layer(base, test, calibration_loop(kjv, args.calib_batches, seq_len=args.calib_seq_len))
+        return
+    if args.operands:
+        with torch.no_grad():
+            print(f"  BF16 loss {float(window_losses(base, test).mean()):.4f}", flush=True)
+        operand_costs(base, test, calibration_loop(kjv, args.calib_batches, seq_len=args.calib_seq_len))
         return
     dyn = quantize(copy.deepcopy(base), "fp8-dynamic")
     settings: dict[str, torch.nn.Module] = {"bf16": base, "fp8-dynamic": dyn}
