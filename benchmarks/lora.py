@@ -81,7 +81,7 @@ def main() -> None:
     p.add_argument("--lr", default="8e-4", help="peak learning rate; several, comma separated, run one after another")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--windows", type=int, default=8, help="held-out KJV test windows")
+    p.add_argument("--windows", type=int, default=16, help="held-out KJV test windows, and as many dev windows")
     p.add_argument("--eval-seq-len", type=int, default=512)
     p.add_argument("--rtn", action="store_true", help="round-to-nearest PTQ bases instead of the CLI's defaults")
     args = p.parse_args()
