@@ -139,12 +139,18 @@ def smoothing_kernel(kernel):  # noqa: ANN001, ANN201 - wraps ``nn.attention.fp8
     return run
 
 
+def static_per_head(base: torch.nn.Module, loop) -> torch.nn.Module:  # noqa: ANN001
+    """A copy of ``base`` with static per-head FP8 attention in every block, its scales calibrated over ``loop``."""
+    model = copy.deepcopy(base)
+    enable_fp8_attention(model, AttentionRecipe("delayed", "head"))
+    calibrate_fp8_attention(model, loop)
+    return model
+
+
 def per_layer(base: torch.nn.Module, test: torch.Tensor, loop) -> None:  # noqa: ANN001
     """Print ``KL(bf16 || model)`` of ``base`` with static per-head FP8 attention in all blocks, then in each
     block alone (the all-blocks calibration's scales): ``--per-layer``."""
-    full = copy.deepcopy(base)
-    enable_fp8_attention(full, AttentionRecipe("delayed", "head"))
-    calibrate_fp8_attention(full, loop)
+    full = static_per_head(base, loop)
     scales = {name: static_scales(st) for name, st in attention_states(full).items()}
     runs = [("all blocks", full)] + [(name.rsplit(".", 1)[0], None) for name in scales]
     kls = []
@@ -169,10 +175,11 @@ def per_layer(base: torch.nn.Module, test: torch.Tensor, loop) -> None:  # noqa:
 
 def operand_costs(base: torch.nn.Module, test: torch.Tensor, loop) -> None:  # noqa: ANN001
     """Print ``KL(bf16 || model)`` of ``base`` with static per-head FP8 attention in every block, with all four
-    operands rounded and with Q, K, both, or the first key (an attention sink) left unrounded: ``--operands``."""
-    model = copy.deepcopy(base)
-    enable_fp8_attention(model, AttentionRecipe("delayed", "head"))
-    calibrate_fp8_attention(model, loop)
+    operands rounded and with Q, K, both, or the first key (an attention sink) left unrounded, after BF16's own
+    loss: ``--operands``."""
+    with torch.no_grad():
+        print(f"  BF16 loss {float(window_losses(base, test).mean()):.4f}", flush=True)
+    model = static_per_head(base, loop)
     for name, operands, first_keys in (
         ("Q, K, V, P in E4M3", "", 0),
         ("the first key unrounded", "", 1),
@@ -239,8 +246,6 @@ def main() -> None:
         per_layer(base, test, calibration_loop(kjv, args.calib_batches, seq_len=args.calib_seq_len))
         return
     if args.operands:
-        with torch.no_grad():
-            print(f"  BF16 loss {float(window_losses(base, test).mean()):.4f}", flush=True)
         operand_costs(base, test, calibration_loop(kjv, args.calib_batches, seq_len=args.calib_seq_len))
         return
     dyn = quantize(copy.deepcopy(base), "fp8-dynamic")
